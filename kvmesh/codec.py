@@ -1,0 +1,309 @@
+"""Block payloads: a small typed header plus raw tensor bytes. No pickle.
+
+Wire form of one block::
+
+    b"KVB1" | u32 header_len (LE) | header (UTF-8 JSON) | payload
+
+The payload is, for each layer, K then V, each a C-contiguous
+``[kv_heads, tokens, head_dim]`` array, followed by the optional float32 logits
+of a tail. The block *digest* is the SHA-256 of the whole encoded blob.
+
+Decoding validates magic, lengths and every header field against a
+:class:`Layout` derived from the expected card *before* any payload-sized buffer
+is allocated (invariant 7), and raises :class:`~kvmesh.errors.MalformedPayload`
+(or a subclass) on anything unexpected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .compat import CompatCard, dtype_size
+from .errors import ChecksumMismatch, IncompatibleCard, MalformedPayload, OversizePayload
+
+MAGIC = b"KVB1"
+PREFIX = struct.Struct("<4sI")
+MAX_HEADER_BYTES = 64 * 1024
+CHUNK_BYTES = 1 << 20  # 1 MiB wire chunks; bench/transfer.py measures the choice
+MAX_CHUNK_BYTES = 4 << 20
+KINDS = ("block", "tail")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_size(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    namespace: bytes
+    key: bytes
+    parent: bytes
+    kind: str  # "block" (exactly B tokens) or "tail" (0..B-1 tokens + logits)
+    start: int  # position of the first token
+    tokens: int
+    layers: tuple[tuple[TensorSpec, TensorSpec], ...]
+    logits: TensorSpec | None = None
+
+    @property
+    def payload_bytes(self) -> int:
+        n = sum(k.nbytes + v.nbytes for k, v in self.layers)
+        return n + (self.logits.nbytes if self.logits else 0)
+
+    def encode(self) -> bytes:
+        doc = {
+            "ns": self.namespace.hex(),
+            "key": self.key.hex(),
+            "parent": self.parent.hex(),
+            "kind": self.kind,
+            "start": self.start,
+            "tokens": self.tokens,
+            "layers": [[[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in self.layers],
+            "logits": [self.logits.dtype, list(self.logits.shape)] if self.logits else None,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a block under one card must look like."""
+
+    card: CompatCard
+
+    def layers(self, tokens: int) -> tuple[tuple[TensorSpec, TensorSpec], ...]:
+        c = self.card
+        spec = TensorSpec(c.kv_dtype, (c.num_kv_heads, tokens, c.head_dim))
+        return tuple((spec, spec) for _ in range(c.num_layers))
+
+    def logits(self) -> TensorSpec:
+        return TensorSpec("float32", (self.card.vocab_size,))
+
+    def header(self, kind: str, key: bytes, parent: bytes, start: int, tokens: int) -> BlockHeader:
+        return BlockHeader(
+            namespace=self.card.namespace,
+            key=key,
+            parent=parent,
+            kind=kind,
+            start=start,
+            tokens=tokens,
+            layers=self.layers(tokens),
+            logits=self.logits() if kind == "tail" else None,
+        )
+
+    @property
+    def max_block_bytes(self) -> int:
+        b = self.card.block_tokens
+        return PREFIX.size + MAX_HEADER_BYTES + self.card.kv_bytes_per_token * b + 4 * self.card.vocab_size
+
+
+@dataclass(frozen=True)
+class Block:
+    """One sealed, immutable block: its header, its wire blob and its digest."""
+
+    header: BlockHeader
+    blob: bytes | bytearray  # never mutated once sealed
+    digest: bytes
+    payload_offset: int
+
+    @property
+    def key(self) -> bytes:
+        return self.header.key
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blob)
+
+    def payload(self) -> memoryview:
+        return memoryview(self.blob)[self.payload_offset :]
+
+    def tensors(self) -> Iterator[tuple[TensorSpec, memoryview]]:
+        """(spec, bytes) for K0, V0, K1, V1, ..., then logits if present."""
+        view = self.payload()
+        off = 0
+        for pair in self.header.layers:
+            for spec in pair:
+                yield spec, view[off : off + spec.nbytes]
+                off += spec.nbytes
+        if self.header.logits is not None:
+            yield self.header.logits, view[off : off + self.header.logits.nbytes]
+
+
+def new_blob(header: BlockHeader) -> tuple[bytearray, memoryview]:
+    """Allocate a blob with the header written; the engine fills the payload view."""
+    hdr = header.encode()
+    if len(hdr) > MAX_HEADER_BYTES:
+        raise OversizePayload("header too large")
+    blob = bytearray(PREFIX.size + len(hdr) + header.payload_bytes)
+    PREFIX.pack_into(blob, 0, MAGIC, len(hdr))
+    blob[PREFIX.size : PREFIX.size + len(hdr)] = hdr
+    return blob, memoryview(blob)[PREFIX.size + len(hdr) :]
+
+
+def seal(header: BlockHeader, blob: bytes | bytearray) -> Block:
+    offset = len(blob) - header.payload_bytes
+    return Block(header, blob, hashlib.sha256(blob).digest(), offset)
+
+
+# -- decoding ---------------------------------------------------------------
+
+
+def _spec(raw: Any) -> TensorSpec:
+    if (
+        not isinstance(raw, list)
+        or len(raw) != 2
+        or not isinstance(raw[0], str)
+        or not isinstance(raw[1], list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw[1])
+    ):
+        raise MalformedPayload("bad tensor spec")
+    return TensorSpec(raw[0], tuple(raw[1]))
+
+
+def _hex32(doc: dict[str, Any], name: str) -> bytes:
+    v = doc.get(name)
+    if not isinstance(v, str) or len(v) != 64:
+        raise MalformedPayload(f"bad {name}")
+    try:
+        return bytes.fromhex(v)
+    except ValueError:
+        raise MalformedPayload(f"bad {name}") from None
+
+
+def parse_prefix(head: bytes | memoryview) -> int:
+    """Validate the fixed prefix; return the header length."""
+    if len(head) < PREFIX.size:
+        raise MalformedPayload("truncated prefix")
+    magic, hlen = PREFIX.unpack_from(head, 0)
+    if magic != MAGIC:
+        raise MalformedPayload("bad magic")
+    if hlen > MAX_HEADER_BYTES:
+        raise OversizePayload(f"header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
+    return int(hlen)
+
+
+def parse_header(raw: bytes | memoryview, layout: Layout) -> BlockHeader:
+    """Parse header JSON and check every field against ``layout``."""
+    try:
+        doc = json.loads(bytes(raw))
+    except (UnicodeDecodeError, ValueError):
+        raise MalformedPayload("header is not JSON") from None
+    if not isinstance(doc, dict):
+        raise MalformedPayload("header is not an object")
+    ns = _hex32(doc, "ns")
+    if ns != layout.card.namespace:
+        raise IncompatibleCard("block belongs to another namespace")
+    kind, start, tokens = doc.get("kind"), doc.get("start"), doc.get("tokens")
+    if kind not in KINDS:
+        raise MalformedPayload("bad kind")
+    b = layout.card.block_tokens
+    if not isinstance(tokens, int) or isinstance(tokens, bool):
+        raise MalformedPayload("bad token count")
+    if (kind == "block" and tokens != b) or (kind == "tail" and not 0 <= tokens < b):
+        raise MalformedPayload(f"{kind} with {tokens} tokens")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0 or start % b:
+        raise MalformedPayload("bad start")
+    layers_raw = doc.get("layers")
+    if not isinstance(layers_raw, list) or len(layers_raw) != layout.card.num_layers:
+        raise MalformedPayload("wrong layer count")
+    layers = []
+    for pair in layers_raw:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise MalformedPayload("bad layer entry")
+        layers.append((_spec(pair[0]), _spec(pair[1])))
+    if tuple(layers) != layout.layers(tokens):
+        raise MalformedPayload("tensor dtype or shape does not match the card")
+    logits = None if doc.get("logits") is None else _spec(doc["logits"])
+    if logits != (layout.logits() if kind == "tail" else None):
+        raise MalformedPayload("bad logits spec")
+    return BlockHeader(
+        ns, _hex32(doc, "key"), _hex32(doc, "parent"), kind, start, tokens, tuple(layers), logits
+    )
+
+
+def decode_block(blob: bytes, layout: Layout, digest: bytes | None = None) -> Block:
+    """Validate a complete blob. With ``digest``, verify its SHA-256 too."""
+    if len(blob) > layout.max_block_bytes:
+        raise OversizePayload("block larger than the card allows")
+    hlen = parse_prefix(blob)
+    end = PREFIX.size + hlen
+    if len(blob) < end:
+        raise MalformedPayload("truncated header")
+    header = parse_header(memoryview(blob)[PREFIX.size : end], layout)
+    if len(blob) != end + header.payload_bytes:
+        raise MalformedPayload(
+            f"payload is {len(blob) - end} bytes, header says {header.payload_bytes}"
+        )
+    actual = hashlib.sha256(blob).digest()
+    if digest is not None and actual != digest:
+        raise ChecksumMismatch(f"block {header.key.hex()[:12]} digest mismatch")
+    return Block(header, blob, actual, end)
+
+
+def chunks(blob: bytes, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    if not 0 < size <= MAX_CHUNK_BYTES:
+        raise ValueError("chunk size out of range")
+    view = memoryview(blob)
+    for off in range(0, len(view), size):
+        yield view[off : off + size]
+
+
+class Assembler:
+    """Reassembles one block from chunks, validating the header before the
+    payload buffer is allocated and hashing as bytes arrive."""
+
+    def __init__(self, layout: Layout, total: int, digest: bytes | None = None) -> None:
+        if not 0 < total <= layout.max_block_bytes:
+            raise OversizePayload(f"announced block size {total} exceeds the card's cap")
+        self.layout = layout
+        self.total = total
+        self.digest = digest
+        self._buf: bytearray | None = None
+        self._head = bytearray()
+        self._filled = 0
+        self._hash = hashlib.sha256()
+        self.header: BlockHeader | None = None
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        if len(chunk) > MAX_CHUNK_BYTES:
+            raise OversizePayload("chunk too large")
+        if self._filled + len(chunk) > self.total:
+            raise MalformedPayload("more bytes than announced")
+        self._hash.update(chunk)
+        if self._buf is None:
+            self._head += chunk
+            self._filled += len(chunk)
+            if len(self._head) < PREFIX.size:
+                return
+            end = PREFIX.size + parse_prefix(self._head)
+            if len(self._head) < end:
+                return
+            self.header = parse_header(memoryview(self._head)[PREFIX.size : end], self.layout)
+            if end + self.header.payload_bytes != self.total:
+                raise MalformedPayload("announced size disagrees with header")
+            self._buf = bytearray(self.total)
+            self._buf[: len(self._head)] = self._head
+            self._head = bytearray()
+            return
+        self._buf[self._filled : self._filled + len(chunk)] = chunk
+        self._filled += len(chunk)
+
+    def finish(self) -> Block:
+        if self._buf is None or self.header is None or self._filled != self.total:
+            raise MalformedPayload(f"truncated block: {self._filled} of {self.total} bytes")
+        actual = self._hash.digest()
+        if self.digest is not None and actual != self.digest:
+            raise ChecksumMismatch(f"block {self.header.key.hex()[:12]} digest mismatch")
+        return Block(self.header, self._buf, actual, self.total - self.header.payload_bytes)

@@ -1,0 +1,225 @@
+"""The engine contract and the engine-neutral parts of prefill and export.
+
+An engine holds a model, its tokenizer and its :class:`CompatCard`. Its state for
+one sequence is a :class:`KVState`: token ids, an opaque engine cache holding KV
+for every token but possibly the last, and the next-token logits.
+
+Prefill from imported blocks (``prefix``) is exact: the blocks' bytes become the
+cache's tensors unchanged, so the continuation is bitwise identical to continuing
+from the local cache that produced them (invariant 2).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..blocks import BlockKeyer, PrefixKeys
+from ..codec import Block, BlockHeader, Layout, new_blob, seal
+from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
+from ..errors import MalformedPayload
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_on_eos: bool = True
+
+
+@dataclass
+class KVState:
+    """One sequence's state. ``cache`` holds KV for ``cached`` tokens."""
+
+    tokens: list[int]
+    cache: Any
+    logits: Any  # next-token logits after tokens[-1]
+    cached: int
+    imported_tokens: int = 0  # tokens whose KV came from blocks
+    computed_tokens: int = 0  # tokens forward-passed by prefill
+    used_stored_logits: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def card_from_hf_dir(
+    path: Path, engine: str, kv_dtype: str, quantization: str, block_tokens: int
+) -> CompatCard:
+    """Derive a card from a Hugging Face style model directory."""
+    cfg = json.loads((path / "config.json").read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    heads = int(text_cfg["num_attention_heads"])
+    layers = int(text_cfg["num_hidden_layers"])
+    hidden = int(text_cfg["hidden_size"])
+    head_dim = int(text_cfg.get("head_dim") or hidden // heads)
+    windows: tuple[int, ...]
+    if text_cfg.get("layer_types"):
+        sw = int(text_cfg.get("sliding_window") or 0)
+        windows = tuple(sw if t == "sliding_attention" else 0 for t in text_cfg["layer_types"])
+    elif text_cfg.get("use_sliding_window") and text_cfg.get("sliding_window"):
+        windows = (int(text_cfg["sliding_window"]),) * layers
+    else:
+        windows = (0,) * layers
+    return CompatCard(
+        engine=engine,
+        model_id=str(cfg.get("_name_or_path") or path.name),
+        weights_digest=weights_digest(path),
+        tokenizer_digest=tokenizer_digest(path),
+        quantization=quantization,
+        kv_dtype=kv_dtype,
+        rope=rope_from_config(text_cfg),
+        num_layers=layers,
+        num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        sliding_windows=windows,
+        vocab_size=int(text_cfg["vocab_size"]),
+        block_tokens=block_tokens,
+    )
+
+
+def check_chain(prefix: Sequence[Block], card: CompatCard, tokens: int) -> int:
+    """Validate that ``prefix`` is a contiguous chain from the root; return its length."""
+    ns = card.namespace
+    parent, pos = ns, 0
+    for i, blk in enumerate(prefix):
+        h = blk.header
+        if h.namespace != ns:
+            raise MalformedPayload("block from another namespace")
+        if h.parent != parent or h.start != pos:
+            raise MalformedPayload(f"block {i} does not continue the chain")
+        if h.kind == "tail" and i != len(prefix) - 1:
+            raise MalformedPayload("a tail must end the prefix")
+        parent, pos = h.key, pos + h.tokens
+    if pos > tokens:
+        raise MalformedPayload("prefix longer than the prompt")
+    return pos
+
+
+class Engine(abc.ABC):
+    """An inference engine adapter."""
+
+    name: str
+    card: CompatCard
+    layout: Layout
+    eos_ids: frozenset[int]
+
+    # -- text -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    @abc.abstractmethod
+    def decode_text(self, tokens: Sequence[int]) -> str: ...
+
+    # -- KV -------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _import(self, blocks: Sequence[Block], n_tokens: int) -> Any:
+        """Engine cache holding the blocks' KV for positions [0, n_tokens)."""
+
+    @abc.abstractmethod
+    def _forward(self, state_cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
+        """Run ``tokens`` at positions ``start...`` on ``state_cache`` (None = empty);
+        return (cache, float32 logits of the last position)."""
+
+    @abc.abstractmethod
+    def _crop(self, cache: Any, n_tokens: int) -> Any: ...
+
+    @abc.abstractmethod
+    def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
+        """Write positions [start, stop) of every layer, K then V, into ``out``."""
+
+    @abc.abstractmethod
+    def _write_logits(self, logits: Any, out: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def _read_logits(self, view: memoryview) -> Any: ...
+
+    @abc.abstractmethod
+    def sample(self, logits: Any, sampling: Sampling, rng: Any) -> int: ...
+
+    @abc.abstractmethod
+    def new_rng(self, seed: int | None) -> Any: ...
+
+    # -- engine-neutral -------------------------------------------------------
+
+    def prefill(self, tokens: Sequence[int], prefix: Sequence[Block] = ()) -> KVState:
+        """KV and next-token logits for ``tokens``, importing ``prefix`` first."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("cannot prefill an empty sequence")
+        p = check_chain(prefix, self.card, len(tokens)) if prefix else 0
+        cache = self._import(prefix, p) if p else None
+        tail = prefix[-1] if prefix and prefix[-1].header.kind == "tail" else None
+        if p == len(tokens) and tail is not None:
+            logits = self._read_logits(next(v for s, v in reversed(list(tail.tensors()))))
+            return KVState(tokens, cache, logits, p, p, 0, used_stored_logits=True)
+        if p == len(tokens):  # no stored logits: recompute the last token
+            p -= 1
+            cache = self._crop(cache, p) if p else None
+        cache, logits = self._forward(cache, tokens[p:], p)
+        return KVState(tokens, cache, logits, len(tokens), p, len(tokens) - p)
+
+    def extend(self, state: KVState, tokens: Sequence[int]) -> KVState:
+        """Append ``tokens`` to a live state (sessions: no lookup needed)."""
+        if not tokens:
+            return state
+        if state.cached < len(state.tokens):  # last token not in the cache yet
+            tokens = state.tokens[state.cached :] + list(tokens)
+        cache, logits = self._forward(state.cache, tokens, state.cached)
+        all_tokens = state.tokens + list(tokens[len(state.tokens) - state.cached :])
+        return KVState(all_tokens, cache, logits, len(all_tokens))
+
+    def generate(self, state: KVState, sampling: Sampling) -> Iterator[int]:
+        """Decode locally. Mutates ``state`` so it ends holding the whole sequence."""
+        rng = self.new_rng(sampling.seed)
+        for i in range(sampling.max_tokens):
+            tok = self.sample(state.logits, sampling, rng)
+            state.tokens.append(tok)
+            yield tok
+            if i == sampling.max_tokens - 1 or (sampling.stop_on_eos and tok in self.eos_ids):
+                return  # the last token is not forwarded: its KV is never needed here
+            pending = state.tokens[state.cached :]
+            state.cache, state.logits = self._forward(state.cache, pending, state.cached)
+            state.cached = len(state.tokens)
+
+    def export(
+        self, state: KVState, keyer: BlockKeyer, keys: PrefixKeys | None = None, first_block: int = 0
+    ) -> list[Block]:
+        """Blocks for ``state``: full blocks from ``first_block`` on, then the tail.
+        Only positions already in the cache are exported."""
+        tokens = state.tokens
+        if state.cached < len(tokens):  # generated last token: no KV yet, no logits for it
+            tokens = tokens[: state.cached]
+            logits = None
+        else:
+            logits = state.logits
+        keys = keys or keyer.keys(tokens)
+        b = self.card.block_tokens
+        out: list[Block] = []
+        for i in range(first_block, len(keys.blocks)):
+            hdr = self.layout.header("block", keys.blocks[i], keyer.parent_of(keys, i), i * b, b)
+            out.append(self._seal(state.cache, hdr))
+        if logits is not None:
+            n_full = len(keys.blocks)
+            parent = keys.blocks[-1] if n_full else keyer.namespace
+            hdr = self.layout.header("tail", keys.tail, parent, n_full * b, keys.tail_tokens)
+            out.append(self._seal(state.cache, hdr, logits))
+        return out
+
+    def _seal(self, cache: Any, header: BlockHeader, logits: Any = None) -> Block:
+        blob, view = new_blob(header)
+        kv_bytes = header.payload_bytes - (header.logits.nbytes if header.logits else 0)
+        if header.tokens:
+            self._write_kv(cache, header.start, header.start + header.tokens, view[:kv_bytes])
+        if logits is not None:
+            self._write_logits(logits, view[kv_bytes:])
+        return seal(header, blob)

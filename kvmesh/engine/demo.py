@@ -1,0 +1,187 @@
+"""The embedded demo models, built offline and bit-identically on every machine.
+
+A demo model is a real Qwen2 architecture (grouped-query attention, RoPE, SwiGLU)
+whose weights come from a seeded NumPy PCG64 stream, plus a byte-level tokenizer
+(token id = byte value) and a ChatML template. It is written once as an ordinary
+Hugging Face model directory under ``$KVMESH_HOME/models`` and then loaded like
+any local model, so the demo exercises exactly the path real models take.
+
+``demo`` has Qwen2.5-0.5B's geometry (24 layers, 14 query / 2 KV heads of 64,
+hidden 896, MLP 4864) with a 320-entry vocabulary; ``demo-tiny`` is a few MB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+RECIPE_VERSION = 1
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 320
+    max_positions: int = 32768
+    rope_theta: float = 1_000_000.0
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+DEMOS = {
+    "demo": DemoSpec("demo", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864),
+    "demo-tiny": DemoSpec("demo-tiny", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=128),
+}
+
+
+def kvmesh_home() -> Path:
+    return Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh"))
+
+
+def hf_config(spec: DemoSpec) -> dict[str, object]:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "_name_or_path": f"kvmesh-{spec.name}",
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_positions,
+        "rope_theta": spec.rope_theta,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 257,
+        "eos_token_id": 258,
+        "pad_token_id": 256,
+    }
+
+
+def _weights(spec: DemoSpec) -> dict[str, np.ndarray]:
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    h, kv = spec.hidden, spec.kv_heads * spec.head_dim
+
+    def normal(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
+
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal(spec.vocab, h)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "self_attn.q_proj.weight"] = normal(h, h)
+        w[p + "self_attn.q_proj.bias"] = normal(h)
+        w[p + "self_attn.k_proj.weight"] = normal(kv, h)
+        w[p + "self_attn.k_proj.bias"] = normal(kv)
+        w[p + "self_attn.v_proj.weight"] = normal(kv, h)
+        w[p + "self_attn.v_proj.bias"] = normal(kv)
+        w[p + "self_attn.o_proj.weight"] = normal(h, h)
+        w[p + "mlp.gate_proj.weight"] = normal(spec.intermediate, h)
+        w[p + "mlp.up_proj.weight"] = normal(spec.intermediate, h)
+        w[p + "mlp.down_proj.weight"] = normal(h, spec.intermediate)
+    w["model.norm.weight"] = np.ones(h, np.float32)
+    return w
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def build(spec: DemoSpec, out: Path) -> None:
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(spec), indent=1, sort_keys=True))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 258}))
+    save_file(_weights(spec), str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer(out)
+
+
+def ensure_demo(name: str, progress: Callable[[str], None] | None = None) -> Path:
+    """Path of the demo model directory, building it (atomically) if absent."""
+    if name not in DEMOS:
+        raise ValueError(f"unknown demo model {name!r}; choose from {sorted(DEMOS)}")
+    spec = DEMOS[name]
+    root = kvmesh_home() / "models"
+    final = root / f"{name}-r{RECIPE_VERSION}"
+    if (final / "model.safetensors").is_file():
+        return final
+    if progress:
+        progress(f"building demo model {name} (seeded weights, offline) in {final}")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        build(spec, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process won the race; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def resolve_model(model: str, progress: Callable[[str], None] | None = None) -> Path:
+    """``demo`` / ``demo-tiny`` or a local model directory."""
+    if model in DEMOS:
+        return ensure_demo(model, progress)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model!r} is neither a demo model ({', '.join(DEMOS)}) nor a local model "
+            "directory with a config.json (nothing is downloaded)"
+        )
+    return path

@@ -1,0 +1,172 @@
+"""The transformers (PyTorch) engine adapter.
+
+KV layout in a block is ``[kv_heads, tokens, head_dim]`` per layer, K then V: the
+cache's own layout less the batch axis, so export is one strided copy per layer
+and import is one copy into a preallocated ``[1, kv_heads, n, head_dim]`` tensor
+per layer, handed to the cache as is (no concatenation).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..blocks import DEFAULT_BLOCK_TOKENS
+from ..codec import Block, Layout
+from .base import Engine, Sampling, card_from_hf_dir
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():  # blobs are read-only bytes; we never write through this
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=dtype)
+
+
+class TransformersEngine(Engine):
+    name = "torch"
+
+    def __init__(
+        self,
+        path: Path,
+        block_tokens: int | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        threads: int | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.path = Path(path)
+        self.device = torch.device(device)
+        cfg = json.loads((self.path / "config.json").read_text())
+        want = _BY_NAME[dtype] if dtype else _BY_NAME.get(str(cfg.get("torch_dtype")), torch.float32)
+        if self.device.type == "cpu" and want != torch.float32 and dtype is None:
+            want = torch.float32  # half-precision matmuls are slow on CPU
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(self.path), dtype=want, local_files_only=True
+        ).to(self.device)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        self._cache_cls = DynamicCache
+        self.dtype = want
+        quant = cfg.get("quantization_config")
+        self.card = card_from_hf_dir(
+            self.path,
+            engine="transformers",
+            kv_dtype=_DTYPES[want],
+            quantization=json.dumps(quant, sort_keys=True) if quant else "none",
+            block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
+        )
+        if any(self.card.sliding_windows):
+            raise NotImplementedError(
+                "sliding-window layers are not supported by the transformers adapter yet"
+            )
+        self.layout = Layout(self.card)
+        eos = self.model.generation_config.eos_token_id
+        eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if self.tokenizer.eos_token_id is not None:
+            eos_list.append(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(int(e) for e in eos_list)
+
+    # -- text -----------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return self.encode(text)
+
+    def decode_text(self, tokens: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+
+    # -- KV -------------------------------------------------------------------
+
+    def _new_cache(self) -> Any:
+        return self._cache_cls(config=self.model.config)
+
+    def _import(self, blocks: Sequence[Block], n_tokens: int) -> Any:
+        c = self.card
+        shape = (1, c.num_kv_heads, n_tokens, c.head_dim)
+        ks = [torch.empty(shape, dtype=self.dtype) for _ in range(c.num_layers)]
+        vs = [torch.empty(shape, dtype=self.dtype) for _ in range(c.num_layers)]
+        for blk in blocks:
+            t, a = blk.header.tokens, blk.header.start
+            if not t:
+                continue
+            it = blk.tensors()
+            for layer in range(c.num_layers):
+                for dst in (ks[layer], vs[layer]):
+                    spec, view = next(it)
+                    src = _frombuffer(view, self.dtype).view(spec.shape)
+                    dst[0, :, a : a + t].copy_(src)
+        cache = self._new_cache()
+        for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
+            lay = cache.layers[layer]
+            lay.lazy_initialization(k, v)
+            lay.keys, lay.values = k.to(self.device), v.to(self.device)
+        return cache
+
+    @torch.inference_mode()
+    def _forward(self, cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
+        if cache is None:
+            cache = self._new_cache()
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[0, -1].float()  # the cache was extended in place
+
+    def _crop(self, cache: Any, n_tokens: int) -> Any:
+        cache.crop(n_tokens)
+        return cache
+
+    def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
+        c = self.card
+        t = stop - start
+        per = c.num_kv_heads * t * c.head_dim
+        dst = _frombuffer(out, self.dtype)
+        off = 0
+        for layer in cache.layers:
+            for src in (layer.keys, layer.values):
+                dst[off : off + per].view(c.num_kv_heads, t, c.head_dim).copy_(src[0, :, start:stop])
+                off += per
+
+    def _write_logits(self, logits: Any, out: memoryview) -> None:
+        _frombuffer(out, torch.float32).copy_(logits.detach().to("cpu", torch.float32))
+
+    def _read_logits(self, view: memoryview) -> Any:
+        return _frombuffer(view, torch.float32).to(self.device)
+
+    # -- sampling -------------------------------------------------------------
+
+    def new_rng(self, seed: int | None) -> Any:
+        g = torch.Generator(device="cpu")
+        if seed is not None:
+            g.manual_seed(seed)
+        else:
+            g.seed()
+        return g
+
+    def sample(self, logits: Any, sampling: Sampling, rng: Any) -> int:
+        if sampling.temperature <= 0:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
+        if sampling.top_p < 1.0:
+            sp, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sp, 0) - sp < sampling.top_p
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sp[keep])
+        return int(torch.multinomial(probs, 1, generator=rng).item())
