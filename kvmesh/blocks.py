@@ -52,9 +52,7 @@ class PrefixKeys:
 class BlockKeyer:
     """Computes chained block keys for one namespace."""
 
-    def __init__(
-        self, namespace: bytes, block_tokens: int, fleet_key: bytes | None = None
-    ) -> None:
+    def __init__(self, namespace: bytes, block_tokens: int, fleet_key: bytes | None = None) -> None:
         if block_tokens <= 0:
             raise ValueError("block_tokens must be positive")
         if len(namespace) != KEY_BYTES:

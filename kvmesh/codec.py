@@ -71,7 +71,9 @@ class BlockHeader:
             "kind": self.kind,
             "start": self.start,
             "tokens": self.tokens,
-            "layers": [[[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in self.layers],
+            "layers": [
+                [[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in self.layers
+            ],
             "logits": [self.logits.dtype, list(self.logits.shape)] if self.logits else None,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
@@ -106,7 +108,12 @@ class Layout:
     @property
     def max_block_bytes(self) -> int:
         b = self.card.block_tokens
-        return PREFIX.size + MAX_HEADER_BYTES + self.card.kv_bytes_per_token * b + 4 * self.card.vocab_size
+        return (
+            PREFIX.size
+            + MAX_HEADER_BYTES
+            + self.card.kv_bytes_per_token * b
+            + 4 * self.card.vocab_size
+        )
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,7 @@ class StoreStats:
 
 
 class BlockStore:
-    def __init__(
-        self, budget_bytes: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, budget_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.epoch = secrets.token_hex(8)
@@ -95,7 +93,9 @@ class BlockStore:
             if existing is not None:
                 if existing.block.digest != block.digest:
                     self._reject(ImmutableConflict.reason)
-                    raise ImmutableConflict(f"block {key.hex()[:12]} already stored with other bytes")
+                    raise ImmutableConflict(
+                        f"block {key.hex()[:12]} already stored with other bytes"
+                    )
                 self._touch(key)
                 return False
             is_root = block.header.start == 0 and parent == block.header.namespace
@@ -160,7 +160,9 @@ class BlockStore:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    def longest_prefix(self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None) -> Match:
+    def longest_prefix(
+        self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None
+    ) -> Match:
         """Longest run of stored blocks from the root; never crosses a hole.
         The tail counts only when every full block before it matched."""
         if isinstance(keys, PrefixKeys):

@@ -192,7 +192,11 @@ class Engine(abc.ABC):
             state.cached = len(state.tokens)
 
     def export(
-        self, state: KVState, keyer: BlockKeyer, keys: PrefixKeys | None = None, first_block: int = 0
+        self,
+        state: KVState,
+        keyer: BlockKeyer,
+        keys: PrefixKeys | None = None,
+        first_block: int = 0,
     ) -> list[Block]:
         """Blocks for ``state``: full blocks from ``first_block`` on, then the tail.
         Only positions already in the cache are exported."""

@@ -52,7 +52,9 @@ class TransformersEngine(Engine):
         self.path = Path(path)
         self.device = torch.device(device)
         cfg = json.loads((self.path / "config.json").read_text())
-        want = _BY_NAME[dtype] if dtype else _BY_NAME.get(str(cfg.get("torch_dtype")), torch.float32)
+        want = (
+            _BY_NAME[dtype] if dtype else _BY_NAME.get(str(cfg.get("torch_dtype")), torch.float32)
+        )
         if self.device.type == "cpu" and want != torch.float32 and dtype is None:
             want = torch.float32  # half-precision matmuls are slow on CPU
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -131,7 +133,8 @@ class TransformersEngine(Engine):
         return cache, out.logits[0, -1].float()  # the cache was extended in place
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
-        cache.crop(n_tokens)
+        for layer in cache.layers:  # views: the next forward concatenates anyway
+            layer.keys, layer.values = layer.keys[:, :, :n_tokens], layer.values[:, :, :n_tokens]
         return cache
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
@@ -142,7 +145,9 @@ class TransformersEngine(Engine):
         off = 0
         for layer in cache.layers:
             for src in (layer.keys, layer.values):
-                dst[off : off + per].view(c.num_kv_heads, t, c.head_dim).copy_(src[0, :, start:stop])
+                dst[off : off + per].view(c.num_kv_heads, t, c.head_dim).copy_(
+                    src[0, :, start:stop]
+                )
                 off += per
 
     def _write_logits(self, logits: Any, out: memoryview) -> None:

@@ -1,0 +1,59 @@
+"""Synthetic cards and blocks for tests that need no model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmesh.blocks import BlockKeyer
+from kvmesh.codec import Block, Layout, new_blob, seal
+from kvmesh.compat import CompatCard
+
+
+def small_card(**over: object) -> CompatCard:
+    fields: dict[str, object] = dict(
+        engine="transformers",
+        model_id="synthetic",
+        weights_digest="0" * 64,
+        tokenizer_digest="1" * 64,
+        quantization="none",
+        kv_dtype="float32",
+        rope="{}",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=4,
+        sliding_windows=(0, 0),
+        vocab_size=16,
+        block_tokens=4,
+    )
+    fields.update(over)
+    return CompatCard(**fields)  # type: ignore[arg-type]
+
+
+def synthetic_chain(
+    card: CompatCard, tokens: list[int], seed: int = 0, tail: bool = True
+) -> list[Block]:
+    """Blocks for ``tokens`` with pseudo-random KV bytes fixed by (key, seed)."""
+    layout = Layout(card)
+    keyer = BlockKeyer(card.namespace, card.block_tokens)
+    keys = keyer.keys(tokens)
+    b = card.block_tokens
+    out = []
+    for i, key in enumerate(keys.blocks):
+        out.append(_fill(layout.header("block", key, keyer.parent_of(keys, i), i * b, b), seed))
+    if tail:
+        parent = keys.blocks[-1] if keys.blocks else card.namespace
+        out.append(
+            _fill(
+                layout.header("tail", keys.tail, parent, len(keys.blocks) * b, keys.tail_tokens),
+                seed,
+            )
+        )
+    return out
+
+
+def _fill(header, seed: int) -> Block:  # type: ignore[no-untyped-def]
+    # bytes depend on the key (and seed), so one key always has one content
+    rng = np.random.default_rng([int.from_bytes(header.key[:8], "little"), seed])
+    blob, view = new_blob(header)
+    view[:] = rng.integers(0, 256, size=len(view), dtype=np.uint8).tobytes()
+    return seal(header, blob)

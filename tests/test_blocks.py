@@ -1,0 +1,45 @@
+import hashlib
+
+import pytest
+
+from kvmesh.blocks import BlockKeyer
+
+NS = hashlib.sha256(b"ns").digest()
+
+
+def test_chain_depends_on_every_earlier_token():
+    k = BlockKeyer(NS, 4)
+    a = k.keys(list(range(12)))
+    b = k.keys([99] + list(range(1, 12)))
+    assert len(a.blocks) == 3 and a.tail_tokens == 0
+    assert all(x != y for x, y in zip(a.blocks, b.blocks, strict=True))
+    c = k.keys(list(range(8)) + [0, 0, 0, 0])
+    assert a.blocks[:2] == c.blocks[:2] and a.blocks[2] != c.blocks[2]
+
+
+def test_tail_is_token_exact_and_distinct_from_blocks():
+    k = BlockKeyer(NS, 4)
+    a = k.keys(list(range(10)))
+    assert a.tail_tokens == 2
+    assert k.keys(list(range(10))).tail == a.tail
+    assert k.keys(list(range(9)) + [7]).tail != a.tail
+    assert k.keys(list(range(9))).tail != a.tail
+    # an empty tail (n % B == 0) still has a key: it carries logits only
+    assert k.keys(list(range(8))).tail not in k.keys(list(range(8))).blocks
+
+
+def test_hmac_keys_differ_from_plain_and_between_fleets():
+    toks = list(range(16))
+    plain = BlockKeyer(NS, 4).keys(toks)
+    f1 = BlockKeyer(NS, 4, fleet_key=b"k1" * 16).keys(toks)
+    f2 = BlockKeyer(NS, 4, fleet_key=b"k2" * 16).keys(toks)
+    assert len({plain.blocks[0], f1.blocks[0], f2.blocks[0]}) == 3
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        BlockKeyer(NS, 0)
+    with pytest.raises(ValueError):
+        BlockKeyer(b"short", 4)
+    with pytest.raises(ValueError):
+        BlockKeyer(NS, 4).block_key(NS, [1, 2])
