@@ -189,7 +189,7 @@ def _hex32(doc: dict[str, Any], name: str) -> bytes:
         raise MalformedPayload(f"bad {name}") from None
 
 
-def parse_prefix(head: bytes | memoryview) -> int:
+def parse_prefix(head: bytes | bytearray | memoryview) -> int:
     """Validate the fixed prefix; return the header length."""
     if len(head) < PREFIX.size:
         raise MalformedPayload("truncated prefix")

@@ -166,17 +166,19 @@ class BlockStore:
         """Longest run of stored blocks from the root; never crosses a hole.
         The tail counts only when every full block before it matched."""
         if isinstance(keys, PrefixKeys):
-            keys, tail = keys.blocks, keys.tail
+            chain, tail = keys.blocks, keys.tail
+        else:
+            chain = tuple(keys)
         with self._lock:
             found: list[Block] = []
-            for k in keys:
+            for k in chain:
                 e = self._entries.get(k)
                 if e is None:
                     break
                 found.append(e.block)
                 self._touch(k)
             t = None
-            if len(found) == len(keys) and tail is not None:
+            if len(found) == len(chain) and tail is not None:
                 e = self._entries.get(tail)
                 if e is not None:
                     t = e.block
