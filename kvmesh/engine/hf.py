@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..blocks import DEFAULT_BLOCK_TOKENS
@@ -22,6 +23,12 @@ from .base import Engine, Sampling, card_from_hf_dir
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
+_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view sharing memory (bfloat16 as its raw 16-bit pattern)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
 
 
 def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -107,16 +114,15 @@ class TransformersEngine(Engine):
         shape = (1, c.num_kv_heads, n_tokens, c.head_dim)
         ks = [torch.empty(shape, dtype=self.dtype) for _ in range(c.num_layers)]
         vs = [torch.empty(shape, dtype=self.dtype) for _ in range(c.num_layers)]
+        np_dtype = _NP[self.dtype]
+        dsts = [_np(t)[0] for pair in zip(ks, vs, strict=True) for t in pair]
         for blk in blocks:
             t, a = blk.header.tokens, blk.header.start
             if not t:
                 continue
-            it = blk.tensors()
-            for layer in range(c.num_layers):
-                for dst in (ks[layer], vs[layer]):
-                    spec, view = next(it)
-                    src = _frombuffer(view, self.dtype).view(spec.shape)
-                    dst[0, :, a : a + t].copy_(src)
+            # numpy slice assignment: ~1 µs per copy instead of torch's ~10 µs dispatch
+            for dst, (spec, view) in zip(dsts, blk.tensors(), strict=False):
+                dst[:, a : a + t] = np.frombuffer(view, np_dtype).reshape(spec.shape)
         cache = self._new_cache()
         for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
             lay = cache.layers[layer]
@@ -139,15 +145,13 @@ class TransformersEngine(Engine):
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
         c = self.card
-        t = stop - start
-        per = c.num_kv_heads * t * c.head_dim
-        dst = _frombuffer(out, self.dtype)
+        per = c.num_kv_heads * (stop - start) * c.head_dim
+        dst = np.frombuffer(out, _NP[self.dtype])
         off = 0
         for layer in cache.layers:
             for src in (layer.keys, layer.values):
-                dst[off : off + per].view(c.num_kv_heads, t, c.head_dim).copy_(
-                    src[0, :, start:stop]
-                )
+                src_np = _np(src[0, :, start:stop])
+                dst[off : off + per].reshape(src_np.shape)[...] = src_np
                 off += per
 
     def _write_logits(self, logits: Any, out: memoryview) -> None:
