@@ -1,0 +1,4 @@
+"""The network: gRPC cache service and client, capability gossip, security.
+
+This package moves bytes with shapes and dtypes; it knows nothing of torch or mlx.
+"""

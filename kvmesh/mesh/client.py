@@ -1,0 +1,346 @@
+"""What a head uses to reach the fleet: lookup, fetch, publish, gossip exchange.
+
+One long-lived channel per peer address. Lookups fan out concurrently under a
+short deadline and are metadata only. A fetch streams blocks under a lease and
+hashes them in a worker thread while the next chunks arrive; every failure is a
+typed error whose ``reason`` the caller counts before falling back. Publishing
+goes through a bounded queue that drops (and counts) rather than ever blocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ..blocks import PrefixKeys
+from ..codec import CHUNK_BYTES, Assembler, Block, Layout, chunks
+from ..compat import CompatCard
+from ..errors import (
+    ChecksumMismatch,
+    KVMeshError,
+    LeaseExpired,
+    MalformedPayload,
+    PeerTimeout,
+    PeerUnavailable,
+    StaleEpoch,
+    Unauthenticated,
+)
+from .membership import Membership
+from .proto import kvmesh_pb2 as pb
+from .proto import kvmesh_pb2_grpc as pbg
+from .security import FleetAuth, TLSConfig
+from .server import GRPC_OPTIONS
+
+log = logging.getLogger("kvmesh.client")
+
+
+@dataclass(frozen=True)
+class PeerHit:
+    node_id: str
+    alias: str
+    address: str
+    interface: str
+    epoch: str
+    blocks: tuple[pb.BlockInfo, ...]
+    tail: pb.BlockInfo | None
+    tokens: int
+
+    @property
+    def infos(self) -> tuple[pb.BlockInfo, ...]:
+        return self.blocks + ((self.tail,) if self.tail is not None else ())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.infos)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    peer: str
+    bytes: int
+    seconds: float
+    blocks: int
+    at: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _error(e: grpc.aio.AioRpcError) -> KVMeshError:
+    code, detail = e.code(), e.details() or ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return PeerTimeout(detail or "deadline exceeded")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(detail)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and "stale_epoch" in detail:
+        return StaleEpoch(detail)
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+        return LeaseExpired(detail)
+    return PeerUnavailable(f"{code.name}: {detail}")
+
+
+def rendezvous(root: bytes, node_ids: Sequence[str], k: int) -> list[str]:
+    """The ``k`` owners of a prefix root: highest SHA-256(root || node id)."""
+    score = {n: hashlib.sha256(root + n.encode()).digest() for n in node_ids}
+    return sorted(node_ids, key=lambda n: score[n], reverse=True)[:k]
+
+
+class MeshClient:
+    def __init__(
+        self,
+        membership: Membership,
+        auth: FleetAuth | None = None,
+        tls: TLSConfig | None = None,
+        lookup_deadline: float = 0.25,
+        fetch_deadline: float = 30.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        publish_queue: int = 64,
+        replicas: int = 1,
+    ) -> None:
+        self.membership = membership
+        self.auth = auth
+        self.tls = tls
+        self.lookup_deadline = lookup_deadline
+        self.fetch_deadline = fetch_deadline
+        self.chunk_bytes = chunk_bytes
+        self.replicas = replicas
+        self.counters: Counter[str] = Counter()
+        self.transfers: deque[Transfer] = deque(maxlen=64)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-verify")
+        self._queue: asyncio.Queue[tuple[CompatCard, list[Block]]] = asyncio.Queue(publish_queue)
+        self._publisher: asyncio.Task[None] | None = None
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            opts = list(GRPC_OPTIONS)
+            if self.tls is not None and self.tls.enabled:
+                if self.tls.server_name:
+                    opts.append(("grpc.ssl_target_name_override", self.tls.server_name))
+                ch = grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=opts)
+            else:
+                ch = grpc.aio.insecure_channel(address, options=opts)
+            self._channels[address] = ch
+        return ch
+
+    def _md(self, method: str) -> tuple[tuple[str, str], ...] | None:
+        self.counters[f"rpc:{method.rsplit('/', 1)[-1]}"] += 1
+        return self.auth.call_metadata(method) if self.auth else None
+
+    @property
+    def rpc_count(self) -> int:
+        return sum(v for k, v in self.counters.items() if k.startswith("rpc:"))
+
+    async def close(self) -> None:
+        if self._publisher:
+            self._publisher.cancel()
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        self._hasher.shutdown(wait=False)
+
+    # -- gossip ------------------------------------------------------------------
+
+    async def exchange(self, address: str, node_id: str | None, timeout: float = 2.0) -> None:
+        stub = pbg.MembershipStub(self.channel(address))
+        method = "/kvmesh.v1.Membership/Exchange"
+        t0 = time.perf_counter()
+        resp = await stub.Exchange(
+            pb.ExchangeRequest(cards=self.membership.outgoing()),
+            timeout=timeout,
+            metadata=self._md(method),
+        )
+        rtt_ms = (time.perf_counter() - t0) * 1000
+        self.membership.merge(list(resp.cards))
+        sender = node_id or (resp.cards[0].node_id if resp.cards else None)
+        if sender:
+            self.membership.record_rtt(sender, address, rtt_ms)
+
+    # -- lookup ------------------------------------------------------------------
+
+    def compatible_peers(self, card: CompatCard) -> list[pb.CapabilityCard]:
+        ns = card.namespace_hex
+        return [c for c in self.membership.live() if ns in c.namespaces and "cache" in c.roles]
+
+    async def lookup(self, card: CompatCard, keys: PrefixKeys) -> list[PeerHit]:
+        """Concurrent lookup on every compatible live peer; hits, longest first."""
+        peers = self.compatible_peers(card)
+        if not peers:
+            return []
+        req = pb.LookupRequest(namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail])
+        results = await asyncio.gather(*(self._lookup_one(p, req) for p in peers))
+        hits = [h for h in results if h is not None and h.tokens > 0]
+        return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h)))
+
+    def _endpoint_rank(self, hit: PeerHit) -> tuple[int, float]:
+        from .membership import INTERFACE_PRIORITY
+
+        rtt = self.membership.rtt(hit.node_id, hit.address) or float("inf")
+        return INTERFACE_PRIORITY.get(hit.interface, 9), rtt
+
+    async def _lookup_one(self, peer: pb.CapabilityCard, req: pb.LookupRequest) -> PeerHit | None:
+        eps = self.membership.ranked_endpoints(peer)
+        if not eps:
+            return None
+        ep = eps[0]
+        method = "/kvmesh.v1.PrefillCache/Lookup"
+        try:
+            resp = await pbg.PrefillCacheStub(self.channel(ep.address)).Lookup(
+                req, timeout=self.lookup_deadline, metadata=self._md(method)
+            )
+        except grpc.aio.AioRpcError as e:
+            err = _error(e)
+            self.counters[f"fallback:{err.reason}"] += 1
+            log.debug("lookup on %s failed: %s", peer.alias, err)
+            return None
+        n_blocks = len(resp.blocks)
+        if n_blocks > len(req.block_keys) or any(
+            b.key != k for b, k in zip(resp.blocks, req.block_keys, strict=False)
+        ):
+            self.counters["fallback:malformed_payload"] += 1  # an answer we did not ask for
+            return None
+        tail = resp.tail if resp.HasField("tail") and n_blocks == len(req.block_keys) else None
+        if tail is not None and tail.key not in req.tail_keys:
+            tail = None
+        return PeerHit(
+            node_id=peer.node_id,
+            alias=peer.alias,
+            address=ep.address,
+            interface=ep.interface,
+            epoch=resp.epoch,
+            blocks=tuple(resp.blocks),
+            tail=tail,
+            tokens=resp.matched_tokens,
+        )
+
+    # -- fetch -------------------------------------------------------------------
+
+    async def fetch(self, layout: Layout, hit: PeerHit, upto: int | None = None) -> list[Block]:
+        """Stream ``hit``'s blocks (the first ``upto``), verified. Raises a typed error."""
+        infos = hit.infos[:upto] if upto is not None else hit.infos
+        cap = layout.max_block_bytes
+        if any(not 0 < i.nbytes <= cap or len(i.digest) != 32 for i in infos):
+            raise MalformedPayload("peer announced an impossible block size")
+        req = pb.FetchRequest(
+            namespace=layout.card.namespace,
+            keys=[i.key for i in infos],
+            epoch=hit.epoch,
+            chunk_bytes=self.chunk_bytes,
+            lease_ttl_s=max(10.0, self.fetch_deadline),
+        )
+        method = "/kvmesh.v1.PrefillCache/Fetch"
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        call = pbg.PrefillCacheStub(self.channel(hit.address)).Fetch(
+            req, timeout=self.fetch_deadline, metadata=self._md(method)
+        )
+        asms = [Assembler(layout, i.nbytes, i.digest) for i in infos]
+        pending: asyncio.Future[None] | None = None
+        try:
+            async for msg in call:
+                if msg.block >= len(asms):
+                    raise MalformedPayload("chunk for a block not asked for")
+                # hashing + copy run on one worker thread, in order, while we receive
+                pending = loop.run_in_executor(self._hasher, asms[msg.block].feed, msg.data)
+                if msg.block and pending.done():
+                    pending.result()
+            if pending is not None:
+                await pending
+            blocks = [a.finish() for a in asms]  # raises ChecksumMismatch / truncation
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except KVMeshError:
+            call.cancel()
+            raise
+        finally:
+            if pending is not None and not pending.done():
+                await asyncio.wait([pending])
+        for blk, info in zip(blocks, infos, strict=True):
+            if blk.key != info.key:
+                raise ChecksumMismatch("peer sent a block other than the one asked for")
+        dt = time.perf_counter() - t0
+        total = sum(b.nbytes for b in blocks)
+        self.counters["bytes_fetched"] += total
+        self.transfers.append(Transfer(hit.alias, total, dt, len(blocks), time.time()))
+        return blocks
+
+    # -- publish -----------------------------------------------------------------
+
+    def publish_targets(self, root: bytes) -> list[pb.CapabilityCard]:
+        peers = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
+        return [peers[n] for n in rendezvous(root, list(peers), self.replicas)]
+
+    def enqueue_publish(self, card: CompatCard, blocks: list[Block]) -> bool:
+        """Non-blocking; call on the client's loop. Drops (and counts) when full."""
+        if not blocks:
+            return True
+        try:
+            self._queue.put_nowait((card, blocks))
+        except asyncio.QueueFull:
+            self.counters["publish_dropped"] += 1
+            return False
+        if self._publisher is None or self._publisher.done():
+            self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
+        return True
+
+    async def drain(self) -> None:
+        await self._queue.join()
+
+    async def _publish_loop(self) -> None:
+        while True:
+            card, blocks = await self._queue.get()
+            try:
+                for peer in self.publish_targets(blocks[0].key):
+                    try:
+                        await self.publish(peer, card, blocks)
+                    except KVMeshError as e:
+                        self.counters[f"publish_failed:{e.reason}"] += 1
+            finally:
+                self._queue.task_done()
+
+    async def publish(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> Any:
+        eps = self.membership.ranked_endpoints(peer)
+        if not eps:
+            raise PeerUnavailable("peer has no endpoint")
+        card_json = json.dumps(card.to_json())
+        size = self.chunk_bytes
+
+        def stream():  # type: ignore[no-untyped-def]
+            first = True
+            for i, blk in enumerate(blocks):
+                for j, c in enumerate(chunks(blk.blob, size)):
+                    msg = pb.PublishChunk(block=i, data=bytes(c))
+                    if j == 0:
+                        msg.nbytes, msg.digest = blk.nbytes, blk.digest
+                    if first:
+                        msg.card_json, first = card_json, False
+                    yield msg
+
+        method = "/kvmesh.v1.PrefillCache/Publish"
+        try:
+            resp = await pbg.PrefillCacheStub(self.channel(eps[0].address)).Publish(
+                stream(), timeout=self.fetch_deadline, metadata=self._md(method)
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+        self.counters["bytes_published"] += sum(b.nbytes for b in blocks)
+        if resp.rejected:
+            self.counters[f"publish_rejected:{resp.reason}"] += 1
+        return resp

@@ -1,0 +1,249 @@
+"""Capability cards and push-pull gossip.
+
+Each node issues its own card with a per-node ``version`` counter and re-issues
+it every interval. Cards merge by version, never by wall-clock time; a node that
+sees a card of its own id with a version at or above its own (an earlier life
+before a restart) jumps past it. A card expires ``ttl`` seconds (local monotonic
+clock) after its last version increase. Under a fleet key every card carries an
+HMAC and unsigned or forged cards are dropped. Gossip carries no tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .proto import kvmesh_pb2 as pb
+from .security import FleetAuth
+
+log = logging.getLogger("kvmesh.membership")
+
+INTERFACE_PRIORITY = {
+    "thunderbolt": 0,
+    "ethernet": 1,
+    "loopback": 1,
+    "tailscale": 2,
+    "wifi": 3,
+    "unknown": 4,
+}
+INTERFACES = tuple(INTERFACE_PRIORITY)
+
+
+def interface_kind(name: str) -> str:
+    n = name.lower()
+    if n == "lo" or n.startswith("lo"):
+        return "loopback"
+    if n.startswith(("thunderbolt", "tb", "bridge")):
+        return "thunderbolt"
+    if n.startswith(("tailscale", "ts", "utun")):
+        return "tailscale"
+    if n.startswith(("wl", "wifi", "ath")):
+        return "wifi"
+    if n.startswith(("en", "eth", "veth", "br", "bond")):
+        return "ethernet"
+    return "unknown"
+
+
+def parse_advertise(spec: str) -> pb.Endpoint:
+    """``HOST:PORT[,interface=KIND]``."""
+    addr, _, rest = spec.partition(",")
+    kind = "unknown"
+    if rest:
+        k, _, v = rest.partition("=")
+        if k != "interface" or v not in INTERFACE_PRIORITY:
+            raise ValueError(f"bad --advertise {spec!r}: use ADDR[,interface={'|'.join(INTERFACES)}]")
+        kind = v
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad --advertise address {addr!r}: use HOST:PORT")
+    if kind == "unknown" and host in ("127.0.0.1", "localhost", "::1"):
+        kind = "loopback"
+    return pb.Endpoint(address=addr, interface=kind, priority=INTERFACE_PRIORITY[kind])
+
+
+def detect_endpoints(host: str, port: int) -> list[pb.Endpoint]:
+    """Endpoints for a listener on ``host``; wildcard hosts list each interface."""
+    if host not in ("0.0.0.0", "::", ""):
+        kind = "loopback" if host.startswith("127.") or host in ("::1", "localhost") else "unknown"
+        for name, addr in _interface_addresses():
+            if addr == host:
+                kind = interface_kind(name)
+        return [pb.Endpoint(address=f"{host}:{port}", interface=kind, priority=INTERFACE_PRIORITY[kind])]
+    eps = [
+        pb.Endpoint(
+            address=f"{addr}:{port}",
+            interface=interface_kind(name),
+            priority=INTERFACE_PRIORITY[interface_kind(name)],
+        )
+        for name, addr in _interface_addresses()
+    ]
+    eps.sort(key=lambda e: (e.priority, e.interface == "loopback"))
+    return eps or [pb.Endpoint(address=f"127.0.0.1:{port}", interface="loopback", priority=1)]
+
+
+def _interface_addresses() -> list[tuple[str, str]]:
+    if shutil.which("ip"):
+        try:
+            out = subprocess.run(
+                ["ip", "-j", "-4", "addr"], capture_output=True, text=True, timeout=2, check=True
+            ).stdout
+            return [
+                (i["ifname"], a["local"])
+                for i in json.loads(out)
+                for a in i.get("addr_info", [])
+                if a.get("family") == "inet"
+            ]
+        except (OSError, ValueError, subprocess.SubprocessError, KeyError):
+            pass
+    try:
+        return [("unknown", socket.gethostbyname(socket.gethostname()))]
+    except OSError:
+        return []
+
+
+@dataclass
+class _Member:
+    card: pb.CapabilityCard
+    updated: float  # local monotonic time of the last version increase
+    rtt_ms: dict[str, float] = field(default_factory=dict)  # address -> EWMA
+
+
+def card_bytes(card: pb.CapabilityCard) -> bytes:
+    c = pb.CapabilityCard()
+    c.CopyFrom(card)
+    c.ClearField("mac")
+    return c.SerializeToString(deterministic=True)
+
+
+class Membership:
+    def __init__(
+        self,
+        node_id: str,
+        make_card: Callable[[], pb.CapabilityCard],
+        auth: FleetAuth | None = None,
+        ttl: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self._make_card = make_card
+        self.auth = auth
+        self.ttl = ttl
+        self._clock = clock
+        self._version = 0
+        self._members: dict[str, _Member] = {}
+        self._lock = threading.Lock()
+        self.rejected_cards = 0
+        self.on_join: Callable[[pb.CapabilityCard], None] = lambda c: log.info(
+            "peer joined: %s (%s) epoch %s", c.alias, c.node_id[:8], c.epoch[:8]
+        )
+        self.on_leave: Callable[[pb.CapabilityCard], None] = lambda c: log.info(
+            "peer left: %s (%s)", c.alias, c.node_id[:8]
+        )
+
+    # -- own card --------------------------------------------------------------
+
+    def own_card(self) -> pb.CapabilityCard:
+        card = self._make_card()
+        card.node_id = self.node_id
+        card.version = self._version
+        card.heartbeat = time.time()
+        if self.auth:
+            card.mac = self.auth.sign_card(card_bytes(card))
+        return card
+
+    def bump(self) -> None:
+        with self._lock:
+            self._version += 1
+
+    # -- merging ---------------------------------------------------------------
+
+    def merge(self, cards: list[pb.CapabilityCard] | tuple[pb.CapabilityCard, ...]) -> list[str]:
+        """Merge received cards; return node ids that joined."""
+        joined: list[pb.CapabilityCard] = []
+        now = self._clock()
+        with self._lock:
+            for card in cards:
+                if self.auth and not self.auth.verify_card(card_bytes(card), card.mac):
+                    self.rejected_cards += 1
+                    continue
+                if not card.node_id:
+                    continue
+                if card.node_id == self.node_id:
+                    if card.version >= self._version:  # an earlier life of this node
+                        self._version = card.version + 1
+                    continue
+                m = self._members.get(card.node_id)
+                if m is None:
+                    self._members[card.node_id] = _Member(card, now)
+                    joined.append(card)
+                elif card.version > m.card.version:
+                    if card.epoch != m.card.epoch:
+                        log.info("peer restarted: %s epoch %s", card.alias, card.epoch[:8])
+                    m.card, m.updated = card, now
+        for c in joined:
+            self.on_join(c)
+        self.expire()
+        return [c.node_id for c in joined]
+
+    def expire(self) -> None:
+        now = self._clock()
+        with self._lock:
+            dead = [m for m in self._members.values() if now - m.updated > self.ttl]
+            for m in dead:
+                del self._members[m.card.node_id]
+        for m in dead:
+            self.on_leave(m.card)
+
+    def outgoing(self) -> list[pb.CapabilityCard]:
+        self.expire()
+        with self._lock:
+            return [self.own_card()] + [m.card for m in self._members.values()]
+
+    # -- views -----------------------------------------------------------------
+
+    def live(self) -> list[pb.CapabilityCard]:
+        self.expire()
+        with self._lock:
+            return [m.card for m in self._members.values()]
+
+    def age(self, node_id: str) -> float | None:
+        m = self._members.get(node_id)
+        return None if m is None else self._clock() - m.updated
+
+    def record_rtt(self, node_id: str, address: str, rtt_ms: float) -> None:
+        with self._lock:
+            m = self._members.get(node_id)
+            if m is not None:
+                old = m.rtt_ms.get(address)
+                m.rtt_ms[address] = rtt_ms if old is None else 0.7 * old + 0.3 * rtt_ms
+
+    def rtt(self, node_id: str, address: str) -> float | None:
+        m = self._members.get(node_id)
+        return None if m is None else m.rtt_ms.get(address)
+
+    def ranked_endpoints(self, card: pb.CapabilityCard) -> list[pb.Endpoint]:
+        """Interface priority first, then measured RTT (unmeasured last)."""
+        return sorted(
+            card.endpoints,
+            key=lambda e: (e.priority, self.rtt(card.node_id, e.address) or float("inf")),
+        )
+
+    def gossip_targets(self, seeds: list[str], fanout: int = 3) -> list[tuple[str | None, str]]:
+        """(node id or None for a seed, address) to exchange with this round."""
+        live = self.live()
+        picks = random.sample(live, min(fanout, len(live)))
+        known = {e.address for c in live for e in c.endpoints}
+        out: list[tuple[str | None, str]] = [(None, s) for s in seeds if s not in known]
+        for c in picks:
+            eps = self.ranked_endpoints(c)
+            if eps:
+                out.append((c.node_id, eps[0].address))
+        return out

@@ -1,0 +1,177 @@
+"""A mesh node: block store + gRPC server + gossip + client, on one event loop.
+
+``kvmesh peer`` runs one as a cache-only node; a head runs one too (a head is
+also a peer). :class:`NodeThread` hosts a node's loop in a background thread so
+synchronous engine code can call into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..store import BlockStore
+from .client import MeshClient
+from .membership import Membership, detect_endpoints, parse_advertise
+from .proto import kvmesh_pb2 as pb
+from .security import Security
+from .server import CacheService, start_server
+
+log = logging.getLogger("kvmesh.node")
+T = TypeVar("T")
+
+
+@dataclass
+class NodeConfig:
+    listen: str = "127.0.0.1:0"
+    budget_bytes: int = 2 << 30
+    seeds: list[str] = field(default_factory=list)
+    alias: str = ""
+    advertise: list[str] = field(default_factory=list)
+    roles: tuple[str, ...] = ("cache",)
+    region: str = ""
+    security: Security = field(default_factory=Security)
+    gossip_interval: float = 1.0
+    ttl: float = 5.0
+    node_id: str = ""
+    replicas: int = 1
+    lookup_deadline: float = 0.25
+
+    def resolved_node_id(self) -> str:
+        if self.node_id:
+            return self.node_id
+        # stable across restarts of the same node, so a restart shows a new epoch
+        return hashlib.sha256(f"{self.alias}|{self.listen}".encode()).hexdigest()[:16]
+
+
+class MeshNode:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.node_id = config.resolved_node_id()
+        self.alias = config.alias or f"node-{self.node_id[:6]}"
+        self.store = BlockStore(config.budget_bytes)
+        self.cache = CacheService(self.store)
+        self.auth = config.security.auth(self.node_id)
+        self.membership = Membership(self.node_id, self._card, self.auth, ttl=config.ttl)
+        self.client = MeshClient(
+            self.membership,
+            self.auth,
+            config.security.tls,
+            replicas=config.replicas,
+            lookup_deadline=config.lookup_deadline,
+        )
+        self.endpoints: list[pb.Endpoint] = []
+        self.port = 0
+        self.load = 0.0
+        self.started = time.time()
+        self._server: Any = None
+        self._gossip: asyncio.Task[None] | None = None
+        self.extra_namespaces: dict[str, str] = {}  # hex -> summary (a head's own model)
+
+    def _card(self) -> pb.CapabilityCard:
+        s = self.store.stats
+        ns = {k.hex(): v for k, v in self.cache.summaries.items()}
+        ns.update(self.extra_namespaces)
+        return pb.CapabilityCard(
+            alias=self.alias,
+            epoch=self.store.epoch,
+            roles=list(self.config.roles),
+            endpoints=self.endpoints,
+            namespaces=list(ns),
+            card_summaries=list(ns.values()),
+            budget_bytes=s.budget_bytes,
+            used_bytes=s.used_bytes,
+            entries=s.entries,
+            load=self.load,
+            region=self.config.region,
+            hits=s.hits,
+            misses=s.misses,
+        )
+
+    async def start(self) -> None:
+        self._server, self.port, _ = await start_server(
+            self.config.listen,
+            self.store,
+            self.membership,
+            self.auth,
+            self.config.security.tls,
+            self.cache,
+        )
+        host = self.config.listen.rpartition(":")[0].strip("[]")
+        if self.config.advertise:
+            self.endpoints = [parse_advertise(a) for a in self.config.advertise]
+        else:
+            self.endpoints = detect_endpoints(host, self.port)
+        self._gossip = asyncio.get_running_loop().create_task(self._gossip_loop())
+        log.info(
+            "%s (%s) listening on %s epoch %s", self.alias, self.node_id[:8], self.address, self.store.epoch[:8]
+        )
+
+    @property
+    def address(self) -> str:
+        host = self.config.listen.rpartition(":")[0] or "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def gossip_once(self) -> None:
+        self.membership.bump()
+        targets = self.membership.gossip_targets(self.config.seeds)
+        await asyncio.gather(*(self._exchange(n, a) for n, a in targets))
+
+    async def _exchange(self, node_id: str | None, address: str) -> None:
+        try:
+            await self.client.exchange(address, node_id)
+        except Exception as e:  # a gossip round never fails the node
+            log.debug("gossip with %s failed: %s", address, e)
+
+    async def _gossip_loop(self) -> None:
+        while True:
+            await self.gossip_once()
+            jitter = random.uniform(0.8, 1.0)
+            await asyncio.sleep(self.config.gossip_interval * jitter)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._gossip:
+            self._gossip.cancel()
+        await self.client.close()
+        if self._server:
+            await self._server.stop(grace)
+
+
+class NodeThread:
+    """Runs a :class:`MeshNode` on its own event loop thread."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvmesh-mesh", daemon=True)
+        self._thread.start()
+        self.node: MeshNode = self.call(self._make(config))
+        self.call(self.node.start())
+
+    @staticmethod
+    async def _make(config: NodeConfig) -> MeshNode:
+        return MeshNode(config)  # built on the loop: its asyncio objects bind here
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def close(self) -> None:
+        try:
+            self.call(self.node.stop(0.2), timeout=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+
+
+def pid_alias() -> str:
+    return f"{os.uname().nodename}-{os.getpid()}"

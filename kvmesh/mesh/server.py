@@ -1,0 +1,239 @@
+"""The cache node's gRPC services: ``PrefillCache`` and ``Membership``.
+
+Lookup is metadata only. Fetch streams the chosen blocks under a lease tied to
+the store's epoch. Publish is idempotent and immutable: each block is validated
+against the card the publisher names (whose SHA-256 must be the namespace) and
+its SHA-256 is checked before it is stored. Under a fleet key every call must
+carry a valid credential (see :mod:`kvmesh.mesh.security`), else UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ..codec import CHUNK_BYTES, MAX_CHUNK_BYTES, Assembler, Layout, chunks
+from ..compat import CompatCard
+from ..errors import KVMeshError, LeaseExpired, Unauthenticated
+from ..store import BlockStore
+from .membership import Membership
+from .proto import kvmesh_pb2 as pb
+from .proto import kvmesh_pb2_grpc as pbg
+from .security import FleetAuth, TLSConfig
+
+log = logging.getLogger("kvmesh.server")
+
+MAX_CARD_JSON = 16 * 1024
+MAX_NAMESPACES = 64
+MAX_LOOKUP_KEYS = 65536
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
+    ("grpc.max_send_message_length", MAX_CHUNK_BYTES + (64 << 10)),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def _info(block: Any) -> pb.BlockInfo:
+    return pb.BlockInfo(
+        key=block.key, nbytes=block.nbytes, digest=block.digest, tokens=block.header.tokens
+    )
+
+
+class CacheService(pbg.PrefillCacheServicer):
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.layouts: dict[bytes, Layout] = {}
+        self.summaries: dict[bytes, str] = {}
+        self.counters: Counter[str] = Counter()
+
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        if len(request.block_keys) > MAX_LOOKUP_KEYS or len(request.tail_keys) > 64:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many keys")
+        self.counters["lookups"] += 1
+        tail = next((k for k in request.tail_keys if k in self.store), None)
+        m = self.store.longest_prefix(list(request.block_keys), tail)
+        if m.blocks and m.blocks[0].header.namespace != request.namespace:
+            return pb.LookupResponse(epoch=self.store.epoch)  # keys of another namespace
+        resp = pb.LookupResponse(
+            epoch=self.store.epoch, blocks=[_info(b) for b in m.blocks], matched_tokens=m.tokens
+        )
+        if m.tail is not None:
+            resp.tail.CopyFrom(_info(m.tail))
+        return resp
+
+    async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.FetchChunk]:
+        size = request.chunk_bytes or CHUNK_BYTES
+        if not 0 < size <= MAX_CHUNK_BYTES or len(request.keys) > MAX_LOOKUP_KEYS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad fetch request")
+        if request.epoch != self.store.epoch:
+            self.counters["stale_epoch"] += 1
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale_epoch")
+        ttl = request.lease_ttl_s if 0 < request.lease_ttl_s <= 300 else 30.0
+        try:
+            lease = self.store.lease(list(request.keys), ttl)
+        except LeaseExpired:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "lease_expired")
+        self.counters["fetches"] += 1
+        try:
+            first = True
+            for i, key in enumerate(request.keys):
+                try:
+                    self.store.check_lease(lease.id, lease.epoch)
+                except LeaseExpired:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "lease_expired")
+                block = self.store.get(key)
+                assert block is not None  # leased blocks are never evicted
+                for chunk in chunks(block.blob, size):
+                    msg = pb.FetchChunk(block=i, data=bytes(chunk))
+                    if first:
+                        msg.lease_id, first = lease.id, False
+                    yield msg
+                self.counters["bytes_served"] += block.nbytes
+        finally:
+            self.store.release(lease.id)
+
+    async def Publish(
+        self, request_iterator: AsyncIterator[pb.PublishChunk], context: Any
+    ) -> pb.PublishResponse:
+        resp = pb.PublishResponse()
+        layout: Layout | None = None
+        asm: Assembler | None = None
+        try:
+            async for msg in request_iterator:
+                if layout is None:
+                    layout = self._layout(msg.card_json)
+                if msg.nbytes:  # first chunk of a block
+                    if asm is not None:
+                        raise KVMeshError("previous block incomplete")
+                    asm = Assembler(layout, msg.nbytes, msg.digest or None)
+                if asm is None:
+                    raise KVMeshError("chunk outside a block")
+                if len(msg.data) > 256 << 10:
+                    await asyncio.to_thread(asm.feed, msg.data)
+                else:
+                    asm.feed(msg.data)
+                if asm._filled == asm.total:
+                    block = asm.finish()
+                    asm = None
+                    if self.store.put(block):
+                        resp.stored += 1
+                        self.counters["bytes_published"] += block.nbytes
+                    else:
+                        resp.duplicates += 1
+            if asm is not None:
+                raise KVMeshError("stream ended inside a block")
+        except KVMeshError as e:  # typed: count it, keep what was complete
+            reason = e.reason if type(e) is not KVMeshError else "malformed_payload"
+            resp.rejected += 1
+            resp.reason = reason
+            self.counters[f"publish_rejected:{reason}"] += 1
+            log.warning("publish rejected: %s (%s)", reason, e)
+        except (ValueError, TypeError, KeyError) as e:
+            resp.rejected += 1
+            resp.reason = "malformed_payload"
+            self.counters["publish_rejected:malformed_payload"] += 1
+            log.warning("publish rejected: %s", e)
+        return resp
+
+    def _layout(self, card_json: str) -> Layout:
+        if not card_json or len(card_json) > MAX_CARD_JSON:
+            raise KVMeshError("publish must start with a card")
+        card = CompatCard.from_json(json.loads(card_json))
+        ns = card.namespace
+        if ns not in self.layouts:
+            if len(self.layouts) >= MAX_NAMESPACES:
+                raise KVMeshError("too many namespaces")
+            self.layouts[ns] = Layout(card)
+            self.summaries[ns] = card.summary()
+        return self.layouts[ns]
+
+
+class MembershipService(pbg.MembershipServicer):
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+
+    async def Exchange(self, request: pb.ExchangeRequest, context: Any) -> pb.ExchangeResponse:
+        self.membership.merge(request.cards)
+        return pb.ExchangeResponse(cards=self.membership.outgoing())
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without a valid fleet credential (health checks excepted)."""
+
+    def __init__(self, auth: FleetAuth, counters: Counter[str]) -> None:
+        self.auth = auth
+        self.counters = counters
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = details.method
+        if method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        try:
+            self.auth.verify_call(method, details.invocation_metadata)
+        except Unauthenticated as e:
+            self.counters["unauthenticated"] += 1
+            return _deny(str(e), await continuation(details))
+        return await continuation(details)
+
+
+def _deny(message: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    async def abort(request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def abort_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover
+
+    if handler is None:
+        return grpc.unary_unary_rpc_method_handler(abort)
+    kw = dict(
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+    if handler.request_streaming and not handler.response_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort, **kw)
+    if handler.response_streaming and not handler.request_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort_stream, **kw)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort_stream, **kw)
+    return grpc.unary_unary_rpc_method_handler(abort, **kw)
+
+
+async def start_server(
+    listen: str,
+    store: BlockStore,
+    membership: Membership,
+    auth: FleetAuth | None = None,
+    tls: TLSConfig | None = None,
+    cache: CacheService | None = None,
+) -> tuple[grpc.aio.Server, int, CacheService]:
+    """Start the gRPC server; return it, the bound port and the cache service."""
+    cache = cache or CacheService(store)
+    interceptors = [AuthInterceptor(auth, cache.counters)] if auth else []
+    server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+    pbg.add_PrefillCacheServicer_to_server(cache, server)
+    pbg.add_MembershipServicer_to_server(MembershipService(membership), server)
+    hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    if tls is not None and tls.enabled:
+        port = server.add_secure_port(listen, tls.server_credentials())
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind {listen}")
+    await server.start()
+    res = hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    if asyncio.iscoroutine(res):
+        await res
+    return server, port, cache
