@@ -98,24 +98,46 @@ def security_options(fn):  # type: ignore[no-untyped-def]
     """Transport security flags shared by `peer` and `head`."""
     for opt in reversed(
         [
-            click.option("--fleet-key-file", type=click.Path(exists=True, dir_okay=False),
-                         help="Fleet pre-shared key: authenticates calls, cards, publishes; keys block hashes."),
-            click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="Server/client certificate (PEM)."),
-            click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="Private key (PEM)."),
-            click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False),
-                         help="CA bundle; on a server it turns on mutual TLS."),
+            click.option(
+                "--fleet-key-file",
+                type=click.Path(exists=True, dir_okay=False),
+                help="Fleet pre-shared key: authenticates calls, cards, publishes; keys block hashes.",
+            ),
+            click.option(
+                "--tls-cert",
+                type=click.Path(exists=True, dir_okay=False),
+                help="Server/client certificate (PEM).",
+            ),
+            click.option(
+                "--tls-key", type=click.Path(exists=True, dir_okay=False), help="Private key (PEM)."
+            ),
+            click.option(
+                "--tls-ca",
+                type=click.Path(exists=True, dir_okay=False),
+                help="CA bundle; on a server it turns on mutual TLS.",
+            ),
             click.option("--tls-server-name", help="Name to check in peers' certificates."),
-            click.option("--plaintext", is_flag=True,
-                         help="Allow an unencrypted listener on a non-loopback address."),
+            click.option(
+                "--plaintext",
+                is_flag=True,
+                help="Allow an unencrypted listener on a non-loopback address.",
+            ),
         ]
     ):
         fn = opt(fn)
     return fn
 
 
-def node_config(listen: str, budget: str, seed: tuple[str, ...], alias: str | None,
-                advertise: tuple[str, ...], roles: tuple[str, ...], sec: dict[str, object],
-                **extra: object):  # type: ignore[no-untyped-def]
+def node_config(
+    listen: str,
+    budget: str,
+    seed: tuple[str, ...],
+    alias: str | None,
+    advertise: tuple[str, ...],
+    roles: tuple[str, ...],
+    sec: dict[str, object],
+    **extra: object,
+):  # type: ignore[no-untyped-def]
     from pathlib import Path
 
     from .mesh.node import NodeConfig
@@ -161,29 +183,58 @@ def _logging(verbose: bool) -> None:
 
 
 @main.command()
-@click.option("--listen", default="127.0.0.1:7070", show_default=True, help="gRPC HOST:PORT (port 0 = any).")
+@click.option(
+    "--listen", default="127.0.0.1:7070", show_default=True, help="gRPC HOST:PORT (port 0 = any)."
+)
 @click.option("--budget", default="2GiB", show_default=True, help="Byte budget of the block store.")
 @click.option("--seed", multiple=True, help="HOST:PORT of a node to gossip with (repeatable).")
 @click.option("--alias", help="Human name shown on the dashboard.")
-@click.option("--advertise", multiple=True,
-              help="ADDR[,interface=thunderbolt|ethernet|wifi|tailscale|loopback] (repeatable; detected if omitted).")
+@click.option(
+    "--advertise",
+    multiple=True,
+    help="ADDR[,interface=thunderbolt|ethernet|wifi|tailscale|loopback] (repeatable; detected if omitted).",
+)
 @click.option("--metrics", help="Serve Prometheus metrics on HOST:PORT.")
-@click.option("--gossip-interval", default=1.0, show_default=True, help="Seconds between gossip rounds.")
-@click.option("--ttl", default=5.0, show_default=True, help="Seconds before a silent node is dropped.")
+@click.option(
+    "--gossip-interval", default=1.0, show_default=True, help="Seconds between gossip rounds."
+)
+@click.option(
+    "--ttl", default=5.0, show_default=True, help="Seconds before a silent node is dropped."
+)
 @click.option("--region", default="", help="Coarse region label shown publicly.")
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
-def peer(listen: str, budget: str, seed: tuple[str, ...], alias: str | None, advertise: tuple[str, ...],
-         metrics: str | None, gossip_interval: float, ttl: float, region: str, verbose: bool,
-         **sec: object) -> None:
+def peer(
+    listen: str,
+    budget: str,
+    seed: tuple[str, ...],
+    alias: str | None,
+    advertise: tuple[str, ...],
+    metrics: str | None,
+    gossip_interval: float,
+    ttl: float,
+    region: str,
+    verbose: bool,
+    **sec: object,
+) -> None:
     """Run a cache-only node: stores blocks, serves lookups and fetches, gossips."""
     import asyncio
 
     from .mesh.peer import run_peer
 
     _logging(verbose)
-    cfg = node_config(listen, budget, seed, alias, advertise, ("cache",), sec,
-                      gossip_interval=gossip_interval, ttl=ttl, region=region)
+    cfg = node_config(
+        listen,
+        budget,
+        seed,
+        alias,
+        advertise,
+        ("cache",),
+        sec,
+        gossip_interval=gossip_interval,
+        ttl=ttl,
+        region=region,
+    )
     asyncio.run(run_peer(cfg, metrics))
 
 

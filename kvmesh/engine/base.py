@@ -178,6 +178,15 @@ class Engine(abc.ABC):
         all_tokens = state.tokens + list(tokens[len(state.tokens) - state.cached :])
         return KVState(all_tokens, cache, logits, len(all_tokens))
 
+    def resume(self, state: KVState, keep: int, tokens: Sequence[int]) -> KVState:
+        """Reuse the first ``keep`` cached positions of a live ``state`` for ``tokens``
+        (their common prefix), computing the rest. Nothing is mutated in place."""
+        tokens = list(tokens)
+        keep = min(keep, len(tokens) - 1, state.cached)
+        cache = self._crop(state.cache, keep) if keep else None
+        cache, logits = self._forward(cache, tokens[keep:], keep)
+        return KVState(tokens, cache, logits, len(tokens), keep, len(tokens) - keep)
+
     def generate(self, state: KVState, sampling: Sampling) -> Iterator[int]:
         """Decode locally. Mutates ``state`` so it ends holding the whole sequence."""
         rng = self.new_rng(sampling.seed)

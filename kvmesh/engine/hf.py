@@ -139,9 +139,14 @@ class TransformersEngine(Engine):
         return cache, out.logits[0, -1].float()  # the cache was extended in place
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
-        for layer in cache.layers:  # views: the next forward concatenates anyway
-            layer.keys, layer.values = layer.keys[:, :, :n_tokens], layer.values[:, :, :n_tokens]
-        return cache
+        """A new cache viewing the first ``n_tokens`` positions; ``cache`` is untouched
+        (a session or a background export may still be reading it)."""
+        out = self._new_cache()
+        for src, dst in zip(cache.layers, out.layers, strict=True):
+            k, v = src.keys[:, :, :n_tokens], src.values[:, :, :n_tokens]
+            dst.lazy_initialization(k, v)
+            dst.keys, dst.values = k, v
+        return out
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
         c = self.card

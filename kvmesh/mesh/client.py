@@ -176,15 +176,19 @@ class MeshClient:
         ns = card.namespace_hex
         return [c for c in self.membership.live() if ns in c.namespaces and "cache" in c.roles]
 
-    async def lookup(self, card: CompatCard, keys: PrefixKeys) -> list[PeerHit]:
-        """Concurrent lookup on every compatible live peer; hits, longest first."""
+    async def lookup(self, card: CompatCard, keys: PrefixKeys) -> tuple[list[PeerHit], list[str]]:
+        """Concurrent lookup on every compatible live peer: (hits longest first,
+        the failure reasons of peers that did not answer)."""
         peers = self.compatible_peers(card)
         if not peers:
-            return []
-        req = pb.LookupRequest(namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail])
+            return [], []
+        req = pb.LookupRequest(
+            namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail]
+        )
         results = await asyncio.gather(*(self._lookup_one(p, req) for p in peers))
-        hits = [h for h in results if h is not None and h.tokens > 0]
-        return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h)))
+        hits = [h for h in results if isinstance(h, PeerHit) and h.tokens > 0]
+        errors = [r for r in results if isinstance(r, str)]
+        return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h))), errors
 
     def _endpoint_rank(self, hit: PeerHit) -> tuple[int, float]:
         from .membership import INTERFACE_PRIORITY
@@ -192,7 +196,9 @@ class MeshClient:
         rtt = self.membership.rtt(hit.node_id, hit.address) or float("inf")
         return INTERFACE_PRIORITY.get(hit.interface, 9), rtt
 
-    async def _lookup_one(self, peer: pb.CapabilityCard, req: pb.LookupRequest) -> PeerHit | None:
+    async def _lookup_one(
+        self, peer: pb.CapabilityCard, req: pb.LookupRequest
+    ) -> PeerHit | str | None:
         eps = self.membership.ranked_endpoints(peer)
         if not eps:
             return None
@@ -204,15 +210,15 @@ class MeshClient:
             )
         except grpc.aio.AioRpcError as e:
             err = _error(e)
-            self.counters[f"fallback:{err.reason}"] += 1
+            self.counters[f"lookup_failed:{err.reason}"] += 1
             log.debug("lookup on %s failed: %s", peer.alias, err)
-            return None
+            return err.reason
         n_blocks = len(resp.blocks)
         if n_blocks > len(req.block_keys) or any(
             b.key != k for b, k in zip(resp.blocks, req.block_keys, strict=False)
         ):
-            self.counters["fallback:malformed_payload"] += 1  # an answer we did not ask for
-            return None
+            self.counters["lookup_failed:malformed_payload"] += 1  # an answer we did not ask for
+            return "malformed_payload"
         tail = resp.tail if resp.HasField("tail") and n_blocks == len(req.block_keys) else None
         if tail is not None and tail.key not in req.tail_keys:
             tail = None
@@ -229,9 +235,11 @@ class MeshClient:
 
     # -- fetch -------------------------------------------------------------------
 
-    async def fetch(self, layout: Layout, hit: PeerHit, upto: int | None = None) -> list[Block]:
-        """Stream ``hit``'s blocks (the first ``upto``), verified. Raises a typed error."""
-        infos = hit.infos[:upto] if upto is not None else hit.infos
+    async def fetch(
+        self, layout: Layout, hit: PeerHit, start: int = 0, lease_ttl: float | None = None
+    ) -> list[Block]:
+        """Stream ``hit``'s blocks from index ``start`` on, verified. Raises a typed error."""
+        infos = hit.infos[start:]
         cap = layout.max_block_bytes
         if any(not 0 < i.nbytes <= cap or len(i.digest) != 32 for i in infos):
             raise MalformedPayload("peer announced an impossible block size")
@@ -240,7 +248,7 @@ class MeshClient:
             keys=[i.key for i in infos],
             epoch=hit.epoch,
             chunk_bytes=self.chunk_bytes,
-            lease_ttl_s=max(10.0, self.fetch_deadline),
+            lease_ttl_s=lease_ttl or max(10.0, self.fetch_deadline),
         )
         method = "/kvmesh.v1.PrefillCache/Fetch"
         loop = asyncio.get_running_loop()
@@ -309,11 +317,31 @@ class MeshClient:
             try:
                 for peer in self.publish_targets(blocks[0].key):
                     try:
-                        await self.publish(peer, card, blocks)
+                        held = await self._held(peer, card, blocks)
+                        if held < len(blocks):
+                            await self.publish(peer, card, blocks[held:])
                     except KVMeshError as e:
                         self.counters[f"publish_failed:{e.reason}"] += 1
             finally:
                 self._queue.task_done()
+
+    async def _held(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> int:
+        """How many leading blocks of a chain ``peer`` already stores (one Lookup)."""
+        eps = self.membership.ranked_endpoints(peer)
+        full = [b.key for b in blocks if b.header.kind == "block"]
+        tails = [b.key for b in blocks if b.header.kind == "tail"]
+        if not eps or blocks[0].header.start != 0:
+            return 0
+        method = "/kvmesh.v1.PrefillCache/Lookup"
+        try:
+            resp = await pbg.PrefillCacheStub(self.channel(eps[0].address)).Lookup(
+                pb.LookupRequest(namespace=card.namespace, block_keys=full, tail_keys=tails),
+                timeout=self.lookup_deadline * 4,
+                metadata=self._md(method),
+            )
+        except grpc.aio.AioRpcError:
+            return 0
+        return len(resp.blocks) + (1 if resp.HasField("tail") else 0)
 
     async def publish(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> Any:
         eps = self.membership.ranked_endpoints(peer)

@@ -59,7 +59,9 @@ def parse_advertise(spec: str) -> pb.Endpoint:
     if rest:
         k, _, v = rest.partition("=")
         if k != "interface" or v not in INTERFACE_PRIORITY:
-            raise ValueError(f"bad --advertise {spec!r}: use ADDR[,interface={'|'.join(INTERFACES)}]")
+            raise ValueError(
+                f"bad --advertise {spec!r}: use ADDR[,interface={'|'.join(INTERFACES)}]"
+            )
         kind = v
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
@@ -76,7 +78,9 @@ def detect_endpoints(host: str, port: int) -> list[pb.Endpoint]:
         for name, addr in _interface_addresses():
             if addr == host:
                 kind = interface_kind(name)
-        return [pb.Endpoint(address=f"{host}:{port}", interface=kind, priority=INTERFACE_PRIORITY[kind])]
+        return [
+            pb.Endpoint(address=f"{host}:{port}", interface=kind, priority=INTERFACE_PRIORITY[kind])
+        ]
     eps = [
         pb.Endpoint(
             address=f"{addr}:{port}",

@@ -18,11 +18,15 @@ class NodeCollector(Collector):
         if node is None:
             return
         s = node.store.stats
-        yield GaugeMetricFamily("kvmesh_store_budget_bytes", "Store byte budget", value=s.budget_bytes)
+        yield GaugeMetricFamily(
+            "kvmesh_store_budget_bytes", "Store byte budget", value=s.budget_bytes
+        )
         yield GaugeMetricFamily("kvmesh_store_used_bytes", "Bytes stored", value=s.used_bytes)
         yield GaugeMetricFamily("kvmesh_store_entries", "Blocks stored", value=s.entries)
         yield GaugeMetricFamily("kvmesh_store_leases", "Active leases", value=s.leases)
-        yield GaugeMetricFamily("kvmesh_peers_live", "Live peers", value=len(node.membership.live()))
+        yield GaugeMetricFamily(
+            "kvmesh_peers_live", "Live peers", value=len(node.membership.live())
+        )
         for name, value, doc in (
             ("kvmesh_store_hits", s.hits, "Store lookups with a hit"),
             ("kvmesh_store_misses", s.misses, "Store lookups without a hit"),

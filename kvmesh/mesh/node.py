@@ -112,7 +112,11 @@ class MeshNode:
             self.endpoints = detect_endpoints(host, self.port)
         self._gossip = asyncio.get_running_loop().create_task(self._gossip_loop())
         log.info(
-            "%s (%s) listening on %s epoch %s", self.alias, self.node_id[:8], self.address, self.store.epoch[:8]
+            "%s (%s) listening on %s epoch %s",
+            self.alias,
+            self.node_id[:8],
+            self.address,
+            self.store.epoch[:8],
         )
 
     @property
@@ -150,7 +154,9 @@ class NodeThread:
 
     def __init__(self, config: NodeConfig) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvmesh-mesh", daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="kvmesh-mesh", daemon=True
+        )
         self._thread.start()
         self.node: MeshNode = self.call(self._make(config))
         self.call(self.node.start())

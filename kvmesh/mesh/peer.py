@@ -24,7 +24,9 @@ async def run_peer(config: NodeConfig, metrics: str | None = None) -> None:
         REGISTRY.register(NodeCollector(lambda: node))
         host, port = split_hostport(metrics)
         start_http_server(port, addr=host)
-    print(f"kvmesh peer {node.alias} listening on {node.address} epoch {node.store.epoch}", flush=True)
+    print(
+        f"kvmesh peer {node.alias} listening on {node.address} epoch {node.store.epoch}", flush=True
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,1 @@
+"""The head runtime: sessions, the cost-aware planner, async publishing, telemetry."""

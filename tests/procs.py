@@ -1,0 +1,160 @@
+"""Real peer processes and a fault-injecting TCP proxy for integration tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Peer:
+    """``kvmesh peer`` in its own process."""
+
+    def __init__(
+        self, *args: str, port: int = 0, alias: str = "peer", log_dir: Path | None = None
+    ) -> None:
+        self.args = args
+        self.alias = alias
+        self.port = port or free_port()
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[str] | None = None
+        self.epoch = ""
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "peer",
+            "--listen",
+            self.address,
+            "--alias",
+            self.alias,
+            "--gossip-interval",
+            "0.3",
+            "--ttl",
+            "2",
+            *self.args,
+        ]
+        err = open(self.log_dir / f"{self.alias}.log", "a") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=os.environ.copy()
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        m = re.search(r"listening on (\S+) epoch (\w+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"peer did not start: {line!r}")
+        self.epoch = m.group(2)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.terminate()
+        return self.proc.wait(10)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+class FaultProxy:
+    """TCP proxy in front of a peer. ``corrupt_at(n)`` flips one bit of the n-th
+    server->client byte counted from the call; ``stall()`` stops forwarding."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self._corrupt_at: int | None = None
+        self._down = 0
+        self.stalled = threading.Event()
+        self.corrupted = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def corrupt_at(self, n: int) -> None:
+        with self._lock:
+            self._down, self._corrupt_at = 0, n
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                s = socket.create_connection(self.target)
+            except OSError:
+                c.close()
+                continue
+            threading.Thread(target=self._pipe, args=(c, s, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(s, c, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                while self.stalled.is_set():
+                    time.sleep(0.01)
+                if down:
+                    with self._lock:
+                        if (
+                            self._corrupt_at is not None
+                            and self._down + len(data) > self._corrupt_at
+                        ):
+                            buf = bytearray(data)
+                            buf[self._corrupt_at - self._down] ^= 0x10
+                            data = bytes(buf)
+                            self._corrupt_at = None
+                            self.corrupted += 1
+                        self._down += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
