@@ -72,9 +72,12 @@ class FleetAuth:
                 while self._seen and next(iter(self._seen.values())) < now - 2 * MAX_SKEW_S:
                     self._seen.popitem(last=False)
             return node
-        except (ValueError, Unauthenticated) as e:
+        except Unauthenticated:
             self.rejected += 1
-            raise e if isinstance(e, Unauthenticated) else Unauthenticated("malformed credential")
+            raise
+        except ValueError:
+            self.rejected += 1
+            raise Unauthenticated("malformed credential") from None
 
     def sign_card(self, payload: bytes) -> bytes:
         return self._mac(b"card", payload)
