@@ -121,6 +121,7 @@ class MeshClient:
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-verify")
         self._queue: asyncio.Queue[tuple[CompatCard, list[Block]]] = asyncio.Queue(publish_queue)
         self._publisher: asyncio.Task[None] | None = None
+        self._inflight = 0
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -308,12 +309,17 @@ class MeshClient:
             self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
         return True
 
+    def queued(self) -> int:
+        """Publishes queued or being sent."""
+        return self._queue.qsize() + self._inflight
+
     async def drain(self) -> None:
         await self._queue.join()
 
     async def _publish_loop(self) -> None:
         while True:
             card, blocks = await self._queue.get()
+            self._inflight += 1
             try:
                 for peer in self.publish_targets(blocks[0].key):
                     try:
@@ -323,6 +329,7 @@ class MeshClient:
                     except KVMeshError as e:
                         self.counters[f"publish_failed:{e.reason}"] += 1
             finally:
+                self._inflight -= 1
                 self._queue.task_done()
 
     async def _held(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> int:

@@ -278,6 +278,14 @@ class HeadRuntime:
         assert self.node is not None
         self.node.node.client.enqueue_publish(self.card, chain)
 
+    def publish_pending(self) -> int:
+        """Publishes not yet handed to peers (exports running or queued sends)."""
+        with self._pending_lock:
+            n = self._pending
+        if self.node is not None:
+            n += self.node.node.client.queued()
+        return n
+
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued publishes to reach the peers (tests and the demo)."""
         deadline = time.time() + timeout

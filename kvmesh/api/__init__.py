@@ -1,0 +1,1 @@
+"""HTTP: the OpenAI-compatible API, the network API, the dashboard and /metrics."""

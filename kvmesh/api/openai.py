@@ -1,0 +1,231 @@
+"""OpenAI-compatible completions and chat completions, streaming and not.
+
+Bad requests get a 4xx with an OpenAI-style error body; the head keeps serving.
+``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens not recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine import Sampling
+from ..runtime.head import Generation, HeadRuntime
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:  # fmt: skip
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None)
+    max_completion_tokens: int | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for p in content:
+        if p.get("type") != "text" or not isinstance(p.get("text"), str):
+            raise APIError(400, "only text content parts are supported", param="messages")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+class OpenAIService:
+    def __init__(self, runtime: HeadRuntime, model_name: str, max_context: int, max_tokens_cap: int = 4096) -> None:
+        self.runtime = runtime
+        self.model_name = model_name
+        self.max_context = max_context
+        self.max_tokens_cap = max_tokens_cap
+        self.created = int(time.time())
+
+    def names(self) -> set[str]:
+        return {self.model_name, self.runtime.card.model_id}
+
+    def _check(self, req: _Common, n_prompt: int) -> Sampling:
+        if req.model not in self.names():
+            raise APIError(404, f"The model '{req.model}' does not exist", param="model", code="model_not_found")
+        if req.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if max_tokens < 1 or max_tokens > self.max_tokens_cap:
+            raise APIError(400, f"max_tokens must be between 1 and {self.max_tokens_cap}", param="max_tokens")
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if n_prompt + max_tokens > self.max_context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens; the prompt has "
+                f"{n_prompt} and max_tokens asks for {max_tokens}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        return Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+
+    def completion_tokens(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, str):
+            return self.runtime.engine.encode(p)
+        if p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            return self.runtime.engine.encode(str(p[0]))
+        vocab = self.runtime.card.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in p):
+            raise APIError(400, f"token ids must be integers in [0, {vocab})", param="prompt")
+        return [int(t) for t in p]  # type: ignore[arg-type]
+
+    def chat_tokens(self, req: ChatRequest) -> list[int]:
+        msgs = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+        return self.runtime.engine.encode_chat(msgs)
+
+    def run(self, req: _Common, tokens: list[int], chat: bool) -> Any:
+        sampling = self._check(req, len(tokens))
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(
+                self._sse(rid, tokens, sampling, chat, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        out = self.runtime.complete(tokens, sampling)
+        text = self.runtime.engine.decode_text(out.tokens)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": [choice],
+            "usage": self._usage(out, len(tokens)),
+            "kvmesh": {**out.report.as_dict(), "ttft_s": out.ttft_s} if out.report else None,
+        }
+
+    @staticmethod
+    def _usage(out: Generation, n_prompt: int) -> dict[str, Any]:
+        cached = out.report.reused_tokens if out.report else 0
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(out.tokens),
+            "total_tokens": n_prompt + len(out.tokens),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _sse(self, rid: str, tokens: list[int], sampling: Sampling, chat: bool, include_usage: bool) -> Iterator[str]:
+        out = Generation()
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        decode = self.runtime.engine.decode_text
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if text:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            return f"data: {json.dumps(body)}\n\n"
+
+        if chat:
+            yield chunk(None, None, first=True)
+        sent = ""
+        for _ in self.runtime.generate(tokens, sampling, out):
+            text = decode(out.tokens)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
+                continue
+            if len(text) > len(sent):
+                yield chunk(text[len(sent) :], None)
+                sent = text
+        text = decode(out.tokens)
+        yield chunk(text[len(sent) :] if len(text) > len(sent) else None, out.finish_reason)
+        if include_usage:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                    "usage": self._usage(out, len(tokens))}  # fmt: skip
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def router(service: OpenAIService) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": service.model_name, "object": "model", "created": service.created, "owned_by": "kvmesh"}],
+        }
+
+    @r.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        from starlette.concurrency import run_in_threadpool
+
+        tokens = service.completion_tokens(req)
+        return await run_in_threadpool(service.run, req, tokens, False) if not req.stream else service.run(
+            req, tokens, False
+        )
+
+    @r.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request) -> Any:
+        from starlette.concurrency import run_in_threadpool
+
+        tokens = service.chat_tokens(req)
+        return await run_in_threadpool(service.run, req, tokens, True) if not req.stream else service.run(
+            req, tokens, True
+        )
+
+    return r
