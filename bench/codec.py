@@ -14,25 +14,14 @@ import argparse
 import json
 import platform
 import time
-from types import SimpleNamespace
 
 import torch
+from _common import demo_card, fake_engine, random_state
 
 from kvmesh.blocks import BlockKeyer
-from kvmesh.codec import Layout, decode_block
-from kvmesh.compat import CompatCard
+from kvmesh.codec import decode_block
 from kvmesh.engine.base import Engine
-from kvmesh.engine.hf import TransformersEngine
 from kvmesh.store import BlockStore
-
-
-def demo_card(block_tokens: int) -> CompatCard:
-    return CompatCard(
-        engine="transformers", model_id="bench", weights_digest="0" * 64,
-        tokenizer_digest="0" * 64, quantization="none", kv_dtype="float32", rope="{}",
-        num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24,
-        vocab_size=320, block_tokens=block_tokens,
-    )
 
 
 def _best(fn, reps: int = 5) -> float:
@@ -46,21 +35,9 @@ def _best(fn, reps: int = 5) -> float:
 
 def measure(block_tokens: int, n_tokens: int) -> dict[str, float]:
     card = demo_card(block_tokens)
-    eng = object.__new__(TransformersEngine)  # the real export/import code, no model
-    eng.card, eng.layout, eng.dtype, eng.device = card, Layout(card), torch.float32, torch.device("cpu")
-    eng._cache_cls = lambda config=None: SimpleNamespace(
-        layers=[SimpleNamespace(lazy_initialization=lambda k, v: None) for _ in range(24)]
-    )
-    eng.model = SimpleNamespace(config=None)
-    g = torch.Generator().manual_seed(0)
-    shape = (1, 2, n_tokens, 64)
-    cache = SimpleNamespace(layers=[
-        SimpleNamespace(keys=torch.randn(shape, generator=g), values=torch.randn(shape, generator=g))
-        for _ in range(24)
-    ])
-    tokens = list(range(n_tokens))
+    eng = fake_engine(card)
+    state = random_state(card, n_tokens)
     keyer = BlockKeyer(card.namespace, block_tokens)
-    state = SimpleNamespace(tokens=tokens, cached=n_tokens, cache=cache, logits=torch.zeros(320))
     blocks = Engine.export(eng, state, keyer)  # type: ignore[arg-type]
     nbytes = sum(b.nbytes for b in blocks)
     enc = _best(lambda: Engine.export(eng, state, keyer))  # type: ignore[arg-type]
@@ -69,7 +46,7 @@ def measure(block_tokens: int, n_tokens: int) -> dict[str, float]:
     store = BlockStore(1 << 32)
     for b in blocks:
         store.put(b)
-    look = _best(lambda: store.longest_prefix(keyer.keys(tokens)), 20)
+    look = _best(lambda: store.longest_prefix(keyer.keys(state.tokens)), 20)
     return {
         "block_tokens": block_tokens,
         "block_bytes": blocks[0].nbytes,
@@ -84,7 +61,9 @@ def measure(block_tokens: int, n_tokens: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", default="bench/results/codec.json")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--sizes", default="8,16,32,64,128")
@@ -96,8 +75,12 @@ def main() -> None:
             f"encode {r['encode_gbps']:.2f} GB/s  decode+verify {r['decode_verify_gbps']:.2f} GB/s  "
             f"import {r['import_gbps']:.2f} GB/s  keys+lookup {r['keys_and_lookup_ms']:.3f} ms"
         )
-    out = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-           "prompt_tokens": args.tokens, "results": rows}
+    out = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": args.tokens,
+        "results": rows,
+    }
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
 

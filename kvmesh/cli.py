@@ -239,34 +239,79 @@ def peer(
 
 
 @main.command()
-@click.option("--model", default="demo", show_default=True, help="demo, demo-tiny or a local model directory.")
+@click.option(
+    "--model", default="demo", show_default=True, help="demo, demo-tiny or a local model directory."
+)
 @click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True)
 @click.option("--listen", default="127.0.0.1:8000", show_default=True, help="HTTP HOST:PORT.")
-@click.option("--grpc-listen", default="127.0.0.1:0", show_default=True,
-              help="The head's own cache service (a head is also a peer).")
-@click.option("--budget", default="2GiB", show_default=True, help="Byte budget of the local block store.")
+@click.option(
+    "--grpc-listen",
+    default="127.0.0.1:0",
+    show_default=True,
+    help="The head's own cache service (a head is also a peer).",
+)
+@click.option(
+    "--budget", default="2GiB", show_default=True, help="Byte budget of the local block store."
+)
 @click.option("--seed", multiple=True, help="HOST:PORT of a node to gossip with (repeatable).")
 @click.option("--alias", help="Human name shown on the dashboard.")
-@click.option("--advertise", multiple=True, help="ADDR[,interface=KIND] for the gRPC service (repeatable).")
-@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False),
-              help="API keys (one per line) that unlock protected network reads and writes.")
+@click.option(
+    "--advertise", multiple=True, help="ADDR[,interface=KIND] for the gRPC service (repeatable)."
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="API keys (one per line) that unlock protected network reads and writes.",
+)
 @click.option("--no-publish", is_flag=True, help="Never publish new prefixes.")
 @click.option("--gossip-interval", default=1.0, show_default=True)
 @click.option("--ttl", default=5.0, show_default=True)
 @click.option("--region", default="")
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
-def head(model: str, engine: str, listen: str, grpc_listen: str, budget: str, seed: tuple[str, ...],
-         alias: str | None, advertise: tuple[str, ...], api_key_file: str | None, no_publish: bool,
-         gossip_interval: float, ttl: float, region: str, verbose: bool, **sec: object) -> None:
+def head(
+    model: str,
+    engine: str,
+    listen: str,
+    grpc_listen: str,
+    budget: str,
+    seed: tuple[str, ...],
+    alias: str | None,
+    advertise: tuple[str, ...],
+    api_key_file: str | None,
+    no_publish: bool,
+    gossip_interval: float,
+    ttl: float,
+    region: str,
+    verbose: bool,
+    **sec: object,
+) -> None:
     """Serve the OpenAI-compatible API with prefill from the mesh; decode stays local."""
     from .api.server import HeadOptions, run_head
 
     _logging(verbose)
-    cfg = node_config(grpc_listen, budget, seed, alias, advertise, ("head", "cache"), sec,
-                      gossip_interval=gossip_interval, ttl=ttl, region=region)
-    run_head(HeadOptions(model=model, engine=engine, listen=listen, publish=not no_publish,
-                         api_key_file=api_key_file), cfg)
+    cfg = node_config(
+        grpc_listen,
+        budget,
+        seed,
+        alias,
+        advertise,
+        ("head", "cache"),
+        sec,
+        gossip_interval=gossip_interval,
+        ttl=ttl,
+        region=region,
+    )
+    run_head(
+        HeadOptions(
+            model=model,
+            engine=engine,
+            listen=listen,
+            publish=not no_publish,
+            api_key_file=api_key_file,
+        ),
+        cfg,
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

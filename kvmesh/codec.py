@@ -268,8 +268,9 @@ def chunks(blob: bytes, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
 
 
 class Assembler:
-    """Reassembles one block from chunks, validating the header before the
-    payload buffer is allocated and hashing as bytes arrive."""
+    """Reassembles one block from chunks, validating the header before anything
+    payload-sized is kept and hashing as bytes arrive. A block that arrives as one
+    chunk becomes the block's blob as is (no copy)."""
 
     def __init__(self, layout: Layout, total: int, digest: bytes | None = None) -> None:
         if not 0 < total <= layout.max_block_bytes:
@@ -277,40 +278,42 @@ class Assembler:
         self.layout = layout
         self.total = total
         self.digest = digest
-        self._buf: bytearray | None = None
-        self._head = bytearray()
-        self._filled = 0
+        self._parts: list[bytes] = []
+        self.filled = 0
         self._hash = hashlib.sha256()
         self.header: BlockHeader | None = None
+        self._head = b""
 
-    def feed(self, chunk: bytes | memoryview) -> None:
+    def feed(self, chunk: bytes) -> None:
         if len(chunk) > MAX_CHUNK_BYTES:
             raise OversizePayload("chunk too large")
-        if self._filled + len(chunk) > self.total:
+        if self.filled + len(chunk) > self.total:
             raise MalformedPayload("more bytes than announced")
+        if self.header is None:
+            self._head += chunk[: MAX_HEADER_BYTES + PREFIX.size]
+            if len(self._head) >= PREFIX.size:
+                end = PREFIX.size + parse_prefix(self._head)
+                if len(self._head) >= end:
+                    self.header = parse_header(
+                        memoryview(self._head)[PREFIX.size : end], self.layout
+                    )
+                    if end + self.header.payload_bytes != self.total:
+                        raise MalformedPayload("announced size disagrees with header")
+                    self._head = b""
         self._hash.update(chunk)
-        if self._buf is None:
-            self._head += chunk
-            self._filled += len(chunk)
-            if len(self._head) < PREFIX.size:
-                return
-            end = PREFIX.size + parse_prefix(self._head)
-            if len(self._head) < end:
-                return
-            self.header = parse_header(memoryview(self._head)[PREFIX.size : end], self.layout)
-            if end + self.header.payload_bytes != self.total:
-                raise MalformedPayload("announced size disagrees with header")
-            self._buf = bytearray(self.total)
-            self._buf[: len(self._head)] = self._head
-            self._head = bytearray()
-            return
-        self._buf[self._filled : self._filled + len(chunk)] = chunk
-        self._filled += len(chunk)
+        self._parts.append(chunk)
+        self.filled += len(chunk)
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.total
 
     def finish(self) -> Block:
-        if self._buf is None or self.header is None or self._filled != self.total:
-            raise MalformedPayload(f"truncated block: {self._filled} of {self.total} bytes")
+        if self.header is None or self.filled != self.total:
+            raise MalformedPayload(f"truncated block: {self.filled} of {self.total} bytes")
         actual = self._hash.digest()
         if self.digest is not None and actual != self.digest:
             raise ChecksumMismatch(f"block {self.header.key.hex()[:12]} digest mismatch")
-        return Block(self.header, self._buf, actual, self.total - self.header.payload_bytes)
+        blob = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts = []
+        return Block(self.header, blob, actual, self.total - self.header.payload_bytes)

@@ -29,8 +29,16 @@ class HeadCollector(Collector):
         for name, key, doc in (
             ("kvmesh_completion_tokens", "completion_tokens", "Tokens generated"),
             ("kvmesh_prompt_tokens", "prompt_tokens", "Prompt tokens received"),
-            ("kvmesh_kv_assisted_tokens", "kv_assisted_tokens", "Prompt tokens imported, not recomputed"),
-            ("kvmesh_computed_prompt_tokens", "computed_prompt_tokens", "Prompt tokens computed locally"),
+            (
+                "kvmesh_kv_assisted_tokens",
+                "kv_assisted_tokens",
+                "Prompt tokens imported, not recomputed",
+            ),
+            (
+                "kvmesh_computed_prompt_tokens",
+                "computed_prompt_tokens",
+                "Prompt tokens computed locally",
+            ),
             ("kvmesh_requests", "requests", "Requests completed"),
             ("kvmesh_bytes_fetched", "bytes_fetched", "KV bytes fetched from peers"),
         ):
@@ -115,7 +123,9 @@ def create_app(runtime: HeadRuntime, model_name: str, max_context: int) -> FastA
 
     @app.get("/metrics")
     def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            generate_latest(registry).decode(), media_type="text/plain; version=0.0.4"
+        )
 
     app.include_router(router(service))
     return app

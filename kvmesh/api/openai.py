@@ -24,7 +24,13 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.type, self.param, self.code)
@@ -77,7 +83,9 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 class OpenAIService:
-    def __init__(self, runtime: HeadRuntime, model_name: str, max_context: int, max_tokens_cap: int = 4096) -> None:
+    def __init__(
+        self, runtime: HeadRuntime, model_name: str, max_context: int, max_tokens_cap: int = 4096
+    ) -> None:
         self.runtime = runtime
         self.model_name = model_name
         self.max_context = max_context
@@ -89,13 +97,22 @@ class OpenAIService:
 
     def _check(self, req: _Common, n_prompt: int) -> Sampling:
         if req.model not in self.names():
-            raise APIError(404, f"The model '{req.model}' does not exist", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist",
+                param="model",
+                code="model_not_found",
+            )
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
         max_tokens = 16 if max_tokens is None else max_tokens
         if max_tokens < 1 or max_tokens > self.max_tokens_cap:
-            raise APIError(400, f"max_tokens must be between 1 and {self.max_tokens_cap}", param="max_tokens")
+            raise APIError(
+                400, f"max_tokens must be between 1 and {self.max_tokens_cap}", param="max_tokens"
+            )
         if n_prompt == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         if n_prompt + max_tokens > self.max_context:
@@ -106,7 +123,9 @@ class OpenAIService:
                 param="prompt",
                 code="context_length_exceeded",
             )
-        return Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        return Sampling(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed
+        )
 
     def completion_tokens(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
@@ -162,7 +181,9 @@ class OpenAIService:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _sse(self, rid: str, tokens: list[int], sampling: Sampling, chat: bool, include_usage: bool) -> Iterator[str]:
+    def _sse(
+        self, rid: str, tokens: list[int], sampling: Sampling, chat: bool, include_usage: bool
+    ) -> Iterator[str]:
         out = Generation()
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -178,7 +199,13 @@ class OpenAIService:
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            body = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+            }
             return f"data: {json.dumps(body)}\n\n"
 
         if chat:
@@ -207,7 +234,14 @@ def router(service: OpenAIService) -> APIRouter:
     def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": service.model_name, "object": "model", "created": service.created, "owned_by": "kvmesh"}],
+            "data": [
+                {
+                    "id": service.model_name,
+                    "object": "model",
+                    "created": service.created,
+                    "owned_by": "kvmesh",
+                }
+            ],
         }
 
     @r.post("/v1/completions")
@@ -215,8 +249,10 @@ def router(service: OpenAIService) -> APIRouter:
         from starlette.concurrency import run_in_threadpool
 
         tokens = service.completion_tokens(req)
-        return await run_in_threadpool(service.run, req, tokens, False) if not req.stream else service.run(
-            req, tokens, False
+        return (
+            await run_in_threadpool(service.run, req, tokens, False)
+            if not req.stream
+            else service.run(req, tokens, False)
         )
 
     @r.post("/v1/chat/completions")
@@ -224,8 +260,10 @@ def router(service: OpenAIService) -> APIRouter:
         from starlette.concurrency import run_in_threadpool
 
         tokens = service.chat_tokens(req)
-        return await run_in_threadpool(service.run, req, tokens, True) if not req.stream else service.run(
-            req, tokens, True
+        return (
+            await run_in_threadpool(service.run, req, tokens, True)
+            if not req.stream
+            else service.run(req, tokens, True)
         )
 
     return r

@@ -118,7 +118,11 @@ class MeshClient:
         self.counters: Counter[str] = Counter()
         self.transfers: deque[Transfer] = deque(maxlen=64)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-verify")
+        # blocks alternate between two single-thread hashers: chunks of one block
+        # stay in order, and consecutive blocks are verified in parallel
+        self._hashers = [
+            ThreadPoolExecutor(1, thread_name_prefix="kvmesh-verify") for _ in range(2)
+        ]
         self._queue: asyncio.Queue[tuple[CompatCard, list[Block]]] = asyncio.Queue(publish_queue)
         self._publisher: asyncio.Task[None] | None = None
         self._inflight = 0
@@ -152,7 +156,8 @@ class MeshClient:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
-        self._hasher.shutdown(wait=False)
+        for h in self._hashers:
+            h.shutdown(wait=False)
 
     # -- gossip ------------------------------------------------------------------
 
@@ -254,33 +259,35 @@ class MeshClient:
         method = "/kvmesh.v1.PrefillCache/Fetch"
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        call = pbg.PrefillCacheStub(self.channel(hit.address)).Fetch(
-            req, timeout=self.fetch_deadline, metadata=self._md(method)
-        )
+        call = self.channel(hit.address).unary_stream(
+            method, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=None
+        )(req, timeout=self.fetch_deadline, metadata=self._md(method))
         asms = [Assembler(layout, i.nbytes, i.digest) for i in infos]
-        pending: asyncio.Future[None] | None = None
+        pending: list[asyncio.Future[None]] = []
+        i = booked = 0
         try:
-            async for msg in call:
-                if msg.block >= len(asms):
-                    raise MalformedPayload("chunk for a block not asked for")
-                # hashing + copy run on one worker thread, in order, while we receive
-                pending = loop.run_in_executor(self._hasher, asms[msg.block].feed, msg.data)
-                if msg.block and pending.done():
-                    pending.result()
-            if pending is not None:
-                await pending
+            async for data in call:
+                if i >= len(asms) or booked + len(data) > asms[i].total:
+                    raise MalformedPayload("chunk beyond the blocks asked for")
+                # hashing runs on a worker thread (hashlib drops the GIL) while we receive
+                pending.append(loop.run_in_executor(self._hashers[i % 2], asms[i].feed, data))
+                booked += len(data)
+                if booked == asms[i].total:
+                    i, booked = i + 1, 0
+                if len(pending) > 16:
+                    await pending.pop(0)
+            for f in pending:
+                await f
+            pending.clear()
             blocks = [a.finish() for a in asms]  # raises ChecksumMismatch / truncation
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        except KVMeshError:
+        except (asyncio.CancelledError, KVMeshError):
             call.cancel()
             raise
         finally:
-            if pending is not None and not pending.done():
-                await asyncio.wait([pending])
+            if pending:
+                await asyncio.wait(pending)
         for blk, info in zip(blocks, infos, strict=True):
             if blk.key != info.key:
                 raise ChecksumMismatch("peer sent a block other than the one asked for")

@@ -37,6 +37,7 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
     ("grpc.max_send_message_length", MAX_CHUNK_BYTES + (64 << 10)),
     ("grpc.so_reuseport", 0),
+    ("grpc.http2.max_frame_size", 1 << 20),
 ]
 
 
@@ -46,7 +47,7 @@ def _info(block: Any) -> pb.BlockInfo:
     )
 
 
-class CacheService(pbg.PrefillCacheServicer):
+class CacheService:
     def __init__(self, store: BlockStore) -> None:
         self.store = store
         self.layouts: dict[bytes, Layout] = {}
@@ -68,7 +69,9 @@ class CacheService(pbg.PrefillCacheServicer):
             resp.tail.CopyFrom(_info(m.tail))
         return resp
 
-    async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.FetchChunk]:
+    async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[bytes]:
+        """Raw block bytes, in order; each message holds part of exactly one block.
+        (Not protobuf-encoded: a block travels without re-serialisation copies.)"""
         size = request.chunk_bytes or CHUNK_BYTES
         if not 0 < size <= MAX_CHUNK_BYTES or len(request.keys) > MAX_LOOKUP_KEYS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad fetch request")
@@ -82,19 +85,20 @@ class CacheService(pbg.PrefillCacheServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "lease_expired")
         self.counters["fetches"] += 1
         try:
-            first = True
-            for i, key in enumerate(request.keys):
+            for key in request.keys:
                 try:
                     self.store.check_lease(lease.id, lease.epoch)
                 except LeaseExpired:
+                    self.counters["lease_expired"] += 1
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "lease_expired")
                 block = self.store.get(key)
                 assert block is not None  # leased blocks are never evicted
-                for chunk in chunks(block.blob, size):
-                    msg = pb.FetchChunk(block=i, data=bytes(chunk))
-                    if first:
-                        msg.lease_id, first = lease.id, False
-                    yield msg
+                blob = block.blob
+                if len(blob) <= size and isinstance(blob, bytes):
+                    yield blob
+                else:
+                    for chunk in chunks(blob, size):
+                        yield bytes(chunk)
                 self.counters["bytes_served"] += block.nbytes
         finally:
             self.store.release(lease.id)
@@ -119,7 +123,7 @@ class CacheService(pbg.PrefillCacheServicer):
                     await asyncio.to_thread(asm.feed, msg.data)
                 else:
                     asm.feed(msg.data)
-                if asm._filled == asm.total:
+                if asm.complete:
                     block = asm.finish()
                     asm = None
                     if self.store.put(block):
@@ -153,6 +157,28 @@ class CacheService(pbg.PrefillCacheServicer):
             self.layouts[ns] = Layout(card)
             self.summaries[ns] = card.summary()
         return self.layouts[ns]
+
+
+def cache_handler(svc: CacheService) -> grpc.GenericRpcHandler:
+    """PrefillCache, registered by hand so that Fetch can stream raw bytes."""
+    return grpc.method_handlers_generic_handler(
+        "kvmesh.v1.PrefillCache",
+        {
+            "Lookup": grpc.unary_unary_rpc_method_handler(
+                svc.Lookup,
+                request_deserializer=pb.LookupRequest.FromString,
+                response_serializer=pb.LookupResponse.SerializeToString,
+            ),
+            "Fetch": grpc.unary_stream_rpc_method_handler(
+                svc.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=None
+            ),
+            "Publish": grpc.stream_unary_rpc_method_handler(
+                svc.Publish,
+                request_deserializer=pb.PublishChunk.FromString,
+                response_serializer=pb.PublishResponse.SerializeToString,
+            ),
+        },
+    )
 
 
 class MembershipService(pbg.MembershipServicer):
@@ -222,7 +248,7 @@ async def start_server(
     cache = cache or CacheService(store)
     interceptors = [AuthInterceptor(auth, cache.counters)] if auth else []
     server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
-    pbg.add_PrefillCacheServicer_to_server(cache, server)
+    server.add_generic_rpc_handlers((cache_handler(cache),))
     pbg.add_MembershipServicer_to_server(MembershipService(membership), server)
     hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -24,7 +24,9 @@ from ..demo import _TOPICS
 GEN_TOKENS = 8
 
 
-def _spawn(args: list[str], pattern: str, timeout: float = 600) -> tuple[subprocess.Popen[str], re.Match[str]]:
+def _spawn(
+    args: list[str], pattern: str, timeout: float = 600
+) -> tuple[subprocess.Popen[str], re.Match[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvmesh.cli", *args],
         stdout=subprocess.PIPE,
@@ -133,7 +135,8 @@ def run_two_node(model: str, engine: str, prompt_tokens: int, as_json: bool) -> 
         "speedup": round(kc["ttft_s"] / kh["ttft_s"], 1) if kh["ttft_s"] else None,
         "bytes_transferred": kh["bytes_fetched"],
         "checksum_ok": kh["source"] == "remote" and kh["fallback"] is None,
-        "outputs_identical": cold["choices"][0]["message"]["content"] == hit["choices"][0]["message"]["content"],
+        "outputs_identical": cold["choices"][0]["message"]["content"]
+        == hit["choices"][0]["message"]["content"],
         "source": kh["source"],
         "fetch_s": round(kh["fetch_s"], 6),
         "turn2_prompt_tokens": turn2["usage"]["prompt_tokens"],
@@ -159,7 +162,9 @@ def _table(r: dict[str, Any], console: Any) -> None:
     t.add_row("remote snapshot import (TTFT)", f"{r['hit_ttft_s']:.3f} s")
     t.add_row("observed acceleration", f"~{r['speedup']:.0f}×")
     t.add_row("reused tokens", f"{r['reused_tokens']} of {r['prompt_tokens']}")
-    t.add_row("transferred", f"{r['bytes_transferred'] / 1e6:.1f} MB in {r['fetch_s'] * 1000:.1f} ms")
+    t.add_row(
+        "transferred", f"{r['bytes_transferred'] / 1e6:.1f} MB in {r['fetch_s'] * 1000:.1f} ms"
+    )
     t.add_row("checksum validated", "yes" if r["checksum_ok"] else "NO")
     t.add_row("identical output", "yes" if r["outputs_identical"] else "NO")
     t.add_row("chat turn 2 reused", f"{r['turn2_cached_tokens']} of {r['turn2_prompt_tokens']} tokens "
