@@ -300,8 +300,9 @@ class MeshClient:
     # -- publish -----------------------------------------------------------------
 
     def publish_targets(self, root: bytes) -> list[pb.CapabilityCard]:
+        """Every live cache peer, in rendezvous order for this prefix root."""
         peers = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
-        return [peers[n] for n in rendezvous(root, list(peers), self.replicas)]
+        return [peers[n] for n in rendezvous(root, list(peers), len(peers))]
 
     def enqueue_publish(self, card: CompatCard, blocks: list[Block]) -> bool:
         """Non-blocking; call on the client's loop. Drops (and counts) when full."""
@@ -328,11 +329,15 @@ class MeshClient:
             card, blocks = await self._queue.get()
             self._inflight += 1
             try:
+                done = 0  # replicate to the first `replicas` owners that answer
                 for peer in self.publish_targets(blocks[0].key):
+                    if done >= self.replicas:
+                        break
                     try:
                         held = await self._held(peer, card, blocks)
                         if held < len(blocks):
                             await self.publish(peer, card, blocks[held:])
+                        done += 1
                     except KVMeshError as e:
                         self.counters[f"publish_failed:{e.reason}"] += 1
             finally:
@@ -353,8 +358,8 @@ class MeshClient:
                 timeout=self.lookup_deadline * 4,
                 metadata=self._md(method),
             )
-        except grpc.aio.AioRpcError:
-            return 0
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
         return len(resp.blocks) + (1 if resp.HasField("tail") else 0)
 
     async def publish(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> Any:

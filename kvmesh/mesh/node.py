@@ -44,6 +44,7 @@ class NodeConfig:
     node_id: str = ""
     replicas: int = 1
     lookup_deadline: float = 0.25
+    fetch_deadline: float = 30.0
 
     def resolved_node_id(self) -> str:
         if self.node_id:
@@ -67,6 +68,7 @@ class MeshNode:
             config.security.tls,
             replicas=config.replicas,
             lookup_deadline=config.lookup_deadline,
+            fetch_deadline=config.fetch_deadline,
         )
         self.endpoints: list[pb.Endpoint] = []
         self.port = 0

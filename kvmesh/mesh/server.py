@@ -38,6 +38,7 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_CHUNK_BYTES + (64 << 10)),
     ("grpc.so_reuseport", 0),
     ("grpc.http2.max_frame_size", 1 << 20),
+    ("grpc.http2.lookahead_bytes", 16 << 20),  # a big first window: no slow start per fetch
 ]
 
 

@@ -63,7 +63,7 @@ class HeadRuntime:
         self.planner = planner or Planner()
         self.telemetry = telemetry or Telemetry()
         self.max_sessions = max_sessions
-        self.fetch_timeout = fetch_timeout
+        self.fetch_timeout = node.node.client.fetch_deadline if node else fetch_timeout
         self.publish_enabled = publish
         self._lock = threading.Lock()  # one sequence at a time on the engine
         self._sessions: OrderedDict[int, KVState] = OrderedDict()

@@ -1,0 +1,358 @@
+"""Integration: real peer processes on loopback, a head in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from kvmesh.engine import Sampling
+from kvmesh.errors import LeaseExpired, StaleEpoch
+from kvmesh.mesh.node import NodeConfig, NodeThread
+from kvmesh.mesh.proto import kvmesh_pb2 as pb
+from kvmesh.runtime.head import Generation, HeadRuntime
+
+from .procs import FaultProxy, Peer, free_port
+
+SAMPLING = Sampling(max_tokens=6)
+
+
+def wait_for(cond, timeout=10.0, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def make_head(engine, seeds, alias="head", **cfg) -> HeadRuntime:
+    node = NodeThread(
+        NodeConfig(
+            listen="127.0.0.1:0", seeds=list(seeds), alias=alias, gossip_interval=0.3, ttl=2, **cfg
+        )
+    )
+    return HeadRuntime(engine, node)
+
+
+def close(head: HeadRuntime) -> None:
+    head.close()
+    if head.node:
+        head.node.close()
+
+
+def prompt(engine, n=200, salt=""):
+    text = (salt + "Idle memory in a fleet becomes a shared prefill cache. ") * 20
+    return engine.encode(text)[:n]
+
+
+def published(engine, peers, tokens):
+    """Cold request on a throwaway head; returns its greedy output once published."""
+    h = make_head(engine, [p.address for p in peers], alias="publisher")
+    try:
+        wait_for(lambda: len(h.node.node.membership.live()) >= len(peers), what="gossip")
+        out = h.complete(tokens, SAMPLING)
+        h.flush()
+        return out.tokens
+    finally:
+        close(h)
+
+
+def fresh_head(engine, peers, **cfg):
+    h = make_head(engine, [p.address for p in peers], **cfg)
+    ns = engine.card.namespace_hex
+    wait_for(
+        lambda: sum(ns in c.namespaces for c in h.node.node.membership.live()) >= 1,
+        what="a compatible peer",
+    )
+    return h
+
+
+@pytest.fixture
+def peer(tmp_path):
+    p = Peer(alias="p1", log_dir=tmp_path)
+    yield p
+    p.kill()
+
+
+@pytest.fixture(scope="module")
+def three_peers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("peers")
+    first = Peer(alias="p0", log_dir=d)
+    rest = [Peer("--seed", first.address, alias=f"p{i}", log_dir=d) for i in (1, 2)]
+    yield [first, *rest]
+    for p in (first, *rest):
+        p.kill()
+
+
+async def _exchange_cards(address: str) -> list[pb.CapabilityCard]:
+    import grpc
+
+    from kvmesh.mesh.proto import kvmesh_pb2_grpc as pbg
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        resp = await pbg.MembershipStub(ch).Exchange(pb.ExchangeRequest(), timeout=2)
+        return list(resp.cards)
+
+
+def cards_seen(address: str) -> dict[str, pb.CapabilityCard]:
+    return {c.alias: c for c in asyncio.run(_exchange_cards(address))}
+
+
+def test_gossip_converges_and_dead_nodes_expire(tmp_path):
+    a = Peer(alias="a", log_dir=tmp_path)
+    b = Peer("--seed", a.address, alias="b", log_dir=tmp_path)
+    c = Peer("--seed", a.address, alias="c", log_dir=tmp_path)
+    try:
+        t0 = time.time()
+        for p in (a, b, c):
+            wait_for(
+                lambda p=p: set(cards_seen(p.address)) == {"a", "b", "c"},
+                what=f"{p.alias} sees all",
+            )
+        assert time.time() - t0 < 5
+        seen = cards_seen(a.address)
+        assert seen["b"].endpoints[0].interface == "loopback"
+        assert seen["b"].epoch == b.epoch and "cache" in seen["b"].roles
+        assert seen["b"].budget_bytes == 2 << 30
+        old_epoch = b.epoch
+        c.kill()
+        wait_for(lambda: "c" not in cards_seen(a.address), timeout=8, what="c expires")
+        b.restart()  # same node id (alias + address): a new epoch replaces the old card
+        assert b.epoch != old_epoch
+        wait_for(lambda: cards_seen(a.address)["b"].epoch == b.epoch, what="new epoch seen")
+    finally:
+        for p in (a, b, c):
+            p.kill()
+
+
+def test_remote_hit_is_exact_after_head_restart(tiny_engine, three_peers):
+    toks = prompt(tiny_engine, 200, "exact ")
+    cold = published(tiny_engine, three_peers, toks)
+    h = fresh_head(tiny_engine, three_peers)
+    try:
+        out = h.complete(toks, SAMPLING)
+        r = out.report
+        assert r.source == "remote" and r.fallback is None
+        assert r.reused_tokens == len(toks) and r.used_stored_logits
+        assert out.tokens == cold
+        assert r.bytes_fetched > 0
+        # the imported KV equals local KV bit for bit, and so does the continuation
+        blocks = h.node.node.store.longest_prefix(h.keyer.keys(toks)).blocks[:6]
+        longer = toks + [65, 66]
+        local = tiny_engine.resume(tiny_engine.prefill(toks), 192, longer)  # the publisher's own KV
+        imported = tiny_engine.prefill(longer, blocks)
+        assert imported.imported_tokens == 192
+        assert torch.equal(local.logits, imported.logits)
+    finally:
+        close(h)
+
+
+def test_prefix_extension_fetches_the_common_blocks(tiny_engine, three_peers):
+    base = prompt(tiny_engine, 160, "ext ")
+    published(tiny_engine, three_peers, base)
+    h = fresh_head(tiny_engine, three_peers)
+    try:
+        longer = base + tiny_engine.encode(" and a brand new question at the end?")
+        cold = tiny_engine.generate(tiny_engine.prefill(longer), SAMPLING)
+        out = h.complete(longer, SAMPLING)
+        assert out.report.source == "remote" and out.report.reused_tokens == 160, (
+            out.report,
+            h.telemetry.counters,
+        )
+        assert out.tokens == list(cold)
+    finally:
+        close(h)
+
+
+def test_no_remote_call_during_decode(tiny_engine, three_peers):
+    toks = prompt(tiny_engine, 180, "decode ")
+    published(tiny_engine, three_peers, toks)
+    h = fresh_head(tiny_engine, three_peers)
+    client = h.node.node.client
+
+    def cache_rpcs():
+        return sum(
+            v for k, v in client.counters.items() if k.startswith("rpc:") and k != "rpc:Exchange"
+        )
+
+    try:
+        out = Generation()
+        gen = h.generate(toks, Sampling(max_tokens=12, stop_on_eos=False), out)
+        next(gen)
+        at_first = cache_rpcs()
+        assert at_first >= 2  # lookup + fetch happened before the first token
+        for i, _ in enumerate(gen):
+            assert cache_rpcs() == at_first
+            if i == 9:  # the last token: decode is over, publishing has not started
+                break
+        assert len(out.tokens) == 11 and out.report.source == "remote"
+    finally:
+        close(h)
+
+
+# -- faults: each falls back to local prefill with the same answer -------------
+
+
+def _baseline(engine, toks):
+    return list(engine.generate(engine.prefill(toks), SAMPLING))
+
+
+def test_peer_killed_before_request(tiny_engine, peer):
+    toks = prompt(tiny_engine, 150, "killed ")
+    published(tiny_engine, [peer], toks)
+    h = fresh_head(tiny_engine, [peer])
+    try:
+        peer.kill()
+        out = h.complete(toks, SAMPLING)
+        assert out.report.source == "compute" and out.report.fallback == "peer_unreachable"
+        assert out.tokens == _baseline(tiny_engine, toks)
+        assert h.telemetry.fallbacks["peer_unreachable"] == 1
+    finally:
+        close(h)
+
+
+def test_hung_peer_hits_the_lookup_deadline(tiny_engine, peer):
+    toks = prompt(tiny_engine, 150, "hung ")
+    published(tiny_engine, [peer], toks)
+    h = fresh_head(tiny_engine, [peer])
+    try:
+        peer.signal(signal.SIGSTOP)
+        t0 = time.time()
+        out = h.complete(toks, SAMPLING)
+        assert time.time() - t0 < 5
+        assert out.report.fallback == "timeout" and out.tokens == _baseline(tiny_engine, toks)
+    finally:
+        peer.signal(signal.SIGCONT)
+        close(h)
+
+
+def _through_proxy(tmp_path, alias):
+    port = free_port()
+    proxy = FaultProxy(port)
+    p = Peer(
+        "--advertise",
+        f"{proxy.address},interface=ethernet",
+        port=port,
+        alias=alias,
+        log_dir=tmp_path,
+    )
+    return p, proxy
+
+
+def test_corrupted_bytes_in_flight_are_caught(tiny_engine, tmp_path):
+    p, proxy = _through_proxy(tmp_path, "corrupt")
+    try:
+        toks = prompt(tiny_engine, 250, "corrupt ")
+        published(tiny_engine, [p], toks)
+        h = fresh_head(tiny_engine, [p])
+        try:
+            proxy.corrupt_at(20000)
+            out = h.complete(toks, SAMPLING)
+            assert proxy.corrupted == 1
+            assert out.report.fallback == "checksum_mismatch"
+            assert out.tokens == _baseline(tiny_engine, toks)
+        finally:
+            close(h)
+    finally:
+        p.kill()
+        proxy.close()
+
+
+def _stall_mid_stream(proxy, after_bytes):
+    """Stall downstream forwarding once ``after_bytes`` more bytes went down."""
+    start = proxy._down
+
+    def watch():
+        while proxy._down - start < after_bytes:
+            time.sleep(0.001)
+        proxy.stalled.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_peer_killed_mid_stream(tiny_engine, tmp_path):
+    p, proxy = _through_proxy(tmp_path, "midkill")
+    try:
+        toks = prompt(tiny_engine, 250, "midkill ")
+        published(tiny_engine, [p], toks)
+        h = fresh_head(tiny_engine, [p])
+        try:
+            _stall_mid_stream(proxy, 10000)
+            threading.Thread(
+                target=lambda: (
+                    proxy.stalled.wait(10),
+                    time.sleep(0.2),
+                    p.kill(),
+                    proxy.stalled.clear(),
+                ),
+                daemon=True,
+            ).start()
+            out = h.complete(toks, SAMPLING)
+            assert out.report.fallback in ("peer_unreachable", "malformed_payload")
+            assert out.report.source == "compute" and out.tokens == _baseline(tiny_engine, toks)
+        finally:
+            close(h)
+    finally:
+        p.kill()
+        proxy.close()
+
+
+def test_hung_peer_mid_stream_times_out(tiny_engine, tmp_path):
+    p, proxy = _through_proxy(tmp_path, "midhang")
+    try:
+        toks = prompt(tiny_engine, 250, "midhang ")
+        published(tiny_engine, [p], toks)
+        h = fresh_head(tiny_engine, [p], fetch_deadline=1.5)
+        try:
+            _stall_mid_stream(proxy, 10000)
+            out = h.complete(toks, SAMPLING)
+            assert out.report.fallback == "timeout"
+            assert out.tokens == _baseline(tiny_engine, toks)
+        finally:
+            proxy.stalled.clear()
+            close(h)
+    finally:
+        p.kill()
+        proxy.close()
+
+
+def test_stale_epoch_and_expired_lease(tiny_engine, tmp_path):
+    port = free_port()
+    p = Peer(port=port, alias="epoch", log_dir=tmp_path)
+    try:
+        toks = prompt(tiny_engine, 150, "epoch ")
+        published(tiny_engine, [p], toks)
+        h = fresh_head(tiny_engine, [p])
+        try:
+            client, layout = h.node.node.client, tiny_engine.layout
+            keys = h.keyer.keys(toks)
+            hits, _ = h.node.call(client.lookup(tiny_engine.card, keys))
+            with pytest.raises(LeaseExpired):
+                h.node.call(client.fetch(layout, hits[0], lease_ttl=1e-6))
+            p.restart()
+            published(tiny_engine, [p], toks)
+            with pytest.raises(StaleEpoch):
+                h.node.call(client.fetch(layout, hits[0]))
+        finally:
+            close(h)
+    finally:
+        p.kill()
+
+
+def test_incompatible_card_is_a_miss(tiny_engine, peer):
+    import dataclasses
+
+    toks = prompt(tiny_engine, 150, "card ")
+    published(tiny_engine, [peer], toks)
+    h = fresh_head(tiny_engine, [peer])
+    try:
+        other = dataclasses.replace(tiny_engine.card, quantization="int4")
+        hits, errors = h.node.call(h.node.node.client.lookup(other, h.keyer.keys(toks)))
+        assert hits == [] and errors == []
+    finally:
+        close(h)
