@@ -99,10 +99,12 @@ class FaultProxy:
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         self._corrupt_at: int | None = None
+        self._stall_at: int | None = None
         self._down = 0
         self.stalled = threading.Event()
         self.corrupted = 0
         self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -112,6 +114,11 @@ class FaultProxy:
     def corrupt_at(self, n: int) -> None:
         with self._lock:
             self._down, self._corrupt_at = 0, n
+
+    def stall_at(self, n: int) -> None:
+        """Forward ``n`` more server->client bytes, then stop until ``stalled`` is cleared."""
+        with self._lock:
+            self._down, self._stall_at = 0, n
 
     def _accept(self) -> None:
         while True:
@@ -124,6 +131,7 @@ class FaultProxy:
             except OSError:
                 c.close()
                 continue
+            self._socks += [c, s]
             threading.Thread(target=self._pipe, args=(c, s, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(s, c, True), daemon=True).start()
 
@@ -133,6 +141,14 @@ class FaultProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                if down and self._stall_at is not None and self._down + len(data) > self._stall_at:
+                    with self._lock:
+                        cut = max(0, self._stall_at - self._down)
+                        self._stall_at = None
+                        self._down += cut
+                    dst.sendall(data[:cut])
+                    data = data[cut:]
+                    self.stalled.set()
                 while self.stalled.is_set():
                     time.sleep(0.01)
                 if down:
@@ -155,5 +171,16 @@ class FaultProxy:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
 
+    def sever(self) -> None:
+        """Reset every proxied connection, as a dead host's link would."""
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )
+                s.close()
+        self._socks.clear()
+
     def close(self) -> None:
+        self.sever()
         self.sock.close()

@@ -178,14 +178,24 @@ class MeshClient:
 
     # -- lookup ------------------------------------------------------------------
 
-    def compatible_peers(self, card: CompatCard) -> list[pb.CapabilityCard]:
+    def compatible_peers(
+        self, card: CompatCard, root: bytes | None = None
+    ) -> list[pb.CapabilityCard]:
+        """Live cache peers that advertise the namespace, plus the rendezvous owners
+        of ``root`` (where publishes go), whose cards may not show it yet."""
         ns = card.namespace_hex
-        return [c for c in self.membership.live() if ns in c.namespaces and "cache" in c.roles]
+        caches = [c for c in self.membership.live() if "cache" in c.roles]
+        out = {c.node_id: c for c in caches if ns in c.namespaces}
+        if root is not None:
+            by_id = {c.node_id: c for c in caches}
+            for n in rendezvous(root, list(by_id), self.replicas + 1):
+                out.setdefault(n, by_id[n])
+        return list(out.values())
 
     async def lookup(self, card: CompatCard, keys: PrefixKeys) -> tuple[list[PeerHit], list[str]]:
         """Concurrent lookup on every compatible live peer: (hits longest first,
         the failure reasons of peers that did not answer)."""
-        peers = self.compatible_peers(card)
+        peers = self.compatible_peers(card, (keys.blocks or (keys.tail,))[0])
         if not peers:
             return [], []
         req = pb.LookupRequest(
