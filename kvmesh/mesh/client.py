@@ -30,6 +30,7 @@ from ..errors import (
     KVMeshError,
     LeaseExpired,
     MalformedPayload,
+    OversizePayload,
     PeerTimeout,
     PeerUnavailable,
     StaleEpoch,
@@ -257,8 +258,10 @@ class MeshClient:
         """Stream ``hit``'s blocks from index ``start`` on, verified. Raises a typed error."""
         infos = hit.infos[start:]
         cap = layout.max_block_bytes
-        if any(not 0 < i.nbytes <= cap or len(i.digest) != 32 for i in infos):
-            raise MalformedPayload("peer announced an impossible block size")
+        if any(len(i.digest) != 32 for i in infos):
+            raise MalformedPayload("peer announced a block without a SHA-256")
+        if any(not 0 < i.nbytes <= cap for i in infos):
+            raise OversizePayload("peer announced a block larger than the card allows")
         req = pb.FetchRequest(
             namespace=layout.card.namespace,
             keys=[i.key for i in infos],

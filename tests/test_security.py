@@ -1,0 +1,265 @@
+"""Fleet key, TLS / mutual TLS, forged cards, bad publishes, bad announcements."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import trustme
+
+from kvmesh.blocks import BlockKeyer
+from kvmesh.engine import Sampling
+from kvmesh.errors import OversizePayload, Unauthenticated
+from kvmesh.mesh.client import MeshClient, PeerHit
+from kvmesh.mesh.membership import Membership, card_bytes
+from kvmesh.mesh.node import NodeConfig, NodeThread
+from kvmesh.mesh.proto import kvmesh_pb2 as pb
+from kvmesh.mesh.proto import kvmesh_pb2_grpc as pbg
+from kvmesh.mesh.security import FleetAuth, Security, TLSConfig
+from kvmesh.runtime.head import HeadRuntime
+
+from .procs import Peer
+from .test_mesh import close, prompt, wait_for
+
+KEY = b"fleet-key-0123456789abcdef-fleet"
+
+
+@pytest.fixture
+def keyfile(tmp_path):
+    f = tmp_path / "fleet.key"
+    f.write_bytes(KEY)
+    return f
+
+
+def _head(engine, seeds, security=Security(), alias="head"):
+    node = NodeThread(NodeConfig(listen="127.0.0.1:0", seeds=seeds, alias=alias, gossip_interval=0.3,
+                                 ttl=2, security=security))  # fmt: skip
+    return HeadRuntime(engine, node, hash_key=security.block_hash_key)
+
+
+async def _raw_lookup(address: str, metadata=None, creds=None):
+    ch = grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)
+    async with ch:
+        return await pbg.PrefillCacheStub(ch).Lookup(
+            pb.LookupRequest(namespace=b"x" * 32, block_keys=[b"k" * 32]),
+            timeout=2,
+            metadata=metadata,
+        )
+
+
+def test_fleet_key_authenticates_calls_cards_and_publishes(tiny_engine, keyfile, tmp_path):
+    peer = Peer("--fleet-key-file", str(keyfile), alias="secure", log_dir=tmp_path)
+    sec = Security(fleet_key=KEY)
+    try:
+        # no credential, a wrong key, a replayed credential: UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            asyncio.run(_raw_lookup(peer.address))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        wrong = FleetAuth(b"not-the-fleet-key-at-all-000000", "intruder")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            asyncio.run(
+                _raw_lookup(peer.address, wrong.call_metadata("/kvmesh.v1.PrefillCache/Lookup"))
+            )
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        good = FleetAuth(KEY, "friend")
+        md = good.call_metadata("/kvmesh.v1.PrefillCache/Lookup")
+        asyncio.run(_raw_lookup(peer.address, md))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            asyncio.run(_raw_lookup(peer.address, md))  # replay
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        # an outsider head cannot publish (nothing stored), a fleet head can
+        toks = prompt(tiny_engine, 150, "secure ")
+        outsider = _head(tiny_engine, [peer.address], alias="outsider")
+        try:
+            out = outsider.complete(toks, Sampling(max_tokens=4))
+            outsider.flush()
+            assert outsider.node.node.membership.live() == []  # its gossip was refused
+            assert out.tokens
+        finally:
+            close(outsider)
+        h = _head(tiny_engine, [peer.address], sec, alias="insider")
+        try:
+            wait_for(lambda: len(h.node.node.membership.live()) == 1, what="gossip with key")
+            h.complete(toks, Sampling(max_tokens=4))
+            h.flush()
+        finally:
+            close(h)
+        h2 = _head(tiny_engine, [peer.address], sec, alias="insider2")
+        try:
+            ns = tiny_engine.card.namespace_hex
+            wait_for(
+                lambda: any(ns in c.namespaces for c in h2.node.node.membership.live()), what="ns"
+            )
+            out = h2.complete(toks, Sampling(max_tokens=4))
+            assert out.report.source == "remote"
+            # block keys are HMACs under the fleet key: not the plain SHA-256 chain
+            plain = BlockKeyer(tiny_engine.card.namespace, tiny_engine.card.block_tokens).keys(toks)
+            assert h2.keyer.keys(toks).blocks[0] != plain.blocks[0]
+        finally:
+            close(h2)
+    finally:
+        peer.kill()
+
+
+def test_forged_and_unsigned_cards_are_dropped():
+    auth = FleetAuth(KEY, "a")
+    m = Membership("a", lambda: pb.CapabilityCard(alias="a"), auth)
+    good = Membership("b", lambda: pb.CapabilityCard(alias="b"), FleetAuth(KEY, "b")).own_card()
+    forged = pb.CapabilityCard()
+    forged.CopyFrom(good)
+    forged.alias = "evil"
+    unsigned = pb.CapabilityCard(node_id="c", alias="c", version=1)
+    other_fleet = Membership(
+        "d", lambda: pb.CapabilityCard(alias="d"), FleetAuth(b"x" * 32, "d")
+    ).own_card()
+    assert m.merge([forged, unsigned, other_fleet, good]) == ["b"]
+    assert m.rejected_cards == 3
+    assert auth.verify_card(card_bytes(good), good.mac)
+
+
+def test_versions_not_clocks_decide_and_restart_jumps_ahead():
+    m = Membership("a", lambda: pb.CapabilityCard(alias="a"))
+    m.merge([pb.CapabilityCard(node_id="b", alias="b", version=5, heartbeat=9e9)])
+    m.merge([pb.CapabilityCard(node_id="b", alias="stale", version=4, heartbeat=1e10)])
+    assert m.live()[0].alias == "b"
+    m.merge([pb.CapabilityCard(node_id="a", version=41)])  # our own earlier life
+    assert m.own_card().version == 42
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("certs")
+    ca = trustme.CA()
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    client = ca.issue_cert("kvmesh-client")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    server.private_key_pem.write_to_path(str(d / "server.key"))
+    server.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
+    client.private_key_pem.write_to_path(str(d / "client.key"))
+    client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
+    return d
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_tls_and_mutual_tls(tiny_engine, certs, tmp_path, mutual):
+    args = ["--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")]
+    if mutual:
+        args += ["--tls-ca", str(certs / "ca.pem")]
+    peer = Peer(*args, alias="tls", log_dir=tmp_path)
+    try:
+        # plaintext to a TLS port fails
+        with pytest.raises(grpc.aio.AioRpcError):
+            asyncio.run(_raw_lookup(peer.address))
+        ca_only = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
+        if mutual:  # no client certificate: refused
+            with pytest.raises(grpc.aio.AioRpcError):
+                asyncio.run(_raw_lookup(peer.address, creds=ca_only))
+        # a head is a server too: it presents its own certificate, and uses it as a client
+        tls = TLSConfig(cert=certs / "server.pem", key=certs / "server.key", ca=certs / "ca.pem")
+        h = _head(tiny_engine, [peer.address], Security(tls=tls), alias="tls-head")
+        try:
+            wait_for(lambda: len(h.node.node.membership.live()) == 1, what="gossip over TLS")
+        finally:
+            close(h)
+    finally:
+        peer.kill()
+
+
+def test_garbage_publish_is_rejected_and_the_peer_keeps_serving(tiny_engine, tmp_path):
+    peer = Peer(alias="garbage", log_dir=tmp_path)
+
+    async def run():
+        async with grpc.aio.insecure_channel(peer.address) as ch:
+            stub = pbg.PrefillCacheStub(ch)
+            bad = [
+                [pb.PublishChunk(card_json="{not json", nbytes=10, data=b"x" * 10)],
+                [pb.PublishChunk(card_json='{"engine": 1}', nbytes=10, data=b"x" * 10)],
+                [pb.PublishChunk(data=b"no card")],
+                [pb.PublishChunk(card_json="x" * 100_000)],
+            ]
+            card = tiny_engine.card.to_json()
+            import json
+
+            bad.append([pb.PublishChunk(card_json=json.dumps(card), nbytes=1 << 40, data=b"KVB1")])
+            bad.append(
+                [
+                    pb.PublishChunk(
+                        card_json=json.dumps(card), nbytes=100, data=b"KVB1" + b"\xff" * 96
+                    )
+                ]
+            )
+            results = []
+            for msgs in bad:
+                results.append(await stub.Publish(iter(msgs), timeout=5))
+            return results, await stub.Lookup(pb.LookupRequest(namespace=b"x" * 32), timeout=2)
+
+    try:
+        results, alive = asyncio.run(run())
+        assert all(r.stored == 0 and r.rejected == 1 and r.reason for r in results)
+        assert alive.epoch == peer.epoch
+        assert peer.proc.poll() is None
+    finally:
+        peer.kill()
+
+
+class _LyingPeer(pbg.PrefillCacheServicer):
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes  # just over the card's cap: worth fetching, impossible to hold
+
+    async def Lookup(self, request, context):
+        return pb.LookupResponse(
+            epoch="e",
+            blocks=[
+                pb.BlockInfo(key=k, nbytes=self.nbytes, digest=b"d" * 32, tokens=32)
+                for k in request.block_keys
+            ],
+            matched_tokens=32 * len(request.block_keys),
+        )
+
+
+def test_oversize_announcement_falls_back_before_allocating(tiny_engine):
+    async def serve():
+        server = grpc.aio.server()
+        pbg.add_PrefillCacheServicer_to_server(
+            _LyingPeer(tiny_engine.layout.max_block_bytes + 1), server
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    h = _head(tiny_engine, [], alias="victim")
+    try:
+        server, port = h.node.call(serve())
+        liar = pb.CapabilityCard(
+            node_id="liar", alias="liar", epoch="e", roles=["cache"], version=1,
+            namespaces=[tiny_engine.card.namespace_hex],
+            endpoints=[pb.Endpoint(address=f"127.0.0.1:{port}", interface="loopback", priority=1)],
+        )  # fmt: skip
+        h.node.node.membership.merge([liar])
+        toks = prompt(tiny_engine, 100, "liar ")
+        out = h.complete(toks, Sampling(max_tokens=4))
+        assert out.report.fallback == "oversize_payload" and out.report.source == "compute"
+        assert out.tokens == list(
+            tiny_engine.generate(tiny_engine.prefill(toks), Sampling(max_tokens=4))
+        )
+        hit = PeerHit("liar", "liar", f"127.0.0.1:{port}", "loopback", "e",
+                      (pb.BlockInfo(key=b"k" * 32, nbytes=1 << 40, digest=b"d" * 32),), None, 32)  # fmt: skip
+        client: MeshClient = h.node.node.client
+        with pytest.raises(OversizePayload):
+            h.node.call(client.fetch(tiny_engine.layout, hit))
+        h.node.call(server.stop(0))
+    finally:
+        close(h)
+
+
+def test_auth_errors_are_typed():
+    auth = FleetAuth(KEY, "a")
+    with pytest.raises(Unauthenticated):
+        auth.verify_call("/m", (("x-kvmesh-auth", "garbage"),))
+    with pytest.raises(Unauthenticated):
+        auth.verify_call("/m", None)
+    md = auth.call_metadata("/m")
+    with pytest.raises(Unauthenticated):
+        auth.verify_call("/other", md)  # bound to the method
