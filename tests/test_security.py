@@ -32,7 +32,8 @@ def keyfile(tmp_path):
     return f
 
 
-def _head(engine, seeds, security=Security(), alias="head"):
+def _head(engine, seeds, security=None, alias="head"):
+    security = security or Security()
     node = NodeThread(NodeConfig(listen="127.0.0.1:0", seeds=seeds, alias=alias, gossip_interval=0.3,
                                  ttl=2, security=security))  # fmt: skip
     return HeadRuntime(engine, node, hash_key=security.block_hash_key)

@@ -1,0 +1,213 @@
+"""End to end through HTTP with real head and peer processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from .procs import Peer
+
+
+class Head:
+    def __init__(self, *args: str, log=None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen", "127.0.0.1:0",
+             "--gossip-interval", "0.3", "--ttl", "2", *args],
+            stdout=subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        line = self.proc.stdout.readline()
+        m = re.search(r"(http://\S+) grpc (\S+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"head did not start: {line!r}")
+        self.url, self.grpc = m.group(1), m.group(2)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def health(self) -> dict:
+        return self.http.get("/healthz").json()
+
+    def wait(self, cond, timeout=15.0) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            h = self.health()
+            if cond(h):
+                return h
+            time.sleep(0.05)
+        raise AssertionError(f"head never ready: {self.health()}")
+
+    def metric(self, name: str) -> float:
+        text = self.http.get("/metrics").text
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory):
+    p = Peer(alias="api-peer", log_dir=tmp_path_factory.mktemp("logs"))
+    yield p
+    p.kill()
+
+
+@pytest.fixture(scope="module")
+def head(peer):
+    h = Head("--seed", peer.address, "--alias", "api-head")
+    h.wait(lambda s: s["peers"] >= 1)
+    yield h
+    h.stop()
+
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Explain prefill caching across a small fleet of machines. " * 6},
+]
+
+
+def test_restart_scenario_remote_hit_same_output(peer):
+    body = {"model": "demo-tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    h1 = Head("--seed", peer.address, "--alias", "first")
+    try:
+        h1.wait(lambda s: s["peers"] >= 1)
+        cold = h1.http.post("/v1/chat/completions", json=body).json()
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        h1.wait(lambda s: s["publish_pending"] == 0)
+    finally:
+        h1.stop()
+    h2 = Head("--seed", peer.address, "--alias", "second")
+    try:
+        h2.wait(lambda s: s["compatible_peers"] >= 1)
+        hit = h2.http.post("/v1/chat/completions", json=body).json()
+        n = hit["usage"]["prompt_tokens"]
+        assert (
+            hit["usage"]["prompt_tokens_details"]["cached_tokens"]
+            == n
+            == cold["usage"]["prompt_tokens"]
+        )
+        assert hit["kvmesh"]["source"] == "remote" and hit["kvmesh"]["bytes_fetched"] > 0
+        assert hit["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+        assert h2.metric("kvmesh_kv_assisted_tokens_total") == n
+        assert h2.metric('kvmesh_prefill_total{source="remote"}') == 1
+    finally:
+        h2.stop()
+
+
+def test_openai_client_streaming_and_not(head):
+    client = openai.OpenAI(base_url=head.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["demo-tiny"]
+    full = client.chat.completions.create(
+        model="demo-tiny", messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 6
+    stream = client.chat.completions.create(
+        model="demo-tiny", messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content, (
+        full.model_extra,
+        [c.model_extra for c in chunks],
+    )
+    assert chunks[-1].usage.completion_tokens == 6
+    # the second identical request was served from the head's live session
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    comp = client.completions.create(
+        model="demo-tiny", prompt="The cache never decides", max_tokens=5, temperature=0
+    )
+    assert comp.usage.prompt_tokens == len(b"The cache never decides")
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(
+            model="demo-tiny", prompt="The cache never decides", max_tokens=5, stream=True, temperature=0)
+    )  # fmt: skip
+    assert streamed == comp.choices[0].text
+
+
+def test_greedy_output_identical_with_and_without_a_hit(head, peer):
+    prompt = "Identical with and without a hit. " * 10
+    a = head.http.post(
+        "/v1/completions",
+        json={"model": "demo-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+    ).json()
+    plain = Head("--no-publish", "--alias", "alone")  # no seed: no mesh at all
+    try:
+        b = plain.http.post(
+            "/v1/completions",
+            json={"model": "demo-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        ).json()
+    finally:
+        plain.stop()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_peer_killed_before_request_same_answer(tmp_path):
+    p = Peer(alias="doomed", log_dir=tmp_path)
+    body = {
+        "model": "demo-tiny",
+        "prompt": "A peer that dies costs only a recompute. " * 8,
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    h1 = Head("--seed", p.address, "--alias", "pub")
+    try:
+        h1.wait(lambda s: s["peers"] >= 1)
+        cold = h1.http.post("/v1/completions", json=body).json()
+        h1.wait(lambda s: s["publish_pending"] == 0)
+    finally:
+        h1.stop()
+    h2 = Head("--seed", p.address, "--alias", "after")
+    try:
+        h2.wait(lambda s: s["compatible_peers"] >= 1)
+        p.kill()
+        out = h2.http.post("/v1/completions", json=body).json()
+        assert out["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert (
+            out["kvmesh"]["source"] == "compute" and out["kvmesh"]["fallback"] == "peer_unreachable"
+        )
+        assert h2.metric('kvmesh_fallbacks_total{reason="peer_unreachable"}') == 1
+    finally:
+        h2.stop()
+
+
+@pytest.mark.parametrize(
+    "path,body,status,code",
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "model_not_found"),
+        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x", "max_tokens": -1}).encode(), 400, None),
+        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x" * 40000}).encode(), 400,
+         "context_length_exceeded"),
+        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": [99999]}).encode(), 400, None),
+        ("/v1/completions", json.dumps({"model": "demo-tiny"}).encode(), 400, None),
+        ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": []}).encode(), 400, None),
+        ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": [{"role": "wizard"}]}).encode(),
+         400, None),
+        ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
+                                             "temperature": 9}).encode(), 400, None),
+        ("/v1/nothing-here", b"{}", 404, None),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_openai_errors_and_the_head_keeps_serving(head, path, body, status, code):
+    r = head.http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if code:
+        assert err["code"] == code
+    assert head.health()["status"] == "ok"
