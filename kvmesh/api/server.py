@@ -44,6 +44,7 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
     from .app import create_app
 
     engine = load_engine(opts.model, opts.engine, progress=lambda m: log.info(m))
+    engine.prefill(engine.encode("warm up"))  # first-call setup is not any request's cost
     path = resolve_model(opts.model)
     cfg = json.loads((Path(path) / "config.json").read_text())
     max_context = int(cfg.get("text_config", cfg).get("max_position_embeddings", 4096))

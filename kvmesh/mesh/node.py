@@ -12,6 +12,8 @@ import hashlib
 import logging
 import os
 import random
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Coroutine
@@ -49,8 +51,11 @@ class NodeConfig:
     def resolved_node_id(self) -> str:
         if self.node_id:
             return self.node_id
+        if self.listen.endswith(":0"):  # an ephemeral port: a new node each start
+            return secrets.token_hex(8)
         # stable across restarts of the same node, so a restart shows a new epoch
-        return hashlib.sha256(f"{self.alias}|{self.listen}".encode()).hexdigest()[:16]
+        ident = f"{socket.gethostname()}|{self.alias}|{self.listen}"
+        return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 class MeshNode:
