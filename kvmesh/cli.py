@@ -202,6 +202,8 @@ def _logging(verbose: bool) -> None:
     "--ttl", default=5.0, show_default=True, help="Seconds before a silent node is dropped."
 )
 @click.option("--region", default="", help="Coarse region label shown publicly.")
+@click.option("--join", metavar="HEAD_URL", help="Join the fleet of this head (with --pairing-token).")
+@click.option("--pairing-token", help="Single-use token from POST /v1/network/nodes/register.")
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
 def peer(
@@ -214,15 +216,23 @@ def peer(
     gossip_interval: float,
     ttl: float,
     region: str,
+    join: str | None,
+    pairing_token: str | None,
     verbose: bool,
     **sec: object,
 ) -> None:
     """Run a cache-only node: stores blocks, serves lookups and fetches, gossips."""
     import asyncio
+    import dataclasses
 
     from .mesh.peer import run_peer
 
     _logging(verbose)
+    joined: dict[str, object] = {}
+    if join or pairing_token:
+        if not (join and pairing_token):
+            raise click.UsageError("--join and --pairing-token go together")
+        joined = _pair(join, pairing_token, alias or "")
     cfg = node_config(
         listen,
         budget,
@@ -235,7 +245,34 @@ def peer(
         ttl=ttl,
         region=region,
     )
+    if joined:
+        cfg.seeds = [*cfg.seeds, *joined["seeds"]]  # type: ignore[list-item]
+        if joined.get("fleet_key"):
+            key = str(joined["fleet_key"]).encode("latin-1")
+            cfg.security = dataclasses.replace(cfg.security, fleet_key=key)
     asyncio.run(run_peer(cfg, metrics))
+
+
+def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
+    """Redeem a pairing token at a head: seeds (and the fleet key where one is used)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        head_url.rstrip("/") + "/v1/network/pair",
+        data=json.dumps({"token": token, "alias": alias}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise click.ClickException(f"pairing refused by {head_url}: HTTP {e.code} {e.read()[:200]!r}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise click.ClickException(f"cannot reach {head_url}: {e}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("seeds"), list):
+        raise click.ClickException(f"unexpected pairing answer from {head_url}")
+    return body
 
 
 @main.command()

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import FileResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.head import HeadRuntime
+from . import network
+from .network import APIKeys, NetworkState
 from .openai import APIError, OpenAIService, error_response, router
 
 log = logging.getLogger("kvmesh.api")
@@ -71,7 +75,17 @@ class HeadCollector(Collector):
             )  # fmt: skip
 
 
-def create_app(runtime: HeadRuntime, model_name: str, max_context: int) -> FastAPI:
+STATIC = Path(__file__).parent / "static"
+
+
+def create_app(
+    runtime: HeadRuntime,
+    model_name: str,
+    max_context: int,
+    api_key_file: str | None = None,
+    fleet_key: bytes | None = None,
+    state_file: Path | None = None,
+) -> FastAPI:
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
     service = OpenAIService(runtime, model_name, max_context)
     app.state.runtime = runtime
@@ -128,4 +142,12 @@ def create_app(runtime: HeadRuntime, model_name: str, max_context: int) -> FastA
         )
 
     app.include_router(router(service))
+    keys = APIKeys.from_file(api_key_file)
+    app.include_router(network.router(runtime, keys, NetworkState(state_file), fleet_key))
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app

@@ -57,8 +57,7 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
         max_sessions=opts.max_sessions,
     )
     name = opts.model if not Path(opts.model).exists() else Path(opts.model).name
-    app = create_app(runtime, name, max_context)
-    app.state.api_key_file = opts.api_key_file
+    app = create_app(runtime, name, max_context, opts.api_key_file, node_config.security.fleet_key)
     sock = bind(opts.listen)
     host, port = sock.getsockname()[:2]
     print(

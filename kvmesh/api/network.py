@@ -1,0 +1,285 @@
+"""The network API: live topology and token telemetry, public reads, API-key writes.
+
+Public reads carry aliases, roles, coarse regions, status and aggregates only:
+never prompts, prefix hashes, IP addresses, node ids or epochs. With a valid API
+key (``X-API-Key`` or ``Authorization: Bearer``) the same endpoints add
+addresses, endpoints, RTTs and epochs. Keys are stored as SHA-256 hashes and
+compared in constant time. Pairing tokens are single use and expire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..runtime.head import HeadRuntime
+from .openai import APIError
+
+PAIRING_TTL_S = 600.0
+
+
+class APIKeys:
+    def __init__(self, hashes: list[bytes]) -> None:
+        self._hashes = hashes
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> APIKeys:
+        if not path:
+            return cls([])
+        keys = [line.strip() for line in Path(path).read_text().splitlines()]
+        keys = [k for k in keys if k and not k.startswith("#")]
+        return cls([hashlib.sha256(k.encode()).digest() for k in keys])
+
+    def check(self, presented: str | None) -> bool:
+        if not presented or not self._hashes:
+            return False
+        h = hashlib.sha256(presented.encode()).digest()
+        ok = False
+        for stored in self._hashes:  # no early exit: constant time in the match position
+            ok |= hmac.compare_digest(h, stored)
+        return ok
+
+
+def presented_key(request: Request) -> str | None:
+    key = request.headers.get("x-api-key")
+    if key:
+        return key
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+class GroupIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    members: list[str] = Field(default_factory=list, max_length=256)
+    description: str = Field(default="", max_length=512)
+
+
+class PairIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token: str = Field(min_length=8, max_length=128)
+    alias: str = Field(default="", max_length=64)
+
+
+class NetworkState:
+    """Groups, pairing tokens and first-seen epochs of the head's view."""
+
+    def __init__(self, state_file: Path | None = None) -> None:
+        self._lock = threading.Lock()
+        self.groups: dict[str, dict[str, Any]] = {}
+        self.pairing: dict[str, float] = {}  # sha256(token) hex -> expiry
+        self.epoch_seen: dict[tuple[str, str], float] = {}
+        self.state_file = state_file
+        if state_file and state_file.is_file():
+            self.groups = json.loads(state_file.read_text()).get("groups", {})
+
+    def _save(self) -> None:
+        if self.state_file:
+            tmp = self.state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"groups": self.groups}))
+            tmp.replace(self.state_file)
+
+    def add_group(self, g: GroupIn) -> dict[str, Any]:
+        with self._lock:
+            gid = secrets.token_hex(6)
+            self.groups[gid] = {"id": gid, "name": g.name, "members": g.members,
+                                "description": g.description, "created": time.time()}  # fmt: skip
+            self._save()
+            return self.groups[gid]
+
+    def delete_group(self, gid: str) -> bool:
+        with self._lock:
+            found = self.groups.pop(gid, None) is not None
+            self._save()
+            return found
+
+    def issue_token(self) -> tuple[str, float]:
+        token = secrets.token_urlsafe(24)
+        expires = time.time() + PAIRING_TTL_S
+        with self._lock:
+            self.pairing[hashlib.sha256(token.encode()).hexdigest()] = expires
+        return token, expires
+
+    def redeem(self, token: str) -> bool:
+        h = hashlib.sha256(token.encode()).hexdigest()
+        with self._lock:
+            expires = self.pairing.pop(h, None)  # single use, even when expired
+        return expires is not None and expires > time.time()
+
+    def epoch_age(self, node_id: str, epoch: str) -> float:
+        key = (node_id, epoch)
+        now = time.time()
+        with self._lock:
+            first = self.epoch_seen.setdefault(key, now)
+        return now - first
+
+
+def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list[dict[str, Any]]:
+    node = runtime.node.node if runtime.node else None
+    rows = []
+    if node is not None:
+        me = node.membership.own_card()
+        cards = [(me, 0.0, True)] + [
+            (c, node.membership.age(c.node_id) or 0.0, False) for c in node.membership.live()
+        ]
+    else:
+        cards = []
+    for card, age, is_self in cards:
+        ttl = node.membership.ttl if node else 1
+        row: dict[str, Any] = {
+            "alias": card.alias,
+            "roles": list(card.roles),
+            "region": card.region,
+            "status": "self" if is_self else ("live" if age < ttl / 2 else "stale"),
+            "card_age_s": round(age, 2),
+            "epoch_age_s": round(state.epoch_age(card.node_id, card.epoch), 1),
+            "interfaces": sorted({e.interface for e in card.endpoints}),
+            "capacity": {"budget_bytes": card.budget_bytes, "used_bytes": card.used_bytes,
+                         "entries": card.entries},  # fmt: skip
+            "hit_ratio": round(card.hits / (card.hits + card.misses), 3) if card.hits + card.misses else None,
+            "models": list(card.card_summaries) if private else len(card.namespaces),
+        }
+        if private:
+            row.update(
+                node_id=card.node_id,
+                epoch=card.epoch,
+                endpoints=[
+                    {"address": e.address, "interface": e.interface, "priority": e.priority,
+                     "rtt_ms": None if is_self or node is None else node.membership.rtt(card.node_id, e.address)}
+                    for e in card.endpoints
+                ],
+            )  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def _tokens(runtime: HeadRuntime, bucket_s: float = 10.0) -> dict[str, Any]:
+    c = runtime.telemetry.snapshot()["counters"]
+    series: dict[int, dict[str, float]] = {}
+    for r in list(runtime.telemetry.recent):
+        b = int(r["t"] // bucket_s * bucket_s)
+        s = series.setdefault(b, {"t": b, "completion_tokens": 0, "kv_assisted_tokens": 0, "computed_tokens": 0})
+        s["completion_tokens"] += r["completion_tokens"]
+        s["kv_assisted_tokens"] += r["reused_tokens"]
+        s["computed_tokens"] += r["computed_tokens"]
+    return {
+        "completed_tokens": c.get("completion_tokens", 0),
+        "kv_assisted_tokens": c.get("kv_assisted_tokens", 0),
+        "computed_prompt_tokens": c.get("computed_prompt_tokens", 0),
+        "prompt_tokens": c.get("prompt_tokens", 0),
+        "requests": c.get("requests", 0),
+        "series": [series[k] for k in sorted(series)],
+    }
+
+
+def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[str, Any]:
+    c = runtime.telemetry.snapshot()["counters"]
+    t = runtime.telemetry.snapshot()["timers"]
+    sources = {s: c.get(f"prefill_source:{s}", 0) for s in ("session", "local", "remote", "compute")}
+    total = sum(sources.values())
+    node = runtime.node.node if runtime.node else None
+    transfers = []
+    if node is not None:
+        for tr in list(node.client.transfers)[-20:]:
+            transfers.append({"peer": tr.peer, "bytes": tr.bytes, "seconds": round(tr.seconds, 4),
+                              "gbps": round(tr.gbps, 3), "at": tr.at, "blocks": tr.blocks})  # fmt: skip
+    return {
+        "requests": total,
+        "hit_ratio": round((total - sources["compute"]) / total, 3) if total else None,
+        "by_source": sources,
+        "bytes_fetched": c.get("bytes_fetched", 0),
+        "bytes_published": node.client.counters.get("bytes_published", 0) if node else 0,
+        "prefill_seconds_saved": round(t.get("saved_s", 0.0), 3),
+        "fallback_reasons": runtime.telemetry.fallbacks,
+        "recent_transfers": transfers,
+        "capacity": [{"alias": n["alias"], **n["capacity"]} for n in _node_rows(runtime, state, private)],
+    }
+
+
+def router(runtime: HeadRuntime, keys: APIKeys, state: NetworkState, fleet_key: bytes | None) -> APIRouter:
+    r = APIRouter(prefix="/v1/network")
+
+    def private(request: Request) -> bool:
+        return keys.check(presented_key(request))
+
+    def require_key(request: Request) -> None:
+        if not private(request):
+            raise APIError(401, "a valid API key is required (X-API-Key or Authorization: Bearer)",
+                           "authentication_error", code="invalid_api_key")  # fmt: skip
+
+    @r.get("/summary")
+    def summary(request: Request) -> dict[str, Any]:
+        rows = _node_rows(runtime, state, False)
+        tok = _tokens(runtime)
+        pre = _prefill(runtime, state, False)
+        return {
+            "nodes": len(rows),
+            "heads": sum("head" in n["roles"] for n in rows),
+            "caches": sum("cache" in n["roles"] and "head" not in n["roles"] for n in rows),
+            "groups": len(state.groups),
+            "model": runtime.card.summary() if private(request) else runtime.card.model_id,
+            "completed_tokens": tok["completed_tokens"],
+            "kv_assisted_tokens": tok["kv_assisted_tokens"],
+            "hit_ratio": pre["hit_ratio"],
+            "capacity_bytes": sum(n["capacity"]["budget_bytes"] for n in rows),
+            "used_bytes": sum(n["capacity"]["used_bytes"] for n in rows),
+            "uptime_s": round(time.time() - runtime.telemetry.started, 1),
+            "private": private(request),
+        }
+
+    @r.get("/nodes")
+    def nodes(request: Request) -> dict[str, Any]:
+        return {"nodes": _node_rows(runtime, state, private(request))}
+
+    @r.get("/tokens")
+    def tokens() -> dict[str, Any]:
+        return _tokens(runtime)
+
+    @r.get("/prefill")
+    def prefill(request: Request) -> dict[str, Any]:
+        return _prefill(runtime, state, private(request))
+
+    @r.get("/groups")
+    def groups() -> dict[str, Any]:
+        return {"groups": list(state.groups.values())}
+
+    @r.post("/groups", status_code=201)
+    def add_group(g: GroupIn, request: Request) -> dict[str, Any]:
+        require_key(request)
+        return state.add_group(g)
+
+    @r.delete("/groups/{gid}")
+    def delete_group(gid: str, request: Request) -> Response:
+        require_key(request)
+        if not state.delete_group(gid):
+            raise APIError(404, f"no group {gid!r}", code="not_found")
+        return Response(status_code=204)
+
+    @r.post("/nodes/register", status_code=201)
+    def register(request: Request) -> dict[str, Any]:
+        require_key(request)
+        token, expires = state.issue_token()
+        return {"pairing_token": token, "expires_at": expires, "single_use": True}
+
+    @r.post("/pair")
+    def pair(p: PairIn) -> JSONResponse:
+        if not state.redeem(p.token):
+            raise APIError(403, "pairing token is unknown, used or expired", "permission_error")
+        node = runtime.node.node if runtime.node else None
+        seeds = [e.address for e in node.endpoints] if node else []
+        body: dict[str, Any] = {"seeds": seeds}
+        if fleet_key is not None:
+            body["fleet_key"] = fleet_key.decode("latin-1")
+        return JSONResponse(body)
+
+    return r

@@ -1,0 +1,70 @@
+"""The dashboard in a real browser (Playwright driving Debian's Chromium)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .test_network_api import HOSTILE, IP, KEY, fleet  # noqa: F401  (fixture)
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (.ci/run installs it)"
+)
+ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def test_dashboard_shows_the_fleet_live_and_safely(fleet, browser):  # noqa: F811
+    head, _, _ = fleet
+    head.http.post("/v1/network/groups", json={"name": HOSTILE, "members": [HOSTILE]}, headers={"X-API-Key": KEY})
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(head.url + "/")
+    page.wait_for_function("document.querySelectorAll('#nodes tbody tr').length >= 3", timeout=15000)
+    rows = page.locator("#nodes tbody tr").all_inner_texts()
+    assert any("peer-one" in r for r in rows) and any(HOSTILE in r for r in rows)
+    assert any("head" in r for r in rows)
+    # hostile alias and group name are inert text
+    assert page.title() == "kvmesh · inference network" and dialogs == []
+    assert page.locator("img").count() == 0
+    assert HOSTILE in page.locator("#groups").inner_text()
+    # public mode: no addresses, no hashes
+    body = page.locator("body").inner_text()
+    assert not IP.search(body) and not re.search(r"[0-9a-f]{32,}", body)
+
+    def completed() -> int:
+        cards = page.locator("#summary .card").all_inner_texts()
+        return int(next(c for c in cards if "completed tokens" in c).split("\n")[0])
+
+    before = completed()
+    r = head.http.post("/v1/completions", json={"model": "demo-tiny", "prompt": "dashboard " * 30, "max_tokens": 7})
+    assert r.status_code == 200
+    page.wait_for_function(
+        f"[...document.querySelectorAll('#summary .card')].some(c => c.innerText.includes('completed tokens')"
+        f" && parseInt(c.innerText) >= {before + 7})",
+        timeout=10000,
+    )
+    assert completed() >= before + 7
+    DOCS.mkdir(exist_ok=True)
+    page.screenshot(path=str(DOCS / "dashboard.png"), full_page=True)
+    # with a key, the private view shows addresses
+    page.fill("#apikey", KEY)
+    page.click("#keyform button")
+    page.wait_for_function("document.getElementById('status').innerText.startsWith('private')", timeout=10000)
+    page.close()

@@ -1,0 +1,115 @@
+"""The network API: public vs private reads, API-key writes, pairing, bad bodies."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .procs import Peer
+from .test_api import Head
+
+KEY = "s3cret-api-key-for-tests"
+HOSTILE = '<img src=x onerror="document.title=\'pwned\'">'
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    d = tmp_path_factory.mktemp("net")
+    keyfile = d / "api-keys"
+    keyfile.write_text(f"# operators\n{KEY}\nanother-key\n")
+    p1 = Peer(alias="peer-one", log_dir=d)
+    p2 = Peer("--seed", p1.address, alias=HOSTILE, log_dir=d)
+    head = Head("--seed", p1.address, "--api-key-file", str(keyfile), "--alias", "head")
+    head.wait(lambda s: s["peers"] >= 2)
+    yield head, p1, p2
+    head.stop()
+    p1.kill()
+    p2.kill()
+
+
+IP = re.compile(r"\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b")
+AUTH_CASES = [({}, False), ({"X-API-Key": KEY}, True), ({"Authorization": f"Bearer {KEY}"}, True),
+              ({"X-API-Key": "wrong"}, False), ({"Authorization": "Bearer"}, False),
+              ({"Authorization": f"Basic {KEY}"}, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("headers,private", AUTH_CASES)
+def test_reads_are_public_and_keys_add_detail(fleet, headers, private):
+    head, p1, p2 = fleet
+    head.http.post("/v1/completions", json={"model": "demo-tiny", "prompt": "hello " * 40, "max_tokens": 3})
+    for path in ("summary", "nodes", "groups", "tokens", "prefill"):
+        r = head.http.get(f"/v1/network/{path}", headers=headers)
+        assert r.status_code == 200
+        text = r.text
+        if not private:
+            assert not IP.search(text), (path, text)  # no exact addresses
+            assert p1.epoch not in text and "node_id" not in text
+            assert not re.search(r"[0-9a-f]{32,}", text)  # no hashes of any kind
+    nodes = head.http.get("/v1/network/nodes", headers=headers).json()["nodes"]
+    assert {n["alias"] for n in nodes} >= {"peer-one", HOSTILE, "head"}
+    if private:
+        one = next(n for n in nodes if n["alias"] == "peer-one")
+        assert one["epoch"] == p1.epoch and one["endpoints"][0]["address"] == p1.address
+        assert one["endpoints"][0]["rtt_ms"] is not None
+    tokens = head.http.get("/v1/network/tokens").json()
+    assert tokens["completed_tokens"] >= 3 and tokens["series"]
+
+
+@pytest.mark.parametrize("headers", [h for h, ok in AUTH_CASES if not ok])
+def test_writes_need_a_valid_key_and_change_nothing_without(fleet, headers):
+    head, _, _ = fleet
+    before = head.http.get("/v1/network/groups").json()
+    r = head.http.post("/v1/network/groups", json={"name": "x"}, headers=headers)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert head.http.post("/v1/network/nodes/register", headers=headers).status_code == 401
+    assert head.http.delete("/v1/network/groups/anything", headers=headers).status_code == 401
+    assert head.http.get("/v1/network/groups").json() == before
+
+
+def test_groups_create_list_delete(fleet):
+    head, _, _ = fleet
+    auth = {"X-API-Key": KEY}
+    r = head.http.post("/v1/network/groups", json={"name": HOSTILE, "members": ["peer-one"]}, headers=auth)
+    assert r.status_code == 201
+    gid = r.json()["id"]
+    assert any(g["id"] == gid for g in head.http.get("/v1/network/groups").json()["groups"])
+    for bad in (b"{nope", b'{"name": ""}', b'{"name": 5}', b'{"name": "a", "extra": 1}', b"[]",
+                b'{"name": "' + b"x" * 100 + b'"}'):  # fmt: skip
+        r = head.http.post("/v1/network/groups", content=bad, headers={**auth, "Content-Type": "application/json"})
+        assert r.status_code == 400, bad
+    assert head.http.delete(f"/v1/network/groups/{gid}", headers=auth).status_code == 204
+    assert head.http.delete(f"/v1/network/groups/{gid}", headers=auth).status_code == 404
+
+
+def test_pairing_token_joins_a_peer_once(fleet, tmp_path):
+    head, _, _ = fleet
+    r = head.http.post("/v1/network/nodes/register", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 201
+    token = r.json()["pairing_token"]
+    joined = Peer("--join", head.url, "--pairing-token", token, alias="joiner", log_dir=tmp_path)
+    try:
+        head.wait(lambda s: s["peers"] >= 3)
+        aliases = {n["alias"] for n in head.http.get("/v1/network/nodes").json()["nodes"]}
+        assert "joiner" in aliases
+    finally:
+        joined.kill()
+    reuse = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "peer", "--listen", "127.0.0.1:0", "--join", head.url,
+         "--pairing-token", token], capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert reuse.returncode != 0 and "403" in reuse.stderr
+    assert head.http.post("/v1/network/pair", json={"token": "never-issued-token"}).status_code == 403
+
+
+def test_expired_pairing_token_is_refused(fleet, monkeypatch):
+    from kvmesh.api.network import NetworkState
+
+    state = NetworkState()
+    token, _ = state.issue_token()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    assert state.redeem(token) is False
