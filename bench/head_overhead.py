@@ -40,7 +40,9 @@ def ttft(head: HeadRuntime, toks: list[int]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", default="bench/results/head_overhead.json")
     ap.add_argument("--model", default="demo")
     ap.add_argument("--tokens", type=int, default=512)
@@ -50,7 +52,9 @@ def main() -> None:
     engine.prefill(list(range(16)))  # warm up
     procs = [spawn_peer("--gossip-interval", "0.3") for _ in range(2)]
     try:
-        node = NodeThread(NodeConfig(seeds=[a for _, a in procs], gossip_interval=0.3, ttl=3, alias="bench"))
+        node = NodeThread(
+            NodeConfig(seeds=[a for _, a in procs], gossip_interval=0.3, ttl=3, alias="bench")
+        )
         head = HeadRuntime(engine, node, max_sessions=0)
         time.sleep(1.0)
         assert len(node.node.membership.live()) == 2
@@ -58,7 +62,10 @@ def main() -> None:
         for i, toks in enumerate(prompts(engine, 2 * args.n, args.tokens, "pub")):
             head.publish_enabled = i % 2 == 0
             (on if head.publish_enabled else off).append(ttft(head, toks))
-            print(f"publish {'on ' if head.publish_enabled else 'off'} ttft {on[-1] if head.publish_enabled else off[-1]:.3f} s", flush=True)
+            print(
+                f"publish {'on ' if head.publish_enabled else 'off'} ttft {on[-1] if head.publish_enabled else off[-1]:.3f} s",
+                flush=True,
+            )
         head.flush()
         head.publish_enabled = False
         miss, plain = [], []
@@ -70,7 +77,9 @@ def main() -> None:
             next(engine.generate(st, ONE))
             plain.append(time.perf_counter() - t0)
             print(f"miss ttft {miss[-1]:.3f} s  plain {plain[-1]:.3f} s", flush=True)
-        lookup_ms = statistics.median(r["lookup_s"] for r in list(head.telemetry.recent)[-args.n :]) * 1e3
+        lookup_ms = (
+            statistics.median(r["lookup_s"] for r in list(head.telemetry.recent)[-args.n :]) * 1e3
+        )
         node.close()
     finally:
         for p, _ in procs:

@@ -202,7 +202,9 @@ def _logging(verbose: bool) -> None:
     "--ttl", default=5.0, show_default=True, help="Seconds before a silent node is dropped."
 )
 @click.option("--region", default="", help="Coarse region label shown publicly.")
-@click.option("--join", metavar="HEAD_URL", help="Join the fleet of this head (with --pairing-token).")
+@click.option(
+    "--join", metavar="HEAD_URL", help="Join the fleet of this head (with --pairing-token)."
+)
 @click.option("--pairing-token", help="Single-use token from POST /v1/network/nodes/register.")
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
@@ -267,7 +269,9 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
         with urllib.request.urlopen(req, timeout=10) as r:
             body = json.loads(r.read())
     except urllib.error.HTTPError as e:
-        raise click.ClickException(f"pairing refused by {head_url}: HTTP {e.code} {e.read()[:200]!r}") from None
+        raise click.ClickException(
+            f"pairing refused by {head_url}: HTTP {e.code} {e.read()[:200]!r}"
+        ) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise click.ClickException(f"cannot reach {head_url}: {e}") from None
     if not isinstance(body, dict) or not isinstance(body.get("seeds"), list):

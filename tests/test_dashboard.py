@@ -31,12 +31,18 @@ def browser():
 
 def test_dashboard_shows_the_fleet_live_and_safely(fleet, browser):  # noqa: F811
     head, _, _ = fleet
-    head.http.post("/v1/network/groups", json={"name": HOSTILE, "members": [HOSTILE]}, headers={"X-API-Key": KEY})
+    head.http.post(
+        "/v1/network/groups",
+        json={"name": HOSTILE, "members": [HOSTILE]},
+        headers={"X-API-Key": KEY},
+    )
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     dialogs: list[str] = []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     page.goto(head.url + "/")
-    page.wait_for_function("document.querySelectorAll('#nodes tbody tr').length >= 3", timeout=15000)
+    page.wait_for_function(
+        "document.querySelectorAll('#nodes tbody tr').length >= 3", timeout=15000
+    )
     rows = page.locator("#nodes tbody tr").all_inner_texts()
     assert any("peer-one" in r for r in rows) and any(HOSTILE in r for r in rows)
     assert any("head" in r for r in rows)
@@ -53,7 +59,9 @@ def test_dashboard_shows_the_fleet_live_and_safely(fleet, browser):  # noqa: F81
         return int(next(c for c in cards if "completed tokens" in c).split("\n")[0])
 
     before = completed()
-    r = head.http.post("/v1/completions", json={"model": "demo-tiny", "prompt": "dashboard " * 30, "max_tokens": 7})
+    r = head.http.post(
+        "/v1/completions", json={"model": "demo-tiny", "prompt": "dashboard " * 30, "max_tokens": 7}
+    )
     assert r.status_code == 200
     page.wait_for_function(
         f"[...document.querySelectorAll('#summary .card')].some(c => c.innerText.includes('completed tokens')"
@@ -66,5 +74,7 @@ def test_dashboard_shows_the_fleet_live_and_safely(fleet, browser):  # noqa: F81
     # with a key, the private view shows addresses
     page.fill("#apikey", KEY)
     page.click("#keyform button")
-    page.wait_for_function("document.getElementById('status').innerText.startsWith('private')", timeout=10000)
+    page.wait_for_function(
+        "document.getElementById('status').innerText.startsWith('private')", timeout=10000
+    )
     page.close()

@@ -13,7 +13,7 @@ from .procs import Peer
 from .test_api import Head
 
 KEY = "s3cret-api-key-for-tests"
-HOSTILE = '<img src=x onerror="document.title=\'pwned\'">'
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\">"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,9 @@ AUTH_CASES = [({}, False), ({"X-API-Key": KEY}, True), ({"Authorization": f"Bear
 @pytest.mark.parametrize("headers,private", AUTH_CASES)
 def test_reads_are_public_and_keys_add_detail(fleet, headers, private):
     head, p1, p2 = fleet
-    head.http.post("/v1/completions", json={"model": "demo-tiny", "prompt": "hello " * 40, "max_tokens": 3})
+    head.http.post(
+        "/v1/completions", json={"model": "demo-tiny", "prompt": "hello " * 40, "max_tokens": 3}
+    )
     for path in ("summary", "nodes", "groups", "tokens", "prefill"):
         r = head.http.get(f"/v1/network/{path}", headers=headers)
         assert r.status_code == 200
@@ -73,13 +75,17 @@ def test_writes_need_a_valid_key_and_change_nothing_without(fleet, headers):
 def test_groups_create_list_delete(fleet):
     head, _, _ = fleet
     auth = {"X-API-Key": KEY}
-    r = head.http.post("/v1/network/groups", json={"name": HOSTILE, "members": ["peer-one"]}, headers=auth)
+    r = head.http.post(
+        "/v1/network/groups", json={"name": HOSTILE, "members": ["peer-one"]}, headers=auth
+    )
     assert r.status_code == 201
     gid = r.json()["id"]
     assert any(g["id"] == gid for g in head.http.get("/v1/network/groups").json()["groups"])
     for bad in (b"{nope", b'{"name": ""}', b'{"name": 5}', b'{"name": "a", "extra": 1}', b"[]",
                 b'{"name": "' + b"x" * 100 + b'"}'):  # fmt: skip
-        r = head.http.post("/v1/network/groups", content=bad, headers={**auth, "Content-Type": "application/json"})
+        r = head.http.post(
+            "/v1/network/groups", content=bad, headers={**auth, "Content-Type": "application/json"}
+        )
         assert r.status_code == 400, bad
     assert head.http.delete(f"/v1/network/groups/{gid}", headers=auth).status_code == 204
     assert head.http.delete(f"/v1/network/groups/{gid}", headers=auth).status_code == 404
@@ -102,7 +108,9 @@ def test_pairing_token_joins_a_peer_once(fleet, tmp_path):
          "--pairing-token", token], capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert reuse.returncode != 0 and "403" in reuse.stderr
-    assert head.http.post("/v1/network/pair", json={"token": "never-issued-token"}).status_code == 403
+    assert (
+        head.http.post("/v1/network/pair", json={"token": "never-issued-token"}).status_code == 403
+    )
 
 
 def test_expired_pairing_token_is_refused(fleet, monkeypatch):

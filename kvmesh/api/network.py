@@ -144,9 +144,14 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
             "card_age_s": round(age, 2),
             "epoch_age_s": round(state.epoch_age(card.node_id, card.epoch), 1),
             "interfaces": sorted({e.interface for e in card.endpoints}),
-            "capacity": {"budget_bytes": card.budget_bytes, "used_bytes": card.used_bytes,
-                         "entries": card.entries},  # fmt: skip
-            "hit_ratio": round(card.hits / (card.hits + card.misses), 3) if card.hits + card.misses else None,
+            "capacity": {
+                "budget_bytes": card.budget_bytes,
+                "used_bytes": card.used_bytes,
+                "entries": card.entries,
+            },  # fmt: skip
+            "hit_ratio": round(card.hits / (card.hits + card.misses), 3)
+            if card.hits + card.misses
+            else None,
             "models": list(card.card_summaries) if private else len(card.namespaces),
         }
         if private:
@@ -168,7 +173,9 @@ def _tokens(runtime: HeadRuntime, bucket_s: float = 10.0) -> dict[str, Any]:
     series: dict[int, dict[str, float]] = {}
     for r in list(runtime.telemetry.recent):
         b = int(r["t"] // bucket_s * bucket_s)
-        s = series.setdefault(b, {"t": b, "completion_tokens": 0, "kv_assisted_tokens": 0, "computed_tokens": 0})
+        s = series.setdefault(
+            b, {"t": b, "completion_tokens": 0, "kv_assisted_tokens": 0, "computed_tokens": 0}
+        )
         s["completion_tokens"] += r["completion_tokens"]
         s["kv_assisted_tokens"] += r["reused_tokens"]
         s["computed_tokens"] += r["computed_tokens"]
@@ -185,7 +192,9 @@ def _tokens(runtime: HeadRuntime, bucket_s: float = 10.0) -> dict[str, Any]:
 def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[str, Any]:
     c = runtime.telemetry.snapshot()["counters"]
     t = runtime.telemetry.snapshot()["timers"]
-    sources = {s: c.get(f"prefill_source:{s}", 0) for s in ("session", "local", "remote", "compute")}
+    sources = {
+        s: c.get(f"prefill_source:{s}", 0) for s in ("session", "local", "remote", "compute")
+    }
     total = sum(sources.values())
     node = runtime.node.node if runtime.node else None
     transfers = []
@@ -202,11 +211,15 @@ def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[s
         "prefill_seconds_saved": round(t.get("saved_s", 0.0), 3),
         "fallback_reasons": runtime.telemetry.fallbacks,
         "recent_transfers": transfers,
-        "capacity": [{"alias": n["alias"], **n["capacity"]} for n in _node_rows(runtime, state, private)],
+        "capacity": [
+            {"alias": n["alias"], **n["capacity"]} for n in _node_rows(runtime, state, private)
+        ],
     }
 
 
-def router(runtime: HeadRuntime, keys: APIKeys, state: NetworkState, fleet_key: bytes | None) -> APIRouter:
+def router(
+    runtime: HeadRuntime, keys: APIKeys, state: NetworkState, fleet_key: bytes | None
+) -> APIRouter:
     r = APIRouter(prefix="/v1/network")
 
     def private(request: Request) -> bool:

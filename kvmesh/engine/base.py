@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import json
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,31 @@ def check_chain(prefix: Sequence[Block], card: CompatCard, tokens: int) -> int:
     return pos
 
 
+class Importer(abc.ABC):
+    """Preallocated KV for ``n_tokens`` positions. ``add`` may be called from any
+    thread, in any order, once per block: blocks write disjoint positions."""
+
+    def __init__(self, n_tokens: int) -> None:
+        self.n_tokens = n_tokens
+        self.added = 0
+        self._count = threading.Lock()
+
+    def add(self, block: Block) -> None:
+        h = block.header
+        if h.start + h.tokens > self.n_tokens:
+            raise MalformedPayload("block beyond the imported prefix")
+        if h.tokens:
+            self._copy(block)
+        with self._count:
+            self.added += 1
+
+    @abc.abstractmethod
+    def _copy(self, block: Block) -> None: ...
+
+    @abc.abstractmethod
+    def cache(self) -> Any: ...
+
+
 class Engine(abc.ABC):
     """An inference engine adapter."""
 
@@ -122,8 +148,14 @@ class Engine(abc.ABC):
     # -- KV -------------------------------------------------------------------
 
     @abc.abstractmethod
+    def importer(self, n_tokens: int) -> Importer:
+        """An empty KV buffer for positions [0, n_tokens) that blocks are copied into."""
+
     def _import(self, blocks: Sequence[Block], n_tokens: int) -> Any:
-        """Engine cache holding the blocks' KV for positions [0, n_tokens)."""
+        imp = self.importer(n_tokens)
+        for blk in blocks:
+            imp.add(blk)
+        return imp.cache()
 
     @abc.abstractmethod
     def _forward(self, state_cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
@@ -151,13 +183,20 @@ class Engine(abc.ABC):
 
     # -- engine-neutral -------------------------------------------------------
 
-    def prefill(self, tokens: Sequence[int], prefix: Sequence[Block] = ()) -> KVState:
-        """KV and next-token logits for ``tokens``, importing ``prefix`` first."""
+    def prefill(
+        self, tokens: Sequence[int], prefix: Sequence[Block] = (), imported: Importer | None = None
+    ) -> KVState:
+        """KV and next-token logits for ``tokens``, importing ``prefix`` first.
+        ``imported`` is ``prefix`` already copied in (see :meth:`importer`)."""
         tokens = list(tokens)
         if not tokens:
             raise ValueError("cannot prefill an empty sequence")
         p = check_chain(prefix, self.card, len(tokens)) if prefix else 0
-        cache = self._import(prefix, p) if p else None
+        if imported is not None and (imported.n_tokens != p or imported.added != len(prefix)):
+            raise MalformedPayload("the imported buffer does not hold this prefix")
+        cache = (
+            (imported.cache() if imported is not None else self._import(prefix, p)) if p else None
+        )
         tail = prefix[-1] if prefix and prefix[-1].header.kind == "tail" else None
         if p == len(tokens) and tail is not None:
             logits = self._read_logits(next(v for s, v in reversed(list(tail.tensors()))))

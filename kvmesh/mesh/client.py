@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -253,9 +253,17 @@ class MeshClient:
     # -- fetch -------------------------------------------------------------------
 
     async def fetch(
-        self, layout: Layout, hit: PeerHit, start: int = 0, lease_ttl: float | None = None
+        self,
+        layout: Layout,
+        hit: PeerHit,
+        start: int = 0,
+        lease_ttl: float | None = None,
+        on_block: Callable[[Block], None] | None = None,
     ) -> list[Block]:
-        """Stream ``hit``'s blocks from index ``start`` on, verified. Raises a typed error."""
+        """Stream ``hit``'s blocks from index ``start`` on, verified. Raises a typed error.
+
+        ``on_block`` is called on a worker thread with each block as soon as its
+        SHA-256 has been checked, so the caller can import while the rest arrives."""
         infos = hit.infos[start:]
         cap = layout.max_block_bytes
         if any(len(i.digest) != 32 for i in infos):
@@ -276,23 +284,38 @@ class MeshClient:
             method, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=None
         )(req, timeout=self.fetch_deadline, metadata=self._md(method))
         asms = [Assembler(layout, i.nbytes, i.digest) for i in infos]
+        done: list[Block | None] = [None] * len(asms)
+
+        def feed(j: int, data: bytes, last: bool) -> None:
+            asms[j].feed(data)
+            if last:
+                blk = asms[j].finish()  # raises ChecksumMismatch
+                if blk.key != infos[j].key:
+                    raise ChecksumMismatch("peer sent a block other than the one asked for")
+                if on_block is not None:
+                    on_block(blk)
+                done[j] = blk
+
         pending: list[asyncio.Future[None]] = []
         i = booked = 0
         try:
             async for data in call:
                 if i >= len(asms) or booked + len(data) > asms[i].total:
                     raise MalformedPayload("chunk beyond the blocks asked for")
-                # hashing runs on a worker thread (hashlib drops the GIL) while we receive
-                pending.append(loop.run_in_executor(self._hashers[i % 2], asms[i].feed, data))
                 booked += len(data)
-                if booked == asms[i].total:
+                last = booked == asms[i].total
+                # hashing runs on a worker thread (hashlib drops the GIL) while we receive
+                pending.append(loop.run_in_executor(self._hashers[i % 2], feed, i, data, last))
+                if last:
                     i, booked = i + 1, 0
                 if len(pending) > 16:
                     await pending.pop(0)
             for f in pending:
                 await f
             pending.clear()
-            blocks = [a.finish() for a in asms]  # raises ChecksumMismatch / truncation
+            if i < len(asms):
+                raise MalformedPayload(f"stream ended after {i} of {len(asms)} blocks")
+            blocks = [b for b in done if b is not None]
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
         except (asyncio.CancelledError, KVMeshError):
@@ -301,9 +324,6 @@ class MeshClient:
         finally:
             if pending:
                 await asyncio.wait(pending)
-        for blk, info in zip(blocks, infos, strict=True):
-            if blk.key != info.key:
-                raise ChecksumMismatch("peer sent a block other than the one asked for")
         dt = time.perf_counter() - t0
         total = sum(b.nbytes for b in blocks)
         self.counters["bytes_fetched"] += total

@@ -127,7 +127,7 @@ class HeadRuntime:
         local = self.node.node.store.longest_prefix(keys) if self.node else Match((), None)
         prefix: tuple[Block, ...] = local.all()
         source = "local" if local.tokens else "compute"
-        fallback = peer = None
+        fallback = peer = importer = None
         fetched_bytes = 0
         lookup_s = fetch_s = 0.0
         if self.node is not None and local.tokens < len(tokens):
@@ -147,8 +147,14 @@ class HeadRuntime:
                 else:
                     t2 = time.perf_counter()
                     try:
+                        # blocks are copied into the engine's KV as each one verifies
+                        importer = self.engine.importer(best.tokens)
+                        for blk in local.blocks[:skip]:
+                            importer.add(blk)
                         blocks = self.node.call(
-                            self.node.node.client.fetch(self.engine.layout, best, skip),
+                            self.node.node.client.fetch(
+                                self.engine.layout, best, skip, on_block=importer.add
+                            ),
                             timeout=self.fetch_timeout + 1,
                         )
                         fetch_s = time.perf_counter() - t2
@@ -165,7 +171,7 @@ class HeadRuntime:
                         fallback = "error"
         t3 = time.perf_counter()
         try:
-            state = self.engine.prefill(tokens, prefix)
+            state = self.engine.prefill(tokens, prefix, importer if source == "remote" else None)
         except KVMeshError as e:  # a chain that does not fit: compute it all
             fallback, source, prefix = e.reason, "compute", ()
             state = self.engine.prefill(tokens)
