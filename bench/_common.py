@@ -70,11 +70,8 @@ def synthetic_blocks(
 
 def machine() -> dict[str, object]:
     try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo")
-            if line.startswith("model name")
-        )
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
     return {"cpu": cpu, "cores": __import__("os").cpu_count(), "python": sys.version.split()[0],
