@@ -12,9 +12,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from ..engine import Sampling
 from ..runtime.head import Generation, HeadRuntime
@@ -244,26 +245,17 @@ def router(service: OpenAIService) -> APIRouter:
             ],
         }
 
-    @r.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
-        from starlette.concurrency import run_in_threadpool
+    async def respond(req: _Common, tokens: list[int], chat: bool) -> Any:
+        if req.stream:  # the SSE body is produced on starlette's worker threads
+            return service.run(req, tokens, chat)
+        return await run_in_threadpool(service.run, req, tokens, chat)
 
-        tokens = service.completion_tokens(req)
-        return (
-            await run_in_threadpool(service.run, req, tokens, False)
-            if not req.stream
-            else service.run(req, tokens, False)
-        )
+    @r.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        return await respond(req, service.completion_tokens(req), chat=False)
 
     @r.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request) -> Any:
-        from starlette.concurrency import run_in_threadpool
-
-        tokens = service.chat_tokens(req)
-        return (
-            await run_in_threadpool(service.run, req, tokens, True)
-            if not req.stream
-            else service.run(req, tokens, True)
-        )
+    async def chat(req: ChatRequest) -> Any:
+        return await respond(req, service.chat_tokens(req), chat=True)
 
     return r

@@ -173,7 +173,12 @@ class NodeThread:
         return MeshNode(config)  # built on the loop: its asyncio objects bind here
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()  # a caller that gave up must not leave the work running
+            raise
 
     def submit(self, fn: Any, *args: Any) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
