@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import socket
@@ -45,6 +46,8 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
 
     engine = load_engine(opts.model, opts.engine, progress=lambda m: log.info(m))
     engine.prefill(engine.encode("warm up"))  # first-call setup is not any request's cost
+    gc.collect()
+    gc.freeze()  # the model's objects never die: keep full collections off the request path
     path = resolve_model(opts.model)
     cfg = json.loads((Path(path) / "config.json").read_text())
     max_context = int(cfg.get("text_config", cfg).get("max_position_embeddings", 4096))
