@@ -9,8 +9,12 @@ def _kvmesh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_local_json_on_tiny_model():
-    out = _kvmesh("demo", "--local", "--json", "--model", "demo-tiny")
+import pytest
+
+
+@pytest.mark.parametrize("engine", ["torch", "mlx"])
+def test_demo_local_json_on_tiny_model(engine):
+    out = _kvmesh("demo", "--local", "--json", "--model", "demo-tiny", "--engine", engine)
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(row) >= {

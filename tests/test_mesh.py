@@ -360,3 +360,18 @@ def test_incompatible_card_is_a_miss(tiny_engine, peer):
         assert resp.stored == 0 and resp.rejected == 1 and resp.reason == "incompatible_card"
     finally:
         close(h)
+
+
+def test_mlx_head_gets_an_exact_remote_hit(three_peers):
+    from kvmesh.engine import load_engine
+
+    mlx = load_engine("demo-tiny", "mlx")
+    toks = prompt(mlx, 170, "mlx ")
+    cold = published(mlx, three_peers, toks)
+    h = fresh_head(mlx, three_peers)
+    try:
+        out = h.complete(toks, SAMPLING)
+        assert out.report.source == "remote" and out.report.used_stored_logits
+        assert out.tokens == cold
+    finally:
+        close(h)
