@@ -2,14 +2,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _kvmesh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvmesh.cli", *args], capture_output=True, text=True, timeout=timeout
     )
 
-
-import pytest
 
 
 @pytest.mark.parametrize("engine", ["torch", "mlx"])
