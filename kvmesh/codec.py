@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .compat import CompatCard, dtype_size
+from .compat import CompatCard, dtype_size, kv_quant_params
 from .errors import ChecksumMismatch, IncompatibleCard, MalformedPayload, OversizePayload
 
 MAGIC = b"KVB1"
@@ -55,12 +55,12 @@ class BlockHeader:
     kind: str  # "block" (exactly B tokens) or "tail" (0..B-1 tokens + logits)
     start: int  # position of the first token
     tokens: int
-    layers: tuple[tuple[TensorSpec, TensorSpec], ...]
+    layers: tuple[tuple[TensorSpec, ...], ...]  # per layer: K part(s) then V part(s)
     logits: TensorSpec | None = None
 
     @property
     def payload_bytes(self) -> int:
-        n = sum(k.nbytes + v.nbytes for k, v in self.layers)
+        n = sum(spec.nbytes for layer in self.layers for spec in layer)
         return n + (self.logits.nbytes if self.logits else 0)
 
     def encode(self) -> bytes:
@@ -71,9 +71,7 @@ class BlockHeader:
             "kind": self.kind,
             "start": self.start,
             "tokens": self.tokens,
-            "layers": [
-                [[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in self.layers
-            ],
+            "layers": [[[t.dtype, list(t.shape)] for t in layer] for layer in self.layers],
             "logits": [self.logits.dtype, list(self.logits.shape)] if self.logits else None,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
@@ -85,10 +83,22 @@ class Layout:
 
     card: CompatCard
 
-    def layers(self, tokens: int) -> tuple[tuple[TensorSpec, TensorSpec], ...]:
+    def layers(self, tokens: int) -> tuple[tuple[TensorSpec, ...], ...]:
+        """Per layer, K then V; each one array, or (packed, scales, biases) when
+        the KV cache is quantized (mlx-lm's QuantizedKVCache layout)."""
         c = self.card
-        spec = TensorSpec(c.kv_dtype, (c.num_kv_heads, tokens, c.head_dim))
-        return tuple((spec, spec) for _ in range(c.num_layers))
+
+        def spec(dtype: str, last: int) -> TensorSpec:
+            return TensorSpec(dtype, (c.num_kv_heads, tokens, last))
+
+        q = kv_quant_params(c.kv_quant)
+        if q is None:
+            one: tuple[TensorSpec, ...] = (spec(c.kv_dtype, c.head_dim),)
+        else:
+            bits, group = q
+            side = spec(c.kv_dtype, c.head_dim // group)
+            one = (spec("uint32", c.head_dim * bits // 32), side, side)
+        return tuple(one + one for _ in range(c.num_layers))
 
     def logits(self) -> TensorSpec:
         return TensorSpec("float32", (self.card.vocab_size,))
@@ -140,8 +150,8 @@ class Block:
         """(spec, bytes) for K0, V0, K1, V1, ..., then logits if present."""
         view = self.payload()
         off = 0
-        for pair in self.header.layers:
-            for spec in pair:
+        for layer in self.header.layers:
+            for spec in layer:
                 yield spec, view[off : off + spec.nbytes]
                 off += spec.nbytes
         if self.header.logits is not None:
@@ -226,10 +236,10 @@ def parse_header(raw: bytes | memoryview, layout: Layout) -> BlockHeader:
     if not isinstance(layers_raw, list) or len(layers_raw) != layout.card.num_layers:
         raise MalformedPayload("wrong layer count")
     layers = []
-    for pair in layers_raw:
-        if not isinstance(pair, list) or len(pair) != 2:
+    for layer in layers_raw:
+        if not isinstance(layer, list) or not 2 <= len(layer) <= 6:
             raise MalformedPayload("bad layer entry")
-        layers.append((_spec(pair[0]), _spec(pair[1])))
+        layers.append(tuple(_spec(t) for t in layer))
     if tuple(layers) != layout.layers(tokens):
         raise MalformedPayload("tensor dtype or shape does not match the card")
     logits = None if doc.get("logits") is None else _spec(doc["logits"])

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class CompatCard:
     sliding_windows: tuple[int, ...]  # per layer; 0 = full attention
     vocab_size: int
     block_tokens: int
+    kv_quant: str = "none"  # "none" or "q{bits}g{group}" (quantized KV cache)
     schema_version: int = SCHEMA_VERSION
 
     def canonical(self) -> bytes:
@@ -67,11 +69,20 @@ class CompatCard:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size(self.kv_dtype)
+        q = kv_quant_params(self.kv_quant)
+        if q is None:
+            per_head = self.head_dim * dtype_size(self.kv_dtype)
+        else:
+            bits, group = q
+            per_head = self.head_dim * bits // 8 + 2 * (self.head_dim // group) * dtype_size(
+                self.kv_dtype
+            )
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def summary(self) -> str:
         """One line for logs and the dashboard."""
         q = "" if self.quantization == "none" else f" {self.quantization}"
+        q += "" if self.kv_quant == "none" else f" kv:{self.kv_quant}"
         return (
             f"{self.engine} {self.model_id}{q} · {self.num_layers}L×{self.num_kv_heads}kv×"
             f"{self.head_dim}d {self.kv_dtype} · w:{self.weights_digest[:8]} · "
@@ -102,6 +113,20 @@ _DTYPE_SIZES = {
     "uint32": 4,
     "float64": 8,
 }
+
+
+def kv_quant_name(bits: int, group_size: int) -> str:
+    return f"q{bits}g{group_size}"
+
+
+def kv_quant_params(name: str) -> tuple[int, int] | None:
+    """(bits, group size) of a quantized-KV tag, or None for plain KV."""
+    if name == "none":
+        return None
+    m = re.fullmatch(r"q(\d+)g(\d+)", name)
+    if not m:
+        raise ValueError(f"bad kv_quant {name!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def dtype_size(name: str) -> int:

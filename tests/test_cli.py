@@ -11,7 +11,6 @@ def _kvmesh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-
 @pytest.mark.parametrize("engine", ["torch", "mlx"])
 def test_demo_local_json_on_tiny_model(engine):
     out = _kvmesh("demo", "--local", "--json", "--model", "demo-tiny", "--engine", engine)

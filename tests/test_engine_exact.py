@@ -9,12 +9,14 @@ from kvmesh.errors import MalformedPayload
 from kvmesh.store import BlockStore
 
 
-@pytest.fixture(scope="module", params=["torch", "mlx"])
+@pytest.fixture(scope="module", params=["torch", "mlx", "mlx-q8"])
 def engine(request, tiny_engine):
     if request.param == "torch":
         return tiny_engine
     from kvmesh.engine import load_engine
 
+    if request.param == "mlx-q8":  # mlx-lm's QuantizedKVCache: (packed, scales, biases) per K and V
+        return load_engine("demo-tiny", "mlx", kv_bits=8, kv_group_size=32)
     return load_engine("demo-tiny", "mlx")
 
 
@@ -124,3 +126,16 @@ def test_torch_and_mlx_cards_for_the_same_weights_are_different_namespaces(tiny_
     for blk in tiny_engine.export(tiny_engine.prefill(toks), _keyer(tiny_engine)):
         store.put(blk)
     assert store.longest_prefix(_keyer(mlx).keys(toks)).tokens == 0
+
+
+def test_kv_quantization_is_part_of_the_card(tiny_engine):
+    from kvmesh.engine import load_engine
+
+    plain = load_engine("demo-tiny", "mlx")
+    q8 = load_engine("demo-tiny", "mlx", kv_bits=8, kv_group_size=32)
+    q4 = load_engine("demo-tiny", "mlx", kv_bits=4, kv_group_size=32)
+    assert len({plain.card.namespace, q8.card.namespace, q4.card.namespace}) == 3
+    assert q4.card.kv_bytes_per_token < q8.card.kv_bytes_per_token < plain.card.kv_bytes_per_token
+    toks = _prompt(q8, 70)
+    blocks = q8.export(q8.prefill(toks), _keyer(q8))
+    assert blocks[0].nbytes - blocks[0].payload_offset == q8.card.kv_bytes_per_token * 32

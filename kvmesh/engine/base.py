@@ -49,7 +49,12 @@ class KVState:
 
 
 def card_from_hf_dir(
-    path: Path, engine: str, kv_dtype: str, quantization: str, block_tokens: int
+    path: Path,
+    engine: str,
+    kv_dtype: str,
+    quantization: str,
+    block_tokens: int,
+    kv_quant: str = "none",
 ) -> CompatCard:
     """Derive a card from a Hugging Face style model directory."""
     cfg = json.loads((path / "config.json").read_text())
@@ -80,6 +85,7 @@ def card_from_hf_dir(
         sliding_windows=windows,
         vocab_size=int(text_cfg["vocab_size"]),
         block_tokens=block_tokens,
+        kv_quant=kv_quant,
     )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -50,7 +50,7 @@ class DemoSpec:
 
 DEMOS = {
     "demo": DemoSpec("demo", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864),
-    "demo-tiny": DemoSpec("demo-tiny", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=128),
+    "demo-tiny": DemoSpec("demo-tiny", hidden=64, layers=4, heads=2, kv_heads=1, intermediate=128),
 }
 
 

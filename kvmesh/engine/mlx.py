@@ -7,7 +7,8 @@ Cache types:
 - ``RotatingKVCache`` (sliding-window layers): a prefix is restorable exactly only
   while no position has been rotated out, i.e. ``n <= window``. Longer prefixes
   are neither exported nor imported (a miss, never an approximation).
-- ``QuantizedKVCache``: not supported yet; a model asked to use it is refused.
+- ``QuantizedKVCache`` (``kv_bits``): each of K and V travels as mlx's
+  (packed uint32, scales, biases) triple; bits and group size join the card.
 
 The numerics of mlx and torch differ, so an mlx card is a different namespace
 from a torch card for the same weights (the card's ``engine`` field).
@@ -24,43 +25,55 @@ import numpy as np
 
 from ..blocks import DEFAULT_BLOCK_TOKENS, BlockKeyer, PrefixKeys
 from ..codec import Block, Layout
+from ..compat import kv_quant_name
 from .base import Engine, Importer, KVState, Sampling, card_from_hf_dir
-
-_NAMES = {"float32": np.float32, "float16": np.float16}
 
 
 class _MLXImporter(Importer):
     def __init__(self, engine: MLXEngine, n_tokens: int) -> None:
         super().__init__(n_tokens)
-        c = engine.card
         self.engine = engine
-        np_dtype = _NAMES[c.kv_dtype]
-        self.bufs = [
-            np.empty((1, c.num_kv_heads, n_tokens, c.head_dim), np_dtype)
-            for _ in range(2 * c.num_layers)
-        ]
-        self._np_dtype = np_dtype
+        self.specs = [spec for layer in engine.layout.layers(n_tokens) for spec in layer]
+        self.bufs = [np.empty((1, *s.shape), np.dtype(s.dtype)) for s in self.specs]
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
         for dst, (spec, view) in zip(self.bufs, block.tensors(), strict=False):
-            dst[0, :, a : a + t] = np.frombuffer(view, self._np_dtype).reshape(spec.shape)
+            dst[0, :, a : a + t] = np.frombuffer(view, np.dtype(spec.dtype)).reshape(spec.shape)
 
     def cache(self) -> Any:
         mx = self.engine.mx
         caches = self.engine.new_cache()
+        per = len(self.bufs) // len(caches)  # 2 (K, V) or 6 (quantized K, V triples)
         for i, c in enumerate(caches):
-            c.keys, c.values = mx.array(self.bufs[2 * i]), mx.array(self.bufs[2 * i + 1])
+            parts = [mx.array(b) for b in self.bufs[i * per : (i + 1) * per]]
+            if per == 2:
+                c.keys, c.values = parts
+            else:
+                c.keys, c.values = tuple(parts[:3]), tuple(parts[3:])
             c.offset = self.n_tokens
             if hasattr(c, "_idx"):  # RotatingKVCache, not yet rotated (n <= window)
                 c._idx = self.n_tokens
         return caches
 
 
+def _parts(layer: Any) -> tuple[Any, ...]:
+    """A layer cache's arrays: (K, V), or the quantized (K triple, V triple)."""
+    if isinstance(layer.keys, tuple):
+        return (*layer.keys, *layer.values)
+    return layer.keys, layer.values
+
+
 class MLXEngine(Engine):
     name = "mlx"
 
-    def __init__(self, path: Path, block_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        block_tokens: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+    ) -> None:
         import mlx.core as mx
         from mlx_lm import load
 
@@ -80,17 +93,24 @@ class MLXEngine(Engine):
             kv_dtype=kv_dtype,
             quantization=json.dumps(quant, sort_keys=True) if quant else "none",
             block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
+            kv_quant=kv_quant_name(kv_bits, kv_group_size) if kv_bits else "none",
         )
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.layout = Layout(self.card)
         windows = [w for w in self.card.sliding_windows if w]
         self.max_prefix = min(windows) if windows else None  # exact restore bound
+        if kv_bits and windows:
+            raise NotImplementedError("quantized KV with sliding-window layers is not supported")
         eos = self.tokenizer.eos_token_ids if hasattr(self.tokenizer, "eos_token_ids") else []
         self.eos_ids = frozenset(int(e) for e in eos)
 
     def new_cache(self) -> list[Any]:
-        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
-        return make_prompt_cache(self.model)
+        caches = make_prompt_cache(self.model)
+        if self.kv_bits:
+            return [QuantizedKVCache(self.kv_group_size, self.kv_bits) for _ in caches]
+        return caches
 
     # -- text -----------------------------------------------------------------
 
@@ -123,13 +143,17 @@ class MLXEngine(Engine):
             cache = self.new_cache()
         logits = self.model(mx.array([list(tokens)]), cache=cache)
         last = logits[0, -1].astype(mx.float32)
-        mx.eval(last, *[c.keys for c in cache], *[c.values for c in cache])
+        mx.eval(last, *[p for c in cache for p in _parts(c)])
         return cache, last
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
         out = self.new_cache()
         for src, dst in zip(cache, out, strict=True):
-            dst.keys, dst.values = src.keys[..., :n_tokens, :], src.values[..., :n_tokens, :]
+            cut = [p[..., :n_tokens, :] for p in _parts(src)]
+            if len(cut) == 2:
+                dst.keys, dst.values = cut
+            else:
+                dst.keys, dst.values = tuple(cut[:3]), tuple(cut[3:])
             dst.offset = n_tokens
             if hasattr(dst, "_idx"):
                 if src.offset > (self.max_prefix or src.offset):
@@ -138,15 +162,12 @@ class MLXEngine(Engine):
         return out
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
-        c = self.card
-        per = c.num_kv_heads * (stop - start) * c.head_dim
-        dst = np.frombuffer(out, _NAMES[c.kv_dtype])
         off = 0
         for layer in cache:
-            for src in (layer.keys, layer.values):
+            for src in _parts(layer):
                 arr = np.asarray(src[0, :, start:stop, :])
-                dst[off : off + per].reshape(arr.shape)[...] = arr
-                off += per
+                np.frombuffer(out[off : off + arr.nbytes], arr.dtype).reshape(arr.shape)[...] = arr
+                off += arr.nbytes
 
     def export(
         self,
