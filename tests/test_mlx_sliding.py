@@ -1,0 +1,70 @@
+"""mlx-lm sliding-window layers (RotatingKVCache): exact within the window, a miss beyond."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from kvmesh.blocks import BlockKeyer
+from kvmesh.errors import CacheMiss
+
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def swa_engine(tiny_dir, tmp_path_factory):
+    """demo-tiny's weights as a Llama with alternating sliding / full attention layers."""
+    from safetensors.numpy import load_file, save_file
+
+    from kvmesh.engine import load_engine
+
+    d = tmp_path_factory.mktemp("swa") / "llama-swa-tiny"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], _name_or_path="llama-swa-tiny",
+               sliding_window=WINDOW, attention_bias=False, mlp_bias=False,
+               layer_types=["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2))  # fmt: skip
+    (d / "config.json").write_text(json.dumps(cfg))
+    w = {
+        k: v for k, v in load_file(str(d / "model.safetensors")).items() if not k.endswith(".bias")
+    }
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return load_engine(str(d), "mlx")
+
+
+def _same(a, b) -> bool:
+    return np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_card_records_the_windows_and_caches_rotate(swa_engine):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    assert swa_engine.card.sliding_windows == (WINDOW, 0, WINDOW, 0)
+    assert any(isinstance(c, RotatingKVCache) for c in swa_engine.new_cache())
+
+
+def test_prefix_within_the_window_is_exact(swa_engine):
+    keyer = BlockKeyer(swa_engine.card.namespace, swa_engine.card.block_tokens)
+    toks = swa_engine.encode("sliding windows rotate; " * 3)[:60]
+    blocks = swa_engine.export(swa_engine.prefill(toks), keyer)
+    assert [b.header.kind for b in blocks] == ["block", "tail"]
+    again = swa_engine.prefill(toks, blocks)
+    assert again.used_stored_logits
+    longer = toks + swa_engine.encode(" and then some more text beyond the window" * 2)
+    imported = swa_engine.prefill(longer, blocks[:1])  # 32 tokens, then 90 computed past the window
+    local = swa_engine.extend(swa_engine.prefill(toks[:32]), longer[32:])
+    assert imported.imported_tokens == 32 and _same(imported.logits, local.logits)
+
+
+def test_beyond_the_window_is_never_exported_nor_imported(swa_engine):
+    keyer = BlockKeyer(swa_engine.card.namespace, swa_engine.card.block_tokens)
+    toks = swa_engine.encode("x" * 200)[:150]
+    blocks = swa_engine.export(swa_engine.prefill(toks), keyer)
+    assert sum(b.header.tokens for b in blocks) == WINDOW and all(
+        b.header.kind == "block" for b in blocks
+    )
+    with pytest.raises(CacheMiss):
+        swa_engine.importer(96)
