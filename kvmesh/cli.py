@@ -27,14 +27,63 @@ class _Group(click.Group):
             raise click.ClickException(str(e)) from None
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    from . import config
+
+    if value:
+        try:
+            ctx.default_map = config.load(value, ctx.command, ctx)  # type: ignore[arg-type]
+        except KVMeshError as e:
+            raise click.ClickException(str(e)) from None
+    ctx.meta["config_file"] = value
+
+
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "KVMESH"},
+)
 @click.version_option(package_name="kvmesh")
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    envvar="KVMESH_CONFIG",
+    is_eager=True,
+    expose_value=False,
+    callback=_load_config,
+    help="TOML file with [common], [peer] and [head] settings (env: KVMESH_CONFIG).",
+)
 def main() -> None:
     """kvmesh: a peer-to-peer prefill KV cache network for LLM inference.
 
     Run `kvmesh demo` for the two-node evidence on the embedded demo model,
     `kvmesh peer` for a cache node, `kvmesh head` for an inference head.
+    Every flag can also come from the config file or KVMESH_<ROLE>_<FLAG>.
     """
+
+
+@main.group("config")
+def config_group() -> None:
+    """Inspect configuration."""
+
+
+@config_group.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def config_show(ctx: click.Context, as_json: bool) -> None:
+    """Print the effective settings of every role, with where each came from."""
+    from . import config
+
+    root = ctx.find_root()
+    report = config.effective(root.command, root, root.default_map)  # type: ignore[arg-type]
+    report["config_file"] = root.meta.get("config_file")
+    if as_json:
+        print(json.dumps(report, indent=1, default=str))
+        return
+    print(f"# config file: {report['config_file'] or '(none)'}")
+    for role in config.ROLES:
+        print(f"[{role}]")
+        for name, row in report[role].items():
+            print(f"{name} = {json.dumps(row['value'], default=str)}  # {row['source']}")
 
 
 @main.command()
@@ -353,6 +402,68 @@ def head(
         ),
         cfg,
     )
+
+
+@main.command()
+@click.argument("address")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--fleet-key-file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False))
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False))
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False))
+@click.option("--tls-server-name")
+def status(address: str, as_json: bool, **sec: str | None) -> None:
+    """The fleet as the node at ADDRESS (HOST:PORT, gRPC) sees it."""
+    import asyncio
+    from pathlib import Path
+
+    import grpc
+
+    from .mesh.security import FleetAuth, TLSConfig, load_fleet_key
+    from .mesh.status import describe, fetch_cards
+
+    auth = (
+        FleetAuth(load_fleet_key(sec["fleet_key_file"]), "kvmesh-status")
+        if sec["fleet_key_file"]
+        else None
+    )
+    tls = TLSConfig(
+        cert=Path(sec["tls_cert"]) if sec["tls_cert"] else None,
+        key=Path(sec["tls_key"]) if sec["tls_key"] else None,
+        ca=Path(sec["tls_ca"]) if sec["tls_ca"] else None,
+        server_name=sec["tls_server_name"],
+    )
+    try:
+        cards = asyncio.run(fetch_cards(address, auth, tls))
+    except grpc.aio.AioRpcError as e:
+        raise click.ClickException(f"{address}: {e.code().name}: {e.details()}") from None
+    rows = describe(cards)
+    if as_json:
+        print(json.dumps({"address": address, "members": rows}, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"kvmesh fleet as seen by {address}")
+    for col in (
+        "alias",
+        "roles",
+        "epoch",
+        "card age",
+        "endpoints",
+        "used / budget",
+        "entries",
+        "hit ratio",
+    ):
+        t.add_column(col)
+    for r in rows:
+        eps = ", ".join(f"{e['address']} ({e['interface']})" for e in r["endpoints"])
+        used = f"{r['used_bytes'] / 2**20:.1f} / {r['budget_bytes'] / 2**30:.1f} GiB"
+        hit = "–" if r["hit_ratio"] is None else f"{r['hit_ratio']:.0%}"
+        name = r["alias"] + (" *" if r["answering"] else "")
+        t.add_row(name, ",".join(r["roles"]), r["epoch"][:8], f"{r['card_age_s']:.1f} s", eps, used,
+                  str(r["entries"]), hit)  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install a kvmesh role as a systemd service: writes /etc/kvmesh/kvmesh.toml (if absent),
+# the unit, a `kvmesh` system user, and enables the service.
+#   sudo deploy/install-systemd.sh peer|head [CONFIG.toml]
+# DESTDIR=/some/root and DRY_RUN=1 write into another root and skip systemctl (tests use both).
+set -euo pipefail
+role=${1:-}
+case "$role" in peer|head) ;; *) echo "usage: $0 peer|head [CONFIG.toml]" >&2; exit 2 ;; esac
+here=$(cd "$(dirname "$0")" && pwd)
+config=${2:-$here/kvmesh.example.toml}
+root=${DESTDIR:-}
+bin=$(command -v kvmesh || true)
+[ -n "$bin" ] || { echo "kvmesh is not on PATH: pip install kvmesh first" >&2; exit 1; }
+kvmesh --config "$config" config show >/dev/null  # refuse a bad config before installing it
+install -d "$root/etc/kvmesh" "$root/etc/systemd/system" "$root/var/lib/kvmesh"
+if [ ! -e "$root/etc/kvmesh/kvmesh.toml" ]; then
+  install -m 0640 "$config" "$root/etc/kvmesh/kvmesh.toml"
+fi
+sed "s#/usr/local/bin/kvmesh#$bin#" "$here/systemd/kvmesh-$role.service" > "$root/etc/systemd/system/kvmesh-$role.service"
+if [ -n "${DRY_RUN:-}" ]; then
+  echo "would enable kvmesh-$role.service"; exit 0
+fi
+id kvmesh >/dev/null 2>&1 || useradd --system --home /var/lib/kvmesh --shell /usr/sbin/nologin kvmesh
+chown -R kvmesh:kvmesh "$root/var/lib/kvmesh"
+chgrp kvmesh "$root/etc/kvmesh/kvmesh.toml"
+systemctl daemon-reload
+systemctl enable --now "kvmesh-$role.service"
+systemctl --no-pager status "kvmesh-$role.service" | head -5
