@@ -356,6 +356,10 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
 @click.option("--no-publish", is_flag=True, help="Never publish new prefixes.")
 @click.option("--gossip-interval", default=1.0, show_default=True)
 @click.option("--ttl", default=5.0, show_default=True)
+@click.option(
+    "--lookup-timeout", default=0.25, show_default=True, help="Seconds a lookup may take."
+)
+@click.option("--fetch-timeout", default=30.0, show_default=True, help="Seconds a fetch may take.")
 @click.option("--region", default="")
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
@@ -372,6 +376,8 @@ def head(
     no_publish: bool,
     gossip_interval: float,
     ttl: float,
+    lookup_timeout: float,
+    fetch_timeout: float,
     region: str,
     verbose: bool,
     **sec: object,
@@ -391,6 +397,8 @@ def head(
         gossip_interval=gossip_interval,
         ttl=ttl,
         region=region,
+        lookup_deadline=lookup_timeout,
+        fetch_deadline=fetch_timeout,
     )
     run_head(
         HeadOptions(
