@@ -3,11 +3,17 @@
 Run in a fresh process: load the model (not timed), then time loading a
 safetensors file of KV + logits saved by another process and producing the first
 token, for an exact repeat and for the cached prompt plus new tokens.
+
+``lazy``: tensors stay memory-mapped (the exact repeat then never reads the KV
+before its first token). ``read``: KV is read into the cache, as llama.cpp's slot
+restore does. ``cold``: ``read`` after dropping the page cache (a restart, or
+another machine's disk); needs root, else it is left out.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -24,9 +30,12 @@ def main() -> None:
     engine.prefill(list(range(16)))  # warm up, as every other path is
     one = Sampling(max_tokens=1)
     out = {}
-    for name, extra in (("exact", []), ("extend", ext)):
+
+    def first_token(extra: list[int], materialize: bool) -> float:
         t0 = time.perf_counter()
         tensors = load_file(path, device=device)
+        if materialize:
+            tensors = {k: v.clone() for k, v in tensors.items()}
         cache = engine._new_cache()
         for i, layer in enumerate(cache.layers):
             k, v = tensors[f"k{i}"], tensors[f"v{i}"]
@@ -39,7 +48,18 @@ def main() -> None:
         next(engine.generate(state, one))
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        out[name] = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    for mode, materialize in (("lazy", False), ("read", True)):
+        out[mode] = first_token([], materialize)
+        out[mode + "_extend"] = first_token(ext, materialize)
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        out["cold"] = first_token([], True)
+    except OSError:
+        pass
     print(json.dumps(out))
 
 

@@ -8,10 +8,15 @@ For each prompt length, on the ~0.5B-shaped demo model:
                     logits of the last position only) + first token
   inprocess_s       in-process reuse, the floor: the live cache of the same prompt
   file_cache_s      a file-based prompt cache (KV + logits in safetensors, written by
-                    this process, loaded by a fresh one: mlx-lm's save/load_prompt_cache
-                    and llama.cpp's slot save/restore pattern)
+                    this process, read into the cache by a fresh one: llama.cpp's slot
+                    save/restore and mlx-lm's save/load_prompt_cache pattern); also
+                    file_cache_mmap_s (left memory-mapped, the KV is not read before the
+                    first token of an exact repeat) and file_cache_cold_s (page cache
+                    dropped first; root only)
   kvmesh_remote_s   a kvmesh head with an empty store, remote hit from a real peer
                     process over loopback (lookup, fetch, SHA-256, import)
+  kvmesh_netns_<rate>_s  the same from a peer in another network namespace over a
+                    veth link capped with tbf (10 and 40 Gbit/s; root only)
   *_extend_s        the same for the cached prompt plus 64 new tokens
 Prompt lengths are multiples of the 32-token block, so the extension reuses the
 whole prompt; other lengths recompute up to 31 more tokens.
@@ -79,18 +84,70 @@ def close(head: HeadRuntime) -> None:
     head.node.close()
 
 
+class NetnsPeer:
+    """A `kvmesh peer` in its own network namespace behind a veth link."""
+
+    NS, HOST, PEER = "kvmttft", "10.78.0.1", "10.78.0.2"
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.address = f"{self.PEER}:7070"
+
+    @classmethod
+    def create(cls) -> NetnsPeer:
+        run = lambda *c: subprocess.run(c, check=True, capture_output=True)  # noqa: E731
+        subprocess.run(["ip", "netns", "del", cls.NS], capture_output=True)
+        subprocess.run(["ip", "link", "del", "kvmttft0"], capture_output=True)
+        run("ip", "netns", "add", cls.NS)
+        run("ip", "link", "add", "kvmttft0", "type", "veth", "peer", "name", "kvmttft1")
+        run("ip", "link", "set", "kvmttft1", "netns", cls.NS)
+        run("ip", "addr", "add", f"{cls.HOST}/24", "dev", "kvmttft0")
+        run("ip", "link", "set", "kvmttft0", "up")
+        for c in (["ip", "addr", "add", f"{cls.PEER}/24", "dev", "kvmttft1"], ["ip", "link", "set", "kvmttft1", "up"],
+                  ["ip", "link", "set", "lo", "up"]):  # fmt: skip
+            run("ip", "netns", "exec", cls.NS, *c)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", cls.NS, sys.executable, "-m", "kvmesh.cli", "peer", "--listen",
+             f"{cls.PEER}:7070", "--plaintext", "--budget", "8GiB", "--gossip-interval", "0.2",
+             "--advertise", f"{cls.PEER}:7070,interface=ethernet"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+        return cls(proc)
+
+    def shape(self, rate: str) -> None:
+        """Cap the peer->head direction with a token bucket."""
+        subprocess.run(["ip", "netns", "exec", self.NS, "tc", "qdisc", "replace", "dev", "kvmttft1", "root",
+                        "tbf", "rate", rate, "burst", "4mb", "latency", "50ms"], check=True)  # fmt: skip
+
+    def destroy(self) -> None:
+        self.proc.kill()
+        subprocess.run(["ip", "netns", "del", self.NS], capture_output=True)
+        subprocess.run(["ip", "link", "del", "kvmttft0"], capture_output=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="bench/results/ttft.json")
     ap.add_argument("--lengths", default="128,512,1024,2048,4096")
     ap.add_argument("--model", default="demo")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--netns", action=argparse.BooleanOptionalAction, default=os.geteuid() == 0,
+                    help="also measure a peer in another network namespace (needs root)")  # fmt: skip
     args = ap.parse_args()
     engine = load_engine(args.model, device=args.device)
     engine.prefill(list(range(16)))
     card = engine.card
     proc, peer = spawn_peer("--gossip-interval", "0.2", "--budget", "8GiB")
     publisher = NodeThread(NodeConfig(seeds=[peer], gossip_interval=0.2, alias="bench-publisher"))
+    netns = NetnsPeer.create() if args.netns else None
+
+    def publish_to(address: str, blocks) -> None:  # type: ignore[no-untyped-def]
+        target = next(c for c in publisher.node.membership.live() if any(e.address == address for e in c.endpoints))
+        publisher.call(publisher.node.client.publish(target, card, blocks))
+
+    if netns is not None:
+        publisher.node.config.seeds.append(netns.address)
     rows = []
     try:
         time.sleep(0.5)
@@ -116,8 +173,7 @@ def main() -> None:
             )
             # publish the prompt's blocks to the peer, as a head would after answering
             blocks = engine.export(live, HeadRuntime(engine, None).keyer)
-            target = publisher.node.membership.live()[0]
-            publisher.call(publisher.node.client.publish(target, card, blocks))
+            publish_to(peer, blocks)
             # file cache: one process saves, a fresh one loads
             with tempfile.TemporaryDirectory() as d:
                 path = os.path.join(d, "prompt.safetensors")
@@ -129,7 +185,10 @@ def main() -> None:
                     capture_output=True, text=True, check=True,
                 )  # fmt: skip
                 fc = json.loads(out.stdout.strip().splitlines()[-1])
-                row["file_cache_s"], row["file_cache_extend_s"] = fc["exact"], fc["extend"]
+                row["file_cache_s"], row["file_cache_extend_s"] = fc["read"], fc["read_extend"]
+                row["file_cache_mmap_s"], row["file_cache_mmap_extend_s"] = fc["lazy"], fc["lazy_extend"]
+                if "cold" in fc:
+                    row["file_cache_cold_s"] = fc["cold"]
             # kvmesh: heads with empty stores, remote hits over loopback
             for key, prompt in (("kvmesh_remote_s", toks), ("kvmesh_extend_s", toks + ext)):
                 head = fresh_head(engine, peer, card.namespace_hex)
@@ -141,6 +200,17 @@ def main() -> None:
                         row["fetch_s"] = g.report.fetch_s
                 finally:
                     close(head)
+            if netns is not None:
+                publish_to(netns.address, blocks)
+                for rate in ("10gbit", "40gbit"):
+                    netns.shape(rate)
+                    head = fresh_head(engine, netns.address, card.namespace_hex)
+                    try:
+                        g = head.complete(toks, ONE)
+                        assert g.report is not None and g.report.source == "remote", g.report
+                        row[f"kvmesh_netns_{rate}_s"] = g.ttft_s
+                    finally:
+                        close(head)
             row["speedup_remote"] = row["cold_s"] / row["kvmesh_remote_s"]
             row["remote_vs_file"] = row["file_cache_s"] / row["kvmesh_remote_s"]
             row["extend_vs_floor"] = row["kvmesh_extend_s"] / row["inprocess_extend_s"]
@@ -150,13 +220,17 @@ def main() -> None:
                 f"file {row['file_cache_s'] * 1e3:.1f}ms  kvmesh {row['kvmesh_remote_s'] * 1e3:.1f}ms "
                 f"({row['speedup_remote']:.0f}x cold, {row['remote_vs_file']:.2f}x file)  "
                 f"extend: kvmesh {row['kvmesh_extend_s'] * 1e3:.0f}ms vs floor "
-                f"{row['inprocess_extend_s'] * 1e3:.0f}ms ({row['extend_vs_floor']:.2f}x)",
+                f"{row['inprocess_extend_s'] * 1e3:.0f}ms ({row['extend_vs_floor']:.2f}x)"
+                + "".join(f"  netns {r}: {row[f'kvmesh_netns_{r}_s'] * 1e3:.1f}ms" for r in ("10gbit", "40gbit")
+                          if f"kvmesh_netns_{r}_s" in row),  # fmt: skip
                 flush=True,
             )
     finally:
         publisher.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
+        if netns is not None:
+            netns.destroy()
     with open(args.json, "w") as fh:
         json.dump({"machine": machine(), "model": args.model, "device": args.device, "card": card.summary(),
                    "extension_tokens": EXT, "results": rows}, fh, indent=1)  # fmt: skip
@@ -173,11 +247,13 @@ def plot(rows: list[dict], path: Path) -> None:  # type: ignore[type-arg]
         return
     n = [r["prompt_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for key, label in (("cold_s", "cold local prefill"), ("file_cache_s", "file prompt cache (fresh process)"),
+    for key, label in (("cold_s", "cold local prefill"), ("file_cache_s", "file prompt cache, read (fresh process)"),
+                       ("file_cache_mmap_s", "file prompt cache, mmap (fresh process)"),
                        ("kvmesh_remote_s", "kvmesh remote hit (loopback)"),
                        ("kvmesh_extend_s", "kvmesh hit + 64 new tokens"),
                        ("inprocess_extend_s", "in-process + 64 new tokens (floor)")):  # fmt: skip
-        ax.plot(n, [r[key] for r in rows], marker="o", label=label)
+        if all(key in r for r in rows):
+            ax.plot(n, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
