@@ -16,7 +16,7 @@ from .store import BlockStore
 
 DEMO_TOKENS = 8
 
-_TOPICS = (
+TOPICS = (
     "prefill is the expensive part of a long prompt",
     "idle memory across a small fleet becomes a shared cache",
     "immutable blocks are verified before they are imported",
@@ -30,7 +30,7 @@ def demo_prompt(engine: Engine, target_tokens: int = 1000) -> list[int]:
     lines: list[str] = []
     i = 0
     while True:
-        lines.append(f"Note {i}: {_TOPICS[i % len(_TOPICS)]}.")
+        lines.append(f"Note {i}: {TOPICS[i % len(TOPICS)]}.")
         msgs = [
             {"role": "system", "content": "You are a concise assistant for operators."},
             {"role": "user", "content": "\n".join(lines) + "\nSummarise the notes."},

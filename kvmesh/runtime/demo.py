@@ -19,7 +19,7 @@ import time
 import urllib.request
 from typing import Any
 
-from ..demo import _TOPICS
+from ..demo import TOPICS
 
 GEN_TOKENS = 8
 
@@ -67,7 +67,7 @@ def _wait(url: str, cond: Any, timeout: float = 60) -> dict[str, Any]:
 def demo_messages(target_tokens: int) -> list[dict[str, str]]:
     # the byte-level demo tokenizer gives one token per byte; ~60 bytes of template
     n = max(1, (target_tokens - 100) // 52)
-    notes = "\n".join(f"Note {i}: {_TOPICS[i % len(_TOPICS)]}." for i in range(n))
+    notes = "\n".join(f"Note {i}: {TOPICS[i % len(TOPICS)]}." for i in range(n))
     return [
         {"role": "system", "content": "You are a concise assistant for operators."},
         {"role": "user", "content": notes + "\nSummarise the notes."},
