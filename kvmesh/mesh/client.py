@@ -39,7 +39,7 @@ from ..errors import (
 from .membership import Membership
 from .proto import kvmesh_pb2 as pb
 from .proto import kvmesh_pb2_grpc as pbg
-from .security import FleetAuth, TLSConfig
+from .security import FleetAuth, TLSConfig, open_channel
 from .server import GRPC_OPTIONS
 
 log = logging.getLogger("kvmesh.client")
@@ -133,23 +133,12 @@ class MeshClient:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            opts = list(GRPC_OPTIONS)
-            if self.tls is not None and self.tls.enabled:
-                if self.tls.server_name:
-                    opts.append(("grpc.ssl_target_name_override", self.tls.server_name))
-                ch = grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=opts)
-            else:
-                ch = grpc.aio.insecure_channel(address, options=opts)
-            self._channels[address] = ch
+            ch = self._channels[address] = open_channel(address, self.tls, GRPC_OPTIONS)
         return ch
 
     def _md(self, method: str) -> tuple[tuple[str, str], ...] | None:
         self.counters[f"rpc:{method.rsplit('/', 1)[-1]}"] += 1
         return self.auth.call_metadata(method) if self.auth else None
-
-    @property
-    def rpc_count(self) -> int:
-        return sum(v for k, v in self.counters.items() if k.startswith("rpc:"))
 
     async def close(self) -> None:
         if self._publisher:

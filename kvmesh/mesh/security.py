@@ -130,3 +130,15 @@ class Security:
         if not self.fleet_key:
             return None
         return hmac.new(self.fleet_key, b"kvmesh/v1/block-keys", hashlib.sha256).digest()
+
+
+def open_channel(
+    address: str, tls: TLSConfig | None, options: list[tuple[str, object]] | None = None
+) -> grpc.aio.Channel:
+    """A gRPC channel to ``address``: TLS when ``tls`` is enabled, else plaintext."""
+    opts = list(options or [])
+    if tls is not None and tls.enabled:
+        if tls.server_name:
+            opts.append(("grpc.ssl_target_name_override", tls.server_name))
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
+    return grpc.aio.insecure_channel(address, options=opts)

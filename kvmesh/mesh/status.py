@@ -5,21 +5,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import grpc
-
 from .proto import kvmesh_pb2 as pb
 from .proto import kvmesh_pb2_grpc as pbg
-from .security import FleetAuth, TLSConfig
+from .security import FleetAuth, TLSConfig, open_channel
 
 
 async def fetch_cards(
     address: str, auth: FleetAuth | None, tls: TLSConfig | None, timeout: float = 5.0
 ) -> list[pb.CapabilityCard]:
-    if tls is not None and tls.enabled:
-        opts = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-        ch = grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
-    else:
-        ch = grpc.aio.insecure_channel(address)
+    ch = open_channel(address, tls)
     method = "/kvmesh.v1.Membership/Exchange"
     async with ch:
         resp = await pbg.MembershipStub(ch).Exchange(
