@@ -140,16 +140,21 @@ class Engine(abc.ABC):
     layout: Layout
     eos_ids: frozenset[int]
 
-    # -- text -----------------------------------------------------------------
+    tokenizer: Any  # a Hugging Face tokenizer, or one with the same methods
 
-    @abc.abstractmethod
-    def encode(self, text: str) -> list[int]: ...
+    # -- text (chat template applied by the tokenizer) --------------------------
 
-    @abc.abstractmethod
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    @abc.abstractmethod
-    def decode_text(self, tokens: Sequence[int]) -> str: ...
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return self.encode(text)
+
+    def decode_text(self, tokens: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
 
     # -- KV -------------------------------------------------------------------
 

@@ -117,20 +117,6 @@ class TransformersEngine(Engine):
             eos_list.append(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos_list)
 
-    # -- text -----------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-        return self.encode(text)
-
-    def decode_text(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
-
     # -- KV -------------------------------------------------------------------
 
     def _new_cache(self) -> Any:

@@ -112,20 +112,6 @@ class MLXEngine(Engine):
             return [QuantizedKVCache(self.kv_group_size, self.kv_bits) for _ in caches]
         return caches
 
-    # -- text -----------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-        return self.encode(text)
-
-    def decode_text(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
-
     # -- KV -------------------------------------------------------------------
 
     def importer(self, n_tokens: int) -> _MLXImporter:
