@@ -40,6 +40,7 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
 
     from ..engine import load_engine
     from ..engine.demo import resolve_model
+    from ..memory import keep_heap_warm
     from ..mesh.node import NodeThread
     from ..runtime.head import HeadRuntime
     from .app import create_app
@@ -48,6 +49,7 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
     engine.prefill(engine.encode("warm up"))  # first-call setup is not any request's cost
     gc.collect()
     gc.freeze()  # the model's objects never die: keep full collections off the request path
+    keep_heap_warm()  # after the model's allocations: the warm heap stays free for imports
     path = resolve_model(opts.model)
     cfg = json.loads((Path(path) / "config.json").read_text())
     max_context = int(cfg.get("text_config", cfg).get("max_position_embeddings", 4096))

@@ -13,6 +13,9 @@ log = logging.getLogger("kvmesh.peer")
 
 
 async def run_peer(config: NodeConfig, metrics: str | None = None) -> None:
+    from ..memory import keep_heap_warm
+
+    keep_heap_warm(64 << 20)  # serving copies every block into grpc buffers: keep them faulted in
     node = MeshNode(config)
     await node.start()
     if metrics:
