@@ -109,6 +109,7 @@ def test_gossip_converges_and_dead_nodes_expire(tmp_path):
     a = Peer(alias="a", log_dir=tmp_path)
     b = Peer("--seed", a.address, alias="b", log_dir=tmp_path)
     c = Peer("--seed", a.address, alias="c", log_dir=tmp_path)
+    d = None
     try:
         t0 = time.time()
         for p in (a, b, c):
@@ -122,14 +123,21 @@ def test_gossip_converges_and_dead_nodes_expire(tmp_path):
         assert seen["b"].epoch == b.epoch and "cache" in seen["b"].roles
         assert seen["b"].budget_bytes == 2 << 30
         old_epoch = b.epoch
-        c.kill()
+        c.kill()  # SIGKILL: no goodbye, the card expires after its TTL (2 s)
         wait_for(lambda: "c" not in cards_seen(a.address), timeout=8, what="c expires")
+        d = Peer("--seed", a.address, alias="d", log_dir=tmp_path)
+        wait_for(lambda: "d" in cards_seen(a.address), what="d joins")
+        t0 = time.time()
+        assert d.stop() == 0  # SIGTERM: a clean stop says goodbye
+        wait_for(lambda: "d" not in cards_seen(a.address), timeout=8, what="d leaves")
+        assert time.time() - t0 < 1.5  # well before the 2 s TTL
         b.restart()  # same node id (alias + address): a new epoch replaces the old card
         assert b.epoch != old_epoch
         wait_for(lambda: cards_seen(a.address)["b"].epoch == b.epoch, what="new epoch seen")
     finally:
-        for p in (a, b, c):
-            p.kill()
+        for p in (a, b, c, d):
+            if p is not None:
+                p.kill()
 
 
 def test_remote_hit_is_exact_after_head_restart(tiny_engine, three_peers):

@@ -44,6 +44,8 @@ from .server import GRPC_OPTIONS
 
 log = logging.getLogger("kvmesh.client")
 
+ASK_ALL_BELOW = 8  # fleets this small are asked in full: a lookup is ~1 ms and metadata only
+
 
 @dataclass(frozen=True)
 class PeerHit:
@@ -171,10 +173,13 @@ class MeshClient:
     def compatible_peers(
         self, card: CompatCard, root: bytes | None = None
     ) -> list[pb.CapabilityCard]:
-        """Live cache peers that advertise the namespace, plus the rendezvous owners
-        of ``root`` (where publishes go), whose cards may not show it yet."""
+        """Who a lookup asks. In a small fleet every live cache peer (a card can lag
+        a publish by a gossip interval); beyond that, the peers that advertise the
+        namespace plus the rendezvous owners of ``root``, where publishes go."""
         ns = card.namespace_hex
         caches = [c for c in self.membership.live() if "cache" in c.roles]
+        if len(caches) <= ASK_ALL_BELOW:
+            return caches
         out = {c.node_id: c for c in caches if ns in c.namespaces}
         if root is not None:
             by_id = {c.node_id: c for c in caches}

@@ -35,6 +35,7 @@ INTERFACE_PRIORITY = {
     "unknown": 4,
 }
 INTERFACES = tuple(INTERFACE_PRIORITY)
+LEAVING = "leaving"  # the only role of a goodbye card
 
 
 def interface_kind(name: str) -> str:
@@ -143,6 +144,8 @@ class Membership:
         self._clock = clock
         self._version = 0
         self._members: dict[str, _Member] = {}
+        self._left: dict[str, str] = {}  # node id -> epoch of a life that said goodbye
+        self.leaving = False
         self._lock = threading.Lock()
         self.rejected_cards = 0
         self.on_join: Callable[[pb.CapabilityCard], None] = lambda c: log.info(
@@ -156,6 +159,10 @@ class Membership:
 
     def own_card(self) -> pb.CapabilityCard:
         card = self._make_card()
+        if self.leaving:  # a goodbye: peers drop this life at once instead of after the TTL
+            del card.roles[:]
+            card.roles.append(LEAVING)
+            del card.endpoints[:]
         card.node_id = self.node_id
         card.version = self._version
         card.heartbeat = time.time()
@@ -172,6 +179,7 @@ class Membership:
     def merge(self, cards: list[pb.CapabilityCard] | tuple[pb.CapabilityCard, ...]) -> list[str]:
         """Merge received cards; return node ids that joined."""
         joined: list[pb.CapabilityCard] = []
+        left: list[pb.CapabilityCard] = []
         now = self._clock()
         with self._lock:
             for card in cards:
@@ -184,6 +192,15 @@ class Membership:
                     if card.version >= self._version:  # an earlier life of this node
                         self._version = card.version + 1
                     continue
+                if self._left.get(card.node_id) == card.epoch:
+                    continue  # a relayed card of a life that already left
+                if LEAVING in card.roles:
+                    self._left[card.node_id] = card.epoch
+                    gone = self._members.pop(card.node_id, None)
+                    if gone is not None:
+                        left.append(gone.card)
+                    continue
+                self._left.pop(card.node_id, None)
                 m = self._members.get(card.node_id)
                 if m is None:
                     self._members[card.node_id] = _Member(card, now)
@@ -194,6 +211,8 @@ class Membership:
                     m.card, m.updated = card, now
         for c in joined:
             self.on_join(c)
+        for c in left:
+            self.on_leave(c)
         self.expire()
         return [c.node_id for c in joined]
 

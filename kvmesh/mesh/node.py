@@ -151,6 +151,19 @@ class MeshNode:
     async def stop(self, grace: float = 1.0) -> None:
         if self._gossip:
             self._gossip.cancel()
+        # say goodbye, so peers drop this node now rather than after its TTL
+        self.membership.leaving = True
+        self.membership.bump()
+        targets = [(c.node_id, e[0].address) for c in self.membership.live()
+                   if (e := self.membership.ranked_endpoints(c))]  # fmt: skip
+        if targets:
+            await asyncio.wait(
+                [
+                    asyncio.ensure_future(self.client.exchange(a, n, timeout=0.5))
+                    for n, a in targets
+                ],
+                timeout=1.0,
+            )
         await self.client.close()
         if self._server:
             await self._server.stop(grace)
