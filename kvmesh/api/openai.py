@@ -20,6 +20,9 @@ from starlette.concurrency import run_in_threadpool
 from ..engine import Sampling
 from ..runtime.head import Generation, HeadRuntime
 
+UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+               "logit_bias", "tools", "functions", "response_format", "best_of", "echo", "suffix")  # fmt: skip
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
@@ -106,6 +109,10 @@ class OpenAIService:
             )
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
+        extra = req.model_extra or {}
+        for name in UNSUPPORTED:  # they would change the answer: refuse rather than ignore
+            if extra.get(name) not in (None, 0, 0.0, False, [], "", "none"):
+                raise APIError(400, f"'{name}' is not supported by kvmesh yet", param=name)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
