@@ -187,19 +187,12 @@ def node_config(
     sec: dict[str, object],
     **extra: object,
 ):  # type: ignore[no-untyped-def]
-    from pathlib import Path
-
     from .mesh.node import NodeConfig
     from .mesh.security import Security, TLSConfig, load_fleet_key
     from .units import is_loopback, parse_size, split_hostport
 
     host, _ = split_hostport(listen)
-    tls = TLSConfig(
-        cert=Path(sec["tls_cert"]) if sec.get("tls_cert") else None,  # type: ignore[arg-type]
-        key=Path(sec["tls_key"]) if sec.get("tls_key") else None,  # type: ignore[arg-type]
-        ca=Path(sec["tls_ca"]) if sec.get("tls_ca") else None,  # type: ignore[arg-type]
-        server_name=sec.get("tls_server_name") or None,  # type: ignore[arg-type]
-    )
+    tls = TLSConfig.from_options(sec)
     if tls.enabled and not (tls.cert and tls.key):
         raise click.UsageError("--tls-ca needs --tls-cert and --tls-key on a node")
     if not tls.enabled and not is_loopback(host) and not sec.get("plaintext"):
@@ -423,7 +416,6 @@ def head(
 def status(address: str, as_json: bool, **sec: str | None) -> None:
     """The fleet as the node at ADDRESS (HOST:PORT, gRPC) sees it."""
     import asyncio
-    from pathlib import Path
 
     import grpc
 
@@ -435,12 +427,7 @@ def status(address: str, as_json: bool, **sec: str | None) -> None:
         if sec["fleet_key_file"]
         else None
     )
-    tls = TLSConfig(
-        cert=Path(sec["tls_cert"]) if sec["tls_cert"] else None,
-        key=Path(sec["tls_key"]) if sec["tls_key"] else None,
-        ca=Path(sec["tls_ca"]) if sec["tls_ca"] else None,
-        server_name=sec["tls_server_name"],
-    )
+    tls = TLSConfig.from_options(sec)
     try:
         cards = asyncio.run(fetch_cards(address, auth, tls))
     except grpc.aio.AioRpcError as e:

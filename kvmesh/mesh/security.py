@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,17 @@ class TLSConfig:
     key: Path | None = None
     ca: Path | None = None
     server_name: str | None = None  # override the name checked in the server certificate
+
+    @classmethod
+    def from_options(cls, opts: Mapping[str, object]) -> TLSConfig:
+        """From the ``tls_cert``, ``tls_key``, ``tls_ca``, ``tls_server_name`` flags."""
+
+        def path(name: str) -> Path | None:
+            v = opts.get(name)
+            return Path(str(v)) if v else None
+
+        name = opts.get("tls_server_name")
+        return cls(path("tls_cert"), path("tls_key"), path("tls_ca"), str(name) if name else None)
 
     @property
     def enabled(self) -> bool:
