@@ -290,7 +290,7 @@ def peer(
         region=region,
     )
     if joined:
-        cfg.seeds = [*cfg.seeds, *joined["seeds"]]  # type: ignore[list-item]
+        cfg.seeds = [*cfg.seeds, *map(str, joined["seeds"])]  # type: ignore[call-overload]
         if joined.get("fleet_key"):
             key = str(joined["fleet_key"]).encode("latin-1")
             cfg.security = dataclasses.replace(cfg.security, fleet_key=key)

@@ -87,6 +87,7 @@ def effective(
         rows = {}
         for name, p in _params(group.commands[role]).items():
             env = f"{ENV_PREFIX}_{role.upper()}_{name.upper()}"
+            value: Any
             if env in os.environ:
                 value, source = os.environ[env], f"env {env}"
             elif default_map and name in default_map.get(role, {}):

@@ -93,7 +93,8 @@ class TransformersEngine(Engine):
             want = torch.float32  # half-precision matmuls are slow on CPU
         self.model = AutoModelForCausalLM.from_pretrained(
             str(self.path), dtype=want, local_files_only=True
-        ).to(self.device)
+        )
+        self.model.to(self.device)  # type: ignore[arg-type]  # (transformers types .to oddly)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         self._cache_cls = DynamicCache

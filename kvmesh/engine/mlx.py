@@ -79,7 +79,7 @@ class MLXEngine(Engine):
 
         self.mx = mx
         self.path = Path(path)
-        self.model, self.tokenizer = load(str(self.path))
+        self.model, self.tokenizer = load(str(self.path))[:2]
         cfg = json.loads((self.path / "config.json").read_text())
         quant = cfg.get("quantization") or cfg.get("quantization_config")
         params = dict(_leaves(self.model.parameters()))

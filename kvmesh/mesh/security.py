@@ -16,9 +16,10 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -145,7 +146,7 @@ class Security:
 
 
 def open_channel(
-    address: str, tls: TLSConfig | None, options: list[tuple[str, object]] | None = None
+    address: str, tls: TLSConfig | None, options: Sequence[tuple[str, Any]] | None = None
 ) -> grpc.aio.Channel:
     """A gRPC channel to ``address``: TLS when ``tls`` is enabled, else plaintext."""
     opts = list(options or [])

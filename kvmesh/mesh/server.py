@@ -98,7 +98,7 @@ class CacheService:
                 if len(blob) <= size and isinstance(blob, bytes):
                     yield blob
                 else:
-                    for chunk in chunks(blob, size):
+                    for chunk in chunks(bytes(blob), size):  # (a blob over 4 MiB: rare)
                         yield bytes(chunk)
                 self.counters["bytes_served"] += block.nbytes
         finally:

@@ -34,7 +34,7 @@ class Telemetry:
     def __init__(self, history: int = 600) -> None:
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
-        self.timers: Counter[str] = Counter()
+        self.timers: dict[str, float] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=history)  # per-request rows
         self.started = time.time()
 
@@ -54,10 +54,10 @@ class Telemetry:
             c["bytes_fetched"] += report.bytes_fetched
             if report.fallback:
                 c[f"fallback:{report.fallback}"] += 1
-            self.timers["import_s"] += report.import_s
-            self.timers["fetch_s"] += report.fetch_s
-            self.timers["prefill_s"] += report.compute_s
-            self.timers["saved_s"] += report.saved_s
+            self.timers["import_s"] = self.timers.get("import_s", 0.0) + report.import_s
+            self.timers["fetch_s"] = self.timers.get("fetch_s", 0.0) + report.fetch_s
+            self.timers["prefill_s"] = self.timers.get("prefill_s", 0.0) + report.compute_s
+            self.timers["saved_s"] = self.timers.get("saved_s", 0.0) + report.saved_s
             self.recent.append(
                 {"t": time.time(), "completion_tokens": completion_tokens, **report.as_dict()}
             )

@@ -1,0 +1,20 @@
+"""The code stays ruff-clean and mypy-clean (versions pinned in the test extra)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ruff():
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "kvmesh", "tests", "bench"],
+                         cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mypy():
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
