@@ -48,7 +48,9 @@ async def run(pid: int, address: str, budget: int, factor: int) -> dict[str, obj
         sent += sum(b.nbytes for b in blocks[:32])
         await c.exchange(address, None)
         me = next(x for x in m.live() if x.node_id == peer.node_id)
-        samples.append({"sent": sent, "used": me.used_bytes, "entries": me.entries, "rss": rss_bytes(pid)})
+        samples.append(
+            {"sent": sent, "used": me.used_bytes, "entries": me.entries, "rss": rss_bytes(pid)}
+        )
         i += 1
         if i % 20 == 0:
             print(f"sent {sent / 2**20:7.0f} MiB  stored {me.used_bytes / 2**20:6.1f} MiB  "
@@ -70,7 +72,9 @@ async def run(pid: int, address: str, budget: int, factor: int) -> dict[str, obj
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", default="bench/results/churn.json")
     ap.add_argument("--budget-mib", type=int, default=256)
     ap.add_argument("--factor", type=int, default=10)

@@ -75,7 +75,9 @@ async def run(addresses: list[str], blocks: list[int], peers: list[int]) -> dict
         stored = n
         r = {"stored_blocks": n, "peers": 1, **await measure(c, prompts)}
         out["by_blocks"].append(r)
-        print(f"1 peer, {n:6d} blocks: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms", flush=True)
+        print(
+            f"1 peer, {n:6d} blocks: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms", flush=True
+        )
     await c.close()
     c = await client_for(addresses[1 : 1 + max(peers)])
     prompts = await fill(c, 1000, seed=7)
@@ -84,13 +86,18 @@ async def run(addresses: list[str], blocks: list[int], peers: list[int]) -> dict
         c = await client_for(addresses[1 : 1 + p])
         r = {"stored_blocks": 1000, "peers": p, **await measure(c, prompts)}
         out["by_peers"].append(r)
-        print(f"{p:2d} peers, 1000 blocks each: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms", flush=True)
+        print(
+            f"{p:2d} peers, 1000 blocks each: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms",
+            flush=True,
+        )
         await c.close()
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", default="bench/results/lookup.json")
     ap.add_argument("--blocks", default="1000,10000,100000")
     ap.add_argument("--peers", default="1,2,4,8,16")

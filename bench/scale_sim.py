@@ -17,7 +17,7 @@ import argparse
 import hashlib
 import json
 import random
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from pathlib import Path
 
 from kvmesh.mesh.client import rendezvous
@@ -81,7 +81,9 @@ def simulate(n_nodes: int, k: int, mode: str, requests: int, seed: int) -> dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", default="bench/results/scale_sim.json")
     ap.add_argument("--requests", type=int, default=20000)
     args = ap.parse_args()
@@ -105,9 +107,21 @@ def main() -> None:
         for mode, k in (("all", 1), ("rendezvous", 1), ("rendezvous", 3)):
             sel = [r for r in rows if r["mode"] == mode and r["k"] == k]
             label = "ask every peer" if mode == "all" else f"rendezvous k={k}"
-            axes[0].plot([r["nodes"] for r in sel], [r["fanout_per_lookup"] for r in sel], marker="o", label=label)
-            axes[1].plot([r["nodes"] for r in sel], [r["busiest_share"] for r in sel], marker="o", label=label)
-        axes[0].set(xscale="log", yscale="log", xlabel="nodes", ylabel="lookup messages per request")
+            axes[0].plot(
+                [r["nodes"] for r in sel],
+                [r["fanout_per_lookup"] for r in sel],
+                marker="o",
+                label=label,
+            )
+            axes[1].plot(
+                [r["nodes"] for r in sel],
+                [r["busiest_share"] for r in sel],
+                marker="o",
+                label=label,
+            )
+        axes[0].set(
+            xscale="log", yscale="log", xlabel="nodes", ylabel="lookup messages per request"
+        )
         axes[1].set(xscale="log", xlabel="nodes", ylabel="share of hits served by the busiest node")
         for ax in axes:
             ax.grid(True, which="both", alpha=0.3)

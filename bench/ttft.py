@@ -48,7 +48,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def tokens(engine, n: int, salt: str) -> list[int]:  # type: ignore[no-untyped-def]
-    text = f"[{salt}] " + " ".join(f"fact {i}: blocks are immutable and verified." for i in range(n))
+    text = f"[{salt}] " + " ".join(
+        f"fact {i}: blocks are immutable and verified." for i in range(n)
+    )
     out = engine.encode(text)[:n]
     assert len(out) == n
     return out
@@ -68,7 +70,9 @@ def timed(fn, device: str) -> float:  # type: ignore[no-untyped-def]
 
 
 def fresh_head(engine, peer: str, ns_hex: str) -> HeadRuntime:  # type: ignore[no-untyped-def]
-    node = NodeThread(NodeConfig(seeds=[peer], gossip_interval=0.2, ttl=5, alias=f"bench-{time.time_ns()}"))
+    node = NodeThread(
+        NodeConfig(seeds=[peer], gossip_interval=0.2, ttl=5, alias=f"bench-{time.time_ns()}")
+    )
     head = HeadRuntime(engine, node, max_sessions=0, publish=False)
     deadline = time.time() + 10
     while not any(ns_hex in c.namespaces for c in node.node.membership.live()):
@@ -127,7 +131,9 @@ class NetnsPeer:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", default="bench/results/ttft.json")
     ap.add_argument("--lengths", default="128,512,1024,2048,4096")
     ap.add_argument("--model", default="demo")
@@ -143,7 +149,11 @@ def main() -> None:
     netns = NetnsPeer.create() if args.netns else None
 
     def publish_to(address: str, blocks) -> None:  # type: ignore[no-untyped-def]
-        target = next(c for c in publisher.node.membership.live() if any(e.address == address for e in c.endpoints))
+        target = next(
+            c
+            for c in publisher.node.membership.live()
+            if any(e.address == address for e in c.endpoints)
+        )
         publisher.call(publisher.node.client.publish(target, card, blocks))
 
     if netns is not None:
@@ -154,7 +164,10 @@ def main() -> None:
         for n in (int(x) for x in args.lengths.split(",")):
             toks = tokens(engine, n, f"len{n}")
             ext = tokens(engine, EXT, f"ext{n}")
-            row: dict[str, float | int] = {"prompt_tokens": n, "kv_bytes": n * card.kv_bytes_per_token}
+            row: dict[str, float | int] = {
+                "prompt_tokens": n,
+                "kv_bytes": n * card.kv_bytes_per_token,
+            }
             state: KVState | None = None
 
             def cold() -> None:
@@ -168,7 +181,9 @@ def main() -> None:
             row["inprocess_s"] = min(timed(lambda: engine.sample(live.logits, ONE, None), args.device)
                                      for _ in range(5))  # fmt: skip
             row["inprocess_extend_s"] = min(
-                timed(lambda: engine.sample(engine.extend(live, ext).logits, ONE, None), args.device)
+                timed(
+                    lambda: engine.sample(engine.extend(live, ext).logits, ONE, None), args.device
+                )
                 for _ in range(2)
             )
             # publish the prompt's blocks to the peer, as a head would after answering
@@ -186,7 +201,10 @@ def main() -> None:
                 )  # fmt: skip
                 fc = json.loads(out.stdout.strip().splitlines()[-1])
                 row["file_cache_s"], row["file_cache_extend_s"] = fc["read"], fc["read_extend"]
-                row["file_cache_mmap_s"], row["file_cache_mmap_extend_s"] = fc["lazy"], fc["lazy_extend"]
+                row["file_cache_mmap_s"], row["file_cache_mmap_extend_s"] = (
+                    fc["lazy"],
+                    fc["lazy_extend"],
+                )
                 if "cold" in fc:
                     row["file_cache_cold_s"] = fc["cold"]
             # kvmesh: heads with empty stores, remote hits over loopback
@@ -221,8 +239,11 @@ def main() -> None:
                 f"({row['speedup_remote']:.0f}x cold, {row['remote_vs_file']:.2f}x file)  "
                 f"extend: kvmesh {row['kvmesh_extend_s'] * 1e3:.0f}ms vs floor "
                 f"{row['inprocess_extend_s'] * 1e3:.0f}ms ({row['extend_vs_floor']:.2f}x)"
-                + "".join(f"  netns {r}: {row[f'kvmesh_netns_{r}_s'] * 1e3:.1f}ms" for r in ("10gbit", "40gbit")
-                          if f"kvmesh_netns_{r}_s" in row),  # fmt: skip
+                + "".join(
+                    f"  netns {r}: {row[f'kvmesh_netns_{r}_s'] * 1e3:.1f}ms"
+                    for r in ("10gbit", "40gbit")
+                    if f"kvmesh_netns_{r}_s" in row
+                ),  # fmt: skip
                 flush=True,
             )
     finally:
