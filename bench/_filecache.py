@@ -24,9 +24,9 @@ from kvmesh.engine import KVState, Sampling, load_engine
 
 
 def main() -> None:
-    model, device, path, n, ext_json = sys.argv[1:6]
+    model, device, path, n, ext_json, dtype = sys.argv[1:7]
     ext = json.loads(ext_json)
-    engine = load_engine(model, device=device)
+    engine = load_engine(model, device=device, dtype=dtype or None)
     engine.prefill(list(range(16)))  # warm up, as every other path is
     one = Sampling(max_tokens=1)
     out = {}

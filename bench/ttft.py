@@ -1,7 +1,8 @@
 """Time to first token: kvmesh against what users do today, side by side in one run.
 
     python bench/ttft.py --json bench/results/ttft.json [--lengths 128,512,1024,2048,4096]
-                         [--model demo] [--device cpu|cuda]
+                         [--model demo] [--device cpu|cuda] [--dtype bfloat16]
+    GPU: python bench/ttft.py --device cuda --model demo-8b --lengths 1024,4096,16384
 
 For each prompt length, on the ~0.5B-shaped demo model:
   cold_s            cold local prefill, the engine's best path (inference mode,
@@ -138,10 +139,15 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,512,1024,2048,4096")
     ap.add_argument("--model", default="demo")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 | float16 | bfloat16 (default: the model's on GPU, float32 on CPU)",
+    )
     ap.add_argument("--netns", action=argparse.BooleanOptionalAction, default=os.geteuid() == 0,
                     help="also measure a peer in another network namespace (needs root)")  # fmt: skip
     args = ap.parse_args()
-    engine = load_engine(args.model, device=args.device)
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     engine.prefill(list(range(16)))
     card = engine.card
     proc, peer = spawn_peer("--gossip-interval", "0.2", "--budget", "8GiB")
@@ -196,7 +202,8 @@ def main() -> None:
                            **{f"v{i}": lay.values[:, :, :n].contiguous().cpu() for i, lay in enumerate(live.cache.layers)},
                            "logits": live.logits.cpu()}, path)  # fmt: skip
                 out = subprocess.run(
-                    [sys.executable, str(HERE / "_filecache.py"), args.model, args.device, path, str(n), json.dumps(ext)],
+                    [sys.executable, str(HERE / "_filecache.py"), args.model, args.device, path, str(n), json.dumps(ext),
+                     args.dtype or ""],
                     capture_output=True, text=True, check=True,
                 )  # fmt: skip
                 fc = json.loads(out.stdout.strip().splitlines()[-1])

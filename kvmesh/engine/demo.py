@@ -7,7 +7,8 @@ Hugging Face model directory under ``$KVMESH_HOME/models`` and then loaded like
 any local model, so the demo exercises exactly the path real models take.
 
 ``demo`` has Qwen2.5-0.5B's geometry (24 layers, 14 query / 2 KV heads of 64,
-hidden 896, MLP 4864) with a 320-entry vocabulary; ``demo-tiny`` is a few MB.
+hidden 896, MLP 4864) with a 320-entry vocabulary; ``demo-tiny`` is a few MB;
+``demo-8b`` has Llama-3-8B's geometry in float16, for GPU benchmarks.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class DemoSpec:
     max_positions: int = 32768
     rope_theta: float = 1_000_000.0
     seed: int = 0
+    dtype: str = "float32"
 
     @property
     def head_dim(self) -> int:
@@ -51,6 +53,18 @@ class DemoSpec:
 DEMOS = {
     "demo": DemoSpec("demo", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864),
     "demo-tiny": DemoSpec("demo-tiny", hidden=64, layers=4, heads=2, kv_heads=1, intermediate=128),
+    # Llama-3-8B's geometry in float16 (~14 GB on disk): for GPU benchmarks only
+    "demo-8b": DemoSpec(
+        "demo-8b",
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+        max_positions=8192,
+        rope_theta=500_000.0,
+        dtype="float16",
+    ),  # fmt: skip
 }
 
 
@@ -76,7 +90,7 @@ def hf_config(spec: DemoSpec) -> dict[str, object]:
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
         "use_sliding_window": False,
-        "torch_dtype": "float32",
+        "torch_dtype": spec.dtype,
         "bos_token_id": 257,
         "eos_token_id": 258,
         "pad_token_id": 256,
@@ -87,14 +101,16 @@ def _weights(spec: DemoSpec) -> dict[str, np.ndarray]:
     rng = np.random.Generator(np.random.PCG64(spec.seed))
     h, kv = spec.hidden, spec.kv_heads * spec.head_dim
 
+    dt = np.dtype(spec.dtype)
+
     def normal(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)).astype(dt)
 
     w: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal(spec.vocab, h)}
     for i in range(spec.layers):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "input_layernorm.weight"] = np.ones(h, dt)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, dt)
         w[p + "self_attn.q_proj.weight"] = normal(h, h)
         w[p + "self_attn.q_proj.bias"] = normal(h)
         w[p + "self_attn.k_proj.weight"] = normal(kv, h)
@@ -105,7 +121,7 @@ def _weights(spec: DemoSpec) -> dict[str, np.ndarray]:
         w[p + "mlp.gate_proj.weight"] = normal(spec.intermediate, h)
         w[p + "mlp.up_proj.weight"] = normal(spec.intermediate, h)
         w[p + "mlp.down_proj.weight"] = normal(h, spec.intermediate)
-    w["model.norm.weight"] = np.ones(h, np.float32)
+    w["model.norm.weight"] = np.ones(h, dt)
     return w
 
 
