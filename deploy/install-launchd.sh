@@ -3,15 +3,7 @@
 # /usr/local/etc/kvmesh/kvmesh.toml (if absent), the plist, and bootstraps it.
 #   sudo deploy/install-launchd.sh peer|head [CONFIG.toml]
 # DESTDIR=/some/root and DRY_RUN=1 write into another root and skip launchctl (tests use both).
-set -euo pipefail
-role=${1:-}
-case "$role" in peer|head) ;; *) echo "usage: $0 peer|head [CONFIG.toml]" >&2; exit 2 ;; esac
-here=$(cd "$(dirname "$0")" && pwd)
-config=${2:-$here/kvmesh.example.toml}
-root=${DESTDIR:-}
-bin=$(command -v kvmesh || true)
-[ -n "$bin" ] || { echo "kvmesh is not on PATH: pip install kvmesh first" >&2; exit 1; }
-kvmesh --config "$config" config show >/dev/null  # refuse a bad config before installing it
+source "$(dirname "$0")/_common.sh"
 install -d "$root/usr/local/etc/kvmesh" "$root/usr/local/var/kvmesh" "$root/usr/local/var/log" "$root/Library/LaunchDaemons"
 if [ ! -e "$root/usr/local/etc/kvmesh/kvmesh.toml" ]; then
   install -m 0640 "$config" "$root/usr/local/etc/kvmesh/kvmesh.toml"

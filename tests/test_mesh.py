@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
@@ -244,7 +245,10 @@ def test_hung_peer_hits_the_lookup_deadline(tiny_engine, peer):
         close(h)
 
 
-def _through_proxy(tmp_path, alias):
+@contextlib.contextmanager
+def behind_proxy(engine, tmp_path, alias, **head_cfg):
+    """A peer reached only through a FaultProxy, holding a published prompt, and
+    a fresh head: yields (proxy, peer, head, prompt tokens)."""
     port = free_port()
     proxy = FaultProxy(port)
     p = Peer(
@@ -254,72 +258,47 @@ def _through_proxy(tmp_path, alias):
         alias=alias,
         log_dir=tmp_path,
     )
-    return p, proxy
+    h = None
+    try:
+        toks = prompt(engine, 250, alias + " ")
+        published(engine, [p], toks)
+        h = fresh_head(engine, [p], **head_cfg)
+        yield proxy, p, h, toks
+    finally:
+        proxy.stalled.clear()
+        if h is not None:
+            close(h)
+        p.kill()
+        proxy.close()
 
 
 def test_corrupted_bytes_in_flight_are_caught(tiny_engine, tmp_path):
-    p, proxy = _through_proxy(tmp_path, "corrupt")
-    try:
-        toks = prompt(tiny_engine, 250, "corrupt ")
-        published(tiny_engine, [p], toks)
-        h = fresh_head(tiny_engine, [p])
-        try:
-            proxy.corrupt_at(20000)
-            out = h.complete(toks, SAMPLING)
-            assert proxy.corrupted == 1
-            assert out.report.fallback == "checksum_mismatch"
-            assert out.tokens == _baseline(tiny_engine, toks)
-        finally:
-            close(h)
-    finally:
-        p.kill()
-        proxy.close()
+    with behind_proxy(tiny_engine, tmp_path, "corrupt") as (proxy, _, h, toks):
+        proxy.corrupt_at(20000)
+        out = h.complete(toks, SAMPLING)
+        assert proxy.corrupted == 1
+        assert out.report.fallback == "checksum_mismatch"
+        assert out.tokens == _baseline(tiny_engine, toks)
 
 
 def test_peer_killed_mid_stream(tiny_engine, tmp_path):
-    p, proxy = _through_proxy(tmp_path, "midkill")
-    try:
-        toks = prompt(tiny_engine, 250, "midkill ")
-        published(tiny_engine, [p], toks)
-        h = fresh_head(tiny_engine, [p])
-        try:
-            proxy.stall_at(10000)
-            threading.Thread(
-                target=lambda: (
-                    proxy.stalled.wait(10),
-                    p.kill(),
-                    proxy.sever(),
-                    proxy.stalled.clear(),
-                ),
-                daemon=True,
-            ).start()
-            out = h.complete(toks, SAMPLING)
-            assert out.report.fallback == "peer_unreachable"
-            assert out.report.source == "compute" and out.tokens == _baseline(tiny_engine, toks)
-        finally:
-            close(h)
-    finally:
-        p.kill()
-        proxy.close()
+    with behind_proxy(tiny_engine, tmp_path, "midkill") as (proxy, p, h, toks):
+        proxy.stall_at(10000)
+        threading.Thread(
+            target=lambda: (proxy.stalled.wait(10), p.kill(), proxy.sever(), proxy.stalled.clear()),
+            daemon=True,
+        ).start()
+        out = h.complete(toks, SAMPLING)
+        assert out.report.fallback == "peer_unreachable"
+        assert out.report.source == "compute" and out.tokens == _baseline(tiny_engine, toks)
 
 
 def test_hung_peer_mid_stream_times_out(tiny_engine, tmp_path):
-    p, proxy = _through_proxy(tmp_path, "midhang")
-    try:
-        toks = prompt(tiny_engine, 250, "midhang ")
-        published(tiny_engine, [p], toks)
-        h = fresh_head(tiny_engine, [p], fetch_deadline=1.5)
-        try:
-            proxy.stall_at(10000)
-            out = h.complete(toks, SAMPLING)
-            assert out.report.fallback == "timeout"
-            assert out.tokens == _baseline(tiny_engine, toks)
-        finally:
-            proxy.stalled.clear()
-            close(h)
-    finally:
-        p.kill()
-        proxy.close()
+    with behind_proxy(tiny_engine, tmp_path, "midhang", fetch_deadline=1.5) as (proxy, _, h, toks):
+        proxy.stall_at(10000)
+        out = h.complete(toks, SAMPLING)
+        assert out.report.fallback == "timeout"
+        assert out.tokens == _baseline(tiny_engine, toks)
 
 
 def test_stale_epoch_and_expired_lease(tiny_engine, tmp_path):
