@@ -68,3 +68,16 @@ def test_beyond_the_window_is_never_exported_nor_imported(swa_engine):
     )
     with pytest.raises(CacheMiss):
         swa_engine.importer(96)
+
+
+def test_a_rotated_cache_exports_nothing_rather_than_wrong_bytes(swa_engine):
+    from kvmesh.engine import Sampling
+
+    keyer = BlockKeyer(swa_engine.card.namespace, swa_engine.card.block_tokens)
+    toks = swa_engine.encode("rotate me " * 10)[:40]
+    state = swa_engine.prefill(toks)
+    list(swa_engine.generate(state, Sampling(max_tokens=40, stop_on_eos=False)))  # past the window
+    exported = swa_engine.export(state, keyer)
+    fresh = swa_engine.export(swa_engine.prefill(state.tokens[: state.cached]), keyer)
+    assert [bytes(b.blob) for b in exported] == [bytes(b.blob) for b in fresh[: len(exported)]]
+    assert exported == []  # decode steps trimmed the sliding layers

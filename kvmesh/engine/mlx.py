@@ -162,10 +162,12 @@ class MLXEngine(Engine):
         keys: PrefixKeys | None = None,
         first_block: int = 0,
     ) -> list[Block]:
-        if self.max_prefix is not None and state.cached > self.max_prefix:
-            # positions may have rotated out: export only what is exactly restorable
-            n = (self.max_prefix // self.card.block_tokens) * self.card.block_tokens
-            state = KVState(state.tokens[:n], state.cache, None, n)
+        if self.max_prefix is not None:
+            if any(hasattr(c, "_idx") and c._idx != c.offset for c in state.cache):
+                return []  # a sliding layer trimmed or wrapped: its early positions are gone
+            if state.cached > self.max_prefix:  # export only what is exactly restorable
+                n = (self.max_prefix // self.card.block_tokens) * self.card.block_tokens
+                state = KVState(state.tokens[:n], state.cache, None, n)
         return super().export(state, keyer, keys, first_block)
 
     def _write_logits(self, logits: Any, out: memoryview) -> None:
