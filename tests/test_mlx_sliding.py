@@ -81,3 +81,20 @@ def test_a_rotated_cache_exports_nothing_rather_than_wrong_bytes(swa_engine):
     fresh = swa_engine.export(swa_engine.prefill(state.tokens[: state.cached]), keyer)
     assert [bytes(b.blob) for b in exported] == [bytes(b.blob) for b in fresh[: len(exported)]]
     assert exported == []  # decode steps trimmed the sliding layers
+
+
+def test_a_session_past_the_window_falls_back_to_prefill(swa_engine):
+    from kvmesh.engine import Sampling
+    from kvmesh.runtime.head import HeadRuntime
+
+    head = HeadRuntime(swa_engine, None, publish=False)
+    sampling = Sampling(max_tokens=40, stop_on_eos=False)
+    first = swa_engine.encode("the window slides along " * 3)[:40]
+    out = head.complete(first, sampling)
+    follow = first + out.tokens[:-1] + swa_engine.encode(" and then?")
+    again = head.complete(follow, Sampling(max_tokens=5, stop_on_eos=False))
+    assert again.report is not None and again.report.source == "compute"
+    assert again.tokens == list(
+        swa_engine.generate(swa_engine.prefill(follow), Sampling(max_tokens=5, stop_on_eos=False))
+    )
+    head.close()

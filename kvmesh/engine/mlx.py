@@ -26,6 +26,7 @@ import numpy as np
 from ..blocks import DEFAULT_BLOCK_TOKENS, BlockKeyer, PrefixKeys
 from ..codec import Block, Layout
 from ..compat import kv_quant_name
+from ..errors import CacheMiss
 from .base import Engine, Importer, KVState, Sampling, card_from_hf_dir
 
 
@@ -55,6 +56,11 @@ class _MLXImporter(Importer):
             if hasattr(c, "_idx"):  # RotatingKVCache, not yet rotated (n <= window)
                 c._idx = self.n_tokens
         return caches
+
+
+def _rotated(layer: Any) -> bool:
+    """A RotatingKVCache that trimmed or wrapped: positions 0.. no longer sit at 0.."""
+    return hasattr(layer, "_idx") and layer._idx != layer.offset
 
 
 def _parts(layer: Any) -> tuple[Any, ...]:
@@ -116,8 +122,6 @@ class MLXEngine(Engine):
 
     def importer(self, n_tokens: int) -> _MLXImporter:
         if self.max_prefix is not None and n_tokens > self.max_prefix:
-            from ..errors import CacheMiss
-
             raise CacheMiss(
                 f"a {n_tokens}-token prefix is not restorable past the {self.max_prefix}-token window"
             )
@@ -142,8 +146,8 @@ class MLXEngine(Engine):
                 dst.keys, dst.values = tuple(cut[:3]), tuple(cut[3:])
             dst.offset = n_tokens
             if hasattr(dst, "_idx"):
-                if src.offset > (self.max_prefix or src.offset):
-                    raise ValueError("cannot crop a rotated sliding-window cache")
+                if _rotated(src):
+                    raise CacheMiss("a trimmed sliding-window cache cannot be cropped exactly")
                 dst._idx = n_tokens
         return out
 
@@ -163,7 +167,7 @@ class MLXEngine(Engine):
         first_block: int = 0,
     ) -> list[Block]:
         if self.max_prefix is not None:
-            if any(hasattr(c, "_idx") and c._idx != c.offset for c in state.cache):
+            if any(_rotated(c) for c in state.cache):
                 return []  # a sliding layer trimmed or wrapped: its early positions are gone
             if state.cached > self.max_prefix:  # export only what is exactly restorable
                 n = (self.max_prefix // self.card.block_tokens) * self.card.block_tokens

@@ -114,16 +114,17 @@ class HeadRuntime:
         session = self._take_session(tokens)
         if session is not None:
             state, keep = session
-            st = self.engine.resume(state, keep, tokens)
-            dt = time.perf_counter() - t0
-            self.planner.observe_prefill(st.computed_tokens, dt)
-            return (
-                st,
-                PrefillReport(
+            try:
+                st = self.engine.resume(state, keep, tokens)
+            except Exception as e:  # e.g. a rotated sliding-window cache: plan as usual
+                log.info("session not reusable (%r); planning the prefill", e)
+            else:
+                dt = time.perf_counter() - t0
+                self.planner.observe_prefill(st.computed_tokens, dt)
+                report = PrefillReport(
                     "session", len(tokens), st.imported_tokens, st.computed_tokens, compute_s=dt
-                ),
-                (),
-            )
+                )
+                return st, report, ()
 
         keys = self.keyer.keys(tokens)
         local = self.node.node.store.longest_prefix(keys) if self.node else Match((), None)
@@ -174,8 +175,10 @@ class HeadRuntime:
         t3 = time.perf_counter()
         try:
             state = self.engine.prefill(tokens, prefix, importer if source == "remote" else None)
-        except KVMeshError as e:  # a chain that does not fit: compute it all
-            fallback, source, prefix = e.reason, "compute", ()
+        except Exception as e:  # any failure to use the prefix: compute it all (invariant 1)
+            fallback, source, prefix = getattr(e, "reason", "error"), "compute", ()
+            if not isinstance(e, KVMeshError):
+                log.warning("prefix import failed unexpectedly: %r", e)
             state = self.engine.prefill(tokens)
         dt = time.perf_counter() - t3
         if state.computed_tokens:
