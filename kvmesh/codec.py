@@ -131,7 +131,7 @@ class Block:
     """One sealed, immutable block: its header, its wire blob and its digest."""
 
     header: BlockHeader
-    blob: bytes | bytearray  # never mutated once sealed
+    blob: bytes  # immutable: served as is, without a copy per fetch
     digest: bytes
     payload_offset: int
 
@@ -170,8 +170,9 @@ def new_blob(header: BlockHeader) -> tuple[bytearray, memoryview]:
 
 
 def seal(header: BlockHeader, blob: bytes | bytearray) -> Block:
-    offset = len(blob) - header.payload_bytes
-    return Block(header, blob, hashlib.sha256(blob).digest(), offset)
+    """Freeze a filled blob (one copy, at export, so that serving it never copies)."""
+    frozen = bytes(blob)
+    return Block(header, frozen, hashlib.sha256(frozen).digest(), len(frozen) - header.payload_bytes)
 
 
 # -- decoding ---------------------------------------------------------------

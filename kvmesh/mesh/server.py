@@ -95,10 +95,10 @@ class CacheService:
                 block = self.store.get(key)
                 assert block is not None  # leased blocks are never evicted
                 blob = block.blob
-                if len(blob) <= size and isinstance(blob, bytes):
+                if len(blob) <= size:
                     yield blob
                 else:
-                    for chunk in chunks(bytes(blob), size):  # (a blob over 4 MiB: rare)
+                    for chunk in chunks(blob, size):
                         yield bytes(chunk)
                 self.counters["bytes_served"] += block.nbytes
         finally:
