@@ -218,16 +218,25 @@ class OpenAIService:
 
         if chat:
             yield chunk(None, None, first=True)
-        sent = ""
+        # incremental detokenisation: each step decodes only the tokens since the last
+        # emitted boundary (plus the previous window, for tokenizers whose text
+        # depends on the token before), never the whole answer again
+        prefix = read = 0
+
+        def delta(final: bool) -> str | None:
+            nonlocal prefix, read
+            before = decode(out.tokens[prefix:read])
+            after = decode(out.tokens[prefix:])
+            if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+                return None  # nothing new, or an incomplete UTF-8 sequence: wait for more
+            prefix, read = read, len(out.tokens)
+            return after[len(before) :]
+
         for _ in self.runtime.generate(tokens, sampling, out):
-            text = decode(out.tokens)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
-                continue
-            if len(text) > len(sent):
-                yield chunk(text[len(sent) :], None)
-                sent = text
-        text = decode(out.tokens)
-        yield chunk(text[len(sent) :] if len(text) > len(sent) else None, out.finish_reason)
+            text = delta(final=False)
+            if text:
+                yield chunk(text, None)
+        yield chunk(delta(final=True), out.finish_reason)
         if include_usage:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
                     "usage": self._usage(out, len(tokens))}  # fmt: skip
