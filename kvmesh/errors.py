@@ -76,3 +76,9 @@ class Unauthenticated(KVMeshError):
 
 class ConfigError(KVMeshError):
     reason = "config"
+
+
+class NoChatTemplate(KVMeshError):
+    """A chat request to a model whose tokenizer has no chat template."""
+
+    reason = "no_chat_template"

@@ -22,7 +22,7 @@ from typing import Any
 from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, BlockHeader, Layout, new_blob, seal
 from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
-from ..errors import MalformedPayload
+from ..errors import CacheMiss, ConfigError, MalformedPayload, NoChatTemplate
 
 
 @dataclass(frozen=True)
@@ -48,45 +48,67 @@ class KVState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What the loaded model's cache really holds, read off a probe forward
+    (invariant 5: the card describes the real cache, never a config guess)."""
+
+    kv_dtype: str
+    num_kv_heads: int
+    head_dim: int
+    sliding_windows: tuple[int, ...]  # per layer; 0 = full attention
+
+    @classmethod
+    def from_layers(
+        cls, layers: Sequence[tuple[str, int, int]], windows: Sequence[int]
+    ) -> CacheGeometry:
+        """From per-layer (dtype, kv_heads, head_dim) as probed. Layers of differing
+        geometry cannot share one block layout: a clear error, never a re-reading."""
+        if not layers or len(layers) != len(windows):
+            raise ConfigError(
+                f"probe found {len(layers)} cache layers for {len(windows)} window entries"
+            )
+        kinds = sorted(set(layers))
+        if len(kinds) != 1:
+            raise ConfigError(f"cache layers differ in (dtype, kv_heads, head_dim): {kinds}")
+        dtype, heads, dim = kinds[0]
+        return cls(dtype, int(heads), int(dim), tuple(int(w) for w in windows))
+
+
 def card_from_hf_dir(
     path: Path,
     engine: str,
-    kv_dtype: str,
+    geometry: CacheGeometry,
     quantization: str,
     block_tokens: int,
     kv_quant: str = "none",
 ) -> CompatCard:
-    """Derive a card from a Hugging Face style model directory."""
+    """A card for the model in ``path`` whose cache has ``geometry`` (probed)."""
     cfg = json.loads((path / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
-    heads = int(text_cfg["num_attention_heads"])
-    layers = int(text_cfg["num_hidden_layers"])
-    hidden = int(text_cfg["hidden_size"])
-    head_dim = int(text_cfg.get("head_dim") or hidden // heads)
-    windows: tuple[int, ...]
-    if text_cfg.get("layer_types"):
-        sw = int(text_cfg.get("sliding_window") or 0)
-        windows = tuple(sw if t == "sliding_attention" else 0 for t in text_cfg["layer_types"])
-    elif text_cfg.get("use_sliding_window") and text_cfg.get("sliding_window"):
-        windows = (int(text_cfg["sliding_window"]),) * layers
-    else:
-        windows = (0,) * layers
     return CompatCard(
         engine=engine,
-        model_id=str(cfg.get("_name_or_path") or path.name),
+        model_id=model_name(path, cfg),
         weights_digest=weights_digest(path),
         tokenizer_digest=tokenizer_digest(path),
         quantization=quantization,
-        kv_dtype=kv_dtype,
+        kv_dtype=geometry.kv_dtype,
         rope=rope_from_config(text_cfg),
-        num_layers=layers,
-        num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        sliding_windows=windows,
+        num_layers=len(geometry.sliding_windows),
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        sliding_windows=geometry.sliding_windows,
         vocab_size=int(text_cfg["vocab_size"]),
         block_tokens=block_tokens,
         kv_quant=kv_quant,
     )
+
+
+def model_name(path: Path, cfg: dict[str, Any]) -> str:
+    """The model's short name: the last part of ``_name_or_path`` or the directory
+    name, never a local absolute path (cards are gossiped and shown publicly)."""
+    raw = str(cfg.get("_name_or_path") or "").rstrip("/")
+    return raw.rsplit("/", 1)[-1] or path.resolve().name
 
 
 def check_chain(prefix: Sequence[Block], card: CompatCard, tokens: int) -> int:
@@ -142,16 +164,58 @@ class Engine(abc.ABC):
 
     tokenizer: Any  # a Hugging Face tokenizer, or one with the same methods
 
+    # -- sliding windows (shared by the engines) -------------------------------
+
+    @property
+    def max_prefix(self) -> int | None:
+        """Longest exactly restorable prefix: a sliding-window layer holds positions
+        0.. only until its window fills, so a longer prefix is a miss (None = any)."""
+        windows = [w for w in self.card.sliding_windows if w]
+        return min(windows) if windows else None
+
+    def check_restorable(self, n_tokens: int) -> None:
+        """Raise :class:`CacheMiss` for a prefix no sliding layer can hold exactly."""
+        bound = self.max_prefix
+        if bound is not None and n_tokens > bound:
+            raise CacheMiss(
+                f"a {n_tokens}-token prefix is not restorable past the {bound}-token window"
+            )
+
+    def _window_trimmed(self, cache: Any) -> bool:
+        """Whether a sliding layer of ``cache`` dropped or wrapped early positions
+        (engines with sliding windows override this)."""
+        return False
+
+    def _exportable(self, state: KVState) -> KVState | None:
+        """``state`` cut to what is exactly restorable, or None when nothing is."""
+        bound = self.max_prefix
+        if bound is None:
+            return state
+        if self._window_trimmed(state.cache):
+            return None  # its early positions are gone
+        if state.cached > bound:  # only whole blocks within the window, no tail
+            n = (bound // self.card.block_tokens) * self.card.block_tokens
+            return KVState(state.tokens[:n], state.cache, None, n)
+        return state
+
     # -- text (chat template applied by the tokenizer) --------------------------
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Completions: the tokenizer's own special-token convention (BOS where it
+        adds one), as vLLM and transformers tokenize a prompt."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Chat: the chat template alone decides special tokens (it writes BOS
+        itself when the model wants one), so none is added twice."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise NoChatTemplate(
+                "this model has no chat template; use /v1/completions with a plain prompt"
+            )
         text = self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True
         )
-        return self.encode(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode_text(self, tokens: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
@@ -258,7 +322,11 @@ class Engine(abc.ABC):
         first_block: int = 0,
     ) -> list[Block]:
         """Blocks for ``state``: full blocks from ``first_block`` on, then the tail.
-        Only positions already in the cache are exported."""
+        Only positions already in the cache (and exactly restorable) are exported."""
+        cut = self._exportable(state)
+        if cut is None:
+            return []
+        state = cut
         tokens = state.tokens
         if state.cached < len(tokens):  # generated last token: no KV yet, no logits for it
             tokens = tokens[: state.cached]
