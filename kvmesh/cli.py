@@ -347,6 +347,18 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     help="API keys (one per line) that unlock protected network reads and writes.",
 )
 @click.option("--no-publish", is_flag=True, help="Never publish new prefixes.")
+@click.option(
+    "--served-model-name",
+    multiple=True,
+    help="Name clients use for the model (repeatable; the first is listed by /v1/models). "
+    "The --model argument as given and its directory name are accepted too.",
+)
+@click.option(
+    "--max-tokens-default",
+    type=click.IntRange(min=1),
+    help="Cap on tokens generated when a request sets no max_tokens "
+    "(default: the rest of the context window, like OpenAI and vLLM).",
+)
 @click.option("--gossip-interval", default=1.0, show_default=True)
 @click.option("--ttl", default=5.0, show_default=True)
 @click.option(
@@ -367,6 +379,8 @@ def head(
     advertise: tuple[str, ...],
     api_key_file: str | None,
     no_publish: bool,
+    served_model_name: tuple[str, ...],
+    max_tokens_default: int | None,
     gossip_interval: float,
     ttl: float,
     lookup_timeout: float,
@@ -400,6 +414,8 @@ def head(
             listen=listen,
             publish=not no_publish,
             api_key_file=api_key_file,
+            served_model_names=served_model_name,
+            max_tokens_default=max_tokens_default,
         ),
         cfg,
     )

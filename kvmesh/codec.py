@@ -172,7 +172,9 @@ def new_blob(header: BlockHeader) -> tuple[bytearray, memoryview]:
 def seal(header: BlockHeader, blob: bytes | bytearray) -> Block:
     """Freeze a filled blob (one copy, at export, so that serving it never copies)."""
     frozen = bytes(blob)
-    return Block(header, frozen, hashlib.sha256(frozen).digest(), len(frozen) - header.payload_bytes)
+    return Block(
+        header, frozen, hashlib.sha256(frozen).digest(), len(frozen) - header.payload_bytes
+    )
 
 
 # -- decoding ---------------------------------------------------------------

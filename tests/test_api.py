@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -16,9 +17,9 @@ from .procs import Peer
 
 
 class Head:
-    def __init__(self, *args: str, log=None) -> None:
+    def __init__(self, *args: str, log=None, model: str = "demo-tiny") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen", "127.0.0.1:0",
+            [sys.executable, "-m", "kvmesh.cli", "head", "--model", model, "--listen", "127.0.0.1:0",
              "--gossip-interval", "0.3", "--ttl", "2", *args],
             stdout=subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True,
         )  # fmt: skip
@@ -214,3 +215,76 @@ def test_bad_requests_get_openai_errors_and_the_head_keeps_serving(head, path, b
     if code:
         assert err["code"] == code
     assert head.health()["status"] == "ok"
+
+
+def test_a_session_never_hides_a_longer_hit_on_a_peer(peer):
+    """After a restart, a short prompt leaves a live session; the longer prompt that
+    starts with it must still be looked up, and its whole prefix fetched."""
+    from transformers import AutoTokenizer
+
+    from kvmesh.engine.demo import ensure_demo
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_demo("demo-tiny")))
+    long_ids = tok.encode("A session must not hide a longer hit on a peer. " * 12)
+    short_ids = long_ids[:70]
+
+    def ask(h: Head, ids: list[int]) -> dict:
+        body = {"model": "demo-tiny", "prompt": ids, "max_tokens": 4, "temperature": 0}
+        return h.http.post("/v1/completions", json=body).json()
+
+    h1 = Head("--seed", peer.address, "--alias", "long-publisher")
+    try:
+        h1.wait(lambda s: s["peers"] >= 1)
+        cold = ask(h1, long_ids)
+        h1.wait(lambda s: s["publish_pending"] == 0)
+    finally:
+        h1.stop()
+    h2 = Head("--seed", peer.address, "--alias", "restarted")
+    try:
+        h2.wait(lambda s: s["compatible_peers"] >= 1)
+        first = ask(h2, short_ids)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        second = ask(h2, long_ids)
+        reused = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert reused >= 0.9 * len(long_ids), second["kvmesh"]
+        assert second["kvmesh"]["source"] == "remote"
+        assert second["choices"][0]["text"] == cold["choices"][0]["text"]
+    finally:
+        h2.stop()
+
+
+def test_served_names_default_max_tokens_and_a_model_without_a_chat_template(tmp_path):
+    """vLLM's conventions: ``--model`` as given, its directory name and every
+    ``--served-model-name`` are accepted; the first served name is canonical. No
+    ``max_tokens`` means the rest of the window (capped by --max-tokens-default).
+    A chat request to a model without a chat template is a 400 that says so."""
+    from kvmesh.engine.demo import ensure_demo
+
+    model = tmp_path / "plain-model"
+    shutil.copytree(ensure_demo("demo-tiny"), model)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    for f in model.glob("chat_template.*"):
+        f.unlink()
+    h = Head("--served-model-name", "house-model", "--served-model-name", "alias-2",
+             "--max-tokens-default", "40", model=str(model))  # fmt: skip
+    try:
+        assert [m["id"] for m in h.http.get("/v1/models").json()["data"]] == ["house-model"]
+        for name in ("house-model", "alias-2", str(model), "plain-model"):
+            body = {"model": name, "prompt": "Served names", "max_tokens": 2, "temperature": 0}
+            r = h.http.post("/v1/completions", json=body)
+            assert r.status_code == 200, (name, r.text)
+        body = {"model": "house-model", "prompt": "no max_tokens", "temperature": 0}
+        out = h.http.post("/v1/completions", json=body).json()
+        n = out["usage"]["completion_tokens"]
+        assert n == 40 or out["choices"][0]["finish_reason"] == "stop", out
+        chat = {"model": "house-model", "messages": [{"role": "user", "content": "hi"}]}
+        r = h.http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "no_chat_template"
+        assert "chat template" in r.json()["error"]["message"]
+        assert h.health()["status"] == "ok"
+    finally:
+        h.stop()

@@ -83,9 +83,11 @@ def create_app(
     api_key_file: str | None = None,
     fleet_key: bytes | None = None,
     state_file: Path | None = None,
+    aliases: tuple[str, ...] = (),
+    max_tokens_default: int | None = None,
 ) -> FastAPI:
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
-    service = OpenAIService(runtime, model_name, max_context)
+    service = OpenAIService(runtime, model_name, max_context, aliases, max_tokens_default)
     app.state.runtime = runtime
     app.state.openai = service
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..engine import Sampling
+from ..errors import NoChatTemplate
 from ..runtime.head import Generation, HeadRuntime
 
 UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
@@ -87,17 +88,28 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 class OpenAIService:
+    """``model_name`` is the canonical name (``/v1/models``); ``aliases`` are also
+    accepted in requests (vLLM: ``--served-model-name`` and the ``--model`` argument
+    as given). ``max_tokens_default`` caps a request that sets no ``max_tokens``
+    (None: the rest of the context window, as OpenAI and vLLM do)."""
+
     def __init__(
-        self, runtime: HeadRuntime, model_name: str, max_context: int, max_tokens_cap: int = 4096
+        self,
+        runtime: HeadRuntime,
+        model_name: str,
+        max_context: int,
+        aliases: tuple[str, ...] = (),
+        max_tokens_default: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.model_name = model_name
+        self.aliases = aliases
         self.max_context = max_context
-        self.max_tokens_cap = max_tokens_cap
+        self.max_tokens_default = max_tokens_default
         self.created = int(time.time())
 
     def names(self) -> set[str]:
-        return {self.model_name, self.runtime.card.model_id}
+        return {self.model_name, *self.aliases, self.runtime.card.model_id}
 
     def _check(self, req: _Common, n_prompt: int) -> Sampling:
         if req.model not in self.names():
@@ -116,13 +128,14 @@ class OpenAIService:
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
-        max_tokens = 16 if max_tokens is None else max_tokens
-        if max_tokens < 1 or max_tokens > self.max_tokens_cap:
-            raise APIError(
-                400, f"max_tokens must be between 1 and {self.max_tokens_cap}", param="max_tokens"
-            )
         if n_prompt == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
+        if max_tokens is None:  # the rest of the context window, like OpenAI and vLLM
+            max_tokens = max(1, self.max_context - n_prompt)
+            if self.max_tokens_default:
+                max_tokens = min(max_tokens, self.max_tokens_default)
+        if max_tokens < 1:
+            raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
         if n_prompt + max_tokens > self.max_context:
             raise APIError(
                 400,
@@ -134,6 +147,13 @@ class OpenAIService:
         return Sampling(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed
         )
+
+    def tokens(self, req: _Common) -> list[int]:
+        """The request's prompt as token ids (CPU work: call off the event loop)."""
+        if isinstance(req, ChatRequest):
+            return self.chat_tokens(req)
+        assert isinstance(req, CompletionRequest)
+        return self.completion_tokens(req)
 
     def completion_tokens(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
@@ -150,7 +170,10 @@ class OpenAIService:
 
     def chat_tokens(self, req: ChatRequest) -> list[int]:
         msgs = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
-        return self.runtime.engine.encode_chat(msgs)
+        try:
+            return self.runtime.engine.encode_chat(msgs)
+        except NoChatTemplate as e:
+            raise APIError(400, str(e), param="messages", code="no_chat_template") from None
 
     def run(self, req: _Common, tokens: list[int], chat: bool) -> Any:
         sampling = self._check(req, len(tokens))
@@ -261,17 +284,18 @@ def router(service: OpenAIService) -> APIRouter:
             ],
         }
 
-    async def respond(req: _Common, tokens: list[int], chat: bool) -> Any:
+    async def respond(req: _Common, chat: bool) -> Any:
+        tokens = await run_in_threadpool(service.tokens, req)  # templating is CPU work
         if req.stream:  # the SSE body is produced on starlette's worker threads
             return service.run(req, tokens, chat)
         return await run_in_threadpool(service.run, req, tokens, chat)
 
     @r.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
-        return await respond(req, service.completion_tokens(req), chat=False)
+        return await respond(req, chat=False)
 
     @r.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> Any:
-        return await respond(req, service.chat_tokens(req), chat=True)
+        return await respond(req, chat=True)
 
     return r

@@ -20,6 +20,15 @@ class HeadOptions:
     publish: bool = True
     api_key_file: str | None = None
     max_sessions: int = 8
+    served_model_names: tuple[str, ...] = ()
+    max_tokens_default: int | None = None
+
+    def model_names(self) -> tuple[str, tuple[str, ...]]:
+        """(canonical name, accepted aliases), as vLLM serves them: the first
+        ``--served-model-name``, else ``--model`` as given; the directory name too."""
+        given = self.model.rstrip("/") or self.model
+        names = (*self.served_model_names, given, Path(given).name)
+        return names[0], tuple(dict.fromkeys(names[1:]))
 
 
 def bind(listen: str) -> socket.socket:
@@ -61,8 +70,16 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
         publish=opts.publish,
         max_sessions=opts.max_sessions,
     )
-    name = opts.model if not Path(opts.model).exists() else Path(opts.model).name
-    app = create_app(runtime, name, max_context, opts.api_key_file, node_config.security.fleet_key)
+    name, aliases = opts.model_names()
+    app = create_app(
+        runtime,
+        name,
+        max_context,
+        opts.api_key_file,
+        node_config.security.fleet_key,
+        aliases=aliases,
+        max_tokens_default=opts.max_tokens_default,
+    )
     sock = bind(opts.listen)
     host, port = sock.getsockname()[:2]
     print(

@@ -93,6 +93,20 @@ def _error(e: grpc.aio.AioRpcError) -> KVMeshError:
     return PeerUnavailable(f"{code.name}: {detail}")
 
 
+def _validated(hit: PeerHit, block_tokens: int, tail_tokens: int) -> PeerHit:
+    """``hit`` if its claimed length is exactly what its blocks hold: every block
+    ``block_tokens`` tokens, a tail of exactly the asked tail's tokens. A peer's
+    ``matched_tokens`` alone never ranks a candidate or sizes an allocation."""
+    if any(b.tokens != block_tokens for b in hit.blocks):
+        raise MalformedPayload("a lookup answer's block does not hold a full block of tokens")
+    if hit.tail is not None and hit.tail.tokens != tail_tokens:
+        raise MalformedPayload("a lookup answer's tail does not match the asked tail")
+    held = len(hit.blocks) * block_tokens + (hit.tail.tokens if hit.tail is not None else 0)
+    if held != hit.tokens:
+        raise MalformedPayload(f"a peer claimed {hit.tokens} tokens for blocks holding {held}")
+    return hit
+
+
 def rendezvous(root: bytes, node_ids: Sequence[str], k: int) -> list[str]:
     """The ``k`` owners of a prefix root: highest SHA-256(root || node id)."""
     score = {n: hashlib.sha256(root + n.encode()).digest() for n in node_ids}
@@ -197,8 +211,16 @@ class MeshClient:
             namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail]
         )
         results = await asyncio.gather(*(self._lookup_one(p, req) for p in peers))
-        hits = [h for h in results if isinstance(h, PeerHit) and h.tokens > 0]
-        errors = [r for r in results if isinstance(r, str)]
+        hits, errors = [], []
+        for r in results:
+            if isinstance(r, str):
+                errors.append(r)
+            elif isinstance(r, PeerHit) and r.tokens > 0:
+                try:
+                    hits.append(_validated(r, card.block_tokens, keys.tail_tokens))
+                except MalformedPayload:  # a claim that does not add up is no hit at all
+                    self.counters["lookup_failed:malformed_payload"] += 1
+                    errors.append("malformed_payload")
         return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h))), errors
 
     def _endpoint_rank(self, hit: PeerHit) -> tuple[int, float]:
@@ -253,8 +275,10 @@ class MeshClient:
         start: int = 0,
         lease_ttl: float | None = None,
         on_block: Callable[[Block], None] | None = None,
+        deadline: float | None = None,
     ) -> list[Block]:
-        """Stream ``hit``'s blocks from index ``start`` on, verified. Raises a typed error.
+        """Stream ``hit``'s blocks from index ``start`` on, verified, within ``deadline``
+        seconds (at most the client's fetch deadline). Raises a typed error.
 
         ``on_block`` is called on a worker thread with each block as soon as its
         SHA-256 has been checked, so the caller can import while the rest arrives."""
@@ -276,7 +300,11 @@ class MeshClient:
         t0 = time.perf_counter()
         call = self.channel(hit.address).unary_stream(
             method, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=None
-        )(req, timeout=self.fetch_deadline, metadata=self._md(method))
+        )(
+            req,
+            timeout=min(self.fetch_deadline, deadline or self.fetch_deadline),
+            metadata=self._md(method),
+        )
         asms = [Assembler(layout, i.nbytes, i.digest) for i in infos]
         done: list[Block | None] = [None] * len(asms)
 

@@ -1,13 +1,21 @@
 """The head runtime: one engine, its live sessions, and the fleet behind it.
 
-``generate`` is the path of one request (DESIGN.md, "The path of one request"):
-a live session holding a prefix is extended without any lookup; otherwise the
-local store and the live compatible peers are asked concurrently, the planner
-decides whether fetching beats computing, the chosen prefix is fetched and
-verified, the suffix is computed, and decode runs locally. Every cache failure
-is caught here, counted as a fallback reason, and answered by local prefill
-(invariant 1). Publishing starts only after the last token (invariant 3: the
-decode loop makes no remote call) and runs on a background thread.
+``generate`` is the path of one request (DESIGN.md, "The path of one request"),
+read as plan → fetch → compute:
+
+- *acquire* (no engine lock: network waits never block other requests): every
+  source offers a prefix: the live session sharing the longest prefix, the
+  local store, and — when the prompt is longer than both — the validated hits of
+  the fleet. The longest prefix worth having wins; a remote prefix is fetched
+  from where the local blocks end, and a failed peer gives way to the next one
+  within one cache-time budget, then backs off (circuit breaker).
+- *compute* (under the engine lock): import the acquired prefix or resume the
+  session, compute the suffix, decode locally.
+
+Every cache failure is caught, counted as a fallback reason, and answered by
+local prefill (invariant 1). Publishing starts only after the last token
+(invariant 3: the decode loop makes no remote call) and runs on a background
+thread.
 """
 
 from __future__ import annotations
@@ -25,13 +33,18 @@ import numpy as np
 from ..blocks import BlockKeyer
 from ..codec import Block
 from ..engine import Engine, KVState, Sampling
-from ..errors import KVMeshError
+from ..engine.base import Importer
+from ..errors import CacheMiss, KVMeshError
+from ..mesh.client import PeerHit
+from ..mesh.fleet import Fleet
 from ..mesh.node import NodeThread
 from ..store import Match
 from .planner import Planner
 from .telemetry import PrefillReport, Telemetry
 
 log = logging.getLogger("kvmesh.head")
+
+MIN_CACHE_BUDGET_S = 0.2
 
 
 @dataclass
@@ -42,6 +55,25 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
     finish_reason: str = "length"
+
+
+@dataclass
+class _Acquired:
+    """The prefix gathered for one request before the engine runs."""
+
+    session: tuple[int, int] | None = None  # (session id, tokens to keep)
+    source: str = "compute"  # session | local | remote | compute
+    prefix: tuple[Block, ...] = ()  # the chain from the root (blocks, then a tail)
+    importer: Importer | None = None  # ``prefix`` already copied in (remote)
+    peer: str | None = None
+    fetched_bytes: int = 0
+    lookup_s: float = 0.0
+    fetch_s: float = 0.0
+    fallback: str | None = None
+
+    @property
+    def session_tokens(self) -> int:
+        return self.session[1] if self.session else 0
 
 
 class HeadRuntime:
@@ -61,13 +93,15 @@ class HeadRuntime:
         self.engine = engine
         self.card = engine.card
         self.node = node
+        self.fleet = Fleet(node) if node is not None else None
         self.keyer = BlockKeyer(self.card.namespace, self.card.block_tokens, hash_key)
         self.planner = planner or Planner()
         self.telemetry = telemetry or Telemetry()
         self.max_sessions = max_sessions
-        self.fetch_timeout = node.node.client.fetch_deadline if node else fetch_timeout
+        self.fetch_timeout = self.fleet.fetch_deadline if self.fleet else fetch_timeout
         self.publish_enabled = publish
         self._lock = threading.Lock()  # one sequence at a time on the engine
+        self._sessions_lock = threading.Lock()
         self._sessions: OrderedDict[int, KVState] = OrderedDict()
         self._next_session = 0
         self._publisher = concurrent.futures.ThreadPoolExecutor(
@@ -76,18 +110,18 @@ class HeadRuntime:
         self._pending = 0
         self._max_pending = max_pending_publishes
         self._pending_lock = threading.Lock()
-        if node is not None:
-            node.node.extra_namespaces[self.card.namespace_hex] = self.card.summary()
-            node.node.config.roles = tuple(sorted({"head", *node.node.config.roles}))
+        if self.fleet is not None:
+            self.fleet.advertise(self.card)
 
     # -- the request path ------------------------------------------------------
 
     def generate(self, tokens: Sequence[int], sampling: Sampling, out: Generation) -> Iterator[int]:
         """Prefill (planned) then decode locally, yielding tokens; publish after."""
         tokens = list(tokens)
+        t0 = time.perf_counter()
+        got = self._acquire(tokens)  # network waits happen here, never under the engine lock
         with self._lock:
-            t0 = time.perf_counter()
-            state, report, chain = self.prefill(tokens)
+            state, report, chain = self._compute(tokens, got)
             out.report = report
             prompt_view = KVState(list(tokens), state.cache, state.logits, len(tokens))
             for i, tok in enumerate(self.engine.generate(state, sampling)):
@@ -110,140 +144,158 @@ class HeadRuntime:
 
     def prefill(self, tokens: list[int]) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
         """State for ``tokens`` and how it was obtained; also the reused block chain."""
-        t0 = time.perf_counter()
-        session = self._take_session(tokens)
-        if session is not None:
-            state, keep = session
-            try:
-                st = self.engine.resume(state, keep, tokens)
-            except Exception as e:  # e.g. a rotated sliding-window cache: plan as usual
-                log.info("session not reusable (%r); planning the prefill", e)
-            else:
-                dt = time.perf_counter() - t0
-                self.planner.observe_prefill(st.computed_tokens, dt)
-                report = PrefillReport(
-                    "session", len(tokens), st.imported_tokens, st.computed_tokens, compute_s=dt
-                )
-                return st, report, ()
+        got = self._acquire(list(tokens))
+        with self._lock:
+            return self._compute(list(tokens), got)
 
+    def _acquire(self, tokens: list[int]) -> _Acquired:
+        """Gather the best prefix. Sources: a live session, the local store and,
+        when the prompt is longer than both, the fleet (never skipped because a
+        session holds a shorter prefix). Failed remote candidates give way to the
+        next within one cache-time budget."""
         keys = self.keyer.keys(tokens)
-        local = self.node.node.store.longest_prefix(keys) if self.node else Match((), None)
-        prefix: tuple[Block, ...] = local.all()
-        source = "local" if local.tokens else "compute"
-        fallback = peer = importer = None
-        fetched_bytes = 0
-        lookup_s = fetch_s = 0.0
-        if self.node is not None and local.tokens < len(tokens):
-            t1 = time.perf_counter()
-            hits, errors = self._remote_lookup(keys)
-            lookup_s = time.perf_counter() - t1
-            best = hits[0] if hits and hits[0].tokens > local.tokens else None
-            if best is None and errors:
-                fallback = errors[0]
-            if best is not None:
-                skip = len(local.blocks) if local.tail is None else 0
-                infos = best.infos[skip:]
-                nbytes = sum(i.nbytes for i in infos)
-                est = self.planner.estimate(best.node_id, best.tokens - local.tokens, nbytes)
-                if not est.worth_it:
-                    self.telemetry.count("planned_compute")
-                else:
-                    t2 = time.perf_counter()
-                    try:
-                        # blocks are copied into the engine's KV as each one verifies
-                        importer = self.engine.importer(best.tokens)
-                        for blk in local.blocks[:skip]:
-                            importer.add(blk)
-                        blocks = self.node.call(
-                            self.node.node.client.fetch(
-                                self.engine.layout, best, skip, on_block=importer.add
-                            ),
-                            timeout=self.fetch_timeout + 1,
-                        )
-                        fetch_s = time.perf_counter() - t2
-                        self.planner.observe_fetch(best.node_id, nbytes, fetch_s)
-                        prefix = (local.blocks[:skip] if skip else ()) + tuple(blocks)
-                        source, peer, fetched_bytes = "remote", best.alias, nbytes
-                        self._store_fetched(blocks)
-                    except KVMeshError as e:
-                        fallback = e.reason
-                    except (TimeoutError, concurrent.futures.TimeoutError):
-                        fallback = "timeout"
-                    except Exception as e:  # never let the cache fail a request
-                        log.warning("fetch failed unexpectedly: %r", e)
-                        fallback = "error"
-        t3 = time.perf_counter()
+        got = _Acquired(session=self._best_session(tokens))
+        local = self.fleet.local_prefix(keys) if self.fleet else Match((), None)
+        if got.session_tokens >= local.tokens and got.session_tokens:
+            got.source = "session"  # resuming is a crop, importing a copy: sessions win ties
+        elif local.tokens:
+            got.source, got.prefix = "local", local.all()
+        have = max(got.session_tokens, local.tokens)
+        if self.fleet is None or have >= len(tokens) - 1:
+            return got
+        t0 = time.perf_counter()
+        hits, errors = self.fleet.lookup(self.card, keys)
+        got.lookup_s = time.perf_counter() - t0
+        got.fallback = errors[0] if errors else None
+        budget = self._cache_budget(len(tokens))
+        for hit in hits:
+            if hit.tokens <= have or not self.planner.usable(hit.node_id):
+                continue
+            left = budget - (time.perf_counter() - t0)
+            if left <= 0:
+                got.fallback = "budget"
+                break
+            if self._fetch(hit, local, have, left, got):
+                got.fallback = None
+                break
+        return got
+
+    def _cache_budget(self, n_tokens: int) -> float:
+        """Seconds all remote fetches of one request may take: the estimated cold
+        prefill of the prompt (a fetch slower than that is not worth waiting for),
+        with a small floor so a fast model still tolerates a scheduling hiccup."""
+        return min(self.fetch_timeout, max(self.planner.compute_s(n_tokens), MIN_CACHE_BUDGET_S))
+
+    def _fetch(self, hit: PeerHit, local: Match, have: int, left: float, got: _Acquired) -> bool:
+        """Fetch ``hit`` after the local blocks into a fresh importer; True when it
+        worked. A failure is counted and backs the peer off (circuit breaker)."""
+        assert self.fleet is not None
+        skip = len(local.blocks) if local.tail is None else 0
+        nbytes = sum(i.nbytes for i in hit.infos[skip:])
+        if not self.planner.estimate(hit.node_id, hit.tokens - have, nbytes).worth_it:
+            self.telemetry.count("planned_compute")
+            return False
+        t0 = time.perf_counter()
         try:
-            state = self.engine.prefill(tokens, prefix, importer if source == "remote" else None)
-        except Exception as e:  # any failure to use the prefix: compute it all (invariant 1)
-            fallback, source, prefix = getattr(e, "reason", "error"), "compute", ()
-            if not isinstance(e, KVMeshError):
-                log.warning("prefix import failed unexpectedly: %r", e)
+            # bounded by the prompt: a validated hit holds no more tokens than its keys
+            importer = self.engine.importer(hit.tokens)
+            for blk in local.blocks[:skip]:
+                importer.add(blk)
+            blocks = self.fleet.fetch(self.engine.layout, hit, skip, importer.add, left)
+        except CacheMiss as e:  # e.g. past a sliding window: ours, not the peer's fault
+            got.fallback = e.reason
+            return False
+        except Exception as e:  # the cache never decides correctness
+            got.fallback = reason = _reason(e)
+            backoff = self.planner.peer_failed(hit.node_id)
+            self.telemetry.count(f"peer_failed:{reason}")
+            log.info("fetch from %s failed (%s); avoided for %.0f s", hit.alias, reason, backoff)
+            return False
+        got.fetch_s = time.perf_counter() - t0
+        self.planner.observe_fetch(hit.node_id, nbytes, got.fetch_s)
+        self.planner.peer_succeeded(hit.node_id)
+        got.source, got.importer, got.peer, got.fetched_bytes = (
+            "remote",
+            importer,
+            hit.alias,
+            nbytes,
+        )
+        got.prefix = tuple(local.blocks[:skip]) + tuple(blocks)
+        if skip == len(local.blocks):  # the fetched blocks continue the stored chain
+            self.fleet.keep(blocks)
+        return True
+
+    def _compute(
+        self, tokens: list[int], got: _Acquired
+    ) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
+        """Under the engine lock: import the acquired prefix (or resume the session)
+        and compute the rest. Any failure to use the prefix computes it all."""
+        t0 = time.perf_counter()
+        fallback, source, prefix = got.fallback, got.source, got.prefix
+        try:
+            if source == "session":
+                state = self._resume(tokens, got)
+            else:
+                state = self.engine.prefill(tokens, prefix, got.importer)
+        except Exception as e:  # invariant 1: compute it all
+            fallback, source, prefix = _reason(e), "compute", ()
             state = self.engine.prefill(tokens)
-        dt = time.perf_counter() - t3
+        dt = time.perf_counter() - t0
         if state.computed_tokens:
-            per_token = dt / state.computed_tokens
             self.planner.observe_prefill(state.computed_tokens, dt)
-        else:
-            per_token = 1 / (self.planner.prefill_tps or self.planner._prior_tps)
         if fallback:
-            log.info("prefill fell back to local compute: %s", fallback)
+            log.info("prefill fell back: %s", fallback)
         report = PrefillReport(
             source=source,
             prompt_tokens=len(tokens),
             reused_tokens=state.imported_tokens,
             computed_tokens=state.computed_tokens,
-            peer=peer,
-            bytes_fetched=fetched_bytes,
+            peer=got.peer if source == "remote" else None,
+            bytes_fetched=got.fetched_bytes if source == "remote" else 0,
             fallback=fallback,
-            lookup_s=lookup_s,
-            fetch_s=fetch_s,
+            lookup_s=got.lookup_s,
+            fetch_s=got.fetch_s,
             import_s=dt if not state.computed_tokens else 0.0,
             compute_s=dt,
-            saved_s=state.imported_tokens * per_token,
+            saved_s=self.planner.compute_s(state.imported_tokens),
             used_stored_logits=state.used_stored_logits,
         )
-        return state, report, tuple(b for b in prefix if b.header.kind == "block")
+        chain = () if source == "session" else prefix
+        return state, report, tuple(b for b in chain if b.header.kind == "block")
 
-    def _remote_lookup(self, keys):  # type: ignore[no-untyped-def]
-        assert self.node is not None
-        client = self.node.node.client
-        try:
-            return self.node.call(
-                client.lookup(self.card, keys), timeout=client.lookup_deadline + 1
-            )
-        except Exception as e:  # the cache never decides correctness
-            log.warning("lookup failed: %r", e)
-            return [], ["timeout" if isinstance(e, TimeoutError) else "error"]
-
-    def _store_fetched(self, blocks: Sequence[Block]) -> None:
-        assert self.node is not None
-        for blk in blocks:
-            try:
-                self.node.node.store.put(blk)
-            except KVMeshError:
-                break  # budget or orphan: the local copy is optional
+    def _resume(self, tokens: list[int], got: _Acquired) -> KVState:
+        assert got.session is not None
+        sid, keep = got.session
+        with self._sessions_lock:
+            session = self._sessions.pop(sid, None)
+        if session is None:
+            raise CacheMiss("the session was taken by another request")
+        return self.engine.resume(session, keep, tokens)
 
     # -- sessions --------------------------------------------------------------
 
-    def _take_session(self, tokens: list[int]) -> tuple[KVState, int] | None:
+    def _best_session(self, tokens: list[int]) -> tuple[int, int] | None:
+        """(id, tokens it can keep) of the live session sharing the longest prefix
+        with ``tokens``, when that is at least one block. Not taken yet."""
         best, best_len = None, 0
-        for sid, st in self._sessions.items():
-            n = _common_prefix(st.tokens[: st.cached], tokens)
-            if n > best_len:
-                best, best_len = sid, n
+        with self._sessions_lock:
+            for sid, st in self._sessions.items():
+                n = _common_prefix(st.tokens[: st.cached], tokens)
+                if n > best_len:
+                    best, best_len = sid, n
         if best is None or best_len < self.card.block_tokens:
             return None
-        return self._sessions.pop(best), best_len
+        return best, min(best_len, len(tokens) - 1)
 
     def _keep_session(self, state: KVState) -> None:
-        self._sessions[self._next_session] = state
-        self._next_session += 1
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+        with self._sessions_lock:
+            self._sessions[self._next_session] = state
+            self._next_session += 1
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
 
     def clear_sessions(self) -> None:
-        with self._lock:
+        with self._sessions_lock:
             self._sessions.clear()
 
     # -- publishing ------------------------------------------------------------
@@ -267,16 +319,11 @@ class HeadRuntime:
                 first_block=len(prompt_full),
             )
             chains = [blocks, prompt_full + more] if more else [blocks]
-            if self.node is None:
+            if self.fleet is None:
                 return
-            store = self.node.node.store
             for chain in chains:
-                for blk in chain:
-                    try:
-                        store.put(blk)
-                    except KVMeshError:
-                        break
-                self.node.call(self._enqueue(chain), timeout=10)
+                self.fleet.keep(chain)
+                self.fleet.publish(self.card, chain)
             self.telemetry.count("published_blocks", len(blocks) + len(more))
         except Exception as e:
             log.warning("publish failed: %r", e)
@@ -285,16 +332,12 @@ class HeadRuntime:
             with self._pending_lock:
                 self._pending -= 1
 
-    async def _enqueue(self, chain: list[Block]) -> None:
-        assert self.node is not None
-        self.node.node.client.enqueue_publish(self.card, chain)
-
     def publish_pending(self) -> int:
         """Publishes not yet handed to peers (exports running or queued sends)."""
         with self._pending_lock:
             n = self._pending
-        if self.node is not None:
-            n += self.node.node.client.queued()
+        if self.fleet is not None:
+            n += self.fleet.queued()
         return n
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -307,11 +350,21 @@ class HeadRuntime:
             if time.time() > deadline:
                 raise TimeoutError("publish did not finish")
             time.sleep(0.01)
-        if self.node is not None:
-            self.node.call(self.node.node.client.drain(), timeout=timeout)
+        if self.fleet is not None:
+            self.fleet.drain(timeout)
 
     def close(self) -> None:
         self._publisher.shutdown(wait=True)
+
+
+def _reason(e: BaseException) -> str:
+    """The fallback reason a failure is counted under."""
+    if isinstance(e, KVMeshError):
+        return e.reason
+    if isinstance(e, (TimeoutError, concurrent.futures.TimeoutError)):
+        return "timeout"
+    log.warning("cache path failed unexpectedly: %r", e)
+    return "error"
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -2,15 +2,21 @@
 
 Local prefill speed (tokens/s, per model) and per-peer bandwidth and RTT are
 learned from measurements as exponentially weighted averages, so a slow link or a
-fast accelerator correctly chooses recompute.
+fast accelerator correctly chooses recompute. A peer whose fetch failed is not
+planned on for a backoff that doubles on each further failure and resets on a
+success (a circuit breaker, invariant 10).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ALPHA = 0.3
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -34,8 +40,12 @@ class Planner:
         default_bandwidth: float = 100e6,  # bytes/s before a peer is measured
         default_rtt: float = 0.002,
         import_bandwidth: float = 2e9,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
+        self._failures: dict[str, int] = {}  # peer -> consecutive failures
+        self._avoid_until: dict[str, float] = {}
         self.prefill_tps: float | None = None
         self._prior_tps = prefill_tps
         self.default_bandwidth = default_bandwidth
@@ -73,3 +83,34 @@ class Planner:
         bw = self.bandwidth.get(peer, self.default_bandwidth)
         rtt = self.rtt.get(peer, self.default_rtt)
         return Estimate(rtt + nbytes / bw + imp, compute)
+
+    # -- per-peer health -------------------------------------------------------
+
+    def peer_failed(self, peer: str) -> float:
+        """Record a failed fetch; returns the backoff (seconds) now applied to ``peer``."""
+        with self._lock:
+            n = self._failures.get(peer, 0) + 1
+            self._failures[peer] = n
+            backoff = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (n - 1))
+            self._avoid_until[peer] = self._clock() + backoff
+            return backoff
+
+    def peer_succeeded(self, peer: str) -> None:
+        with self._lock:
+            self._failures.pop(peer, None)
+            self._avoid_until.pop(peer, None)
+
+    def usable(self, peer: str) -> bool:
+        """False while ``peer`` is backed off after a failure."""
+        with self._lock:
+            return self._clock() >= self._avoid_until.get(peer, 0.0)
+
+    def backed_off(self) -> dict[str, float]:
+        """Peers currently avoided, with the seconds left (for metrics)."""
+        now = self._clock()
+        with self._lock:
+            return {p: t - now for p, t in self._avoid_until.items() if t > now}
+
+    def compute_s(self, tokens: int) -> float:
+        """Estimated seconds to prefill ``tokens`` locally."""
+        return tokens / (self.prefill_tps or self._prior_tps)

@@ -1,0 +1,95 @@
+"""The fleet as a head sees it: a small synchronous facade over a :class:`NodeThread`.
+
+A head's request path runs on ordinary threads; the mesh runs on its own event
+loop. ``Fleet`` is the one place that crosses between them: every call has a
+deadline, and the head never reaches through the node's insides. Lookups return
+validated hits only (a peer's claim is checked against the keys asked; see
+:meth:`MeshClient.lookup`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..blocks import PrefixKeys
+from ..codec import Block, Layout
+from ..compat import CompatCard
+from ..errors import KVMeshError
+from ..store import BlockStore, Match
+from .client import PeerHit
+from .node import NodeThread
+
+
+class Fleet:
+    def __init__(self, node: NodeThread) -> None:
+        self._node = node
+        self._client = node.node.client
+
+    @property
+    def store(self) -> BlockStore:
+        """This node's own block store (a head is also a cache peer)."""
+        return self._node.node.store
+
+    @property
+    def fetch_deadline(self) -> float:
+        return self._client.fetch_deadline
+
+    def advertise(self, card: CompatCard) -> None:
+        """Gossip that this node serves ``card``'s namespace and runs a head."""
+        node = self._node.node
+        node.extra_namespaces[card.namespace_hex] = card.summary()
+        node.config.roles = tuple(sorted({"head", *node.config.roles}))
+
+    def local_prefix(self, keys: PrefixKeys) -> Match:
+        return self.store.longest_prefix(keys)
+
+    def lookup(self, card: CompatCard, keys: PrefixKeys) -> tuple[list[PeerHit], list[str]]:
+        """Validated hits (longest first) and the failure reasons of peers that did
+        not answer. Never raises: a failed lookup is a miss."""
+        try:
+            return self._node.call(
+                self._client.lookup(card, keys), timeout=self._client.lookup_deadline + 1
+            )
+        except TimeoutError:
+            return [], ["timeout"]
+        except Exception:  # the cache never decides correctness
+            return [], ["error"]
+
+    def fetch(
+        self,
+        layout: Layout,
+        hit: PeerHit,
+        start: int,
+        on_block: Callable[[Block], None],
+        timeout: float,
+    ) -> list[Block]:
+        """Stream ``hit``'s blocks from index ``start``, verified, within ``timeout``
+        seconds. Raises a :class:`KVMeshError` or ``TimeoutError``."""
+        return self._node.call(
+            self._client.fetch(layout, hit, start, on_block=on_block, deadline=timeout),
+            timeout=timeout + 1,
+        )
+
+    def keep(self, blocks: Sequence[Block]) -> int:
+        """Store ``blocks`` (a chain from the root) locally; stop at the first refusal
+        (budget or orphan: a local copy is optional). Returns how many were kept."""
+        for i, blk in enumerate(blocks):
+            try:
+                self.store.put(blk)
+            except KVMeshError:
+                return i
+        return len(blocks)
+
+    def publish(self, card: CompatCard, chain: list[Block]) -> None:
+        """Queue ``chain`` for the cache peers (dropped, never blocking, when full)."""
+
+        async def enqueue() -> None:
+            self._client.enqueue_publish(card, chain)
+
+        self._node.call(enqueue(), timeout=10)
+
+    def queued(self) -> int:
+        return self._client.queued()
+
+    def drain(self, timeout: float) -> None:
+        self._node.call(self._client.drain(), timeout=timeout)
