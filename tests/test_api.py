@@ -288,3 +288,31 @@ def test_served_names_default_max_tokens_and_a_model_without_a_chat_template(tmp
         assert h.health()["status"] == "ok"
     finally:
         h.stop()
+
+
+def test_completions_keep_bos_and_chat_does_not_double_it():
+    """A Llama-style tokenizer adds BOS to a plain prompt (as vLLM and transformers
+    tokenize it); a chat prompt gets exactly the BOS its template writes."""
+    from transformers import AutoTokenizer
+
+    from .zoo import hf_model
+
+    path = hf_model("llama")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    h = Head(model=str(path))
+    try:
+        text = "the cache never decides correctness"
+        body = {"model": path.name, "prompt": text, "max_tokens": 1, "temperature": 0}
+        out = h.http.post("/v1/completions", json=body).json()
+        with_bos = tok.encode(text)
+        assert with_bos[0] == tok.bos_token_id and with_bos[1] != tok.bos_token_id
+        assert out["usage"]["prompt_tokens"] == len(with_bos)
+        msgs = [{"role": "user", "content": text}]
+        chat = {"model": path.name, "messages": msgs, "max_tokens": 1, "temperature": 0}
+        out = h.http.post("/v1/chat/completions", json=chat).json()
+        ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        assert ids.count(tok.bos_token_id) == 1
+        assert out["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        h.stop()

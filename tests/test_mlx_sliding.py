@@ -98,3 +98,40 @@ def test_a_session_past_the_window_falls_back_to_prefill(swa_engine):
         swa_engine.generate(swa_engine.prefill(follow), Sampling(max_tokens=5, stop_on_eos=False))
     )
     head.close()
+
+
+# -- the card is probed from the real cache; a disagreement is an error at load ---
+
+
+def test_a_window_the_config_does_not_declare_is_an_error_at_load(swa_engine, monkeypatch):
+    import mlx_lm.models.llama as llama
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from kvmesh.engine import load_engine
+    from kvmesh.errors import ConfigError
+
+    def wider(self):  # a cache whose windows disagree with config.json's sliding_window
+        return [RotatingKVCache(max_size=2 * WINDOW), KVCache()] * (len(self.layers) // 2)
+
+    monkeypatch.setattr(llama.Model, "make_cache", wider)
+    with pytest.raises(ConfigError, match="window"):
+        load_engine(str(swa_engine.path), "mlx")
+
+
+def test_quantized_kv_with_sliding_windows_is_refused_with_a_reason(swa_engine):
+    from kvmesh.engine import load_engine
+    from kvmesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sliding windows"):
+        load_engine(str(swa_engine.path), "mlx", kv_bits=8, kv_group_size=32)
+
+
+def test_a_cache_of_another_dtype_is_never_exported_under_the_card(swa_engine):
+    from kvmesh.errors import ConfigError
+
+    keyer = BlockKeyer(swa_engine.card.namespace, swa_engine.card.block_tokens)
+    state = swa_engine.prefill(swa_engine.encode("half " * 20)[:40])
+    for layer in state.cache:  # what the old card's float32 guess met on a float16 cache
+        layer.keys, layer.values = layer.keys.astype(swa_engine.mx.float16), layer.values
+    with pytest.raises(ConfigError, match="float16"):
+        swa_engine.export(state, keyer)

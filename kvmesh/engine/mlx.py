@@ -1,15 +1,28 @@
 """The mlx-lm engine adapter (Metal on Apple silicon; ``mlx[cpu]`` on Linux).
 
+The card describes the cache this model really produces: at load a one-token
+probe forward fills a fresh cache, and the KV dtype, kv heads and head dim are
+read off its arrays (for ``QuantizedKVCache``, off its scales), the sliding
+windows off its layer classes. A 4-bit model with float16 scales computes its
+cache in float16, a bfloat16 model in bfloat16: whatever the weights look like,
+the card says what the cache holds. A probe that disagrees with the config
+(a rotating layer whose window is not ``sliding_window``) or a cache class this
+adapter cannot restore exactly is a :class:`ConfigError` at load.
+
 Cache types:
 
 - ``KVCache``: any prefix is exact. Export reads ``keys[..., a:b, :]``; import
   builds ``[1, kv_heads, n, head_dim]`` arrays and sets ``offset = n``.
 - ``RotatingKVCache`` (sliding-window layers): a prefix is restorable exactly only
-  while no position has been rotated out, i.e. ``n <= window``. Longer prefixes
-  are neither exported nor imported (a miss, never an approximation).
+  while no position has been rotated out, i.e. ``n <= window`` (``keep`` only
+  decides what survives a rotation, so the bound holds for any ``keep``).
+  Longer prefixes are neither exported nor imported (a miss, never an
+  approximation). Some mlx-lm architectures (its Gemma-2 and Mistral) attend
+  fully on every layer: their caches are ``KVCache`` and their cards say so.
 - ``QuantizedKVCache`` (``kv_bits``): each of K and V travels as mlx's
   (packed uint32, scales, biases) triple; bits and group size join the card.
 
+bfloat16 arrays travel as their raw 16-bit words (no PEP 3118 format needed).
 The numerics of mlx and torch differ, so an mlx card is a different namespace
 from a torch card for the same weights (the card's ``engine`` field).
 """
@@ -23,11 +36,33 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import DEFAULT_BLOCK_TOKENS, BlockKeyer, PrefixKeys
+from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..codec import Block, Layout
 from ..compat import kv_quant_name
-from ..errors import CacheMiss
-from .base import Engine, Importer, KVState, Sampling, card_from_hf_dir
+from ..errors import CacheMiss, ConfigError
+from .base import CacheGeometry, Engine, Importer, Sampling, card_from_hf_dir
+
+# wire dtype name -> NumPy buffer dtype (bfloat16 as raw 16-bit words)
+_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32}
+
+
+def _dtype_name(arr: Any) -> str:
+    """The wire name of an mlx array's dtype (``mlx.core.float16`` -> ``float16``)."""
+    return str(arr.dtype).rsplit(".", 1)[-1]
+
+
+def _to_numpy(arr: Any) -> np.ndarray:
+    """A NumPy copy of an mlx array; bfloat16 as its raw 16-bit words."""
+    import mlx.core as mx
+
+    return np.asarray(arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr)
+
+
+def _from_numpy(buf: np.ndarray, dtype: str) -> Any:
+    import mlx.core as mx
+
+    arr = mx.array(buf)
+    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr
 
 
 class _MLXImporter(Importer):
@@ -35,26 +70,19 @@ class _MLXImporter(Importer):
         super().__init__(n_tokens)
         self.engine = engine
         self.specs = [spec for layer in engine.layout.layers(n_tokens) for spec in layer]
-        self.bufs = [np.empty((1, *s.shape), np.dtype(s.dtype)) for s in self.specs]
+        self.bufs = [np.empty((1, *s.shape), _NP[s.dtype]) for s in self.specs]
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
         for dst, (spec, view) in zip(self.bufs, block.tensors(), strict=False):
-            dst[0, :, a : a + t] = np.frombuffer(view, np.dtype(spec.dtype)).reshape(spec.shape)
+            dst[0, :, a : a + t] = np.frombuffer(view, _NP[spec.dtype]).reshape(spec.shape)
 
     def cache(self) -> Any:
-        mx = self.engine.mx
         caches = self.engine.new_cache()
         per = len(self.bufs) // len(caches)  # 2 (K, V) or 6 (quantized K, V triples)
+        parts = [_from_numpy(b, s.dtype) for b, s in zip(self.bufs, self.specs, strict=True)]
         for i, c in enumerate(caches):
-            parts = [mx.array(b) for b in self.bufs[i * per : (i + 1) * per]]
-            if per == 2:
-                c.keys, c.values = parts
-            else:
-                c.keys, c.values = tuple(parts[:3]), tuple(parts[3:])
-            c.offset = self.n_tokens
-            if hasattr(c, "_idx"):  # RotatingKVCache, not yet rotated (n <= window)
-                c._idx = self.n_tokens
+            _set_parts(c, parts[i * per : (i + 1) * per], self.n_tokens)
         return caches
 
 
@@ -68,6 +96,54 @@ def _parts(layer: Any) -> tuple[Any, ...]:
     if isinstance(layer.keys, tuple):
         return (*layer.keys, *layer.values)
     return layer.keys, layer.values
+
+
+def _set_parts(layer: Any, parts: Sequence[Any], n_tokens: int) -> None:
+    """Make ``layer`` hold exactly ``parts`` for positions [0, n_tokens)."""
+    if len(parts) == 2:
+        layer.keys, layer.values = parts
+    else:
+        layer.keys, layer.values = tuple(parts[:3]), tuple(parts[3:])
+    layer.offset = n_tokens
+    if hasattr(layer, "_idx"):  # RotatingKVCache, not rotated (n <= window)
+        layer._idx = n_tokens
+
+
+def _layer_geometry(layer: Any) -> tuple[str, int, int]:
+    """(dtype, kv_heads, head_dim) of one probed layer cache."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+    if type(layer) is QuantizedKVCache:
+        packed, scales = _parts(layer)[:2]  # via Any: mlx-lm types keys as None
+        dim = scales.shape[-1] * layer.group_size
+        if packed.shape[-1] * 32 != dim * layer.bits:
+            raise ConfigError(f"quantized KV packs {packed.shape[-1]} words for head dim {dim}")
+        return _dtype_name(scales), int(scales.shape[1]), int(dim)
+    if type(layer) not in (KVCache, RotatingKVCache):
+        raise ConfigError(f"mlx-lm cache {type(layer).__name__} cannot be restored exactly")
+    k, v = layer.keys, layer.values
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ConfigError(f"keys {k.shape} {k.dtype} and values {v.shape} {v.dtype} differ")
+    return _dtype_name(k), int(k.shape[1]), int(k.shape[-1])
+
+
+def _windows(caches: Sequence[Any], config: dict[str, Any]) -> list[int]:
+    """Per-layer sliding windows of mlx-lm's caches (0 = full attention), checked
+    against the config's ``sliding_window`` where it declares one (mlx-lm has
+    defaults for configs that do not): a disagreement is a ConfigError."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    text_cfg = config.get("text_config", config)
+    declared = text_cfg.get("sliding_window")
+    windows = []
+    for c in caches:
+        w = c.max_size if type(c) is RotatingKVCache else 0
+        if w and declared is not None and w != declared:
+            raise ConfigError(f"mlx-lm built a {w}-token window; config says {declared}")
+        if w and not 0 <= c.keep < w:
+            raise ConfigError(f"a rotating cache keeps {c.keep} of a {w}-token window")
+        windows.append(int(w))
+    return windows
 
 
 class MLXEngine(Engine):
@@ -86,29 +162,33 @@ class MLXEngine(Engine):
         self.mx = mx
         self.path = Path(path)
         self.model, self.tokenizer = load(str(self.path))[:2]
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         cfg = json.loads((self.path / "config.json").read_text())
         quant = cfg.get("quantization") or cfg.get("quantization_config")
-        params = dict(_leaves(self.model.parameters()))
-        emb = next(v for k, v in params.items() if "embed" in k)
-        kv_dtype = {mx.float32: "float32", mx.float16: "float16"}.get(emb.dtype)
-        if kv_dtype is None:
-            kv_dtype = "float32"  # quantized or bfloat16 weights compute KV in float32 here
         self.card = card_from_hf_dir(
             self.path,
             engine="mlx",
-            kv_dtype=kv_dtype,
+            geometry=self._probe(cfg),
             quantization=json.dumps(quant, sort_keys=True) if quant else "none",
             block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
             kv_quant=kv_quant_name(kv_bits, kv_group_size) if kv_bits else "none",
         )
-        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.layout = Layout(self.card)
-        windows = [w for w in self.card.sliding_windows if w]
-        self.max_prefix = min(windows) if windows else None  # exact restore bound
-        if kv_bits and windows:
-            raise NotImplementedError("quantized KV with sliding-window layers is not supported")
         eos = self.tokenizer.eos_token_ids if hasattr(self.tokenizer, "eos_token_ids") else []
         self.eos_ids = frozenset(int(e) for e in eos)
+
+    def _probe(self, cfg: dict[str, Any]) -> CacheGeometry:
+        """The real cache's geometry: a one-token forward into a fresh cache."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        windows = _windows(make_prompt_cache(self.model), cfg)
+        if self.kv_bits and any(windows):  # mlx-lm: "RotatingKVCache Quantization NYI"
+            raise ConfigError("quantized KV (kv_bits) is not supported with sliding windows")
+        try:
+            cache, _ = self._forward(None, [0], 0)
+        except ValueError as e:  # e.g. a KV group size mlx cannot quantize with
+            raise ConfigError(f"mlx-lm cannot build this cache: {e}") from e
+        return CacheGeometry.from_layers([_layer_geometry(c) for c in cache], windows)
 
     def new_cache(self) -> list[Any]:
         from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
@@ -121,11 +201,11 @@ class MLXEngine(Engine):
     # -- KV -------------------------------------------------------------------
 
     def importer(self, n_tokens: int) -> _MLXImporter:
-        if self.max_prefix is not None and n_tokens > self.max_prefix:
-            raise CacheMiss(
-                f"a {n_tokens}-token prefix is not restorable past the {self.max_prefix}-token window"
-            )
+        self.check_restorable(n_tokens)
         return _MLXImporter(self, n_tokens)
+
+    def _window_trimmed(self, cache: Any) -> bool:
+        return any(_rotated(c) for c in cache)
 
     def _forward(self, cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
         mx = self.mx
@@ -137,42 +217,23 @@ class MLXEngine(Engine):
         return cache, last
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
+        if self._window_trimmed(cache):
+            raise CacheMiss("a trimmed sliding-window cache cannot be cropped exactly")
         out = self.new_cache()
         for src, dst in zip(cache, out, strict=True):
-            cut = [p[..., :n_tokens, :] for p in _parts(src)]
-            if len(cut) == 2:
-                dst.keys, dst.values = cut
-            else:
-                dst.keys, dst.values = tuple(cut[:3]), tuple(cut[3:])
-            dst.offset = n_tokens
-            if hasattr(dst, "_idx"):
-                if _rotated(src):
-                    raise CacheMiss("a trimmed sliding-window cache cannot be cropped exactly")
-                dst._idx = n_tokens
+            _set_parts(dst, [p[..., :n_tokens, :] for p in _parts(src)], n_tokens)
         return out
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
+        specs = [s for layer in self.layout.layers(stop - start) for s in layer]
+        parts = [p for layer in cache for p in _parts(layer)]
         off = 0
-        for layer in cache:
-            for src in _parts(layer):
-                arr = np.asarray(src[0, :, start:stop, :])
-                np.frombuffer(out[off : off + arr.nbytes], arr.dtype).reshape(arr.shape)[...] = arr
-                off += arr.nbytes
-
-    def export(
-        self,
-        state: KVState,
-        keyer: BlockKeyer,
-        keys: PrefixKeys | None = None,
-        first_block: int = 0,
-    ) -> list[Block]:
-        if self.max_prefix is not None:
-            if any(_rotated(c) for c in state.cache):
-                return []  # a sliding layer trimmed or wrapped: its early positions are gone
-            if state.cached > self.max_prefix:  # export only what is exactly restorable
-                n = (self.max_prefix // self.card.block_tokens) * self.card.block_tokens
-                state = KVState(state.tokens[:n], state.cache, None, n)
-        return super().export(state, keyer, keys, first_block)
+        for spec, src in zip(specs, parts, strict=True):
+            if _dtype_name(src) != spec.dtype:  # never write one dtype's bytes as another's
+                raise ConfigError(f"cache holds {_dtype_name(src)}, the card says {spec.dtype}")
+            arr = _to_numpy(src[0, :, start:stop, :])
+            np.frombuffer(out[off : off + arr.nbytes], arr.dtype).reshape(arr.shape)[...] = arr
+            off += arr.nbytes
 
     def _write_logits(self, logits: Any, out: memoryview) -> None:
         np.frombuffer(out, np.float32)[:] = np.asarray(logits, dtype=np.float32)
@@ -198,14 +259,3 @@ class MLXEngine(Engine):
             mask[order[keep]] = p[order[keep]]
             p = mask / mask.sum()
         return int(rng.choice(len(p), p=p))
-
-
-def _leaves(tree: Any, prefix: str = "") -> Any:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{prefix}{k}.")
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            yield from _leaves(v, f"{prefix}{i}.")
-    else:
-        yield prefix.rstrip("."), tree
