@@ -171,6 +171,32 @@ def security_options(fn):  # type: ignore[no-untyped-def]
                 is_flag=True,
                 help="Allow an unencrypted listener on a non-loopback address.",
             ),
+            click.option(
+                "--allow-unauthenticated",
+                is_flag=True,
+                help="Serve a non-loopback listener without client authentication "
+                "(no fleet key, no mutual TLS): anyone who reaches it may publish and fetch.",
+            ),
+            click.option(
+                "--max-block-bytes",
+                default="64MiB",
+                show_default=True,
+                help="Largest block this node accepts from a publisher (its own limit, "
+                "whatever the publisher's card implies).",
+            ),
+            click.option(
+                "--max-inflight",
+                default="128MiB",
+                show_default=True,
+                help="Bytes of published blocks this node buffers at once, over all publishers.",
+            ),
+            click.option(
+                "--max-members",
+                default=256,
+                show_default=True,
+                type=click.IntRange(min=1),
+                help="Most nodes kept in the membership view.",
+            ),
         ]
     ):
         fn = opt(fn)
@@ -201,6 +227,22 @@ def node_config(
             "for a trusted private network"
         )
     key = load_fleet_key(sec["fleet_key_file"]) if sec.get("fleet_key_file") else None  # type: ignore[arg-type]
+    mutual_tls = tls.enabled and bool(sec.get("tls_ca"))
+    if not is_loopback(host) and not (key or mutual_tls or sec.get("allow_unauthenticated")):
+        raise click.UsageError(
+            f"refusing an unauthenticated listener on {host}: anyone reaching it could publish "
+            "and fetch. Pass --fleet-key-file (e.g. `openssl rand -hex 32 > fleet.key`), mutual TLS "
+            "(--tls-ca), or "
+            "--allow-unauthenticated for a network you fully trust"
+        )
+    try:
+        limits = dict(
+            max_block_bytes=parse_size(str(sec.get("max_block_bytes") or "64MiB")),
+            max_inflight_bytes=parse_size(str(sec.get("max_inflight") or "128MiB")),
+            max_members=int(sec.get("max_members") or 256),  # type: ignore[call-overload]
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
     return NodeConfig(
         listen=listen,
         budget_bytes=parse_size(budget),
@@ -209,6 +251,7 @@ def node_config(
         advertise=list(advertise),
         roles=roles,
         security=Security(tls=tls, fleet_key=key),
+        **limits,  # type: ignore[arg-type]
         **extra,  # type: ignore[arg-type]
     )
 

@@ -24,9 +24,15 @@ class Peer:
     """``kvmesh peer`` in its own process."""
 
     def __init__(
-        self, *args: str, port: int = 0, alias: str = "peer", log_dir: Path | None = None
+        self,
+        *args: str,
+        port: int = 0,
+        alias: str = "peer",
+        log_dir: Path | None = None,
+        command: tuple[str, ...] = ("kvmesh.cli", "peer"),
     ) -> None:
         self.args = args
+        self.command = command
         self.alias = alias
         self.port = port or free_port()
         self.log_dir = log_dir
@@ -42,8 +48,7 @@ class Peer:
         cmd = [
             sys.executable,
             "-m",
-            "kvmesh.cli",
-            "peer",
+            *self.command,
             "--listen",
             self.address,
             "--alias",

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -84,6 +87,11 @@ def net():
     subprocess.run(["ip", "link", "del", f"{TAG}y0"], capture_output=True)
 
 
+# a real fleet: non-loopback listeners need client authentication
+FLEET_KEY = Path(tempfile.mkdtemp(prefix="kvmesh-fleet-")) / "fleet.key"
+FLEET_KEY.write_text(secrets.token_hex(32))
+
+
 def spawn(ns: str, *args: str, pattern: str) -> tuple[subprocess.Popen[str], re.Match[str]]:
     p = subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "kvmesh.cli", *args],
@@ -102,6 +110,7 @@ def peers(net):
     procs = []
     for name, addr in (("p1", "10.77.1.2"), ("p2", "10.77.2.2")):
         p, _ = spawn(NS[name], "peer", "--listen", f"{addr}:7070", "--plaintext", "--alias", name,
+                     "--fleet-key-file", str(FLEET_KEY),
                      "--advertise", f"{addr}:7070,interface=ethernet", "--gossip-interval", "0.3",
                      "--ttl", "3", pattern=r"listening on")  # fmt: skip
         procs.append(p)
@@ -114,7 +123,7 @@ class NsHead:
     def __init__(self, alias: str) -> None:
         self.proc, m = spawn(
             NS["head"], "head", "--model", "demo-tiny", "--listen", "0.0.0.0:8000", "--grpc-listen",
-            "0.0.0.0:7071", "--plaintext", "--seed", "10.77.1.2:7070", "--seed", "10.77.2.2:7070",
+            "0.0.0.0:7071", "--plaintext", "--fleet-key-file", str(FLEET_KEY), "--seed", "10.77.1.2:7070", "--seed", "10.77.2.2:7070",
             "--alias", alias, "--gossip-interval", "0.3", "--ttl", "3", "--fetch-timeout", "2",
             pattern=r"http://",
         )  # fmt: skip

@@ -3,7 +3,31 @@
 KV layout in a block is ``[kv_heads, tokens, head_dim]`` per layer, K then V: the
 cache's own layout less the batch axis, so export is one strided copy per layer
 and import is one copy into a preallocated ``[1, kv_heads, n, head_dim]`` tensor
-per layer, handed to the cache as is (no concatenation).
+per layer, handed to the cache as is (no concatenation). bfloat16 travels as its
+raw 16-bit words.
+
+The card is read off a real cache (invariant 5). At load a one-token probe forward
+fills a ``DynamicCache`` built from the loaded config; each layer's KV dtype, heads
+and head dim come from its tensors, and the sliding windows from the config object
+(``layer_types``, ``sliding_window``) checked against the layer classes transformers
+actually built. A disagreement, or a layer class not listed below, is a
+:class:`ConfigError` at load.
+
+Cache layers:
+
+- ``DynamicLayer`` (full attention): any prefix is exact.
+- ``DynamicSlidingWindowLayer`` (window ``W``): transformers keeps only the last
+  ``W - 1`` positions plus ``cumulative_length``. A prefix of ``n <= W`` tokens is
+  restored as transformers holds it after computing it (its last ``min(n, W - 1)``
+  positions, ``cumulative_length = n``); a longer prefix is a miss, exported or
+  imported (the shared rule of :class:`Engine`). So that the first ``W`` tokens of
+  a longer sequence stay exportable, the layer runs with ``record_past`` and
+  :func:`_settle` trims it after every forward exactly as transformers would have
+  (the same view of the same tensor; attention sees identical tensors), first
+  keeping its first ``W`` positions aside: the *head*, ``W`` positions at most.
+
+Continuing from an imported cache is bitwise identical to continuing from the
+producer's cache of the same prefix: same tensors, same layer state.
 """
 
 from __future__ import annotations
@@ -16,14 +40,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..codec import Block, Layout
-from .base import Engine, Importer, Sampling, card_from_hf_dir
+from ..errors import CacheMiss, ConfigError
+from .base import CacheGeometry, Engine, Importer, Sampling, card_from_hf_dir
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
-_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
+_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
+_HEAD = "kvmesh_head"  # a sliding layer's first W positions (K, V), kept once it trims
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -37,15 +64,97 @@ def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(view, dtype=dtype)
 
 
+# -- cache layers -------------------------------------------------------------
+
+
+def _sliding(layer: Any) -> bool:
+    return type(layer) is DynamicSlidingWindowLayer  # subclasses keep other state
+
+
+def _layer_window(layer: Any) -> int:
+    """The window a cache layer really applies (0 = full attention)."""
+    if type(layer) is DynamicLayer:
+        return 0
+    if _sliding(layer) and int(layer.sliding_window) >= 2:
+        return int(layer.sliding_window)
+    raise ConfigError(f"cache layer {layer!r} is not supported by the transformers adapter")
+
+
+def _config_windows(config: Any) -> tuple[int, ...]:
+    """Per-layer windows as the loaded config object states them (0 = full)."""
+    text = config.get_text_config(decoder=True)
+    window = int(getattr(text, "sliding_window", None) or 0)
+    types = getattr(text, "layer_types", None)
+    if types is None:  # transformers then makes every layer sliding iff sliding_window is set
+        if getattr(text, "attention_chunk_size", None):
+            raise ConfigError("chunked attention is not supported by the transformers adapter")
+        return (window,) * int(text.num_hidden_layers)
+    known = {"full_attention": 0, "sliding_attention": window}
+    if unknown := sorted(set(types) - set(known)):
+        raise ConfigError(f"layer types {unknown} are not supported by the transformers adapter")
+    return tuple(known[t] for t in types)
+
+
+def _head(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return getattr(layer, _HEAD, None)
+
+
+def _span(layer: Any, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) of positions [start, stop) of one layer; CacheMiss when they are gone."""
+    head = _head(layer)
+    if head is not None and stop <= head[0].shape[-2]:
+        k, v, first = head[0], head[1], 0
+    else:
+        k, v = layer.keys, layer.values
+        held = k.shape[-2]
+        first = getattr(layer, "cumulative_length", held) - held  # position of k[..., 0, :]
+        if start < first or stop - first > held:
+            raise CacheMiss(f"positions [{start}, {stop}) are no longer in the cache")
+    return k[:, :, start - first : stop - first], v[:, :, start - first : stop - first]
+
+
+def _restore(layer: Any, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
+    """Make ``layer`` hold positions [0, n) given as (K, V), in the state transformers
+    leaves after computing them (device, dtype, length, trimmed window)."""
+    layer.lazy_initialization(k, v)  # device, is_initialized, the window tensor's device
+    if _sliding(layer):
+        keep = layer.sliding_window - 1
+        if n > keep + 1:
+            raise CacheMiss(f"a {n}-token prefix does not fit a {keep + 1}-token window")
+        layer.cumulative_length = n
+        if n > keep:  # transformers would have trimmed position 0: keep it as the head
+            setattr(layer, _HEAD, (k, v))
+            k, v = k[:, :, -keep:], v[:, :, -keep:]
+    layer.keys, layer.values = k, v
+
+
+def _settle(cache: Any) -> None:
+    """After a forward: trim sliding layers to their last W - 1 positions as
+    transformers does without ``record_past``, keeping their first W aside first."""
+    for layer in cache.layers:
+        if not _sliding(layer):
+            continue
+        keep = layer.sliding_window - 1
+        if layer.keys.shape[-2] <= keep:
+            continue
+        if _head(layer) is None:  # never trimmed: keys still start at position 0
+            w = keep + 1
+            head = (layer.keys[:, :, :w].clone(), layer.values[:, :, :w].clone())
+            setattr(layer, _HEAD, head)
+        layer.keys = layer.keys[:, :, -keep:, :]
+        layer.values = layer.values[:, :, -keep:, :]
+
+
 class _TorchImporter(Importer):
     def __init__(self, engine: TransformersEngine, n_tokens: int) -> None:
         super().__init__(n_tokens)
         c = engine.card
         self.engine = engine
+        dtype = _BY_NAME[c.kv_dtype]  # the card's (probed) dtype, which the cache really has
         shape = (1, c.num_kv_heads, n_tokens, c.head_dim)
-        self.ks = [torch.empty(shape, dtype=engine.dtype) for _ in range(c.num_layers)]
-        self.vs = [torch.empty(shape, dtype=engine.dtype) for _ in range(c.num_layers)]
-        self._np_dtype = _NP[engine.dtype]
+        self.ks = [torch.empty(shape, dtype=dtype) for _ in range(c.num_layers)]
+        self.vs = [torch.empty(shape, dtype=dtype) for _ in range(c.num_layers)]
+        self._np_dtype = _NP[dtype]
         self._dsts = [_np(t)[0] for pair in zip(self.ks, self.vs, strict=True) for t in pair]
 
     def _copy(self, block: Block) -> None:
@@ -57,10 +166,8 @@ class _TorchImporter(Importer):
     def cache(self) -> Any:
         cache = self.engine._new_cache()
         dev = self.engine.device
-        for layer, (k, v) in enumerate(zip(self.ks, self.vs, strict=True)):
-            lay = cache.layers[layer]
-            lay.lazy_initialization(k, v)
-            lay.keys, lay.values = k.to(dev), v.to(dev)
+        for layer, k, v in zip(cache.layers, self.ks, self.vs, strict=True):
+            _restore(layer, k.to(dev), v.to(dev), self.n_tokens)
         return cache
 
 
@@ -86,9 +193,8 @@ class TransformersEngine(Engine):
         self.path = Path(path)
         self.device = torch.device(device)
         cfg = json.loads((self.path / "config.json").read_text())
-        want = (
-            _BY_NAME[dtype] if dtype else _BY_NAME.get(str(cfg.get("torch_dtype")), torch.float32)
-        )
+        saved = str(cfg.get("dtype") or cfg.get("torch_dtype"))  # transformers 5 writes "dtype"
+        want = _BY_NAME[dtype] if dtype else _BY_NAME.get(saved, torch.float32)
         if self.device.type == "cpu" and want != torch.float32 and dtype is None:
             want = torch.float32  # half-precision matmuls are slow on CPU
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -99,18 +205,16 @@ class TransformersEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         self._cache_cls = DynamicCache
         self.dtype = want
+        # fixed per model by transformers (e.g. eager for Gemma-2's softcapping); shown, not guessed
+        self.attn_implementation = str(getattr(self.model.config, "_attn_implementation", ""))
         quant = cfg.get("quantization_config")
         self.card = card_from_hf_dir(
             self.path,
             engine="transformers",
-            kv_dtype=_DTYPES[want],
+            geometry=self._probe(),
             quantization=json.dumps(quant, sort_keys=True) if quant else "none",
             block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
         )
-        if any(self.card.sliding_windows):
-            raise NotImplementedError(
-                "sliding-window layers are not supported by the transformers adapter yet"
-            )
         self.layout = Layout(self.card)
         eos = self.model.generation_config.eos_token_id
         eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -118,13 +222,43 @@ class TransformersEngine(Engine):
             eos_list.append(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos_list)
 
+    def _probe(self) -> CacheGeometry:
+        """The geometry of the cache a real forward fills, checked against the config."""
+        cache, _ = self._forward(None, [0], 0)
+        layers = []
+        for i, layer in enumerate(cache.layers):
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.ndim != 4:
+                raise ConfigError(f"cache layer {i} holds no KV after a forward")
+            if (k.dtype, k.shape) != (v.dtype, v.shape) or k.dtype not in _DTYPES:
+                raise ConfigError(f"cache layer {i}: unsupported K/V {k.dtype} / {v.dtype}")
+            layers.append((_DTYPES[k.dtype], int(k.shape[1]), int(k.shape[3])))
+        windows = tuple(_layer_window(layer) for layer in cache.layers)
+        stated = _config_windows(self.model.config)
+        if windows != stated:
+            raise ConfigError(f"the cache applies windows {windows}, the config states {stated}")
+        return CacheGeometry.from_layers(layers, windows)
+
     # -- KV -------------------------------------------------------------------
 
     def _new_cache(self) -> Any:
-        return self._cache_cls(config=self.model.config)
+        cache: Any = self._cache_cls(config=self.model.config)
+        for layer in cache.layers:
+            if _sliding(layer):  # keep whole states until _settle has saved the head
+                layer.activate_past_recording()
+        return cache
 
     def importer(self, n_tokens: int) -> _TorchImporter:
+        self.check_restorable(n_tokens)
         return _TorchImporter(self, n_tokens)
+
+    def _window_trimmed(self, cache: Any) -> bool:
+        return any(
+            _sliding(layer)
+            and layer.cumulative_length > layer.keys.shape[-2]
+            and _head(layer) is None
+            for layer in cache.layers
+        )
 
     @torch.inference_mode()
     def _forward(self, cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
@@ -132,26 +266,29 @@ class TransformersEngine(Engine):
             cache = self._new_cache()
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return cache, out.logits[0, -1].float()  # the cache was extended in place
+        _settle(cache)  # the cache was extended in place
+        return cache, out.logits[0, -1].float()
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
-        """A new cache viewing the first ``n_tokens`` positions; ``cache`` is untouched
+        """A new cache holding the first ``n_tokens`` positions; ``cache`` is untouched
         (a session or a background export may still be reading it)."""
         out = self._new_cache()
         for src, dst in zip(cache.layers, out.layers, strict=True):
-            k, v = src.keys[:, :, :n_tokens], src.values[:, :, :n_tokens]
-            dst.lazy_initialization(k, v)
-            dst.keys, dst.values = k, v
+            k, v = _span(src, 0, n_tokens)  # CacheMiss where a sliding layer lost them
+            _restore(dst, k, v, n_tokens)
         return out
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
         c = self.card
+        kv = _BY_NAME[c.kv_dtype]
         per = c.num_kv_heads * (stop - start) * c.head_dim
-        dst = np.frombuffer(out, _NP[self.dtype])
+        dst = np.frombuffer(out, _NP[kv])
         off = 0
         for layer in cache.layers:
-            for src in (layer.keys, layer.values):
-                src_np = _np(src[0, :, start:stop])
+            for src in _span(layer, start, stop):
+                if src.dtype != kv:  # never reinterpret: the card must describe these bytes
+                    raise ConfigError(f"cache holds {src.dtype}, the card says {c.kv_dtype}")
+                src_np = _np(src[0])
                 dst[off : off + per].reshape(src_np.shape)[...] = src_np
                 off += per
 

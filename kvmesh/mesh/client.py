@@ -93,10 +93,14 @@ def _error(e: grpc.aio.AioRpcError) -> KVMeshError:
     return PeerUnavailable(f"{code.name}: {detail}")
 
 
-def _validated(hit: PeerHit, block_tokens: int, tail_tokens: int) -> PeerHit:
-    """``hit`` if its claimed length is exactly what its blocks hold: every block
-    ``block_tokens`` tokens, a tail of exactly the asked tail's tokens. A peer's
-    ``matched_tokens`` alone never ranks a candidate or sizes an allocation."""
+def _validated(hit: PeerHit, layout: Layout, tail_tokens: int) -> PeerHit:
+    """``hit`` if its claimed length is exactly what its blocks hold (every block a
+    full block of tokens, a tail of exactly the asked tail's tokens) and every
+    announced size is one the card allows. A peer's ``matched_tokens`` alone never
+    ranks a candidate or sizes an allocation."""
+    block_tokens = layout.card.block_tokens
+    if any(not 0 < i.nbytes <= layout.max_block_bytes for i in hit.infos):
+        raise OversizePayload("a lookup answer announced a block larger than the card allows")
     if any(b.tokens != block_tokens for b in hit.blocks):
         raise MalformedPayload("a lookup answer's block does not hold a full block of tokens")
     if hit.tail is not None and hit.tail.tokens != tail_tokens:
@@ -217,10 +221,10 @@ class MeshClient:
                 errors.append(r)
             elif isinstance(r, PeerHit) and r.tokens > 0:
                 try:
-                    hits.append(_validated(r, card.block_tokens, keys.tail_tokens))
-                except MalformedPayload:  # a claim that does not add up is no hit at all
-                    self.counters["lookup_failed:malformed_payload"] += 1
-                    errors.append("malformed_payload")
+                    hits.append(_validated(r, Layout(card), keys.tail_tokens))
+                except MalformedPayload as e:  # a claim that does not add up is no hit at all
+                    self.counters[f"lookup_failed:{e.reason}"] += 1
+                    errors.append(e.reason)
         return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h))), errors
 
     def _endpoint_rank(self, hit: PeerHit) -> tuple[int, float]:
@@ -344,8 +348,11 @@ class MeshClient:
             call.cancel()
             raise
         finally:
-            if pending:
+            if pending:  # the fetch failed: let in-flight hashing finish, its errors moot
                 await asyncio.wait(pending)
+                for f in pending:
+                    if not f.cancelled():
+                        f.exception()  # retrieved, so asyncio does not log it as lost
         dt = time.perf_counter() - t0
         total = sum(b.nbytes for b in blocks)
         self.counters["bytes_fetched"] += total

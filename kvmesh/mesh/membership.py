@@ -6,6 +6,12 @@ sees a card of its own id with a version at or above its own (an earlier life
 before a restart) jumps past it. A card expires ``ttl`` seconds (local monotonic
 clock) after its last version increase. Under a fleet key every card carries an
 HMAC and unsigned or forged cards are dropped. Gossip carries no tensors.
+
+Nothing a card says is taken on trust beyond its bounds: a card larger than
+``MAX_CARD_BYTES`` or naming more than ``MAX_CARD_NAMESPACES`` namespaces is
+dropped, membership holds at most ``max_members`` nodes (a clear log line when
+full), and a goodbye removes only the life (epoch) and version it names, so a
+replayed goodbye of an earlier life never removes a live member.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ INTERFACE_PRIORITY = {
 }
 INTERFACES = tuple(INTERFACE_PRIORITY)
 LEAVING = "leaving"  # the only role of a goodbye card
+MAX_CARD_BYTES = 32 * 1024
+MAX_CARD_NAMESPACES = 64
+MAX_MEMBERS = 256
 
 
 def interface_kind(name: str) -> str:
@@ -121,6 +130,14 @@ class _Member:
     rtt_ms: dict[str, float] = field(default_factory=dict)  # address -> EWMA
 
 
+def _within_bounds(card: pb.CapabilityCard) -> bool:
+    return (
+        card.ByteSize() <= MAX_CARD_BYTES
+        and len(card.namespaces) <= MAX_CARD_NAMESPACES
+        and len(card.card_summaries) <= MAX_CARD_NAMESPACES
+    )
+
+
 def card_bytes(card: pb.CapabilityCard) -> bytes:
     c = pb.CapabilityCard()
     c.CopyFrom(card)
@@ -136,8 +153,11 @@ class Membership:
         auth: FleetAuth | None = None,
         ttl: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        max_members: int = MAX_MEMBERS,
     ) -> None:
         self.node_id = node_id
+        self.max_members = max_members
+        self._full_logged = 0.0
         self._make_card = make_card
         self.auth = auth
         self.ttl = ttl
@@ -186,7 +206,8 @@ class Membership:
                 if self.auth and not self.auth.verify_card(card_bytes(card), card.mac):
                     self.rejected_cards += 1
                     continue
-                if not card.node_id:
+                if not card.node_id or not _within_bounds(card):
+                    self.rejected_cards += 1
                     continue
                 if card.node_id == self.node_id:
                     if card.version >= self._version:  # an earlier life of this node
@@ -194,15 +215,21 @@ class Membership:
                     continue
                 if self._left.get(card.node_id) == card.epoch:
                     continue  # a relayed card of a life that already left
+                m = self._members.get(card.node_id)
                 if LEAVING in card.roles:
+                    if m is not None and (
+                        m.card.epoch != card.epoch or m.card.version > card.version
+                    ):
+                        continue  # a goodbye of another life, or older than what we know
                     self._left[card.node_id] = card.epoch
-                    gone = self._members.pop(card.node_id, None)
-                    if gone is not None:
-                        left.append(gone.card)
+                    if m is not None:
+                        left.append(self._members.pop(card.node_id).card)
                     continue
                 self._left.pop(card.node_id, None)
-                m = self._members.get(card.node_id)
                 if m is None:
+                    if len(self._members) >= self.max_members:
+                        self._log_full(card)
+                        continue
                     self._members[card.node_id] = _Member(card, now)
                     joined.append(card)
                 elif card.version > m.card.version:
@@ -215,6 +242,16 @@ class Membership:
             self.on_leave(c)
         self.expire()
         return [c.node_id for c in joined]
+
+    def _log_full(self, card: pb.CapabilityCard) -> None:
+        self.rejected_cards += 1
+        now = self._clock()
+        if now - self._full_logged > 10:  # once per 10 s, not once per gossip round
+            self._full_logged = now
+            log.warning(
+                "membership full (%d nodes): not adding %s (%s); raise --max-members",
+                self.max_members, card.alias, card.node_id[:8],
+            )  # fmt: skip
 
     def expire(self) -> None:
         now = self._clock()

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 from ..store import BlockStore
 from .client import MeshClient
-from .membership import Membership, detect_endpoints, parse_advertise
+from .membership import MAX_MEMBERS, Membership, detect_endpoints, parse_advertise
 from .proto import kvmesh_pb2 as pb
 from .security import Security
-from .server import CacheService, start_server
+from .server import DEFAULT_MAX_BLOCK_BYTES, CacheService, start_server
 
 log = logging.getLogger("kvmesh.node")
 T = TypeVar("T")
@@ -47,6 +47,9 @@ class NodeConfig:
     replicas: int = 1
     lookup_deadline: float = 0.25
     fetch_deadline: float = 30.0
+    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES  # the receiver's own per-block cap
+    max_inflight_bytes: int = 2 * DEFAULT_MAX_BLOCK_BYTES  # publish bytes buffered at once
+    max_members: int = MAX_MEMBERS
 
     def resolved_node_id(self) -> str:
         if self.node_id:
@@ -64,9 +67,11 @@ class MeshNode:
         self.node_id = config.resolved_node_id()
         self.alias = config.alias or f"node-{self.node_id[:6]}"
         self.store = BlockStore(config.budget_bytes)
-        self.cache = CacheService(self.store)
+        self.cache = CacheService(self.store, config.max_block_bytes, config.max_inflight_bytes)
         self.auth = config.security.auth(self.node_id)
-        self.membership = Membership(self.node_id, self._card, self.auth, ttl=config.ttl)
+        self.membership = Membership(
+            self.node_id, self._card, self.auth, ttl=config.ttl, max_members=config.max_members
+        )
         self.client = MeshClient(
             self.membership,
             self.auth,

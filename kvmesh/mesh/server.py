@@ -5,6 +5,12 @@ the store's epoch. Publish is idempotent and immutable: each block is validated
 against the card the publisher names (whose SHA-256 must be the namespace) and
 its SHA-256 is checked before it is stored. Under a fleet key every call must
 carry a valid credential (see :mod:`kvmesh.mesh.security`), else UNAUTHENTICATED.
+
+The receiver sets its own limits, never the publisher's card: a block larger
+than ``max_block_bytes`` (or than the store's budget) is refused when announced,
+and the bytes of every block being received are reserved against
+``max_inflight_bytes`` *before* one of them is buffered, released on any outcome.
+A fetch naming a key twice is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..codec import CHUNK_BYTES, MAX_CHUNK_BYTES, Assembler, Layout, chunks
 from ..compat import CompatCard
-from ..errors import KVMeshError, LeaseExpired, Unauthenticated
+from ..errors import KVMeshError, LeaseExpired, OversizePayload, StoreFull, Unauthenticated
 from ..store import BlockStore
 from .membership import Membership
 from .proto import kvmesh_pb2 as pb
@@ -33,6 +39,8 @@ log = logging.getLogger("kvmesh.server")
 MAX_CARD_JSON = 16 * 1024
 MAX_NAMESPACES = 64
 MAX_LOOKUP_KEYS = 65536
+MAX_SUMMARY_CHARS = 200
+DEFAULT_MAX_BLOCK_BYTES = 64 << 20
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
     ("grpc.max_send_message_length", MAX_CHUNK_BYTES + (64 << 10)),
@@ -49,11 +57,32 @@ def _info(block: Any) -> pb.BlockInfo:
 
 
 class CacheService:
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+        max_inflight_bytes: int | None = None,
+    ) -> None:
         self.store = store
+        self.max_block_bytes = max_block_bytes
+        self.max_inflight_bytes = max_inflight_bytes or 2 * max_block_bytes
+        self.inflight_bytes = 0
         self.layouts: dict[bytes, Layout] = {}
         self.summaries: dict[bytes, str] = {}
         self.counters: Counter[str] = Counter()
+
+    def _reserve(self, nbytes: int) -> int:
+        """Reserve room to buffer one announced block, or refuse it (typed)."""
+        cap = min(self.max_block_bytes, self.store.stats.budget_bytes)
+        if not 0 < nbytes <= cap:
+            raise OversizePayload(f"announced block of {nbytes} bytes; this peer takes <= {cap}")
+        if self.inflight_bytes + nbytes > self.max_inflight_bytes:
+            raise StoreFull("too many bytes in flight; publish later")
+        self.inflight_bytes += nbytes
+        return nbytes
+
+    def _release(self, nbytes: int) -> None:
+        self.inflight_bytes -= nbytes
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         if len(request.block_keys) > MAX_LOOKUP_KEYS or len(request.tail_keys) > 64:
@@ -76,6 +105,9 @@ class CacheService:
         size = request.chunk_bytes or CHUNK_BYTES
         if not 0 < size <= MAX_CHUNK_BYTES or len(request.keys) > MAX_LOOKUP_KEYS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad fetch request")
+        if len(set(request.keys)) != len(request.keys):
+            self.counters["fetch_rejected:duplicate_keys"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duplicate keys")
         if request.epoch != self.store.epoch:
             self.counters["stale_epoch"] += 1
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale_epoch")
@@ -110,6 +142,7 @@ class CacheService:
         resp = pb.PublishResponse()
         layout: Layout | None = None
         asm: Assembler | None = None
+        reserved = 0  # bytes of the block being received, held against the in-flight cap
         try:
             async for msg in request_iterator:
                 if layout is None:
@@ -117,6 +150,7 @@ class CacheService:
                 if msg.nbytes:  # first chunk of a block
                     if asm is not None:
                         raise KVMeshError("previous block incomplete")
+                    reserved = self._reserve(msg.nbytes)
                     asm = Assembler(layout, msg.nbytes, msg.digest or None)
                 if asm is None:
                     raise KVMeshError("chunk outside a block")
@@ -127,6 +161,8 @@ class CacheService:
                 if asm.complete:
                     block = asm.finish()
                     asm = None
+                    self._release(reserved)
+                    reserved = 0
                     if self.store.put(block):
                         resp.stored += 1
                         self.counters["bytes_published"] += block.nbytes
@@ -145,6 +181,8 @@ class CacheService:
             resp.reason = "malformed_payload"
             self.counters["publish_rejected:malformed_payload"] += 1
             log.warning("publish rejected: %s", e)
+        finally:
+            self._release(reserved)  # a failed or abandoned block frees its reservation
         return resp
 
     def _layout(self, card_json: str) -> Layout:
@@ -156,7 +194,7 @@ class CacheService:
             if len(self.layouts) >= MAX_NAMESPACES:
                 raise KVMeshError("too many namespaces")
             self.layouts[ns] = Layout(card)
-            self.summaries[ns] = card.summary()
+            self.summaries[ns] = card.summary()[:MAX_SUMMARY_CHARS]
         return self.layouts[ns]
 
 
