@@ -402,6 +402,14 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     help="Cap on tokens generated when a request sets no max_tokens "
     "(default: the rest of the context window, like OpenAI and vLLM).",
 )
+@click.option(
+    "--audit-rate",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="Fraction of remote hits whose random block is recomputed off the request path and "
+    "compared with the peer's bytes; a peer that disagrees is quarantined.",
+)
 @click.option("--gossip-interval", default=1.0, show_default=True)
 @click.option("--ttl", default=5.0, show_default=True)
 @click.option(
@@ -424,6 +432,7 @@ def head(
     no_publish: bool,
     served_model_name: tuple[str, ...],
     max_tokens_default: int | None,
+    audit_rate: float,
     gossip_interval: float,
     ttl: float,
     lookup_timeout: float,
@@ -459,6 +468,7 @@ def head(
             api_key_file=api_key_file,
             served_model_names=served_model_name,
             max_tokens_default=max_tokens_default,
+            audit_rate=audit_rate,
         ),
         cfg,
     )

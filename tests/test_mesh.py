@@ -31,13 +31,13 @@ def wait_for(cond, timeout=10.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def make_head(engine, seeds, alias="head", **cfg) -> HeadRuntime:
+def make_head(engine, seeds, alias="head", runtime=None, **cfg) -> HeadRuntime:
     node = NodeThread(
         NodeConfig(
             listen="127.0.0.1:0", seeds=list(seeds), alias=alias, gossip_interval=0.3, ttl=2, **cfg
         )
     )
-    return HeadRuntime(engine, node)
+    return HeadRuntime(engine, node, **(runtime or {}))
 
 
 def close(head: HeadRuntime) -> None:

@@ -22,6 +22,7 @@ class HeadOptions:
     max_sessions: int = 8
     served_model_names: tuple[str, ...] = ()
     max_tokens_default: int | None = None
+    audit_rate: float = 0.0
 
     def model_names(self) -> tuple[str, tuple[str, ...]]:
         """(canonical name, accepted aliases), as vLLM serves them: the first
@@ -69,6 +70,7 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
         hash_key=node_config.security.block_hash_key,
         publish=opts.publish,
         max_sessions=opts.max_sessions,
+        audit_rate=opts.audit_rate,
     )
     name, aliases = opts.model_names()
     app = create_app(

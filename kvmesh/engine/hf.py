@@ -210,7 +210,8 @@ class TransformersEngine(Engine):
         quant = cfg.get("quantization_config")
         self.card = card_from_hf_dir(
             self.path,
-            engine="transformers",
+            # attention kernels compute different numbers: part of the namespace
+            engine=f"transformers/{self.attn_implementation or 'default'}",
             geometry=self._probe(),
             quantization=json.dumps(quant, sort_keys=True) if quant else "none",
             block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,

@@ -39,6 +39,7 @@ from ..mesh.client import PeerHit
 from ..mesh.fleet import Fleet
 from ..mesh.node import NodeThread
 from ..store import Match
+from .audit import AuditJob, Auditor
 from .planner import Planner
 from .telemetry import PrefillReport, Telemetry
 
@@ -66,6 +67,8 @@ class _Acquired:
     prefix: tuple[Block, ...] = ()  # the chain from the root (blocks, then a tail)
     importer: Importer | None = None  # ``prefix`` already copied in (remote)
     peer: str | None = None
+    peer_id: str | None = None
+    fetched: tuple[tuple[int, Block], ...] = ()  # (chain index, block) from the peer
     fetched_bytes: int = 0
     lookup_s: float = 0.0
     fetch_s: float = 0.0
@@ -89,6 +92,7 @@ class HeadRuntime:
         fetch_timeout: float = 30.0,
         publish: bool = True,
         max_pending_publishes: int = 2,
+        audit_rate: float = 0.0,
     ) -> None:
         self.engine = engine
         self.card = engine.card
@@ -100,6 +104,7 @@ class HeadRuntime:
         self.max_sessions = max_sessions
         self.fetch_timeout = self.fleet.fetch_deadline if self.fleet else fetch_timeout
         self.publish_enabled = publish
+        self.auditor = Auditor(audit_rate) if audit_rate else None
         self._lock = threading.Lock()  # one sequence at a time on the engine
         self._sessions_lock = threading.Lock()
         self._sessions: OrderedDict[int, KVState] = OrderedDict()
@@ -135,6 +140,10 @@ class HeadRuntime:
             self._keep_session(state)
         if self.publish_enabled:
             self._publish_later(prompt_view, state, chain)
+        if self.auditor is not None and report.source == "remote" and got.peer_id:
+            job = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
+            if job is not None:
+                self._publisher.submit(self._audit, job)
 
     def complete(self, tokens: Sequence[int], sampling: Sampling) -> Generation:
         out = Generation()
@@ -214,12 +223,9 @@ class HeadRuntime:
         got.fetch_s = time.perf_counter() - t0
         self.planner.observe_fetch(hit.node_id, nbytes, got.fetch_s)
         self.planner.peer_succeeded(hit.node_id)
-        got.source, got.importer, got.peer, got.fetched_bytes = (
-            "remote",
-            importer,
-            hit.alias,
-            nbytes,
-        )
+        got.source, got.importer, got.fetched_bytes = "remote", importer, nbytes
+        got.peer, got.peer_id = hit.alias, hit.node_id
+        got.fetched = tuple(enumerate(blocks, start=skip))
         got.prefix = tuple(local.blocks[:skip]) + tuple(blocks)
         if skip == len(local.blocks):  # the fetched blocks continue the stored chain
             self.fleet.keep(blocks)
@@ -297,6 +303,25 @@ class HeadRuntime:
     def clear_sessions(self) -> None:
         with self._sessions_lock:
             self._sessions.clear()
+
+    # -- audit -----------------------------------------------------------------
+
+    def _audit(self, job: AuditJob) -> None:
+        """Recompute one imported block (background thread, engine lock held
+        briefly as for any request); quarantine the peer on a disagreement."""
+        try:
+            with self._lock:
+                agrees = Auditor.agrees(self.engine, self.keyer, job)
+        except Exception as e:  # an audit never fails anything else
+            log.warning("audit failed: %r", e)
+            return
+        if agrees is None:
+            return
+        self.telemetry.count("audits")
+        if not agrees:
+            self.telemetry.count("audit_mismatch")
+            self.planner.quarantine(job.peer_id)
+            log.warning("peer %s served KV that disagrees with a recompute: quarantined", job.peer)
 
     # -- publishing ------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class Planner:
         self._clock = clock
         self._failures: dict[str, int] = {}  # peer -> consecutive failures
         self._avoid_until: dict[str, float] = {}
+        self.quarantined: set[str] = set()  # peers whose KV failed an audit
         self.prefill_tps: float | None = None
         self._prior_tps = prefill_tps
         self.default_bandwidth = default_bandwidth
@@ -101,9 +102,16 @@ class Planner:
             self._avoid_until.pop(peer, None)
 
     def usable(self, peer: str) -> bool:
-        """False while ``peer`` is backed off after a failure."""
+        """False while ``peer`` is backed off after a failure, or quarantined."""
         with self._lock:
+            if peer in self.quarantined:
+                return False
             return self._clock() >= self._avoid_until.get(peer, 0.0)
+
+    def quarantine(self, peer: str) -> None:
+        """Never plan on ``peer`` again in this process (its KV failed an audit)."""
+        with self._lock:
+            self.quarantined.add(peer)
 
     def backed_off(self) -> dict[str, float]:
         """Peers currently avoided, with the seconds left (for metrics)."""

@@ -1,0 +1,95 @@
+"""Trust, but verify: recompute an imported block and compare it with the peer's bytes.
+
+A fleet member that serves well-formed KV (right header, matching digest of its
+own bytes) whose values are wrong is invisible to every structural check. With
+``--audit-rate R`` a head recomputes, for a fraction R of remote hits, one
+randomly chosen imported block locally (a prefill of the prompt up to that
+block's end, off the request path) and compares the two. Numerics legitimately
+differ a little between machines, so floating-point parts are compared with a
+tolerance set by their dtype; integer parts (packed quantized KV) are skipped.
+A peer whose bytes disagree is quarantined in this head's view for the life of
+the process and counted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..blocks import BlockKeyer
+from ..codec import Block, TensorSpec
+from ..engine import Engine
+
+# max |a - b| allowed, relative to max(|b|) + 1: loose enough for kernels and
+# thread counts that differ between machines, far below a perturbation that matters
+TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 4e-2}
+
+
+@dataclass(frozen=True)
+class AuditJob:
+    """One block to re-derive: the tokens up to its end, and who served it."""
+
+    tokens: tuple[int, ...]
+    block: Block
+    index: int  # the block's position in its chain
+    peer_id: str
+    peer: str
+
+
+class Auditor:
+    def __init__(self, rate: float, seed: int | None = None) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError("the audit rate is a fraction in [0, 1]")
+        self.rate = rate
+        self._rng = random.Random(seed)
+
+    def pick(
+        self, tokens: Sequence[int], fetched: Sequence[tuple[int, Block]], peer_id: str, peer: str
+    ) -> AuditJob | None:
+        """With probability ``rate``, one of the ``(chain index, block)`` pairs
+        fetched from ``peer`` (full blocks only: a tail holds logits as well)."""
+        full = [(i, b) for i, b in fetched if b.header.kind == "block"]
+        if not full or self._rng.random() >= self.rate:
+            return None
+        i, blk = self._rng.choice(full)
+        end = blk.header.start + blk.header.tokens
+        return AuditJob(tuple(tokens[:end]), blk, i, peer_id, peer)
+
+    @staticmethod
+    def agrees(engine: Engine, keyer: BlockKeyer, job: AuditJob) -> bool | None:
+        """Whether a local recompute of ``job.block`` matches the imported bytes;
+        None when the block cannot be re-derived here (e.g. past a window)."""
+        state = engine.prefill(list(job.tokens))
+        mine = [
+            b for b in engine.export(state, keyer, first_block=job.index) if b.key == job.block.key
+        ]
+        if not mine:
+            return None
+        return _close(list(mine[0].tensors()), list(job.block.tensors()))
+
+
+def _close(
+    ours: list[tuple[TensorSpec, memoryview]], theirs: list[tuple[TensorSpec, memoryview]]
+) -> bool:
+    if [s for s, _ in ours] != [s for s, _ in theirs]:
+        return False
+    for (spec, a), (_, b) in zip(ours, theirs, strict=True):
+        tol = TOLERANCE.get(spec.dtype)
+        if tol is None:
+            continue  # packed integers: a one-step rounding difference is not an attack
+        x, y = _floats(a, spec.dtype), _floats(b, spec.dtype)
+        if not (
+            np.isfinite(y).all()
+            and np.abs(x - y).max(initial=0.0) <= tol * (np.abs(x).max(initial=0.0) + 1)
+        ):
+            return False
+    return True
+
+
+def _floats(view: memoryview, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":  # the upper half of a float32
+        return (np.frombuffer(view, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(view, np.dtype(dtype)).astype(np.float32)
