@@ -7,15 +7,24 @@
 2. A full miss: the same head path (keys, local store, concurrent lookup on two
    live peers that hold nothing for the prompt) vs. the engine's plain prefill
    with no mesh at all; median TTFT of each and the difference in ms.
+3. A frozen peer: a head whose only peer is stopped by SIGSTOP (it accepts
+   connections and never answers) vs. a head with no peer, interleaved, distinct
+   prompts of ``--freeze-tokens`` on ``--freeze-model`` (small by default: the
+   difference measured is all network wait, and a big model only adds noise);
+   the TTFT of the first request after the freeze, and the median of the
+   requests after it vs. the head with no peer (issue 12: within 50 ms). The peer's card TTL is long (60 s) so that it stays
+   a member throughout: this measures the per-peer health path, not card expiry.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import time
+from pathlib import Path
 
 from _common import machine, spawn_peer
 
@@ -39,6 +48,62 @@ def ttft(head: HeadRuntime, toks: list[int]) -> float:
     return out.ttft_s
 
 
+def frozen_peer(model: str, n: int, tokens: int) -> dict[str, object]:
+    engine = load_engine(model)
+    engine.prefill(list(range(16)))  # warm up
+    proc, addr = spawn_peer("--gossip-interval", "0.3", "--ttl", "60")
+    heads = {}
+    try:
+        for name, seeds in (("alone", []), ("paired", [addr])):
+            node = NodeThread(NodeConfig(seeds=seeds, gossip_interval=0.3, ttl=60, alias=name))
+            heads[name] = HeadRuntime(engine, node, max_sessions=0)
+        paired = heads["paired"]
+        deadline = time.time() + 10
+        while not paired.node.node.membership.live() and time.time() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        assert paired.node.node.membership.live(), "the peer never joined"  # type: ignore[union-attr]
+        for name, h in heads.items():  # warm both paths up while the peer answers
+            ttft(h, prompts(engine, 1, tokens, f"warm-{name}")[0])
+        proc.send_signal(signal.SIGSTOP)
+        times: dict[str, list[float]] = {"alone": [], "paired": []}
+        lookups: dict[str, list[float]] = {"alone": [], "paired": []}
+        for i, toks in enumerate(prompts(engine, 2 * n, tokens, "frozen")):
+            name = "paired" if i % 2 == 0 else "alone"  # the frozen side goes first
+            times[name].append(ttft(heads[name], toks))
+            lookups[name].append(heads[name].telemetry.recent[-1]["lookup_s"])
+            print(f"frozen: {name:6s} ttft {times[name][-1]:.3f} s lookup "
+                  f"{lookups[name][-1] * 1e3:.1f} ms", flush=True)  # fmt: skip
+        failed = dict(paired.node.node.client.counters)  # type: ignore[union-attr]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        for h in heads.values():
+            h.close()
+            if h.node:
+                h.node.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    med = statistics.median
+    later, alone = med(times["paired"][1:]), med(times["alone"])
+    return {
+        "freeze_model": model,
+        "freeze_tokens": tokens,
+        "freeze_n": n,
+        "freeze_first_ttft_s": times["paired"][0],
+        "freeze_later_median_ttft_s": later,
+        "no_peer_median_ttft_s": alone,
+        "freeze_later_minus_no_peer_ms": (later - alone) * 1e3,
+        "freeze_within_50ms": later - alone <= 0.05,
+        "freeze_first_lookup_ms": lookups["paired"][0] * 1e3,
+        "freeze_later_median_lookup_ms": med(lookups["paired"][1:]) * 1e3,
+        "freeze_client_counters": {k: v for k, v in failed.items() if k.startswith("lookup")},
+        "freeze_raw": {
+            "paired": times["paired"],
+            "alone": times["alone"],
+            "paired_lookup_s": lookups["paired"],
+        },  # fmt: skip
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -47,7 +112,20 @@ def main() -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--n", type=int, default=6)
+    ap.add_argument("--freeze-tokens", type=int, default=128)
+    ap.add_argument("--freeze-n", type=int, default=10)
+    ap.add_argument("--freeze-model", default="demo-tiny")
+    ap.add_argument(
+        "--only-freeze", action="store_true", help="run section 3 only; merge into --json"
+    )
     args = ap.parse_args()
+    if args.only_freeze:
+        old = json.loads(Path(args.json).read_text()) if os.path.exists(args.json) else {}
+        frozen = frozen_peer(args.freeze_model, args.freeze_n, args.freeze_tokens)
+        report_frozen(frozen)
+        with open(args.json, "w") as fh:
+            json.dump({**old, "machine": machine(), **frozen}, fh, indent=1)
+        return
     engine = load_engine(args.model)
     engine.prefill(list(range(16)))  # warm up
     procs = [spawn_peer("--gossip-interval", "0.3") for _ in range(2)]
@@ -99,14 +177,24 @@ def main() -> None:
         "miss_cost_ms": (med(miss) - med(plain)) * 1e3,
         "miss_lookup_ms": lookup_ms,
         "raw": {"on": on, "off": off, "miss": miss, "plain": plain},
+        **frozen_peer(args.freeze_model, args.freeze_n, args.freeze_tokens),
     }
     print(
         f"publishing: TTFT {out['publish_on_ttft_s']:.3f} s vs {out['publish_off_ttft_s']:.3f} s "
         f"({out['publish_overhead_pct']:+.1f}%); full miss: {out['miss_ttft_s']:.3f} s vs plain "
         f"{out['plain_prefill_ttft_s']:.3f} s ({out['miss_cost_ms']:+.1f} ms; lookup {lookup_ms:.2f} ms)"
     )
+    report_frozen(out)
     with open(args.json, "w") as fh:
         json.dump(out, fh, indent=1)
+
+
+def report_frozen(r: dict[str, object]) -> None:
+    print(
+        f"frozen peer: first request {r['freeze_first_ttft_s']:.3f} s, later median "
+        f"{r['freeze_later_median_ttft_s']:.3f} s vs no peer {r['no_peer_median_ttft_s']:.3f} s "
+        f"({r['freeze_later_minus_no_peer_ms']:+.1f} ms; lookup {r['freeze_later_median_lookup_ms']:.1f} ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -5,10 +5,17 @@ block whose parent it holds (or whose parent is the namespace), and only evicts
 leaves, least recently used first, so every stored byte stays reachable from a
 root (invariant 9). Leased blocks are never evicted; a lease is tied to the
 store's epoch, a random id made at start, so a restart voids every old lease.
+
+With a :class:`~kvmesh.disk.DiskConfig` the store has a second tier under RAM
+(files in :mod:`kvmesh.disk`): blocks are written behind by one thread, lookups
+and fetches see both tiers, a disk block is verified on every read and promoted
+to RAM when hot, each tier has its own budget and leaf-first LRU, and a restart
+rebuilds the disk index from file headers under a new epoch.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -17,17 +24,40 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .blocks import PrefixKeys
-from .codec import Block
-from .errors import ImmutableConflict, LeaseExpired, OrphanBlock, StaleEpoch, StoreFull
+from .codec import Block, BlockHeader
+from .disk import DiskConfig, DiskFiles, DiskStats, Writer, unlink
+from .errors import (
+    ImmutableConflict,
+    LeaseExpired,
+    MalformedPayload,
+    OrphanBlock,
+    StaleEpoch,
+    StoreFull,
+)
+
+log = logging.getLogger("kvmesh.store")
 
 DEFAULT_LEASE_TTL = 30.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
-    block: Block
-    children: int = 0
+    header: BlockHeader
+    digest: bytes
+    nbytes: int
+    block: Block | None = None  # bytes in memory: the RAM tier, or waiting for the writer
+    in_ram: bool = True  # counted in the RAM budget
+    queued: bool = False  # waiting for the disk writer
+    on_disk: bool = False  # a file holds it (verified again on every read)
+    kids: set[bytes] = field(default_factory=set)
+    ram_kids: int = 0  # kids in RAM
+    disk_kids: int = 0  # kids queued for disk or on disk
     leases: int = 0
+    hits: int = 0
+
+
+def _is_root(h: BlockHeader) -> bool:
+    return h.start == 0 and h.parent == h.namespace
 
 
 @dataclass(frozen=True)
@@ -71,17 +101,60 @@ class StoreStats:
     leases: int = 0
 
 
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's figures, for metrics and the dashboard."""
+
+    tier: str  # "ram" | "disk"
+    budget_bytes: int
+    used_bytes: int
+    entries: int
+    hits: int  # lookups answered (in part) from this tier
+    admissions: int  # blocks that entered the tier (RAM: puts and promotions; disk: files written)
+    evictions: int  # blocks that left it for the budget
+    corrupt: int = 0  # bad files found and deleted (disk)
+    promotions: int = 0  # disk blocks copied back into RAM
+    dropped: int = 0  # disk writes refused (queue full, no room, I/O error)
+    queued_bytes: int = 0  # bytes waiting for the disk writer
+
+
 class BlockStore:
-    def __init__(self, budget_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+    """Blocks in RAM and, with ``disk``, on a second tier under it.
+
+    Every entry is in RAM, queued for the disk writer, on disk, or several of
+    these. The disk holds a parent-closed set (a block is written only after its
+    parent), so a restart rebuilds whole chains. RAM evicts its leaves (no child in
+    RAM), dropping them or leaving them on disk; the disk evicts its leaves (no
+    child on or bound for disk, and no child at all unless the block is in RAM).
+    A block whose parent is gone from both tiers is never kept."""
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+        disk: DiskConfig | None = None,
+    ) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.epoch = secrets.token_hex(8)
         self._clock = clock
         self._lock = threading.RLock()
         self._entries: dict[bytes, _Entry] = {}
-        self._leaves: OrderedDict[bytes, None] = OrderedDict()  # LRU order, oldest first
+        self._leaves: OrderedDict[bytes, None] = OrderedDict()  # RAM leaves, LRU first
+        self._disk_leaves: OrderedDict[bytes, None] = OrderedDict()  # disk leaves, LRU first
         self._leases: dict[str, Lease] = {}
         self.stats = StoreStats(budget_bytes)
+        self.disk = disk
+        self.disk_stats = DiskStats(disk.budget_bytes if disk else 0)
+        self._files: DiskFiles | None = None
+        self._backlog = False  # a write was refused for a full queue
+        self._no_room = False  # a promotion of this lookup found no room
+        self._lookup_keys: frozenset[bytes] = frozenset()  # blocks a promotion must not evict
+        self._writer: Writer | None = None
+        if disk is not None:
+            self._files = DiskFiles(disk.path)
+            self._load_disk(self._files)
+            self._writer = Writer(self._write_one, self._drained, disk.queue_bytes)
 
     # -- writes -------------------------------------------------------------
 
@@ -91,71 +164,365 @@ class BlockStore:
         with self._lock:
             existing = self._entries.get(key)
             if existing is not None:
-                if existing.block.digest != block.digest:
+                if existing.digest != block.digest:
                     self._reject(ImmutableConflict.reason)
                     raise ImmutableConflict(
                         f"block {key.hex()[:12]} already stored with other bytes"
                     )
                 self._touch(key)
                 return False
-            is_root = block.header.start == 0 and parent == block.header.namespace
+            is_root = _is_root(block.header)
             if not is_root and parent not in self._entries:
                 self._reject(OrphanBlock.reason)
                 raise OrphanBlock(f"parent of {key.hex()[:12]} is not stored")
             self._make_room(block.nbytes, keep=parent)
-            self._entries[key] = _Entry(block)
-            self._leaves[key] = None
+            self._entries[key] = _Entry(block.header, block.digest, block.nbytes, block)
             if not is_root:
                 p = self._entries[parent]
-                p.children += 1
-                self._leaves.pop(parent, None)
+                p.kids.add(key)
+                p.ram_kids += 1
+                self._sync(parent)
+            self._sync(key)
             self.stats.used_bytes += block.nbytes
             self.stats.entries += 1
             self.stats.inserts += 1
+            if self.disk is not None and self.disk.admit == "evicted":
+                self._admit(key)
             return True
 
     def _reject(self, reason: str) -> None:
         self.stats.rejects[reason] = self.stats.rejects.get(reason, 0) + 1
 
-    def _make_room(self, nbytes: int, keep: bytes) -> None:
+    def _make_room(
+        self,
+        nbytes: int,
+        keep: bytes,
+        count: bool = True,
+        spill: bool = True,
+        protect: frozenset[bytes] = frozenset(),
+    ) -> None:
         budget = self.stats.budget_bytes
         if nbytes > budget:
-            self._reject(StoreFull.reason)
+            if count:
+                self._reject(StoreFull.reason)
             raise StoreFull(f"block of {nbytes} bytes exceeds the budget of {budget}")
         self._expire_leases()
         while self.stats.used_bytes + nbytes > budget:
-            victim = next(
-                (k for k in self._leaves if k != keep and self._entries[k].leases == 0), None
-            )
+            victim = self._ram_victim(keep, spill, protect)
             if victim is None:
-                self._reject(StoreFull.reason)
+                if count:
+                    self._reject(StoreFull.reason)
                 raise StoreFull("budget held by leased blocks")
             self._evict(victim)
 
+    def _ram_victim(self, keep: bytes, spill: bool, protect: frozenset[bytes]) -> bytes | None:
+        """The LRU RAM leaf; with a disk tier and ``spill``, else any block already
+        on (or bound for) disk: its children stay reachable through the disk copy."""
+        leaf = next(
+            (
+                k
+                for k in self._leaves
+                if k != keep and k not in protect and self._entries[k].leases == 0
+            ),
+            None,
+        )
+        if leaf is not None or self._writer is None or not spill:
+            return leaf
+        return next(
+            (
+                k
+                for k, e in self._entries.items()
+                if e.in_ram and (e.on_disk or e.queued) and e.leases == 0 and k not in protect
+            ),
+            None,
+        )
+
     def _evict(self, key: bytes) -> None:
-        entry = self._entries.pop(key)
-        del self._leaves[key]
-        self.stats.used_bytes -= entry.block.nbytes
+        """Take a RAM leaf out of RAM: left on (or bound for) disk, else dropped."""
+        e = self._entries[key]
+        e.in_ram = False
+        self.stats.used_bytes -= e.nbytes
         self.stats.entries -= 1
         self.stats.evictions += 1
-        parent = self._entries.get(entry.block.header.parent)
+        parent = self._entries.get(e.header.parent)
         if parent is not None:
-            parent.children -= 1
-            if parent.children == 0:
-                # A parent was last used no later than its child: oldest end.
-                self._leaves[entry.block.header.parent] = None
-                self._leaves.move_to_end(entry.block.header.parent, last=False)
+            parent.ram_kids -= 1
+            self._sync(e.header.parent, old=True)  # a parent was used no later than its child
+        if not (e.on_disk or e.queued) and self._admissible(e):
+            self._admit(key)
+        if e.queued:
+            self._sync(key)  # the writer holds the bytes until they are on disk
+        elif e.on_disk:
+            e.block = None
+            self._sync(key)
+        else:
+            self._drop_subtree(key)
 
     def _touch(self, key: bytes) -> None:
         if key in self._leaves:
             self._leaves.move_to_end(key)
+        if key in self._disk_leaves:
+            self._disk_leaves.move_to_end(key)
+
+    def _sync(self, key: bytes, old: bool = False) -> None:
+        """Recompute whether ``key`` is a RAM leaf and a disk leaf; a new leaf goes
+        to the newest end, or to the oldest with ``old``."""
+        e = self._entries[key]
+        _place(self._leaves, key, e.in_ram and e.ram_kids == 0, old)
+        disk_leaf = e.on_disk and e.disk_kids == 0 and (e.in_ram or not e.kids)
+        _place(self._disk_leaves, key, disk_leaf, old)
+
+    def _remove(self, key: bytes) -> None:
+        """Forget a childless entry in every tier."""
+        e = self._entries.pop(key)
+        self._leaves.pop(key, None)
+        self._disk_leaves.pop(key, None)
+        on_disk = e.on_disk or e.queued
+        if e.in_ram:
+            self.stats.used_bytes -= e.nbytes
+            self.stats.entries -= 1
+        if e.on_disk:
+            self._unlink(e)
+        parent = self._entries.get(e.header.parent)
+        if parent is not None and key in parent.kids:
+            parent.kids.discard(key)
+            parent.ram_kids -= e.in_ram
+            parent.disk_kids -= on_disk
+            self._sync(e.header.parent, old=True)
+
+    def _drop_subtree(self, key: bytes) -> None:
+        """Forget ``key`` and everything below it (their chain is broken)."""
+        order, stack = [], [key]
+        while stack:
+            k = stack.pop()
+            order.append(k)
+            stack.extend(self._entries[k].kids)
+        for k in reversed(order):  # children before parents
+            self._remove(k)
+
+    # -- the disk tier ------------------------------------------------------
+
+    def _admissible(self, e: _Entry) -> bool:
+        return self.disk is not None and (self.disk.admit == "evicted" or e.hits > 0)
+
+    def _admit(self, key: bytes) -> None:
+        """Queue ``key`` for the writer when its parent is on (or bound for) disk."""
+        e = self._entries[key]
+        if self._writer is None or e.queued or e.on_disk or e.block is None:
+            return
+        parent = self._entries.get(e.header.parent)
+        closed = _is_root(e.header) or (parent is not None and (parent.on_disk or parent.queued))
+        if not closed or e.nbytes > self.disk_stats.budget_bytes:
+            return
+        if not self._writer.submit(key, e.nbytes):
+            self.disk_stats.dropped += 1
+            self._backlog = True  # retried when the writer drains (see _readmit)
+            return
+        e.queued = True
+        if parent is not None:
+            parent.disk_kids += 1
+            self._sync(e.header.parent)
+
+    def _write_one(self, key: bytes) -> None:
+        """Writer thread: make room on disk, write outside the lock, then record."""
+        assert self._files is not None
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or not e.queued or e.block is None:
+                return
+            parent = self._entries.get(e.header.parent)
+            if not (_is_root(e.header) or (parent is not None and parent.on_disk)):
+                return self._write_failed(key)  # the parent's write failed: keep disk closed
+            if not self._make_disk_room(e.nbytes):
+                return self._write_failed(key)
+            self.disk_stats.used_bytes += e.nbytes  # reserved before the file exists
+            block = e.block
+        try:
+            self._files.write(block)
+        except OSError:
+            with self._lock:
+                self.disk_stats.used_bytes -= e.nbytes
+                if self._entries.get(key) is e:
+                    self._write_failed(key)
+            return
+        with self._lock:
+            if self._entries.get(key) is not e:  # dropped while being written
+                self._files.remove(e.digest)
+                self.disk_stats.used_bytes -= e.nbytes
+                return
+            e.queued, e.on_disk = False, True
+            if not e.in_ram:
+                e.block = None
+            self.disk_stats.entries += 1
+            self.disk_stats.admissions += 1
+            self._sync(key)
+
+    def _drained(self) -> None:
+        """Writer thread, queue empty: make renames durable, then queue the blocks
+        a full queue refused (parents first: entries keep insertion order)."""
+        assert self._files is not None
+        self._files.sync_dir()
+        with self._lock:
+            if not self._backlog:
+                return
+            self._backlog = False
+            for k, e in list(self._entries.items()):
+                if e.in_ram and not (e.queued or e.on_disk) and self._admissible(e):
+                    self._admit(k)
+                    if self._backlog:
+                        return
+
+    def _write_failed(self, key: bytes) -> None:
+        e = self._entries[key]
+        e.queued = False
+        self.disk_stats.dropped += 1
+        parent = self._entries.get(e.header.parent)
+        if parent is not None:
+            parent.disk_kids -= 1
+            self._sync(e.header.parent, old=True)
+        if e.in_ram:
+            self._sync(key)
+        else:
+            self._drop_subtree(key)  # its only copy was the one being written
+
+    def _make_disk_room(self, nbytes: int) -> bool:
+        budget = self.disk_stats.budget_bytes
+        if nbytes > budget:
+            return False
+        self._expire_leases()
+        while self.disk_stats.used_bytes + nbytes > budget:
+            victim = next(
+                (
+                    k
+                    for k in self._disk_leaves
+                    if self._entries[k].in_ram or self._entries[k].leases == 0
+                ),
+                None,
+            )
+            if victim is None:
+                return False
+            self._evict_disk(victim)
+        return True
+
+    def _evict_disk(self, key: bytes) -> None:
+        e = self._entries[key]
+        self.disk_stats.evictions += 1
+        if not e.in_ram:
+            return self._remove(key)  # a disk leaf out of RAM has no children
+        self._unlink(e)
+        parent = self._entries.get(e.header.parent)
+        if parent is not None:
+            parent.disk_kids -= 1
+            self._sync(e.header.parent, old=True)
+        self._sync(key)
+
+    def _unlink(self, e: _Entry) -> None:
+        assert self._files is not None
+        self._files.remove(e.digest)
+        e.on_disk = False
+        self.disk_stats.used_bytes -= e.nbytes
+        self.disk_stats.entries -= 1
+
+    def _read(self, key: bytes, hit: bool, promote: bool = False) -> Block | None:
+        """The block under ``key`` from whichever tier holds it, verified when it
+        comes from disk (a bad file is deleted, counted, and its subtree dropped)."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        if hit:
+            e.hits += 1
+        self._touch(key)
+        if e.block is not None:
+            if hit and self.disk is not None and self.disk.admit == "hit":
+                self._admit(key)
+            return e.block
+        assert self._files is not None
+        try:
+            block = self._files.open(e.header, e.digest, e.nbytes)
+        except (MalformedPayload, OSError):
+            self.disk_stats.corrupt += 1
+            self._drop_subtree(key)
+            return None
+        if promote and self.disk is not None and e.hits >= self.disk.promote_hits:
+            self._promote(key, block)
+        return block
+
+    def _promote(self, key: bytes, block: Block) -> None:
+        """Copy a hot disk block into RAM when it fits (its file stays). A lookup
+        promotes a prefix of its chain: after one refusal it stops (``_no_room``)."""
+        e = self._entries[key]
+        protected = self._lookup_keys
+        try:
+            # never spill parents or this lookup's own blocks: that would churn
+            self._make_room(
+                e.nbytes, keep=e.header.parent, count=False, spill=False, protect=protected
+            )
+        except StoreFull:
+            self._no_room = True
+            return
+        if not isinstance(block.blob, bytes):  # an mmap view: RAM wants its own bytes
+            block = Block(block.header, bytes(block.blob), block.digest, block.payload_offset)
+        e.block, e.in_ram = block, True
+        self.stats.used_bytes += e.nbytes
+        self.stats.entries += 1
+        self.disk_stats.promotions += 1
+        parent = self._entries.get(e.header.parent)
+        if parent is not None:
+            parent.ram_kids += 1
+            self._sync(e.header.parent)
+        self._sync(key)
+
+    def _load_disk(self, files: DiskFiles) -> None:
+        """Rebuild the index from the files' headers, parents first; delete torn,
+        bad, duplicate and orphaned files; then fit the budget (oldest leaves first)."""
+        ds = self.disk_stats
+        ds.torn = files.clear_torn()
+
+        def bad(path: str, why: str) -> None:
+            ds.corrupt += 1
+            log.warning("disk tier: deleting %s (%s)", path, why)
+            unlink(path)
+
+        records = sorted(files.scan(bad), key=lambda r: r.header.start)
+        mtimes: dict[bytes, float] = {}
+        for r in records:
+            h = r.header
+            if h.key in self._entries:
+                bad(str(files.path(r.digest)), "a second file for one key")
+                continue
+            parent = self._entries.get(h.parent)
+            if not _is_root(h) and parent is None:
+                ds.orphans += 1
+                files.remove(r.digest)
+                continue
+            e = _Entry(h, r.digest, r.nbytes, None, in_ram=False, on_disk=True)
+            self._entries[h.key] = e
+            if parent is not None:
+                parent.kids.add(h.key)
+                parent.disk_kids += 1
+            mtimes[h.key] = r.mtime
+            ds.used_bytes += r.nbytes
+            ds.entries += 1
+        leaves = [k for k, e in self._entries.items() if not e.kids]
+        for k in sorted(leaves, key=mtimes.__getitem__):
+            self._disk_leaves[k] = None
+        self._make_disk_room(0)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued disk writes (tests, benches, a clean shutdown)."""
+        return self._writer.flush(timeout) if self._writer else True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the disk writer after the writes already queued."""
+        if self._writer is not None:
+            self._writer.close(timeout)
 
     # -- reads --------------------------------------------------------------
 
     def get(self, key: bytes) -> Block | None:
+        """The block under ``key`` (a disk block verified, not promoted), or None."""
         with self._lock:
-            e = self._entries.get(key)
-            return e.block if e else None
+            return self._read(key, hit=False)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -163,31 +530,36 @@ class BlockStore:
     def longest_prefix(
         self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None
     ) -> Match:
-        """Longest run of stored blocks from the root; never crosses a hole.
-        The tail counts only when every full block before it matched."""
+        """Longest run of stored blocks from the root, across tiers; never crosses
+        a hole. The tail counts only when every full block before it matched."""
         if isinstance(keys, PrefixKeys):
             chain, tail = keys.blocks, keys.tail
         else:
             chain = tuple(keys)
         with self._lock:
+            from_disk = self.disk_stats.promotions, self._disk_reads()
+            self._no_room = False
+            self._lookup_keys = frozenset(chain)
             found: list[Block] = []
             for k in chain:
-                e = self._entries.get(k)
-                if e is None:
+                b = self._read(k, hit=True, promote=not self._no_room)
+                if b is None:
                     break
-                found.append(e.block)
-                self._touch(k)
+                found.append(b)
             t = None
             if len(found) == len(chain) and tail is not None:
-                e = self._entries.get(tail)
-                if e is not None:
-                    t = e.block
-                    self._touch(tail)
+                t = self._read(tail, hit=True, promote=not self._no_room)
+            self._lookup_keys = frozenset()
             if found or t:
                 self.stats.hits += 1
             else:
                 self.stats.misses += 1
+            if (self.disk_stats.promotions, self._disk_reads()) != from_disk:
+                self.disk_stats.hits += 1
             return Match(tuple(found), t)
+
+    def _disk_reads(self) -> int:
+        return self._files.reads if self._files else 0
 
     # -- leases -------------------------------------------------------------
 
@@ -234,21 +606,66 @@ class BlockStore:
 
     # -- introspection ------------------------------------------------------
 
-    def reachable_bytes(self) -> int:
-        """Bytes of blocks whose whole parent chain is stored (test hook for invariant 9)."""
+    def reachable_bytes(self, tier: str = "ram") -> int:
+        """Bytes in ``tier`` ("ram" or "disk") of blocks whose whole parent chain
+        is stored (test hook for invariant 9; on disk the chain must be on disk)."""
         with self._lock:
             total = 0
             for e in self._entries.values():
-                h = e.block.header
-                while not (h.start == 0 and h.parent == h.namespace):
+                if not (e.in_ram if tier == "ram" else e.on_disk):
+                    continue
+                h = e.header
+                while not _is_root(h):
                     p = self._entries.get(h.parent)
-                    if p is None:
+                    if p is None or (tier == "disk" and not p.on_disk):
                         break
-                    h = p.block.header
+                    h = p.header
                 else:
-                    total += e.block.nbytes
+                    total += e.nbytes
             return total
 
     def namespaces(self) -> set[bytes]:
         with self._lock:
-            return {e.block.header.namespace for e in self._entries.values()}
+            return {e.header.namespace for e in self._entries.values()}
+
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """RAM, then the disk tier when there is one."""
+        with self._lock:
+            s, d = self.stats, self.disk_stats
+            out = [
+                TierStats(
+                    "ram",
+                    s.budget_bytes,
+                    s.used_bytes,
+                    s.entries,
+                    s.hits,
+                    s.inserts + d.promotions,
+                    s.evictions,
+                )
+            ]
+            if self._writer is not None:
+                out.append(
+                    TierStats(
+                        "disk",
+                        d.budget_bytes,
+                        d.used_bytes,
+                        d.entries,
+                        d.hits,
+                        d.admissions,
+                        d.evictions,
+                        corrupt=d.corrupt,
+                        promotions=d.promotions,
+                        dropped=d.dropped,
+                        queued_bytes=self._writer.queued_bytes,
+                    )
+                )
+            return tuple(out)
+
+
+def _place(order: OrderedDict[bytes, None], key: bytes, member: bool, old: bool) -> None:
+    if not member:
+        order.pop(key, None)
+    elif key not in order:
+        order[key] = None
+        if old:
+            order.move_to_end(key, last=False)

@@ -12,17 +12,32 @@ claim chosen by MODE:
 - ``stall-mid``: every asked block, then half of the first block and silence.
 
 It prints ``kvmesh peer ... listening on ADDR epoch E`` like ``kvmesh peer``.
+
+The other half of this module is the hostile *publisher* side, used by tests and
+``bench/hostile_publish.py`` against a real ``kvmesh peer``: :func:`attack`
+streams one kind of bad publish (:data:`ATTACKS`) and returns the reason the
+peer gave; :func:`rss`, :func:`peak_rss`, :func:`reset_peak_rss` read a
+process's memory from ``/proc``; :func:`scrape` reads a node's ``/metrics``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import random
 import signal
-from collections.abc import AsyncIterator
+import urllib.request
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.codec import Block, chunks
+from kvmesh.compat import CompatCard
 from kvmesh.mesh.node import MeshNode, NodeConfig
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.mesh.server import CacheService
@@ -59,6 +74,145 @@ class HostileCache(CacheService):
             await asyncio.sleep(3600)
         for _ in request.keys:
             yield os.urandom(FAKE_BLOCK_BYTES)
+
+
+# -- hostile publishers ---------------------------------------------------------
+
+PUBLISH = "/kvmesh.v1.PrefillCache/Publish"
+CHUNK = 1 << 20
+# kind -> the reasons a peer may rightly give (store_full: the in-flight cap was reached)
+ATTACKS: dict[str, tuple[str, ...]] = {
+    "oversize": ("oversize_payload",),  # a terabyte announced
+    "over_cap": ("oversize_payload",),  # just over the receiver's --max-block-bytes
+    "truncated": ("malformed_payload", "store_full"),  # all but the last bytes, then EOF
+    "garbage": ("malformed_payload", "store_full"),  # random bytes under a plausible size
+    "wrong_digest": ("checksum_mismatch", "store_full"),  # a whole block, another SHA-256
+    "bad_card": ("malformed_payload",),  # a card that does not parse
+    "orphan": ("orphan_block", "store_full"),  # a real block whose parent is not stored
+    "silent": ("timeout", "store_full"),  # half a block, then nothing (server cuts it off)
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the attackers know: the peer, a card, an honest chain (its bytes are
+    reused so that headers parse) and a chain the peer never saw (for orphans)."""
+
+    address: str
+    card: CompatCard
+    honest: list[Block]
+    foreign: list[Block]
+    max_block_bytes: int
+
+
+def messages(card_json: str, nbytes: int, digest: bytes, data: bytes) -> Iterator[bytes]:
+    """One block's publish stream, serialized: its first chunk carries the card."""
+    for i, c in enumerate(chunks(data, CHUNK) if data else [memoryview(b"")]):
+        msg = pb.PublishChunk(data=bytes(c))
+        if i == 0:
+            msg.card_json, msg.nbytes, msg.digest = card_json, nbytes, digest
+        yield msg.SerializeToString()
+
+
+def publish_stream(card: CompatCard, blocks: Iterable[Block]) -> Iterator[bytes]:
+    """An honest publish of ``blocks``, as ``MeshClient.publish`` sends it."""
+    card_json = json.dumps(card.to_json())
+    for i, b in enumerate(blocks):
+        yield from messages(card_json if i == 0 else "", b.nbytes, b.digest, b.blob)
+
+
+def _stream(kind: str, t: Target, rng: random.Random) -> Iterator[bytes] | AsyncIterator[bytes]:
+    card_json = json.dumps(t.card.to_json())
+    block = t.honest[0]
+    if kind == "oversize":
+        return messages(card_json, 1 << 40, rng.randbytes(32), block.blob[:CHUNK])
+    if kind == "over_cap":
+        return messages(card_json, t.max_block_bytes + 1, rng.randbytes(32), block.blob[:CHUNK])
+    if kind == "truncated":
+        return messages(card_json, block.nbytes, block.digest, block.blob[:-1024])
+    if kind == "garbage":
+        return messages(card_json, 1 << 20, rng.randbytes(32), rng.randbytes(1 << 20))
+    if kind == "wrong_digest":
+        return messages(card_json, block.nbytes, rng.randbytes(32), block.blob)
+    if kind == "bad_card":
+        return messages(rng.randbytes(64).hex()[: rng.randint(1, 128)], 10, b"", b"x" * 10)
+    if kind == "orphan":
+        b = t.foreign[1 + rng.randrange(len(t.foreign) - 1)]
+        return messages(card_json, b.nbytes, b.digest, b.blob)
+    if kind == "silent":
+        return _silent(
+            messages(card_json, block.nbytes, block.digest, block.blob[: block.nbytes // 2])
+        )
+    raise ValueError(kind)
+
+
+async def _silent(msgs: Iterator[bytes]) -> AsyncIterator[bytes]:
+    for m in msgs:
+        yield m
+    await asyncio.sleep(3600)  # the peer's publish progress deadline ends this
+
+
+async def attack(channel: grpc.aio.Channel, kind: str, t: Target, rng: random.Random) -> str:
+    """One hostile publish of ``kind``; the peer's reason (or the gRPC status name)."""
+    call = channel.stream_unary(
+        PUBLISH, request_serializer=None, response_deserializer=pb.PublishResponse.FromString
+    )
+    try:
+        resp = await call(_stream(kind, t, rng), timeout=60)
+    except grpc.aio.AioRpcError as e:
+        return e.code().name
+    return resp.reason if resp.rejected else "stored" if resp.stored else "nothing"
+
+
+async def publish(channel: grpc.aio.Channel, card: CompatCard, blocks: list[Block]) -> Any:
+    call = channel.stream_unary(
+        PUBLISH, request_serializer=None, response_deserializer=pb.PublishResponse.FromString
+    )
+    return await call(publish_stream(card, blocks), timeout=60)
+
+
+def own_connection(address: str) -> grpc.aio.Channel:
+    """A channel on its own TCP connection, as a separate publisher would have."""
+    return grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+# -- what the peer shows --------------------------------------------------------
+
+
+def _status(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def rss(pid: int) -> int:
+    """Resident set size of ``pid`` now, in bytes."""
+    return _status(pid, "VmRSS")
+
+
+def peak_rss(pid: int) -> int:
+    """Highest resident set size of ``pid`` since start or :func:`reset_peak_rss`."""
+    return _status(pid, "VmHWM")
+
+
+def reset_peak_rss(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+def scrape(metrics_address: str) -> dict[str, float]:
+    """A node's /metrics as ``{'name{label=value,...}': value}`` (labels sorted)."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+# -- the hostile cache peer's entry point -----------------------------------------
 
 
 async def run(args: argparse.Namespace) -> None:

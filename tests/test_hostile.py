@@ -6,14 +6,46 @@ reason counted, and the bad peer avoided afterwards (circuit breaker).
 
 from __future__ import annotations
 
+import asyncio
+import json
+import random
+import signal
+from collections import Counter
+
 import pytest
 
-from .procs import Peer
+from kvmesh.blocks import BlockKeyer
+from kvmesh.codec import Layout
+from kvmesh.mesh.client import FetchStalled, MeshClient, PeerHit
+from kvmesh.mesh.membership import Membership
+from kvmesh.mesh.proto import kvmesh_pb2 as pb
+from kvmesh.mesh.proto import kvmesh_pb2_grpc as pbg
+from kvmesh.mesh.server import CacheService, start_server
+from kvmesh.mesh.status import fetch_cards
+from kvmesh.store import BlockStore
+
+from .helpers import small_card, synthetic_chain
+from .hostile_peer import (
+    ATTACKS,
+    FAKE_BLOCK_BYTES,
+    PUBLISH,
+    Target,
+    attack,
+    messages,
+    own_connection,
+    peak_rss,
+    publish,
+    publish_stream,
+    reset_peak_rss,
+    rss,
+    scrape,
+)  # fmt: skip
+from .procs import Peer, free_port
 from .test_mesh import SAMPLING, close, fresh_head, prompt, published, wait_for
 
 AT_LOOKUP = {"lie-length": "malformed_payload", "oversize": "oversize_payload"}
 LYING = {"wrong-bytes": ("malformed_payload", "checksum_mismatch")}  # reasons counted
-STALLING = {"stall": ("timeout",), "stall-mid": ("timeout",)}
+STALLING = {"stall": ("timeout", "stalled"), "stall-mid": ("timeout", "stalled")}
 
 
 def hostile(mode: str, seed: Peer, log_dir) -> Peer:
@@ -87,3 +119,229 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
         close(h)
         bad.kill()
         honest.kill()
+
+
+# -- a fetch that stops making progress ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["stall", "stall-mid"])
+def test_a_silent_fetch_ends_on_the_progress_deadline(tmp_path, mode):
+    """The total deadline is far away; the fetch still ends, typed as stalled,
+    because no bytes arrived for the progress timeout."""
+    card = small_card()
+    bad = Peer(alias=f"silent-{mode}", log_dir=tmp_path, command=("tests.hostile_peer", mode))
+
+    async def fetch() -> None:
+        client = MeshClient(Membership("me", pb.CapabilityCard), fetch_deadline=300.0,
+                            progress_timeout=0.5)  # fmt: skip
+        info = pb.BlockInfo(key=b"k" * 32, nbytes=FAKE_BLOCK_BYTES, digest=b"d" * 32, tokens=4)
+        hit = PeerHit("bad", "bad", bad.address, "loopback", bad.epoch, (info,), None, 4)
+        try:
+            await client.fetch(Layout(card), hit)
+        finally:
+            await client.close()
+
+    try:
+        with pytest.raises(FetchStalled) as e:
+            asyncio.run(fetch())
+        assert e.value.reason == "stalled"
+        assert bad.proc.poll() is None
+    finally:
+        bad.kill()
+
+
+# -- hostile publishers against a small peer -------------------------------------------
+
+MiB = 1 << 20
+BUDGET, MAX_BLOCK, INFLIGHT = 64 * MiB, 8 * MiB, 16 * MiB
+
+
+def big_card():
+    """~6 MiB blocks: two fit in the 16 MiB in-flight cap, ten in the 64 MiB budget."""
+    return small_card(num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24,
+                      block_tokens=256)  # fmt: skip
+
+
+def small_peer(tmp_path) -> tuple[Peer, str]:
+    metrics = f"127.0.0.1:{free_port()}"
+    peer = Peer("--budget", "64MiB", "--max-block-bytes", "8MiB", "--max-inflight", "16MiB",
+                "--metrics", metrics, alias="small", log_dir=tmp_path)  # fmt: skip
+    wait_for(lambda: _scrapes(metrics), what="metrics")
+    return peer, metrics
+
+
+def _scrapes(metrics: str) -> bool:
+    try:
+        return bool(scrape(metrics))
+    except OSError:
+        return False
+
+
+def target(peer: Peer) -> Target:
+    card = big_card()
+    honest = synthetic_chain(card, list(range(256 * 10)), tail=False)  # 60 MiB
+    foreign = synthetic_chain(card, [7] * 256 * 3, tail=False)
+    return Target(peer.address, card, honest, foreign, MAX_BLOCK)
+
+
+async def _hold(card, block, release: asyncio.Event):
+    """Half a block, then silence until ``release``; then the stream ends inside it."""
+    for m in messages(json.dumps(card.to_json()), block.nbytes, block.digest,
+                      block.blob[: block.nbytes // 2]):  # fmt: skip
+        yield m
+    await release.wait()
+
+
+async def _lookups(t: Target, stop: asyncio.Event) -> list[int]:
+    """Lookups for the honest chain while the attack runs: tokens matched each time."""
+    req = pb.LookupRequest(namespace=t.card.namespace, block_keys=[b.key for b in t.honest])
+    out = []
+    async with own_connection(t.address) as ch:
+        while not stop.is_set():
+            resp = await pbg.PrefillCacheStub(ch).Lookup(req, timeout=10)
+            out.append(resp.matched_tokens)
+            await asyncio.sleep(0.02)
+    return out
+
+
+async def _attackers(t: Target, n: int, rounds: int, kinds: list[str]) -> list[tuple[str, str]]:
+    async def one(i: int) -> list[tuple[str, str]]:
+        rng = random.Random(i)
+        async with own_connection(t.address) as ch:
+            return [(k, await attack(ch, k, t, rng))
+                    for _ in range(rounds) for k in rng.sample(kinds, len(kinds))]  # fmt: skip
+
+    return [r for rs in await asyncio.gather(*(one(i) for i in range(n))) for r in rs]
+
+
+async def _fill_the_cap(t: Target, metrics: str) -> tuple[str, str]:
+    """Two publishers hold half-sent blocks (12 MiB reserved of 16); a third block
+    cannot be reserved. Then the two hang up inside their blocks."""
+    release = asyncio.Event()
+    chans = [own_connection(t.address) for _ in range(3)]
+    call = [ch.stream_unary(PUBLISH, request_serializer=None,
+                            response_deserializer=pb.PublishResponse.FromString) for ch in chans]  # fmt: skip
+    held = [
+        asyncio.ensure_future(c(_hold(t.card, t.honest[0], release), timeout=60)) for c in call[:2]
+    ]
+    inflight = "kvmesh_publish_inflight_bytes"
+    for _ in range(200):
+        if scrape(metrics)[inflight] >= 2 * t.honest[0].nbytes:
+            break
+        await asyncio.sleep(0.05)
+    third = await call[2](publish_stream(t.card, t.honest[:1]), timeout=60)
+    release.set()
+    reasons = [(await h).reason for h in held]
+    for ch in chans:
+        await ch.close()
+    assert reasons == ["malformed_payload"] * 2, reasons
+    return ("cap", third.reason)
+
+
+def test_hostile_publishers_leave_a_small_peer_serving_and_bounded(tmp_path):
+    """Concurrent publishers stream oversize announcements, blocks past the in-flight
+    cap, truncated streams, garbage, wrong digests, bad cards and orphans at a peer
+    with a 64 MiB budget that already holds 60 MiB. It answers every lookup with the
+    honest chain throughout, stores nothing of theirs, counts every refusal by
+    reason, and its peak RSS stays under the RSS it had before (empty) plus its
+    budget plus its in-flight cap."""
+    peer, metrics = small_peer(tmp_path)
+    t = target(peer)
+    pid = peer.proc.pid
+    baseline = rss(pid)
+    reset_peak_rss(pid)
+
+    async def run():
+        async with own_connection(t.address) as ch:
+            honest = await publish(ch, t.card, t.honest)
+        assert honest.stored == len(t.honest) and not honest.rejected, honest
+        stop = asyncio.Event()
+        looking = asyncio.ensure_future(_lookups(t, stop))
+        kinds = [k for k in ATTACKS if k != "silent"]  # silent waits out a 10 s deadline: bench
+        results = await _attackers(t, n=6, rounds=2, kinds=kinds)
+        results.append(await _fill_the_cap(t, metrics))
+        stop.set()
+        return results, await looking
+
+    try:
+        results, matched = asyncio.run(run())
+        peak = peak_rss(pid)
+        assert peer.proc.poll() is None
+        for kind, reason in results:
+            assert reason in ATTACKS.get(kind, ("store_full",)), (kind, reason)
+        assert ("cap", "store_full") in results
+        assert matched and set(matched) == {256 * 10}  # served the honest chain throughout
+        seen = scrape(metrics)
+        assert seen["kvmesh_store_entries"] == len(t.honest)  # nothing of theirs stored
+        assert seen["kvmesh_publish_inflight_bytes"] == 0  # every reservation released
+        given = Counter(r for _, r in results) + Counter(malformed_payload=2)  # the two holders
+        for reason, n in given.items():
+            assert seen[f"kvmesh_rejections_total{{reason={reason},surface=publish}}"] == n, reason
+        assert peak <= baseline + BUDGET + INFLIGHT, (baseline, peak)
+    finally:
+        peer.kill()
+
+
+# -- a frozen peer costs one lookup deadline, then is probed off the request path ---------
+
+
+def test_a_frozen_peer_is_probed_in_the_background_not_waited_for(tmp_path):
+    """A peer stopped by SIGSTOP: the first lookup that waits for it ends on the
+    lookup deadline and reports it; a lookup that skips it (as a head does while
+    the peer is backed off) returns without it, and still reports its failure from
+    a background probe, so the caller's backoff keeps growing while it lasts."""
+    frozen = Peer(alias="frozen", log_dir=tmp_path)
+    card = small_card()
+    keys = BlockKeyer(card.namespace, card.block_tokens).keys(list(range(40)))
+
+    async def run():
+        cards = await fetch_cards(frozen.address, None, None)
+        client = MeshClient(Membership("me", pb.CapabilityCard), lookup_deadline=0.3)
+        client.membership.merge(cards)
+        failed: list[tuple[str, str]] = []
+        frozen.signal(signal.SIGSTOP)
+        try:
+            hits, errors = await client.lookup(card, keys, on_failure=lambda *f: failed.append(f))
+            assert (hits, errors) == ([], ["timeout"]) and len(failed) == 1
+            hits, errors = await client.lookup(card, keys, skip=lambda n: True,
+                                               on_failure=lambda *f: failed.append(f))  # fmt: skip
+            assert (hits, errors) == ([], []) and client.counters["lookup_skipped"] == 1
+            for _ in range(100):  # the probe's answer comes later, on this loop
+                if len(failed) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert failed == [(cards[0].node_id, "timeout")] * 2
+        finally:
+            frozen.signal(signal.SIGCONT)
+            await client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        frozen.kill()
+
+
+def test_a_silent_publisher_is_cut_off_and_its_reservation_freed():
+    """Half a block, then nothing: the publish progress deadline ends the call
+    (counted as ``publish_rejected:timeout``) and the bytes reserved for the block
+    are free again."""
+    card = big_card()
+    block = synthetic_chain(card, list(range(256)), tail=False)[0]
+
+    async def run():
+        store = BlockStore(BUDGET)
+        cache = CacheService(store, MAX_BLOCK, INFLIGHT, publish_progress_s=0.3)
+        server, port, _ = await start_server("127.0.0.1:0", store, Membership("p", pb.CapabilityCard),
+                                             cache=cache)  # fmt: skip
+        try:
+            async with own_connection(f"127.0.0.1:{port}") as ch:
+                call = ch.stream_unary(PUBLISH, request_serializer=None,
+                                       response_deserializer=pb.PublishResponse.FromString)  # fmt: skip
+                resp = await call(_hold(card, block, asyncio.Event()), timeout=30)
+        finally:
+            await server.stop(0)
+        return resp, cache
+
+    resp, cache = asyncio.run(run())
+    assert resp.rejected == 1 and resp.reason == "timeout"
+    assert cache.counters["publish_rejected:timeout"] == 1 and cache.inflight_bytes == 0

@@ -16,10 +16,12 @@ from kvmesh.mesh.membership import Membership, card_bytes
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.mesh.proto import kvmesh_pb2_grpc as pbg
-from kvmesh.mesh.security import FleetAuth, Security, TLSConfig
+from kvmesh.mesh.security import MAX_SKEW_S, FleetAuth, Security, TLSConfig, body_digest
+from kvmesh.mesh.status import fetch_cards
 from kvmesh.runtime.head import HeadRuntime
 
-from .procs import Peer
+from .hostile_peer import scrape
+from .procs import Peer, free_port
 from .test_mesh import close, prompt, wait_for
 
 KEY = b"fleet-key-0123456789abcdef-fleet"
@@ -39,14 +41,21 @@ def _head(engine, seeds, security=None, alias="head"):
     return HeadRuntime(engine, node, hash_key=security.block_hash_key)
 
 
+LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
+LOOKUP_RAW = pb.LookupRequest(namespace=b"x" * 32, block_keys=[b"k" * 32]).SerializeToString()
+
+
 async def _raw_lookup(address: str, metadata=None, creds=None):
     ch = grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)
     async with ch:
         return await pbg.PrefillCacheStub(ch).Lookup(
-            pb.LookupRequest(namespace=b"x" * 32, block_keys=[b"k" * 32]),
-            timeout=2,
-            metadata=metadata,
+            pb.LookupRequest.FromString(LOOKUP_RAW), timeout=2, metadata=metadata
         )
+
+
+def _node_id(address: str) -> str:
+    """A keyed peer's node id, asked the way a node first asks a seed."""
+    return asyncio.run(fetch_cards(address, FleetAuth(KEY, "asker"), None))[0].node_id
 
 
 def test_fleet_key_authenticates_calls_cards_and_publishes(tiny_engine, keyfile, tmp_path):
@@ -64,7 +73,7 @@ def test_fleet_key_authenticates_calls_cards_and_publishes(tiny_engine, keyfile,
             )
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         good = FleetAuth(KEY, "friend")
-        md = good.call_metadata("/kvmesh.v1.PrefillCache/Lookup")
+        md = good.call_metadata(LOOKUP, _node_id(peer.address), body_digest(LOOKUP_RAW))
         asyncio.run(_raw_lookup(peer.address, md))
         with pytest.raises(grpc.aio.AioRpcError) as e:
             asyncio.run(_raw_lookup(peer.address, md))  # replay
@@ -264,3 +273,121 @@ def test_auth_errors_are_typed():
     md = auth.call_metadata("/m")
     with pytest.raises(Unauthenticated):
         auth.verify_call("/other", md)  # bound to the method
+
+
+# -- call credentials bind the destination and the request ------------------------------
+
+FETCH = "/kvmesh.v1.PrefillCache/Fetch"
+PUBLISH = "/kvmesh.v1.PrefillCache/Publish"
+
+
+async def _call(address: str, method: str, raws: list[bytes], metadata) -> str:
+    """Send serialized request(s) as they are; the status code's name."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        kw = dict(request_serializer=None, response_deserializer=None)
+        try:
+            if method == FETCH:
+                async for _ in ch.unary_stream(method, **kw)(raws[0], timeout=5, metadata=metadata):
+                    pass
+            elif method == PUBLISH:
+                await ch.stream_unary(method, **kw)(iter(raws), timeout=5, metadata=metadata)
+            else:
+                await ch.unary_unary(method, **kw)(raws[0], timeout=5, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+    return "OK"
+
+
+def test_a_credential_is_bound_to_its_destination_and_its_request(keyfile, tmp_path):
+    """Real keyed peers on loopback. A replayed credential, a credential made for
+    another node, and one moved onto another request (unary, server-streaming
+    Fetch, client-streaming Publish) are all UNAUTHENTICATED and counted by why;
+    the peers keep serving."""
+    ma, mb = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    a = Peer("--fleet-key-file", str(keyfile), "--metrics", ma, alias="a", log_dir=tmp_path)
+    b = Peer("--fleet-key-file", str(keyfile), "--metrics", mb, alias="b", log_dir=tmp_path)
+    me = FleetAuth(KEY, "friend")
+    try:
+        ida, idb = _node_id(a.address), _node_id(b.address)
+        other = pb.LookupRequest(namespace=b"y" * 32, block_keys=[b"j" * 32]).SerializeToString()
+        fetch1 = pb.FetchRequest(namespace=b"x" * 32, keys=[b"k" * 32], epoch=a.epoch)
+        fetch2 = pb.FetchRequest(namespace=b"x" * 32, keys=[b"q" * 32], epoch=a.epoch)
+        f1, f2 = fetch1.SerializeToString(), fetch2.SerializeToString()
+        p1 = pb.PublishChunk(card_json="{}", nbytes=10, data=b"x" * 10).SerializeToString()
+        p2 = pb.PublishChunk(card_json="{}", nbytes=10, data=b"y" * 10).SerializeToString()
+
+        def cred(method: str, dest: str, raw: bytes):
+            return me.call_metadata(method, dest, body_digest(raw))
+
+        replayed = cred(LOOKUP, ida, LOOKUP_RAW)
+        assert asyncio.run(_call(a.address, LOOKUP, [LOOKUP_RAW], replayed)) == "OK"
+        refused = {
+            "replayed": asyncio.run(_call(a.address, LOOKUP, [LOOKUP_RAW], replayed)),
+            "for_a_at_b": asyncio.run(_call(b.address, LOOKUP, [LOOKUP_RAW], cred(LOOKUP, ida, LOOKUP_RAW))),
+            "lookup_body": asyncio.run(_call(a.address, LOOKUP, [other], cred(LOOKUP, ida, LOOKUP_RAW))),
+            "fetch_body": asyncio.run(_call(a.address, FETCH, [f2], cred(FETCH, ida, f1))),
+            "publish_body": asyncio.run(_call(a.address, PUBLISH, [p2], cred(PUBLISH, ida, p1))),
+            "other_method": asyncio.run(_call(a.address, FETCH, [LOOKUP_RAW], cred(LOOKUP, ida, LOOKUP_RAW))),
+            "wildcard": asyncio.run(_call(a.address, LOOKUP, [LOOKUP_RAW], cred(LOOKUP, "*", LOOKUP_RAW))),
+        }  # fmt: skip
+        assert set(refused.values()) == {"UNAUTHENTICATED"}, refused
+        # the same requests with their own credentials are served
+        assert (
+            asyncio.run(_call(b.address, LOOKUP, [LOOKUP_RAW], cred(LOOKUP, idb, LOOKUP_RAW)))
+            == "OK"
+        )
+        assert asyncio.run(_call(a.address, LOOKUP, [other], cred(LOOKUP, ida, other))) == "OK"
+        assert asyncio.run(_call(a.address, FETCH, [f2], cred(FETCH, ida, f2))) == "NOT_FOUND"
+        assert asyncio.run(_call(a.address, PUBLISH, [p2], cred(PUBLISH, ida, p2))) == "OK"
+        sa, sb = scrape(ma), scrape(mb)
+        auth = "kvmesh_rejections_total{{reason={},surface=auth}}"
+        assert sa[auth.format("replayed")] == 1
+        assert sa[auth.format("bad_mac")] == 4  # lookup, fetch, publish bodies; other method
+        assert sa[auth.format("wrong_destination")] == 1  # the wildcard outside Exchange
+        assert sb[auth.format("wrong_destination")] == 1
+        assert a.proc.poll() is None and b.proc.poll() is None
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_the_nonce_cache_is_bounded_and_never_forgets_into_a_replay():
+    now = [1000.0]
+    server = FleetAuth(KEY, "srv", clock=lambda: now[0], max_nonces=4)
+    client = FleetAuth(KEY, "cli", clock=lambda: now[0])
+    raw = body_digest(b"req")
+    sent = []
+    for _ in range(6):
+        now[0] += 0.5  # exact in binary: one ms stamp each
+        sent.append(client.call_metadata(LOOKUP, "srv", raw))
+        server.verify_call(LOOKUP, sent[-1], raw)
+    assert len(server.nonces) == 4
+    for md in sent:  # forgotten or remembered, every one is refused
+        with pytest.raises(Unauthenticated):
+            server.verify_call(LOOKUP, md, raw)
+    assert server.refusals["replayed"] == 4 and server.refusals["replay_window_full"] == 2
+    now[0] += 1.0
+    server.verify_call(LOOKUP, client.call_metadata(LOOKUP, "srv", raw), raw)  # fresh: fine
+    late = client.call_metadata(LOOKUP, "srv", raw)
+    now[0] += MAX_SKEW_S + 1
+    with pytest.raises(Unauthenticated):
+        server.verify_call(LOOKUP, late, raw)  # outside the time window
+    assert server.refusals["stale"] == 1
+    server.verify_call(LOOKUP, client.call_metadata(LOOKUP, "srv", raw), raw)
+    assert len(server.nonces) == 1  # entries older than the window are gone
+
+
+def test_replayed_goodbyes_and_a_full_membership_remove_or_add_no_one():
+    """A goodbye removes only the life (epoch) and version it names; membership
+    holds at most ``max_members`` nodes however many cards arrive."""
+    m = Membership("a", lambda: pb.CapabilityCard(alias="a"), max_members=2)
+    old_bye = pb.CapabilityCard(node_id="b", epoch="e1", version=3, roles=["leaving"])
+    m.merge([pb.CapabilityCard(node_id="b", epoch="e2", version=1, roles=["cache"])])  # new life
+    m.merge([old_bye])  # a goodbye of the earlier life, replayed
+    assert [c.node_id for c in m.live()] == ["b"]
+    m.merge([pb.CapabilityCard(node_id="b", epoch="e2", version=5, roles=["cache"])])
+    m.merge([pb.CapabilityCard(node_id="b", epoch="e2", version=4, roles=["leaving"])])  # stale
+    assert [c.node_id for c in m.live()] == ["b"]
+    flood = [pb.CapabilityCard(node_id=f"n{i}", epoch="e", version=1) for i in range(100)]
+    m.merge(flood)
+    assert len(m.live()) == 2 and m.rejected_cards == 99

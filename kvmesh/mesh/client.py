@@ -1,10 +1,18 @@
 """What a head uses to reach the fleet: lookup, fetch, publish, gossip exchange.
 
-One long-lived channel per peer address. Lookups fan out concurrently under a
-short deadline and are metadata only. A fetch streams blocks under a lease and
-hashes them in a worker thread while the next chunks arrive; every failure is a
-typed error whose ``reason`` the caller counts before falling back. Publishing
-goes through a bounded queue that drops (and counts) rather than ever blocking.
+One long-lived channel per peer address (at most ``MAX_CHANNELS``, least
+recently used closed first). Lookups fan out concurrently under a short deadline
+and are metadata only; a peer the caller marks as failing (``skip``) is not
+waited for, but still asked in the background, so that its failure keeps being
+reported while it lasts and no request pays its deadline again. A fetch streams
+blocks under a lease and hashes them in a worker thread while the next chunks
+arrive; it aborts when the total deadline passes or when no bytes arrive for
+``progress_timeout`` (:class:`FetchStalled`). Every failure is a typed error whose
+``reason`` the caller counts before falling back. Publishing goes through a
+bounded queue that drops (and counts) rather than ever blocking.
+
+Under a fleet key each call's credential is bound to its destination's node id
+and to the exact request bytes sent (requests are serialized once, here).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import hashlib
 import json
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,13 +46,23 @@ from ..errors import (
 )
 from .membership import Membership
 from .proto import kvmesh_pb2 as pb
-from .proto import kvmesh_pb2_grpc as pbg
-from .security import FleetAuth, TLSConfig, open_channel
+from .security import ANY_DEST, FleetAuth, TLSConfig, body_digest, open_channel
 from .server import GRPC_OPTIONS
 
 log = logging.getLogger("kvmesh.client")
 
 ASK_ALL_BELOW = 8  # fleets this small are asked in full: a lookup is ~1 ms and metadata only
+MAX_CHANNELS = 512  # addresses come from gossip: a hostile card must not open channels forever
+LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
+FETCH = "/kvmesh.v1.PrefillCache/Fetch"
+PUBLISH = "/kvmesh.v1.PrefillCache/Publish"
+EXCHANGE = "/kvmesh.v1.Membership/Exchange"
+
+
+class FetchStalled(PeerTimeout):
+    """No bytes arrived for the progress timeout: the peer is alive but silent."""
+
+    reason = "stalled"
 
 
 @dataclass(frozen=True)
@@ -128,17 +146,21 @@ class MeshClient:
         chunk_bytes: int = CHUNK_BYTES,
         publish_queue: int = 64,
         replicas: int = 1,
+        progress_timeout: float = 2.0,
     ) -> None:
         self.membership = membership
         self.auth = auth
         self.tls = tls
         self.lookup_deadline = lookup_deadline
         self.fetch_deadline = fetch_deadline
+        self.progress_timeout = progress_timeout
         self.chunk_bytes = chunk_bytes
         self.replicas = replicas
         self.counters: Counter[str] = Counter()
         self.transfers: deque[Transfer] = deque(maxlen=64)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._probing: set[str] = set()  # node ids with a background lookup in flight
         # blocks alternate between two single-thread hashers: chunks of one block
         # stay in order, and consecutive blocks are verified in parallel
         self._hashers = [
@@ -154,15 +176,37 @@ class MeshClient:
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = open_channel(address, self.tls, GRPC_OPTIONS)
+            while len(self._channels) > MAX_CHANNELS:
+                _, old = self._channels.popitem(last=False)
+                self._spawn(old.close(grace=self.fetch_deadline))
+        self._channels.move_to_end(address)
         return ch
 
-    def _md(self, method: str) -> tuple[tuple[str, str], ...] | None:
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+
+    def _md(self, method: str, dest: str, raw: bytes) -> tuple[tuple[str, str], ...] | None:
+        """Call metadata: a credential for ``dest`` bound to the request bytes ``raw``."""
         self.counters[f"rpc:{method.rsplit('/', 1)[-1]}"] += 1
-        return self.auth.call_metadata(method) if self.auth else None
+        return self.auth.call_metadata(method, dest, body_digest(raw)) if self.auth else None
+
+    async def _unary(
+        self, address: str, method: str, dest: str, raw: bytes, response: Any, timeout: float
+    ) -> Any:
+        """One unary call with the request already serialized (``raw`` is what the
+        credential binds, byte for byte)."""
+        call = self.channel(address).unary_unary(
+            method, request_serializer=None, response_deserializer=response.FromString
+        )
+        return await call(raw, timeout=timeout, metadata=self._md(method, dest, raw))
 
     async def close(self) -> None:
         if self._publisher:
             self._publisher.cancel()
+        for task in list(self._background):
+            task.cancel()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -172,13 +216,19 @@ class MeshClient:
     # -- gossip ------------------------------------------------------------------
 
     async def exchange(self, address: str, node_id: str | None, timeout: float = 2.0) -> None:
-        stub = pbg.MembershipStub(self.channel(address))
-        method = "/kvmesh.v1.Membership/Exchange"
+        """Push-pull our cards with the node at ``address``. Under a fleet key a
+        credential names its destination, so a seed whose id is not yet known is
+        first asked, with an empty request, who it is (its own card comes first)."""
+        if node_id is None and self.auth is not None:
+            resp = await self._unary(address, EXCHANGE, ANY_DEST, b"", pb.ExchangeResponse, timeout)
+            self.membership.merge(list(resp.cards))
+            if not resp.cards:
+                return
+            node_id = resp.cards[0].node_id
+        raw = pb.ExchangeRequest(cards=self.membership.outgoing()).SerializeToString()
         t0 = time.perf_counter()
-        resp = await stub.Exchange(
-            pb.ExchangeRequest(cards=self.membership.outgoing()),
-            timeout=timeout,
-            metadata=self._md(method),
+        resp = await self._unary(
+            address, EXCHANGE, node_id or ANY_DEST, raw, pb.ExchangeResponse, timeout
         )
         rtt_ms = (time.perf_counter() - t0) * 1000
         self.membership.merge(list(resp.cards))
@@ -205,27 +255,68 @@ class MeshClient:
                 out.setdefault(n, by_id[n])
         return list(out.values())
 
-    async def lookup(self, card: CompatCard, keys: PrefixKeys) -> tuple[list[PeerHit], list[str]]:
+    async def lookup(
+        self,
+        card: CompatCard,
+        keys: PrefixKeys,
+        skip: Callable[[str], bool] | None = None,
+        on_failure: Callable[[str, str], None] | None = None,
+    ) -> tuple[list[PeerHit], list[str]]:
         """Concurrent lookup on every compatible live peer: (hits longest first,
-        the failure reasons of peers that did not answer)."""
+        the failure reasons of peers that did not answer).
+
+        ``skip(node_id)`` true: that peer (e.g. one backed off by a circuit
+        breaker) is not waited for; it is asked in the background instead (one
+        probe per peer at a time) and its answer is never a hit. ``on_failure
+        (node_id, reason)`` is called, on this loop, for every peer whose lookup
+        failed or whose answer did not add up, probes included."""
         peers = self.compatible_peers(card, (keys.blocks or (keys.tail,))[0])
-        if not peers:
-            return [], []
         req = pb.LookupRequest(
             namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail]
         )
-        results = await asyncio.gather(*(self._lookup_one(p, req) for p in peers))
+        raw = req.SerializeToString()
+        waited = []
+        for p in peers:
+            if skip is not None and skip(p.node_id):
+                self.counters["lookup_skipped"] += 1
+                self._probe(p, req, raw, on_failure)
+            else:
+                waited.append(p)
+        results = await asyncio.gather(*(self._lookup_one(p, req, raw) for p in waited))
         hits, errors = [], []
-        for r in results:
-            if isinstance(r, str):
-                errors.append(r)
-            elif isinstance(r, PeerHit) and r.tokens > 0:
+        for peer, r in zip(waited, results, strict=True):
+            if isinstance(r, PeerHit) and r.tokens > 0:
                 try:
                     hits.append(_validated(r, Layout(card), keys.tail_tokens))
                 except MalformedPayload as e:  # a claim that does not add up is no hit at all
                     self.counters[f"lookup_failed:{e.reason}"] += 1
-                    errors.append(e.reason)
+                    r = e.reason
+            if isinstance(r, str):
+                errors.append(r)
+                _report(on_failure, peer.node_id, r)
         return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h))), errors
+
+    def _probe(
+        self,
+        peer: pb.CapabilityCard,
+        req: pb.LookupRequest,
+        raw: bytes,
+        on_failure: Callable[[str, str], None] | None,
+    ) -> None:
+        """Ask a skipped peer in the background: its failure is still reported."""
+        if peer.node_id in self._probing:
+            return
+        self._probing.add(peer.node_id)
+
+        async def probe() -> None:
+            try:
+                r = await self._lookup_one(peer, req, raw)
+            finally:
+                self._probing.discard(peer.node_id)
+            if isinstance(r, str):
+                _report(on_failure, peer.node_id, r)
+
+        self._spawn(probe())
 
     def _endpoint_rank(self, hit: PeerHit) -> tuple[int, float]:
         from .membership import INTERFACE_PRIORITY
@@ -234,16 +325,15 @@ class MeshClient:
         return INTERFACE_PRIORITY.get(hit.interface, 9), rtt
 
     async def _lookup_one(
-        self, peer: pb.CapabilityCard, req: pb.LookupRequest
+        self, peer: pb.CapabilityCard, req: pb.LookupRequest, raw: bytes
     ) -> PeerHit | str | None:
         eps = self.membership.ranked_endpoints(peer)
         if not eps:
             return None
         ep = eps[0]
-        method = "/kvmesh.v1.PrefillCache/Lookup"
         try:
-            resp = await pbg.PrefillCacheStub(self.channel(ep.address)).Lookup(
-                req, timeout=self.lookup_deadline, metadata=self._md(method)
+            resp = await self._unary(
+                ep.address, LOOKUP, peer.node_id, raw, pb.LookupResponse, self.lookup_deadline
             )
         except grpc.aio.AioRpcError as e:
             err = _error(e)
@@ -282,7 +372,8 @@ class MeshClient:
         deadline: float | None = None,
     ) -> list[Block]:
         """Stream ``hit``'s blocks from index ``start`` on, verified, within ``deadline``
-        seconds (at most the client's fetch deadline). Raises a typed error.
+        seconds (at most the client's fetch deadline), each wait for bytes within
+        ``progress_timeout``. Raises a typed error.
 
         ``on_block`` is called on a worker thread with each block as soon as its
         SHA-256 has been checked, so the caller can import while the rest arrives."""
@@ -299,15 +390,15 @@ class MeshClient:
             chunk_bytes=self.chunk_bytes,
             lease_ttl_s=lease_ttl or max(10.0, self.fetch_deadline),
         )
-        method = "/kvmesh.v1.PrefillCache/Fetch"
+        raw = req.SerializeToString()
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         call = self.channel(hit.address).unary_stream(
-            method, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=None
+            FETCH, request_serializer=None, response_deserializer=None
         )(
-            req,
+            raw,
             timeout=min(self.fetch_deadline, deadline or self.fetch_deadline),
-            metadata=self._md(method),
+            metadata=self._md(FETCH, hit.node_id, raw),
         )
         asms = [Assembler(layout, i.nbytes, i.digest) for i in infos]
         done: list[Block | None] = [None] * len(asms)
@@ -325,7 +416,7 @@ class MeshClient:
         pending: list[asyncio.Future[None]] = []
         i = booked = 0
         try:
-            async for data in call:
+            while (data := await self._next_chunk(call, hit)) is not None:
                 if i >= len(asms) or booked + len(data) > asms[i].total:
                     raise MalformedPayload("chunk beyond the blocks asked for")
                 booked += len(data)
@@ -358,6 +449,16 @@ class MeshClient:
         self.counters["bytes_fetched"] += total
         self.transfers.append(Transfer(hit.alias, total, dt, len(blocks), time.time()))
         return blocks
+
+    async def _next_chunk(self, call: Any, hit: PeerHit) -> bytes | None:
+        """The next message of a fetch, None at its end; :class:`FetchStalled` when
+        nothing arrives within the progress timeout."""
+        try:
+            async with asyncio.timeout(self.progress_timeout):
+                data = await call.read()
+        except TimeoutError:
+            raise FetchStalled(f"no bytes from {hit.alias} for {self.progress_timeout} s") from None
+        return None if data is grpc.aio.EOF else data
 
     # -- publish -----------------------------------------------------------------
 
@@ -413,12 +514,15 @@ class MeshClient:
         tails = [b.key for b in blocks if b.header.kind == "tail"]
         if not eps or blocks[0].header.start != 0:
             return 0
-        method = "/kvmesh.v1.PrefillCache/Lookup"
+        req = pb.LookupRequest(namespace=card.namespace, block_keys=full, tail_keys=tails)
         try:
-            resp = await pbg.PrefillCacheStub(self.channel(eps[0].address)).Lookup(
-                pb.LookupRequest(namespace=card.namespace, block_keys=full, tail_keys=tails),
-                timeout=self.lookup_deadline * 4,
-                metadata=self._md(method),
+            resp = await self._unary(
+                eps[0].address,
+                LOOKUP,
+                peer.node_id,
+                req.SerializeToString(),
+                pb.LookupResponse,
+                self.lookup_deadline * 4,
             )
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
@@ -428,10 +532,12 @@ class MeshClient:
         eps = self.membership.ranked_endpoints(peer)
         if not eps:
             raise PeerUnavailable("peer has no endpoint")
+        if not blocks:
+            return pb.PublishResponse()
         card_json = json.dumps(card.to_json())
         size = self.chunk_bytes
 
-        def stream():  # type: ignore[no-untyped-def]
+        def messages():  # type: ignore[no-untyped-def]
             first = True
             for i, blk in enumerate(blocks):
                 for j, c in enumerate(chunks(blk.blob, size)):
@@ -440,12 +546,21 @@ class MeshClient:
                         msg.nbytes, msg.digest = blk.nbytes, blk.digest
                     if first:
                         msg.card_json, first = card_json, False
-                    yield msg
+                    yield msg.SerializeToString()
 
-        method = "/kvmesh.v1.PrefillCache/Publish"
+        stream = messages()
+        first = next(stream)  # the credential binds the first message (see body_digest)
+
+        def raws():  # type: ignore[no-untyped-def]
+            yield first
+            yield from stream
+
+        call = self.channel(eps[0].address).stream_unary(
+            PUBLISH, request_serializer=None, response_deserializer=pb.PublishResponse.FromString
+        )
         try:
-            resp = await pbg.PrefillCacheStub(self.channel(eps[0].address)).Publish(
-                stream(), timeout=self.fetch_deadline, metadata=self._md(method)
+            resp = await call(
+                raws(), timeout=self.fetch_deadline, metadata=self._md(PUBLISH, peer.node_id, first)
             )
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
@@ -453,3 +568,13 @@ class MeshClient:
         if resp.rejected:
             self.counters[f"publish_rejected:{resp.reason}"] += 1
         return resp
+
+
+def _report(on_failure: Callable[[str, str], None] | None, node_id: str, reason: str) -> None:
+    """Tell the caller a peer failed; the caller's bug never fails a lookup."""
+    if on_failure is None:
+        return
+    try:
+        on_failure(node_id, reason)
+    except Exception:
+        log.exception("on_failure callback raised")

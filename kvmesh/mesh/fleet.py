@@ -43,12 +43,21 @@ class Fleet:
     def local_prefix(self, keys: PrefixKeys) -> Match:
         return self.store.longest_prefix(keys)
 
-    def lookup(self, card: CompatCard, keys: PrefixKeys) -> tuple[list[PeerHit], list[str]]:
+    def lookup(
+        self,
+        card: CompatCard,
+        keys: PrefixKeys,
+        skip: Callable[[str], bool] | None = None,
+        on_failure: Callable[[str, str], None] | None = None,
+    ) -> tuple[list[PeerHit], list[str]]:
         """Validated hits (longest first) and the failure reasons of peers that did
-        not answer. Never raises: a failed lookup is a miss."""
+        not answer. Peers for which ``skip(node_id)`` is true are not waited for;
+        ``on_failure(node_id, reason)`` hears of each peer that failed (both run on
+        the mesh thread). Never raises: a failed lookup is a miss."""
         try:
             return self._node.call(
-                self._client.lookup(card, keys), timeout=self._client.lookup_deadline + 1
+                self._client.lookup(card, keys, skip, on_failure),
+                timeout=self._client.lookup_deadline + 1,
             )
         except TimeoutError:
             return [], ["timeout"]

@@ -1,12 +1,57 @@
-"""Prometheus metrics of a mesh node, collected on scrape (no hot-path cost)."""
+"""Prometheus metrics of a mesh node, collected on scrape (no hot-path cost).
+
+Besides store gauges and ``kvmesh_events{kind, side}`` (every counter of the
+node's server and client, ``side`` telling which), two families let an operator
+alert on a hostile or failing fleet without knowing every counter name:
+
+- ``kvmesh_lookup_failures{reason}``: this node's lookups on peers that failed
+  or whose answer did not add up (``lookup_failed:*``, probes included);
+- ``kvmesh_rejections{surface, reason}``: what this node refused as a receiver:
+  ``publish`` (``publish_rejected:*``), ``fetch``, ``lookup``, ``auth`` (call
+  credentials, by why), ``request`` (bytes that do not parse), ``card``
+  (gossiped cards) and ``store``.
+
+The usual reasons are always present (zero until they happen), so an alert rule
+never waits for a first occurrence to exist.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+LOOKUP_REASONS = (
+    "timeout",
+    "peer_unreachable",
+    "unauthenticated",
+    "malformed_payload",
+    "oversize_payload",
+)
+SURFACES: dict[str, tuple[str, ...]] = {
+    "publish": (
+        "oversize_payload",
+        "store_full",
+        "malformed_payload",
+        "checksum_mismatch",
+        "timeout",
+        "orphan_block",
+        "immutable_conflict",
+        "incompatible_card",
+    ),
+    "fetch": ("duplicate_keys", "bad_request", "stale_epoch", "lease_expired", "not_found"),
+    "lookup": ("too_many_keys",),
+    "request": ("malformed",),
+    "auth": ("missing", "malformed", "bad_mac", "wrong_destination", "stale", "replayed"),
+}
+PREFIXES = {"publish_rejected:": "publish", "fetch_rejected:": "fetch", "lookup_rejected:": "lookup",
+            "unauthenticated:": "auth", "request_rejected:": "request"}  # fmt: skip
+
+
+def _by_prefix(counters: Mapping[str, int], prefix: str) -> dict[str, int]:
+    return {k[len(prefix) :]: v for k, v in counters.items() if k.startswith(prefix)}
 
 
 class NodeCollector(Collector):
@@ -17,6 +62,11 @@ class NodeCollector(Collector):
         node = self._node_fn()
         if node is None:
             return
+        yield from self._store(node)
+        yield from self._events(node)
+        yield from self._failures(node)
+
+    def _store(self, node: Any) -> Iterator[Any]:
         s = node.store.stats
         yield GaugeMetricFamily(
             "kvmesh_store_budget_bytes", "Store byte budget", value=s.budget_bytes
@@ -27,6 +77,16 @@ class NodeCollector(Collector):
         yield GaugeMetricFamily(
             "kvmesh_peers_live", "Live peers", value=len(node.membership.live())
         )
+        yield GaugeMetricFamily(
+            "kvmesh_publish_inflight_bytes",
+            "Bytes reserved for published blocks being received",
+            value=node.cache.inflight_bytes,
+        )
+        yield GaugeMetricFamily(
+            "kvmesh_publish_inflight_cap_bytes",
+            "Most bytes of published blocks received at once (this node's limit)",
+            value=node.cache.max_inflight_bytes,
+        )
         for name, value, doc in (
             ("kvmesh_store_hits", s.hits, "Store lookups with a hit"),
             ("kvmesh_store_misses", s.misses, "Store lookups without a hit"),
@@ -34,9 +94,40 @@ class NodeCollector(Collector):
             ("kvmesh_store_inserts", s.inserts, "Blocks stored"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        c = CounterMetricFamily("kvmesh_events", "Node events by kind", labels=["kind"])
-        for k, v in sorted({**node.cache.counters, **node.client.counters}.items()):
-            c.add_metric([k], v)
-        for k, v in sorted(s.rejects.items()):
-            c.add_metric([f"store_rejected:{k}"], v)
+
+    def _events(self, node: Any) -> Iterator[Any]:
+        c = CounterMetricFamily(
+            "kvmesh_events", "Node events by kind and side", labels=["kind", "side"]
+        )
+        for side, counters in (("server", node.cache.counters), ("client", node.client.counters)):
+            for k, v in sorted(counters.items()):
+                c.add_metric([k, side], v)
+        for k, v in sorted(node.store.stats.rejects.items()):
+            c.add_metric([f"store_rejected:{k}", "server"], v)
         yield c
+
+    def _failures(self, node: Any) -> Iterator[Any]:
+        lookups = dict.fromkeys(LOOKUP_REASONS, 0)
+        lookups.update(_by_prefix(node.client.counters, "lookup_failed:"))
+        f = CounterMetricFamily(
+            "kvmesh_lookup_failures",
+            "Lookups on peers that failed or did not add up, by reason",
+            labels=["reason"],
+        )
+        for reason, v in sorted(lookups.items()):
+            f.add_metric([reason], v)
+        yield f
+        r = CounterMetricFamily(
+            "kvmesh_rejections",
+            "What this node refused as a receiver, by surface and reason",
+            labels=["surface", "reason"],
+        )
+        for prefix, surface in PREFIXES.items():
+            seen = dict.fromkeys(SURFACES.get(surface, ()), 0)
+            seen.update(_by_prefix(node.cache.counters, prefix))
+            for reason, v in sorted(seen.items()):
+                r.add_metric([surface, reason], v)
+        r.add_metric(["card", "rejected"], node.membership.rejected_cards)
+        for reason, v in sorted(node.store.stats.rejects.items()):
+            r.add_metric(["store", reason], v)
+        yield r

@@ -20,6 +20,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..disk import DiskConfig
 from ..store import BlockStore
 from .client import MeshClient
 from .membership import MAX_MEMBERS, Membership, detect_endpoints, parse_advertise
@@ -50,6 +51,14 @@ class NodeConfig:
     max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES  # the receiver's own per-block cap
     max_inflight_bytes: int = 2 * DEFAULT_MAX_BLOCK_BYTES  # publish bytes buffered at once
     max_members: int = MAX_MEMBERS
+    disk_path: str = ""  # a disk tier under the RAM store (empty: none)
+    disk_budget_bytes: int = 16 << 30
+    disk_admit: str = "evicted"  # "evicted" (every block) | "hit" (blocks hit at least once)
+
+    def disk(self) -> DiskConfig | None:
+        if not self.disk_path:
+            return None
+        return DiskConfig(self.disk_path, self.disk_budget_bytes, self.disk_admit)
 
     def resolved_node_id(self) -> str:
         if self.node_id:
@@ -66,7 +75,7 @@ class MeshNode:
         self.config = config
         self.node_id = config.resolved_node_id()
         self.alias = config.alias or f"node-{self.node_id[:6]}"
-        self.store = BlockStore(config.budget_bytes)
+        self.store = BlockStore(config.budget_bytes, disk=config.disk())
         self.cache = CacheService(self.store, config.max_block_bytes, config.max_inflight_bytes)
         self.auth = config.security.auth(self.node_id)
         self.membership = Membership(
@@ -87,10 +96,13 @@ class MeshNode:
         self._server: Any = None
         self._gossip: asyncio.Task[None] | None = None
         self.extra_namespaces: dict[str, str] = {}  # hex -> summary (a head's own model)
+        self._disk_namespaces = self.store.namespaces() if config.disk_path else set()
 
     def _card(self) -> pb.CapabilityCard:
         s = self.store.stats
-        ns = {k.hex(): v for k, v in self.cache.summaries.items()}
+        # namespaces rebuilt from a disk tier are served before anyone publishes again
+        ns = {k.hex(): "" for k in self._disk_namespaces}
+        ns.update({k.hex(): v for k, v in self.cache.summaries.items()})
         ns.update(self.extra_namespaces)
         return pb.CapabilityCard(
             alias=self.alias,
@@ -172,6 +184,7 @@ class MeshNode:
         await self.client.close()
         if self._server:
             await self._server.stop(grace)
+        await asyncio.to_thread(self.store.close)  # finish queued disk writes
 
 
 class NodeThread:

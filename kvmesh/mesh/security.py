@@ -2,10 +2,24 @@
 
 The fleet key never travels. From it we derive two subkeys: one keys the block
 hashes (HMAC-SHA256, see :mod:`kvmesh.blocks`), the other authenticates calls and
-capability cards. A call carries ``x-kvmesh-auth: node.ts.nonce.mac`` where
-``mac = HMAC(auth_key, method|node|ts|nonce)``; the server rejects stale
-timestamps and replayed nonces. Each card carries an HMAC over its own bytes, so
-a card relayed by gossip is still verifiable end to end.
+capability cards. Each card carries an HMAC over its own bytes, so a card
+relayed by gossip is still verifiable end to end.
+
+A call carries ``x-kvmesh-auth: NODE.DEST.TS.NONCE.MAC`` (``DEST`` hex-encoded),
+where ``MAC = HMAC(auth_key, method, node, dest, ts, nonce, body)`` over
+length-prefixed fields and ``body`` is the SHA-256 of the serialized request (for
+the streaming ``Publish``, of its first message: see :func:`body_digest`). A
+server accepts a credential only when
+
+- its MAC matches the request it came with (so a credential moved onto another
+  body, or another method, is refused),
+- ``dest`` is the server's own node id (so a credential captured on its way to
+  one peer is refused by every other), except the wildcard ``*``, accepted only
+  for an empty ``Exchange``: how a node first learns a seed's id,
+- its timestamp is within ``MAX_SKEW_S`` of the server's clock, and
+- its nonce was not seen before. The nonce cache holds at most ``max_nonces``
+  entries; when full it forgets the oldest and refuses every credential not newer
+  than what it forgot, so a forgotten nonce can never be replayed.
 """
 
 from __future__ import annotations
@@ -15,8 +29,8 @@ import hmac
 import secrets
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +41,27 @@ from ..errors import ConfigError, Unauthenticated
 
 AUTH_HEADER = "x-kvmesh-auth"
 MAX_SKEW_S = 120.0
+MAX_NONCES = 1 << 18  # ~2,000 calls/s for the whole skew window; ~40 MiB at most
+ANY_DEST = "*"
+EXCHANGE = "/kvmesh.v1.Membership/Exchange"
+EMPTY_BODY = hashlib.sha256(b"").digest()
+
+
+def body_digest(raw: bytes) -> bytes:
+    """What a credential binds of a request: SHA-256 of its serialized bytes. For
+    the streaming ``Publish`` that is its first message (the card, the first
+    block's size and SHA-256 and its first chunk); later blocks are each checked
+    against the SHA-256 announced in their own first chunk, which only TLS
+    protects from an on-path attacker."""
+    return hashlib.sha256(raw).digest()
+
+
+class CallRefused(Unauthenticated):
+    """A call credential refused; ``why`` is the short name counted for it."""
+
+    def __init__(self, why: str, message: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 def load_fleet_key(path: str | Path) -> bytes:
@@ -36,50 +71,111 @@ def load_fleet_key(path: str | Path) -> bytes:
     return raw
 
 
+class NonceCache:
+    """Nonces seen within the skew window, bounded. Forgetting a nonce raises a
+    floor: credentials at or below the floor's timestamp are refused outright."""
+
+    def __init__(self, max_entries: int = MAX_NONCES) -> None:
+        self.max_entries = max_entries
+        self._seen: OrderedDict[str, int] = OrderedDict()  # nonce -> its credential's ts (ms)
+        self.floor_ms = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def admit(self, nonce: str, ts_ms: int, now_ms: int) -> None:
+        """Record ``nonce``, or raise :class:`CallRefused` if it was seen (or could be)."""
+        with self._lock:
+            if ts_ms <= self.floor_ms:
+                raise CallRefused("replay_window_full", "credential older than the replay window")
+            if nonce in self._seen:
+                raise CallRefused("replayed", "replayed fleet credential")
+            self._seen[nonce] = ts_ms
+            oldest = now_ms - int(MAX_SKEW_S * 1000)
+            # entries stale by the clock can go: a replay of one is refused as stale
+            while self._seen and next(iter(self._seen.values())) < oldest:
+                self._seen.popitem(last=False)
+            while len(self._seen) > self.max_entries:
+                _, ts = self._seen.popitem(last=False)
+                self.floor_ms = max(self.floor_ms, ts)
+
+
 class FleetAuth:
-    def __init__(self, fleet_key: bytes, node_id: str, clock=time.time) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self,
+        fleet_key: bytes,
+        node_id: str,
+        clock: Callable[[], float] = time.time,
+        max_nonces: int = MAX_NONCES,
+    ) -> None:
         self._auth_key = hmac.new(fleet_key, b"kvmesh/v1/auth", hashlib.sha256).digest()
         self.node_id = node_id
         self._clock = clock
-        self._seen: OrderedDict[str, float] = OrderedDict()
-        self._lock = threading.Lock()
+        self.nonces = NonceCache(max_nonces)
         self.rejected = 0
+        self.refusals: Counter[str] = Counter()  # why -> count
 
     def _mac(self, *parts: bytes) -> bytes:
         return hmac.new(self._auth_key, b"|".join(parts), hashlib.sha256).digest()
 
-    def call_metadata(self, method: str) -> tuple[tuple[str, str], ...]:
+    def _call_mac(self, *parts: bytes) -> bytes:
+        # length-prefixed: no field can be shifted into its neighbour
+        msg = b"".join(len(p).to_bytes(4, "big") + p for p in (b"call/v2", *parts))
+        return hmac.new(self._auth_key, msg, hashlib.sha256).digest()
+
+    def call_metadata(
+        self, method: str, dest: str = ANY_DEST, body: bytes = EMPTY_BODY
+    ) -> tuple[tuple[str, str], ...]:
+        """The credential of one call to node ``dest`` whose request digests to
+        ``body`` (see :func:`body_digest`); single use."""
         ts = str(int(self._clock() * 1000))
         nonce = secrets.token_hex(12)
-        mac = self._mac(method.encode(), self.node_id.encode(), ts.encode(), nonce.encode())
-        return ((AUTH_HEADER, f"{self.node_id}.{ts}.{nonce}.{mac.hex()}"),)
+        mac = self._call_mac(
+            method.encode(), self.node_id.encode(), dest.encode(), ts.encode(), nonce.encode(), body
+        )
+        value = f"{self.node_id}.{dest.encode().hex()}.{ts}.{nonce}.{mac.hex()}"
+        return ((AUTH_HEADER, value),)
 
-    def verify_call(self, method: str, metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
-        """Return the caller's node id, or raise :class:`Unauthenticated`."""
-        value = next((v for k, v in metadata or () if k == AUTH_HEADER), None)
+    def verify_call(
+        self,
+        method: str,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        body: bytes = EMPTY_BODY,
+    ) -> str:
+        """The caller's node id, or raise :class:`CallRefused` (counted by ``why``)."""
         try:
-            if not isinstance(value, str):
-                raise Unauthenticated("missing fleet credential")
-            node, ts, nonce, mac_hex = value.rsplit(".", 3)
-            expected = self._mac(method.encode(), node.encode(), ts.encode(), nonce.encode())
-            if not hmac.compare_digest(bytes.fromhex(mac_hex), expected):
-                raise Unauthenticated("bad fleet credential")
-            now = self._clock()
-            if abs(now - int(ts) / 1000) > MAX_SKEW_S:
-                raise Unauthenticated("stale fleet credential")
-            with self._lock:
-                if nonce in self._seen:
-                    raise Unauthenticated("replayed fleet credential")
-                self._seen[nonce] = now
-                while self._seen and next(iter(self._seen.values())) < now - 2 * MAX_SKEW_S:
-                    self._seen.popitem(last=False)
-            return node
-        except Unauthenticated:
+            return self._verify(method, metadata, body)
+        except CallRefused as e:
             self.rejected += 1
+            self.refusals[e.why] += 1
             raise
-        except ValueError:
-            self.rejected += 1
-            raise Unauthenticated("malformed credential") from None
+
+    def _verify(
+        self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None, body: bytes
+    ) -> str:
+        value = next((v for k, v in metadata or () if k == AUTH_HEADER), None)
+        if not isinstance(value, str):
+            raise CallRefused("missing", "missing fleet credential")
+        try:
+            node, dest_hex, ts, nonce, mac_hex = value.rsplit(".", 4)
+            dest, ts_ms, mac = bytes.fromhex(dest_hex).decode(), int(ts), bytes.fromhex(mac_hex)
+        except (ValueError, UnicodeDecodeError):
+            raise CallRefused("malformed", "malformed credential") from None
+        expected = self._call_mac(
+            method.encode(), node.encode(), dest.encode(), ts.encode(), nonce.encode(), body
+        )
+        if not hmac.compare_digest(mac, expected):
+            raise CallRefused("bad_mac", "bad fleet credential (another key, method or request)")
+        if dest != self.node_id and not (
+            dest == ANY_DEST and method == EXCHANGE and body == EMPTY_BODY
+        ):
+            raise CallRefused("wrong_destination", "credential made for another node")
+        now_ms = int(self._clock() * 1000)
+        if abs(now_ms - ts_ms) > MAX_SKEW_S * 1000:
+            raise CallRefused("stale", "stale fleet credential")
+        self.nonces.admit(nonce, ts_ms, now_ms)
+        return node
 
     def sign_card(self, payload: bytes) -> bytes:
         return self._mac(b"card", payload)

@@ -4,18 +4,24 @@ Lookup is metadata only. Fetch streams the chosen blocks under a lease tied to
 the store's epoch. Publish is idempotent and immutable: each block is validated
 against the card the publisher names (whose SHA-256 must be the namespace) and
 its SHA-256 is checked before it is stored. Under a fleet key every call must
-carry a valid credential (see :mod:`kvmesh.mesh.security`), else UNAUTHENTICATED.
+carry a credential bound to this node and to its request (see
+:mod:`kvmesh.mesh.security`), else UNAUTHENTICATED; request bytes are hashed
+before they are parsed, so nothing an unauthenticated caller sends is parsed.
 
 The receiver sets its own limits, never the publisher's card: a block larger
 than ``max_block_bytes`` (or than the store's budget) is refused when announced,
 and the bytes of every block being received are reserved against
 ``max_inflight_bytes`` *before* one of them is buffered, released on any outcome.
-A fetch naming a key twice is refused.
+A publisher that sends nothing for ``publish_progress_s`` is cut off (its
+reservation released). A fetch naming a key twice is refused. Every refusal is
+counted by reason (``publish_rejected:*``, ``fetch_rejected:*``,
+``lookup_rejected:*``, ``unauthenticated:*``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 from collections import Counter
@@ -23,16 +29,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..codec import CHUNK_BYTES, MAX_CHUNK_BYTES, Assembler, Layout, chunks
 from ..compat import CompatCard
-from ..errors import KVMeshError, LeaseExpired, OversizePayload, StoreFull, Unauthenticated
+from ..errors import (
+    KVMeshError,
+    LeaseExpired,
+    MalformedPayload,
+    OversizePayload,
+    PeerTimeout,
+    StoreFull,
+)
 from ..store import BlockStore
 from .membership import Membership
 from .proto import kvmesh_pb2 as pb
 from .proto import kvmesh_pb2_grpc as pbg
-from .security import FleetAuth, TLSConfig
+from .security import CallRefused, FleetAuth, TLSConfig, body_digest
 
 log = logging.getLogger("kvmesh.server")
 
@@ -41,6 +55,8 @@ MAX_NAMESPACES = 64
 MAX_LOOKUP_KEYS = 65536
 MAX_SUMMARY_CHARS = 200
 DEFAULT_MAX_BLOCK_BYTES = 64 << 20
+PUBLISH_PROGRESS_S = 10.0  # a publisher silent this long is cut off, its reservation freed
+HEALTH = "/grpc.health.v1.Health/"
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
     ("grpc.max_send_message_length", MAX_CHUNK_BYTES + (64 << 10)),
@@ -62,10 +78,13 @@ class CacheService:
         store: BlockStore,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
         max_inflight_bytes: int | None = None,
+        publish_progress_s: float = PUBLISH_PROGRESS_S,
     ) -> None:
         self.store = store
         self.max_block_bytes = max_block_bytes
         self.max_inflight_bytes = max_inflight_bytes or 2 * max_block_bytes
+        self.publish_progress_s = publish_progress_s
+        self._since_gc = 0  # publish bytes received since the last full collection
         self.inflight_bytes = 0
         self.layouts: dict[bytes, Layout] = {}
         self.summaries: dict[bytes, str] = {}
@@ -84,8 +103,21 @@ class CacheService:
     def _release(self, nbytes: int) -> None:
         self.inflight_bytes -= nbytes
 
+    def _received(self, nbytes: int) -> None:
+        """Collect cyclic garbage after every in-flight cap's worth of publish bytes.
+        grpc.aio leaves each finished call's state in a reference cycle, and that
+        state holds the call's received message buffers outside Python's heap;
+        left to the generational collector they pile up to several times the cap
+        under a flood of publishes (bench/hostile_publish.py measures it)."""
+        self._since_gc += nbytes
+        if self._since_gc >= self.max_inflight_bytes:
+            self._since_gc = 0
+            gc.collect()
+            self.counters["gc_collections"] += 1
+
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         if len(request.block_keys) > MAX_LOOKUP_KEYS or len(request.tail_keys) > 64:
+            self.counters["lookup_rejected:too_many_keys"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many keys")
         self.counters["lookups"] += 1
         tail = next((k for k in request.tail_keys if k in self.store), None)
@@ -104,17 +136,19 @@ class CacheService:
         (Not protobuf-encoded: a block travels without re-serialisation copies.)"""
         size = request.chunk_bytes or CHUNK_BYTES
         if not 0 < size <= MAX_CHUNK_BYTES or len(request.keys) > MAX_LOOKUP_KEYS:
+            self.counters["fetch_rejected:bad_request"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad fetch request")
         if len(set(request.keys)) != len(request.keys):
             self.counters["fetch_rejected:duplicate_keys"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duplicate keys")
         if request.epoch != self.store.epoch:
-            self.counters["stale_epoch"] += 1
+            self.counters["fetch_rejected:stale_epoch"] += 1
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale_epoch")
         ttl = request.lease_ttl_s if 0 < request.lease_ttl_s <= 300 else 30.0
         try:
             lease = self.store.lease(list(request.keys), ttl)
         except LeaseExpired:
+            self.counters["fetch_rejected:not_found"] += 1
             await context.abort(grpc.StatusCode.NOT_FOUND, "lease_expired")
         self.counters["fetches"] += 1
         try:
@@ -122,7 +156,7 @@ class CacheService:
                 try:
                     self.store.check_lease(lease.id, lease.epoch)
                 except LeaseExpired:
-                    self.counters["lease_expired"] += 1
+                    self.counters["fetch_rejected:lease_expired"] += 1
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "lease_expired")
                 block = self.store.get(key)
                 assert block is not None  # leased blocks are never evicted
@@ -144,7 +178,8 @@ class CacheService:
         asm: Assembler | None = None
         reserved = 0  # bytes of the block being received, held against the in-flight cap
         try:
-            async for msg in request_iterator:
+            async for msg in self._progressing(request_iterator):
+                self._received(msg.ByteSize())
                 if layout is None:
                     layout = self._layout(msg.card_json)
                 if msg.nbytes:  # first chunk of a block
@@ -184,6 +219,21 @@ class CacheService:
         finally:
             self._release(reserved)  # a failed or abandoned block frees its reservation
         return resp
+
+    async def _progressing(self, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """``messages``, cut off with :class:`PeerTimeout` when the next one takes
+        longer than ``publish_progress_s`` (a slow publisher must not hold its
+        reservation forever)."""
+        it = aiter(messages)
+        while True:
+            try:
+                async with asyncio.timeout(self.publish_progress_s):
+                    msg = await anext(it)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise PeerTimeout(f"publisher silent for {self.publish_progress_s} s") from None
+            yield msg
 
     def _layout(self, card_json: str) -> Layout:
         if not card_json or len(card_json) > MAX_CARD_JSON:
@@ -229,10 +279,15 @@ class MembershipService(pbg.MembershipServicer):
         return pb.ExchangeResponse(cards=self.membership.outgoing())
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without a valid fleet credential (health checks excepted)."""
+class RequestGate(grpc.aio.ServerInterceptor):
+    """Every request's bytes pass here before anything parses them. Under a fleet
+    key (``auth``) every call but health checks must carry a credential bound to
+    this node and to those bytes; a refusal is UNAUTHENTICATED, counted as
+    ``unauthenticated`` and ``unauthenticated:<why>``. Bytes that do not parse
+    are INVALID_ARGUMENT (counted ``request_rejected:malformed``), never an
+    exception escaping into gRPC (UNKNOWN, with the exception's text)."""
 
-    def __init__(self, auth: FleetAuth, counters: Counter[str]) -> None:
+    def __init__(self, auth: FleetAuth | None, counters: Counter[str]) -> None:
         self.auth = auth
         self.counters = counters
 
@@ -241,38 +296,98 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        method = details.method
-        if method.startswith("/grpc.health.v1.Health/"):
-            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return handler  # an unknown method: UNIMPLEMENTED
+        auth = None if details.method.startswith(HEALTH) else self.auth  # health is public
+
+        async def admit(raw: bytes, context: Any) -> Any:
+            """The parsed request once its credential checks out, else abort."""
+            if auth is not None:
+                try:
+                    auth.verify_call(details.method, details.invocation_metadata, body_digest(raw))
+                except CallRefused as e:
+                    self.counters["unauthenticated"] += 1
+                    self.counters[f"unauthenticated:{e.why}"] += 1
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            return await self._parse(handler, raw, context)
+
+        return _gated(handler, admit, self.counters)
+
+    async def _parse(self, handler: grpc.RpcMethodHandler, raw: bytes, context: Any) -> Any:
+        parse = handler.request_deserializer
         try:
-            self.auth.verify_call(method, details.invocation_metadata)
-        except Unauthenticated as e:
-            self.counters["unauthenticated"] += 1
-            return _deny(str(e), await continuation(details))
-        return await continuation(details)
+            return parse(raw) if parse is not None else raw
+        except (DecodeError, ValueError):
+            self.counters["request_rejected:malformed"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request")
 
 
-def _deny(message: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    async def abort(request: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+Admit = Callable[[bytes, Any], Awaitable[Any]]
 
-    async def abort_stream(request: Any, context: Any) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover
 
-    if handler is None:
-        return grpc.unary_unary_rpc_method_handler(abort)
-    kw = dict(
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-    if handler.request_streaming and not handler.response_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, **kw)
-    if handler.response_streaming and not handler.request_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort_stream, **kw)
-    if handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort_stream, **kw)
-    return grpc.unary_unary_rpc_method_handler(abort, **kw)
+async def _after_first(
+    first: Any,
+    rest: AsyncIterator[bytes],
+    parse: Callable[[bytes], Any] | None,
+    counters: Counter[str],
+) -> AsyncIterator[Any]:
+    """The request stream again: its admitted first message, then the rest parsed
+    (a message that does not parse is a typed payload error of the call)."""
+    yield first
+    async for raw in rest:
+        try:
+            yield parse(raw) if parse is not None else raw
+        except (DecodeError, ValueError):
+            counters["request_rejected:malformed"] += 1
+            raise MalformedPayload("a request message does not parse") from None
+
+
+def _gated(
+    handler: grpc.RpcMethodHandler, admit: Admit, counters: Counter[str]
+) -> grpc.RpcMethodHandler:
+    """``handler`` behind ``admit``: it receives raw request bytes, and its first
+    (for a stream, its only bound) request is admitted before anything runs."""
+    out = dict(response_serializer=handler.response_serializer)
+
+    async def first_of(raws: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
+        it = aiter(raws)
+        first = await anext(it, None)
+        msg = await admit(b"" if first is None else first, context)  # an empty stream binds b""
+        if first is None:
+            return _none()
+        return _after_first(msg, it, handler.request_deserializer, counters)
+
+    if not handler.request_streaming and not handler.response_streaming:
+
+        async def unary_unary(raw: bytes, context: Any) -> Any:
+            return await handler.unary_unary(await admit(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **out)
+    if not handler.request_streaming:
+
+        async def unary_stream(raw: bytes, context: Any) -> AsyncIterator[Any]:
+            async for item in handler.unary_stream(await admit(raw, context), context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, **out)
+    if not handler.response_streaming:
+
+        async def stream_unary(raws: AsyncIterator[bytes], context: Any) -> Any:
+            return await handler.stream_unary(await first_of(raws, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **out)
+
+    async def stream_stream(raws: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
+        async for item in handler.stream_stream(await first_of(raws, context), context):
+            yield item
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, **out)
+
+
+async def _none() -> AsyncIterator[Any]:
+    return
+    yield  # pragma: no cover
 
 
 async def start_server(
@@ -285,8 +400,8 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, int, CacheService]:
     """Start the gRPC server; return it, the bound port and the cache service."""
     cache = cache or CacheService(store)
-    interceptors = [AuthInterceptor(auth, cache.counters)] if auth else []
-    server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+    gate = RequestGate(auth, cache.counters)
+    server = grpc.aio.server(interceptors=[gate], options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((cache_handler(cache),))
     pbg.add_MembershipServicer_to_server(MembershipService(membership), server)
     hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

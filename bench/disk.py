@@ -1,0 +1,142 @@
+"""Disk tier figures: prefix reads (RAM vs disk, page cache warm and dropped),
+index rebuild for 10^5 blocks, write throughput under churn.
+
+    python bench/disk.py [--tokens 1024,4096] [--rebuild-blocks 100000]
+
+Blocks have the demo model's geometry (24 layers, 2 KV heads of 64, float32:
+24 KiB per token, 768 KiB per 32-token block). Writes results to
+bench/results/disk.json. Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvmesh.blocks import BlockKeyer  # noqa: E402
+from kvmesh.disk import DiskConfig, DiskFiles  # noqa: E402
+from kvmesh.store import BlockStore  # noqa: E402
+from tests.helpers import small_card, synthetic_chain  # noqa: E402
+
+DEMO = small_card(num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24,
+                  vocab_size=151936, block_tokens=32)  # fmt: skip
+TINY = small_card()  # 4-token blocks of a few hundred bytes: the rebuild test
+
+
+def drop_caches() -> str:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "dropped"
+    except OSError as e:
+        return f"not dropped: {e}"
+
+
+def prefix_reads(root: Path, n_tokens: int) -> dict[str, object]:
+    toks = list(range(n_tokens))
+    chain = synthetic_chain(DEMO, toks, tail=False)
+    keys = BlockKeyer(DEMO.namespace, DEMO.block_tokens).keys(toks)
+    d = root / f"prefix-{n_tokens}"
+    s = BlockStore(1 << 34, disk=DiskConfig(str(d), 1 << 34))
+    for b in chain:
+        s.put(b)
+    s.flush()
+    t0 = time.perf_counter()
+    ram = s.longest_prefix(keys)
+    ram_s = time.perf_counter() - t0
+    s.close()
+    out: dict[str, object] = {"tokens": n_tokens, "bytes": ram.nbytes, "ram_s": ram_s}
+    for label in ("disk_warm", "disk_dropped"):
+        note = drop_caches() if label == "disk_dropped" else "warm"
+        s = BlockStore(1 << 34, disk=DiskConfig(str(d), 1 << 34))  # a restart: empty RAM
+        t0 = time.perf_counter()
+        m = s.longest_prefix(keys)  # read, verify, promote
+        out[f"{label}_s"] = time.perf_counter() - t0
+        out[f"{label}_note"] = note
+        assert m.tokens == n_tokens
+        s.close()
+    shutil.rmtree(d)
+    return out
+
+
+def rebuild(root: Path, n_blocks: int) -> dict[str, object]:
+    d = root / "rebuild"
+    files = DiskFiles(d)
+    made, i = 0, 0
+    while made < n_blocks:  # many short chains; files written without fsync (setup only)
+        for b in synthetic_chain(TINY, [i % 7] + list(range(i, i + 39))):
+            (files.blocks / (b.digest.hex() + ".kvb")).write_bytes(b.blob)
+            made += 1
+        i += 1
+    t0 = time.perf_counter()
+    s = BlockStore(1 << 30, disk=DiskConfig(str(d), 1 << 34))
+    dt = time.perf_counter() - t0
+    out = {"files": made, "indexed": s.disk_stats.entries, "rebuild_s": dt}
+    s.close()
+    shutil.rmtree(d)
+    return out
+
+
+def churn(root: Path, n_blocks: int) -> dict[str, object]:
+    """Distinct 768 KiB blocks through 16 MiB of RAM into a 64 MiB disk tier."""
+    d = root / "churn"
+    s = BlockStore(16 << 20, disk=DiskConfig(str(d), 64 << 20))
+    blocks = []
+    i = 0
+    while len(blocks) < n_blocks:
+        blocks += synthetic_chain(DEMO, [i] + list(range(1, 8 * 32)), tail=False)
+        i += 1
+    t0 = time.perf_counter()
+    for b in blocks[:n_blocks]:
+        s.put(b)
+    put_s = time.perf_counter() - t0
+    s.flush()
+    dt = time.perf_counter() - t0
+    ds = s.disk_stats
+    out = {
+        "blocks": n_blocks,
+        "bytes": sum(b.nbytes for b in blocks[:n_blocks]),
+        "put_s": put_s,
+        "written_s": dt,
+        "admissions": ds.admissions,
+        "dropped_queue_full": ds.dropped,
+        "disk_evictions": ds.evictions,
+        "written_mib_s": ds.admissions * blocks[0].nbytes / dt / 2**20,
+    }
+    s.close()
+    shutil.rmtree(d)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1024,4096")
+    ap.add_argument("--rebuild-blocks", type=int, default=100_000)
+    ap.add_argument("--churn-blocks", type=int, default=200)
+    ap.add_argument("--dir", help="where to write (default: a temp dir)")
+    args = ap.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="kvmesh-disk-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    res = {
+        "prefix_reads": [prefix_reads(root, int(n)) for n in args.tokens.split(",")],
+        "rebuild": rebuild(root, args.rebuild_blocks),
+        "churn": churn(root, args.churn_blocks),
+    }
+    out = Path(__file__).parent / "results" / "disk.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res, indent=2))
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
