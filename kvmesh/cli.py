@@ -410,6 +410,37 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     help="Fraction of remote hits whose random block is recomputed off the request path and "
     "compared with the peer's bytes; a peer that disagrees is quarantined.",
 )
+@click.option(
+    "--api-key-scope",
+    type=click.Choice(["admin", "all"]),
+    default="admin",
+    show_default=True,
+    help="What --api-key-file protects: admin (network writes and private reads) or all "
+    "(also /v1/completions, /v1/chat/completions and /v1/models, like vLLM's --api-key).",
+)
+@click.option(
+    "--max-queue",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests that may wait for the engine; one more is answered 503 with Retry-After.",
+)
+@click.option(
+    "--max-body-bytes",
+    default="4MiB",
+    show_default=True,
+    help="Largest HTTP request body; a larger one is answered 413.",
+)
+@click.option(
+    "--http-tls-cert",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Certificate (PEM) for the HTTP listener: serve HTTPS.",
+)
+@click.option(
+    "--http-tls-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Private key (PEM) of --http-tls-cert.",
+)
 @click.option("--gossip-interval", default=1.0, show_default=True)
 @click.option("--ttl", default=5.0, show_default=True)
 @click.option(
@@ -433,6 +464,11 @@ def head(
     served_model_name: tuple[str, ...],
     max_tokens_default: int | None,
     audit_rate: float,
+    api_key_scope: str,
+    max_queue: int,
+    max_body_bytes: str,
+    http_tls_cert: str | None,
+    http_tls_key: str | None,
     gossip_interval: float,
     ttl: float,
     lookup_timeout: float,
@@ -443,8 +479,17 @@ def head(
 ) -> None:
     """Serve the OpenAI-compatible API with prefill from the mesh; decode stays local."""
     from .api.server import HeadOptions, run_head
+    from .units import parse_size
 
     _logging(verbose)
+    if bool(http_tls_cert) != bool(http_tls_key):
+        raise click.UsageError("--http-tls-cert and --http-tls-key go together")
+    if api_key_scope == "all" and not api_key_file:
+        raise click.UsageError("--api-key-scope all needs --api-key-file")
+    try:
+        body_cap = parse_size(max_body_bytes)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--max-body-bytes") from None
     cfg = node_config(
         grpc_listen,
         budget,
@@ -469,6 +514,11 @@ def head(
             served_model_names=served_model_name,
             max_tokens_default=max_tokens_default,
             audit_rate=audit_rate,
+            max_queue=max_queue,
+            max_body_bytes=body_cap,
+            api_key_scope=api_key_scope,
+            http_tls_cert=http_tls_cert,
+            http_tls_key=http_tls_key,
         ),
         cfg,
     )

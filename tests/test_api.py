@@ -17,19 +17,21 @@ from .procs import Peer
 
 
 class Head:
-    def __init__(self, *args: str, log=None, model: str = "demo-tiny") -> None:
+    """``kvmesh head`` in its own process; ``verify`` is the TLS check for https."""
+
+    def __init__(self, *args: str, log=None, model: str = "demo-tiny", verify=True) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli", "head", "--model", model, "--listen", "127.0.0.1:0",
              "--gossip-interval", "0.3", "--ttl", "2", *args],
             stdout=subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True,
         )  # fmt: skip
         line = self.proc.stdout.readline()
-        m = re.search(r"(http://\S+) grpc (\S+)", line)
+        m = re.search(r"(https?://\S+) grpc (\S+)", line)
         if not m:
             self.proc.kill()
             raise RuntimeError(f"head did not start: {line!r}")
         self.url, self.grpc = m.group(1), m.group(2)
-        self.http = httpx.Client(base_url=self.url, timeout=60)
+        self.http = httpx.Client(base_url=self.url, timeout=60, verify=verify)
 
     def health(self) -> dict:
         return self.http.get("/healthz").json()

@@ -78,3 +78,60 @@ def test_dashboard_shows_the_fleet_live_and_safely(fleet, browser):  # noqa: F81
         "document.getElementById('status').innerText.startsWith('private')", timeout=10000
     )
     page.close()
+
+
+def _backed_off(head, alias: str) -> bool:
+    return f'kvmesh_peer_backoff_seconds{{peer="{alias}"}}' in head.http.get("/metrics").text
+
+
+def test_peer_health_in_metrics_and_on_the_dashboard(browser, tiny_engine, tmp_path):
+    """A peer whose KV fails an audit is quarantined; a peer that sends bad bytes
+    is backed off (longer on each failure). /metrics and the dashboard say so."""
+    from .procs import Peer
+    from .test_api import Head
+    from .test_audit import _publish_wrong
+    from .test_mesh import prompt, wait_for
+
+    forger = Peer(alias="forging-peer", log_dir=tmp_path)
+    forged = prompt(tiny_engine, 200, "forged for the dashboard ")
+    _publish_wrong(tiny_engine, forger, forged)
+    head = Head("--seed", forger.address, "--audit-rate", "1", "--alias", "health-head")
+    liar = Peer("--seed", head.grpc, alias="liar", log_dir=tmp_path,
+                command=("tests.hostile_peer", "wrong-bytes"))  # fmt: skip
+    try:
+        head.wait(lambda s: s["compatible_peers"] >= 2)
+        body = {"model": "demo-tiny", "prompt": forged, "max_tokens": 2, "temperature": 0}
+        assert head.http.post("/v1/completions", json=body).json()["kvmesh"]["source"] == "remote"
+        wait_for(lambda: head.metric("kvmesh_audit_mismatches_total") == 1, what="the audit")
+        assert head.metric('kvmesh_peer_quarantined{peer="forging-peer"}') == 1
+        assert head.metric("kvmesh_audits_total") == 1
+        # each failure doubles the liar's backoff (1, 2, 4, 8 s): long enough to see
+        for i in range(4):
+            wait_for(lambda: not _backed_off(head, "hostile-wrong-bytes"), what="backoff over")
+            body = {"model": "demo-tiny", "prompt": f"bad bytes {i} " * 30, "max_tokens": 2}
+            r = head.http.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["kvmesh"]["source"] == "compute"
+        text = head.http.get("/metrics").text
+        failures = re.findall(r'^kvmesh_peer_failures_total\{reason="(\w+)"\} (\S+)$', text, re.M)
+        assert sum(float(n) for _, n in failures) == 4, text
+        assert _backed_off(head, "hostile-wrong-bytes")
+        health = {
+            n["alias"]: n["health"] for n in head.http.get("/v1/network/nodes").json()["nodes"]
+        }
+        assert health == {"health-head": "ok", "forging-peer": "quarantined",
+                          "hostile-wrong-bytes": "backed off"}  # fmt: skip
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(head.url + "/")
+        page.wait_for_function(
+            "[...document.querySelectorAll('#nodes tbody tr')].some(r => "
+            "r.innerText.includes('hostile-wrong-bytes') && r.innerText.includes('backed off'))",
+            timeout=6000,
+        )
+        rows = page.locator("#nodes tbody tr").all_inner_texts()
+        assert any("forging-peer" in r and "quarantined" in r for r in rows), rows
+        assert page.locator(".health-quarantined").count() == 1
+        page.close()
+    finally:
+        head.stop()
+        liar.kill()
+        forger.kill()

@@ -1,8 +1,16 @@
-"""The head's HTTP application (FastAPI)."""
+"""The head's HTTP application (FastAPI).
+
+Health, metrics, network reads and the dashboard are ``async`` and only read
+counters and snapshots: they never wait on the engine, on a queued generation or
+on a thread pool, so they answer while the request queue is full. Generations
+run on the scheduler's own threads (``scheduler.py``); the guard (``guard.py``)
+checks API keys and body sizes first. Nothing public shows a local path.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +25,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.head import HeadRuntime
 from . import network
+from .guard import Guard
 from .network import APIKeys, NetworkState
 from .openai import APIError, OpenAIService, error_response, router
+from .scheduler import QueueFull, Scheduler
 
 log = logging.getLogger("kvmesh.api")
 
 
 class HeadCollector(Collector):
-    def __init__(self, runtime: HeadRuntime) -> None:
+    def __init__(self, runtime: HeadRuntime, scheduler: Scheduler) -> None:
         self.runtime = runtime
+        self.scheduler = scheduler
 
     def collect(self) -> Any:
         snap = self.runtime.telemetry.snapshot()
@@ -71,9 +82,64 @@ class HeadCollector(Collector):
             "kvmesh_checksum_failures", "Fetches refused because a block failed SHA-256",
             value=c.get("fallback:checksum_mismatch", 0),
         )  # fmt: skip
+        yield from self._requests(c)
+        yield from self._peers(c)
+
+    def _requests(self, c: dict[str, Any]) -> Any:
+        s = self.scheduler
+        yield GaugeMetricFamily("kvmesh_queue_waiting", "Requests admitted, waiting for the engine",
+                                value=s.waiting)  # fmt: skip
+        yield GaugeMetricFamily("kvmesh_queue_running", "Requests on the engine", value=s.running)
+        yield GaugeMetricFamily("kvmesh_queue_max", "--max-queue", value=s.max_queue)
+        yield CounterMetricFamily("kvmesh_queue_rejected", "Requests refused with 503 (queue full)",
+                                  value=s.rejected)  # fmt: skip
+        cancelled = CounterMetricFamily(
+            "kvmesh_requests_cancelled", "Requests whose client left, by stage", labels=["stage"]
+        )
+        for stage in ("queued", "running"):
+            cancelled.add_metric([stage], c.get(f"cancelled:{stage}", 0))
+        yield cancelled
+
+    def _peers(self, c: dict[str, Any]) -> Any:
+        """Per-peer health (circuit breaker and audits), peers named by alias."""
+        planner, alias = self.runtime.planner, self._aliases()
+        off = GaugeMetricFamily("kvmesh_peer_backoff_seconds",
+                                "Seconds a failed peer is still avoided", labels=["peer"])  # fmt: skip
+        for peer, left in sorted(planner.backed_off().items()):
+            off.add_metric([alias.get(peer, peer[:12])], left)
+        yield off
+        quarantined = GaugeMetricFamily("kvmesh_peer_quarantined",
+                                        "Peers whose KV failed an audit", labels=["peer"])  # fmt: skip
+        for peer in sorted(planner.quarantined):
+            quarantined.add_metric([alias.get(peer, peer[:12])], 1)
+        yield quarantined
+        failed = CounterMetricFamily("kvmesh_peer_failures", "Failed fetches by reason",
+                                     labels=["reason"])  # fmt: skip
+        for key, n in sorted(c.items()):
+            if key.startswith("peer_failed:"):
+                failed.add_metric([key.split(":", 1)[1]], n)
+        yield failed
+        yield CounterMetricFamily("kvmesh_audits", "Imported blocks recomputed and compared",
+                                  value=c.get("audits", 0))  # fmt: skip
+        yield CounterMetricFamily("kvmesh_audit_mismatches", "Audits whose recompute disagreed",
+                                  value=c.get("audit_mismatch", 0))  # fmt: skip
+
+    def _aliases(self) -> dict[str, str]:
+        node = self.runtime.node.node if self.runtime.node else None
+        return {m.node_id: m.alias for m in node.membership.live()} if node else {}
 
 
 STATIC = Path(__file__).parent / "static"
+OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the head's HTTP front door admits (``kvmesh head`` flags)."""
+
+    max_queue: int = 64  # requests waiting for the engine before a 503
+    max_body_bytes: int = 4 << 20  # a larger body is a 413
+    api_key_scope: str = "admin"  # admin: network writes only; all: the OpenAI routes too
 
 
 def create_app(
@@ -85,11 +151,30 @@ def create_app(
     state_file: Path | None = None,
     aliases: tuple[str, ...] = (),
     max_tokens_default: int | None = None,
+    limits: Limits | None = None,
 ) -> FastAPI:
+    limits = limits or Limits()
+    keys = APIKeys.from_file(api_key_file)
+    if limits.api_key_scope == "all" and not keys:
+        raise ValueError("--api-key-scope all needs --api-key-file")
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
-    service = OpenAIService(runtime, model_name, max_context, aliases, max_tokens_default)
+    scheduler = Scheduler(runtime, limits.max_queue)
+    service = OpenAIService(
+        runtime, scheduler, model_name, max_context, aliases, max_tokens_default
+    )
     app.state.runtime = runtime
     app.state.openai = service
+    app.state.scheduler = scheduler
+    scope = OPENAI_ROUTES if limits.api_key_scope == "all" else ()
+    app.add_middleware(Guard, keys=keys, protected=scope.__contains__,
+                       max_body_bytes=limits.max_body_bytes)  # fmt: skip
+
+    @app.exception_handler(QueueFull)
+    async def _full(request: Request, exc: QueueFull) -> Any:
+        return error_response(
+            503, f"the request queue is full ({limits.max_queue} waiting); retry later",
+            "server_error", code="queue_full", headers={"Retry-After": str(exc.retry_after)},
+        )  # fmt: skip
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Any:
@@ -109,7 +194,9 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Any:
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+        code = "body_too_large" if exc.status_code == 413 else None
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
+                              code=code, headers=exc.headers)  # fmt: skip
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> Any:
@@ -117,36 +204,37 @@ def create_app(
         return error_response(500, "internal error", "server_error")
 
     registry = CollectorRegistry()
-    registry.register(HeadCollector(runtime))
+    registry.register(HeadCollector(runtime, scheduler))
     if runtime.node is not None:
         from ..mesh.metrics import NodeCollector
 
         registry.register(NodeCollector(lambda: runtime.node.node if runtime.node else None))
 
     @app.get("/healthz")
-    def healthz() -> dict[str, Any]:
+    async def healthz() -> dict[str, Any]:
         node = runtime.node.node if runtime.node else None
         return {
             "status": "ok",
-            "model": model_name,
+            "model": model_name,  # the served name, never a local path (server.model_names)
             "namespace": runtime.card.namespace_hex[:12],
             "peers": len(node.membership.live()) if node else 0,
             "compatible_peers": len(node.client.compatible_peers(runtime.card)) if node else 0,
             "publish_pending": runtime.publish_pending(),
-        }
+            "queue": {"waiting": scheduler.waiting, "running": scheduler.running,
+                      "max": scheduler.max_queue},
+        }  # fmt: skip
 
     @app.get("/metrics")
-    def metrics() -> PlainTextResponse:
+    async def metrics() -> PlainTextResponse:
         return PlainTextResponse(
             generate_latest(registry).decode(), media_type="text/plain; version=0.0.4"
         )
 
     app.include_router(router(service))
-    keys = APIKeys.from_file(api_key_file)
     app.include_router(network.router(runtime, keys, NetworkState(state_file), fleet_key))
 
     @app.get("/", include_in_schema=False)
-    def dashboard() -> FileResponse:
+    async def dashboard() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

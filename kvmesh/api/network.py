@@ -15,15 +15,17 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ..runtime.head import HeadRuntime
-from .openai import APIError
+from ..units import is_loopback
+from .openai import APIError, Body
 
 PAIRING_TTL_S = 600.0
 
@@ -40,6 +42,9 @@ class APIKeys:
         keys = [k for k in keys if k and not k.startswith("#")]
         return cls([hashlib.sha256(k.encode()).digest() for k in keys])
 
+    def __bool__(self) -> bool:
+        return bool(self._hashes)
+
     def check(self, presented: str | None) -> bool:
         if not presented or not self._hashes:
             return False
@@ -50,22 +55,35 @@ class APIKeys:
         return ok
 
 
-def presented_key(request: Request) -> str | None:
-    key = request.headers.get("x-api-key")
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a client presented: ``X-API-Key``, else ``Authorization: Bearer``."""
+    key = headers.get("x-api-key")
     if key:
         return key
-    auth = request.headers.get("authorization", "")
+    auth = headers.get("authorization", "")
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-class GroupIn(BaseModel):
+def pairing_refusal(scheme: str, client_host: str | None, fleet_key: bool) -> str | None:
+    """Why ``/v1/network/pair`` must not answer this connection, or None. The fleet
+    key is the fleet's only secret: it never crosses a network in plaintext (a
+    loopback client, e.g. a TLS-terminating proxy on the same host, is fine)."""
+    if not fleet_key or scheme == "https" or (client_host and is_loopback(client_host)):
+        return None
+    return (
+        "pairing hands out the fleet key and this connection is plaintext: serve the head "
+        "with --http-tls-cert/--http-tls-key (or pair from the head's own host)"
+    )
+
+
+class GroupIn(Body):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=64)
     members: list[str] = Field(default_factory=list, max_length=256)
     description: str = Field(default="", max_length=512)
 
 
-class PairIn(BaseModel):
+class PairIn(Body):
     model_config = ConfigDict(extra="forbid")
     token: str = Field(min_length=8, max_length=128)
     alias: str = Field(default="", max_length=64)
@@ -134,6 +152,7 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
         ]
     else:
         cards = []
+    backed_off = runtime.planner.backed_off()
     for card, age, is_self in cards:
         ttl = node.membership.ttl if node else 1
         row: dict[str, Any] = {
@@ -141,6 +160,7 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
             "roles": list(card.roles),
             "region": card.region,
             "status": "self" if is_self else ("live" if age < ttl / 2 else "stale"),
+            "health": peer_health(runtime, card.node_id, backed_off),
             "card_age_s": round(age, 2),
             "epoch_age_s": round(state.epoch_age(card.node_id, card.epoch), 1),
             "interfaces": sorted({e.interface for e in card.endpoints}),
@@ -166,6 +186,14 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
             )  # fmt: skip
         rows.append(row)
     return rows
+
+
+def peer_health(runtime: HeadRuntime, node_id: str, backed_off: Mapping[str, float]) -> str:
+    """How the head's planner sees a peer: ok, backed off (circuit breaker) or
+    quarantined (its KV failed an audit)."""
+    if node_id in runtime.planner.quarantined:
+        return "quarantined"
+    return "backed off" if node_id in backed_off else "ok"
 
 
 def _tokens(runtime: HeadRuntime, bucket_s: float = 10.0) -> dict[str, Any]:
@@ -223,7 +251,7 @@ def router(
     r = APIRouter(prefix="/v1/network")
 
     def private(request: Request) -> bool:
-        return keys.check(presented_key(request))
+        return keys.check(presented_key(request.headers))
 
     def require_key(request: Request) -> None:
         if not private(request):
@@ -231,7 +259,7 @@ def router(
                            "authentication_error", code="invalid_api_key")  # fmt: skip
 
     @r.get("/summary")
-    def summary(request: Request) -> dict[str, Any]:
+    async def summary(request: Request) -> dict[str, Any]:
         rows = _node_rows(runtime, state, False)
         tok = _tokens(runtime)
         pre = _prefill(runtime, state, False)
@@ -251,19 +279,19 @@ def router(
         }
 
     @r.get("/nodes")
-    def nodes(request: Request) -> dict[str, Any]:
+    async def nodes(request: Request) -> dict[str, Any]:
         return {"nodes": _node_rows(runtime, state, private(request))}
 
     @r.get("/tokens")
-    def tokens() -> dict[str, Any]:
+    async def tokens() -> dict[str, Any]:
         return _tokens(runtime)
 
     @r.get("/prefill")
-    def prefill(request: Request) -> dict[str, Any]:
+    async def prefill(request: Request) -> dict[str, Any]:
         return _prefill(runtime, state, private(request))
 
     @r.get("/groups")
-    def groups() -> dict[str, Any]:
+    async def groups() -> dict[str, Any]:
         return {"groups": list(state.groups.values())}
 
     @r.post("/groups", status_code=201)
@@ -285,7 +313,11 @@ def router(
         return {"pairing_token": token, "expires_at": expires, "single_use": True}
 
     @r.post("/pair")
-    def pair(p: PairIn) -> JSONResponse:
+    def pair(p: PairIn, request: Request) -> JSONResponse:
+        client = request.client.host if request.client else None
+        refusal = pairing_refusal(request.url.scheme, client, fleet_key is not None)
+        if refusal:  # checked before redeeming: the token still works over TLS
+            raise APIError(403, refusal, "permission_error", code="plaintext_pairing")
         if not state.redeem(p.token):
             raise APIError(403, "pairing token is unknown, used or expired", "permission_error")
         node = runtime.node.node if runtime.node else None

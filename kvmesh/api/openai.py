@@ -1,25 +1,29 @@
 """OpenAI-compatible completions and chat completions, streaming and not.
 
 Bad requests get a 4xx with an OpenAI-style error body; the head keeps serving.
+Generations run on the scheduler (``scheduler.py``): a full queue is a 503, and a
+client that disconnects cancels its request, queued or running, streaming or not.
 ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens not recomputed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from ..engine import Sampling
 from ..errors import NoChatTemplate
 from ..runtime.head import Generation, HeadRuntime
+from .scheduler import Job, Scheduler, TokenStream
 
 UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
                "logit_bias", "tools", "functions", "response_format", "best_of", "echo", "suffix")  # fmt: skip
@@ -42,12 +46,47 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:  # fmt: skip
+                   param: str | None = None, code: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    message = _printable(message)  # it may quote the client's own (broken) text
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-class _Common(BaseModel):
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _check_text(value: Any) -> None:
+    """Lone surrogates (``"\\ud800"`` is valid JSON) are not text: refuse them at the
+    door, or a tokenizer, a log line or a stored group name fails on them later.
+    Iterative: a deeply nested body is not a stack overflow."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+
+
+class Body(BaseModel):
+    """A JSON request body: every string in it is valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        _check_text(data)
+        return data
+
+
+class _Common(Body):
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -58,8 +97,9 @@ class _Common(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=1 << 63)  # every engine's RNG takes it
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode max_tokens whatever is sampled
 
 
 class CompletionRequest(_Common):
@@ -96,12 +136,14 @@ class OpenAIService:
     def __init__(
         self,
         runtime: HeadRuntime,
+        scheduler: Scheduler,
         model_name: str,
         max_context: int,
         aliases: tuple[str, ...] = (),
         max_tokens_default: int | None = None,
     ) -> None:
         self.runtime = runtime
+        self.scheduler = scheduler
         self.model_name = model_name
         self.aliases = aliases
         self.max_context = max_context
@@ -145,8 +187,9 @@ class OpenAIService:
                 code="context_length_exceeded",
             )
         return Sampling(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed
-        )
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+            stop_on_eos=not req.ignore_eos,
+        )  # fmt: skip
 
     def tokens(self, req: _Common) -> list[int]:
         """The request's prompt as token ids (CPU work: call off the event loop)."""
@@ -175,17 +218,15 @@ class OpenAIService:
         except NoChatTemplate as e:
             raise APIError(400, str(e), param="messages", code="no_chat_template") from None
 
-    def run(self, req: _Common, tokens: list[int], chat: bool) -> Any:
+    def start(self, req: _Common, tokens: list[int], job: Job) -> tuple[Generation, TokenStream]:
+        """Check ``req`` (4xx before anything runs) and start its generation."""
         sampling = self._check(req, len(tokens))
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(
-                self._sse(rid, tokens, sampling, chat, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        out = self.runtime.complete(tokens, sampling)
+        out = Generation()
+        return out, self.scheduler.start(job, tokens, sampling, out)
+
+    def body(
+        self, req: _Common, rid: str, chat: bool, n_prompt: int, out: Generation
+    ) -> dict[str, Any]:
         text = self.runtime.engine.decode_text(out.tokens)
         choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
         if chat:
@@ -198,7 +239,7 @@ class OpenAIService:
             "created": int(time.time()),
             "model": req.model,
             "choices": [choice],
-            "usage": self._usage(out, len(tokens)),
+            "usage": self._usage(out, n_prompt),
             "kvmesh": {**out.report.as_dict(), "ttft_s": out.ttft_s} if out.report else None,
         }
 
@@ -212,10 +253,12 @@ class OpenAIService:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _sse(
-        self, rid: str, tokens: list[int], sampling: Sampling, chat: bool, include_usage: bool
-    ) -> Iterator[str]:
-        out = Generation()
+    async def sse(
+        self, rid: str, n_prompt: int, chat: bool, include_usage: bool,
+        out: Generation, stream: TokenStream,
+    ) -> AsyncIterator[str]:  # fmt: skip
+        """Server-sent events of a started generation (detokenised incrementally).
+        Starlette stops iterating when the client leaves, which cancels ``stream``."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         decode = self.runtime.engine.decode_text
@@ -255,14 +298,14 @@ class OpenAIService:
             prefix, read = read, len(out.tokens)
             return after[len(before) :]
 
-        for _ in self.runtime.generate(tokens, sampling, out):
+        async for _ in stream:
             text = delta(final=False)
             if text:
                 yield chunk(text, None)
         yield chunk(delta(final=True), out.finish_reason)
         if include_usage:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                    "usage": self._usage(out, len(tokens))}  # fmt: skip
+                    "usage": self._usage(out, n_prompt)}  # fmt: skip
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -271,7 +314,7 @@ def router(service: OpenAIService) -> APIRouter:
     r = APIRouter()
 
     @r.get("/v1/models")
-    def models() -> dict[str, Any]:
+    async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
@@ -284,18 +327,56 @@ def router(service: OpenAIService) -> APIRouter:
             ],
         }
 
-    async def respond(req: _Common, chat: bool) -> Any:
-        tokens = await run_in_threadpool(service.tokens, req)  # templating is CPU work
-        if req.stream:  # the SSE body is produced on starlette's worker threads
-            return service.run(req, tokens, chat)
-        return await run_in_threadpool(service.run, req, tokens, chat)
+    async def respond(request: Request, req: _Common, chat: bool) -> Any:
+        job = service.scheduler.admit()  # QueueFull: 503 before any work
+        try:
+            tokens = await run_in_threadpool(service.tokens, req)  # templating is CPU work
+            out, stream = service.start(req, tokens, job)
+        except BaseException:
+            service.scheduler.release(job)
+            raise
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(
+                service.sse(rid, len(tokens), chat, include_usage, out, stream),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        if not await _finish_unless_gone(request, stream):
+            return error_response(499, "the client closed the request", code="client_closed")
+        return service.body(req, rid, chat, len(tokens), out)
 
     @r.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        return await respond(req, chat=False)
+    async def completions(request: Request, req: CompletionRequest) -> Any:
+        return await respond(request, req, chat=False)
 
     @r.post("/v1/chat/completions")
-    async def chat(req: ChatRequest) -> Any:
-        return await respond(req, chat=True)
+    async def chat(request: Request, req: ChatRequest) -> Any:
+        return await respond(request, req, chat=True)
 
     return r
+
+
+async def _finish_unless_gone(request: Request, stream: TokenStream) -> bool:
+    """Read ``stream`` to its end; False, with the job cancelled, when the client
+    disconnects first (a queued request then never runs)."""
+
+    async def drain() -> None:
+        async for _ in stream:
+            pass
+
+    async def gone() -> None:  # the body is read: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    tasks = [asyncio.ensure_future(drain()), asyncio.ensure_future(gone())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if tasks[0].done():
+            tasks[0].result()  # a generation error is raised here
+            return True
+        return False
+    finally:
+        for t in tasks:
+            t.cancel()  # leaving the stream early cancels the job

@@ -1,4 +1,9 @@
-"""``kvmesh head``: engine + mesh node + HTTP API in one process."""
+"""``kvmesh head``: engine + mesh node + HTTP API in one process.
+
+The HTTP listener serves TLS when given ``http_tls_cert``/``http_tls_key``; a
+plaintext listener on a non-loopback address is allowed (as vLLM's) but warned
+about, and never hands out the fleet key (``network.pairing_refusal``).
+"""
 
 from __future__ import annotations
 
@@ -23,13 +28,19 @@ class HeadOptions:
     served_model_names: tuple[str, ...] = ()
     max_tokens_default: int | None = None
     audit_rate: float = 0.0
+    max_queue: int = 64
+    max_body_bytes: int = 4 << 20
+    api_key_scope: str = "admin"
+    http_tls_cert: str | None = None
+    http_tls_key: str | None = None
 
     def model_names(self) -> tuple[str, tuple[str, ...]]:
-        """(canonical name, accepted aliases), as vLLM serves them: the first
-        ``--served-model-name``, else ``--model`` as given; the directory name too."""
+        """(canonical name, accepted aliases): the first ``--served-model-name``,
+        else the model directory's name (vLLM lists ``--model`` as given, but a
+        local path is not for public eyes); ``--model`` as given is accepted too."""
         given = self.model.rstrip("/") or self.model
-        names = (*self.served_model_names, given, Path(given).name)
-        return names[0], tuple(dict.fromkeys(names[1:]))
+        names = (*self.served_model_names, Path(given).name, given)
+        return names[0], tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))
 
 
 def bind(listen: str) -> socket.socket:
@@ -37,7 +48,9 @@ def bind(listen: str) -> socket.socket:
 
     host, port = split_hostport(listen)
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(fam, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then, and
+    # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle)
+    sock = socket.socket(fam, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)
@@ -53,7 +66,8 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
     from ..memory import keep_heap_warm
     from ..mesh.node import NodeThread
     from ..runtime.head import HeadRuntime
-    from .app import create_app
+    from ..units import is_loopback
+    from .app import Limits, create_app
 
     engine = load_engine(opts.model, opts.engine, progress=lambda m: log.info(m))
     engine.prefill(engine.encode("warm up"))  # first-call setup is not any request's cost
@@ -81,17 +95,27 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
         node_config.security.fleet_key,
         aliases=aliases,
         max_tokens_default=opts.max_tokens_default,
+        limits=Limits(opts.max_queue, opts.max_body_bytes, opts.api_key_scope),
     )
     sock = bind(opts.listen)
     host, port = sock.getsockname()[:2]
+    tls = bool(opts.http_tls_cert)
+    if not tls and not is_loopback(host):
+        log.warning("HTTP on %s is plaintext: API keys and prompts cross the network in clear "
+                    "(--http-tls-cert/--http-tls-key)", host)  # fmt: skip
     print(
-        f"kvmesh head {node.node.alias} http://{host}:{port} grpc {node.node.address} "
-        f"epoch {node.node.store.epoch} model {engine.card.summary()}",
+        f"kvmesh head {node.node.alias} {'https' if tls else 'http'}://{host}:{port} "
+        f"grpc {node.node.address} epoch {node.node.store.epoch} model {engine.card.summary()}",
         flush=True,
     )
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="off",
+        ssl_certfile=opts.http_tls_cert, ssl_keyfile=opts.http_tls_key,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])
     finally:
+        app.state.scheduler.close()
         runtime.close()
         node.close()

@@ -15,7 +15,8 @@ read as plan → fetch → compute:
 Every cache failure is caught, counted as a fallback reason, and answered by
 local prefill (invariant 1). Publishing starts only after the last token
 (invariant 3: the decode loop makes no remote call) and runs on a background
-thread.
+thread. A request can be cancelled (its client left): while queued it never
+takes the engine; while decoding it stops after the current token.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,7 @@ from .telemetry import PrefillReport, Telemetry
 log = logging.getLogger("kvmesh.head")
 
 MIN_CACHE_BUDGET_S = 0.2
+CANCEL_POLL_S = 0.05  # how often a queued request checks whether its client left
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
     finish_reason: str = "length"
+    cancelled: bool = False  # the client went away; ``tokens`` is what was decoded
 
 
 @dataclass
@@ -120,12 +123,31 @@ class HeadRuntime:
 
     # -- the request path ------------------------------------------------------
 
-    def generate(self, tokens: Sequence[int], sampling: Sampling, out: Generation) -> Iterator[int]:
-        """Prefill (planned) then decode locally, yielding tokens; publish after."""
+    def generate(
+        self,
+        tokens: Sequence[int],
+        sampling: Sampling,
+        out: Generation,
+        cancel: threading.Event | None = None,
+        on_start: Callable[[], None] | None = None,
+    ) -> Iterator[int]:
+        """Prefill (planned) then decode locally, yielding tokens; publish after.
+
+        ``cancel`` (the client went away): a request still queued never runs, a
+        running one stops after the token being decoded. ``on_start`` is called
+        once the engine is this request's (it has left the queue)."""
         tokens = list(tokens)
         t0 = time.perf_counter()
+        if cancel is not None and cancel.is_set():
+            self._cancelled(out, "queued")
+            return
         got = self._acquire(tokens)  # network waits happen here, never under the engine lock
-        with self._lock:
+        if not self._take_engine(cancel):
+            self._cancelled(out, "queued")
+            return
+        try:
+            if on_start is not None:
+                on_start()
             state, report, chain = self._compute(tokens, got)
             out.report = report
             prompt_view = KVState(list(tokens), state.cache, state.logits, len(tokens))
@@ -136,14 +158,37 @@ class HeadRuntime:
                 yield tok
                 if tok in self.engine.eos_ids and sampling.stop_on_eos:
                     out.finish_reason = "stop"
+                if cancel is not None and cancel.is_set():
+                    self._cancelled(out, "running")  # the state is whole: keep and publish it
+                    break
             self.telemetry.record(report, len(out.tokens))
             self._keep_session(state)
+        finally:
+            self._lock.release()
         if self.publish_enabled:
             self._publish_later(prompt_view, state, chain)
         if self.auditor is not None and report.source == "remote" and got.peer_id:
             job = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
             if job is not None:
                 self._publisher.submit(self._audit, job)
+
+    def _take_engine(self, cancel: threading.Event | None) -> bool:
+        """Wait for the engine lock; False when ``cancel`` is set first (polled, so
+        a request whose client left frees its queue slot without ever running)."""
+        if cancel is None:
+            self._lock.acquire()
+            return True
+        while not self._lock.acquire(timeout=CANCEL_POLL_S):
+            if cancel.is_set():
+                return False
+        if cancel.is_set():
+            self._lock.release()
+            return False
+        return True
+
+    def _cancelled(self, out: Generation, stage: str) -> None:
+        out.cancelled = True
+        self.telemetry.count(f"cancelled:{stage}")
 
     def complete(self, tokens: Sequence[int], sampling: Sampling) -> Generation:
         out = Generation()
@@ -173,7 +218,9 @@ class HeadRuntime:
         if self.fleet is None or have >= len(tokens) - 1:
             return got
         t0 = time.perf_counter()
-        hits, errors = self.fleet.lookup(self.card, keys)
+        hits, errors = self.fleet.lookup(
+            self.card, keys, skip=self._avoided, on_failure=self._lookup_failed
+        )
         got.lookup_s = time.perf_counter() - t0
         got.fallback = errors[0] if errors else None
         budget = self._cache_budget(len(tokens))
@@ -188,6 +235,16 @@ class HeadRuntime:
                 got.fallback = None
                 break
         return got
+
+    def _avoided(self, node_id: str) -> bool:
+        """A peer backed off or quarantined is not waited for at lookup time."""
+        return not self.planner.usable(node_id)
+
+    def _lookup_failed(self, node_id: str, reason: str) -> None:
+        """A peer that did not answer a lookup in time backs off like a failed fetch,
+        so a frozen peer costs one request its lookup deadline, not every request."""
+        self.planner.peer_failed(node_id)
+        self.telemetry.count(f"lookup_failed:{reason}")
 
     def _cache_budget(self, n_tokens: int) -> float:
         """Seconds all remote fetches of one request may take: the estimated cold

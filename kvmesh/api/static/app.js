@@ -81,7 +81,9 @@ function renderNodes(nodes) {
     const used = n.capacity.budget_bytes ? n.capacity.used_bytes / n.capacity.budget_bytes : 0;
     const bar = el("span"); const b = el("span", null, "bar"); const fill = el("i"); fill.style.width = (used * 100).toFixed(1) + "%"; b.append(fill);
     bar.append(b, fmtBytes(n.capacity.used_bytes) + " / " + fmtBytes(n.capacity.budget_bytes));
-    return [n.alias, n.roles.join(", "), n.region || "–", el("span", n.status, n.status), fmtAge(n.card_age_s),
+    const health = n.health || "ok";  // ok | backed off | quarantined (the head's circuit breaker)
+    return [n.alias, n.roles.join(", "), n.region || "–", el("span", n.status, n.status),
+      el("span", health, "health-" + health.replace(/[^a-z]+/g, "-")), fmtAge(n.card_age_s),
       fmtAge(n.epoch_age_s), n.interfaces.join(", "), bar, n.capacity.entries, n.hit_ratio === null ? "–" : (n.hit_ratio * 100).toFixed(0) + "%"];
   });
 }

@@ -1,0 +1,162 @@
+"""/healthz latency while the head's request queue is full.
+
+    python bench/healthz.py --json bench/results/healthz.json [--model demo-tiny]
+
+A real ``kvmesh head`` process; clients on raw sockets start long generations
+(``ignore_eos``, thousands of tokens) until one is decoding and the queue is
+full, then /healthz (and /metrics, /v1/network/summary) are timed from a
+keep-alive client, one request at a time, after a few untimed warm-up calls.
+Scenarios:
+
+- ``idle``: nothing queued (the floor).
+- ``full``: ``--max-queue`` requests waiting, one decoding, and one more client
+  refused with 503 at every sample (the overload the queue exists for).
+- ``deep``: ``--deep`` requests waiting (46: the issue's report of /healthz
+  answering after 6.5 s with 46 requests queued).
+
+Every generation is cancelled at the end by closing its socket; the head's
+``kvmesh_requests_cancelled_total`` confirms they stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+from _common import machine
+
+WARMUP = 5
+PROMPT = "The head stays responsive while its request queue is full. " * 4
+
+
+def start_head(model: str, max_queue: int) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "head", "--model", model, "--listen", "127.0.0.1:0",
+         "--max-queue", str(max_queue), "--no-publish"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    m = re.search(r"(http://\S+) grpc", proc.stdout.readline())
+    if not m:
+        proc.kill()
+        raise SystemExit("head did not start")
+    return proc, m.group(1)
+
+
+def long_request(url: str, model: str, stream: bool) -> socket.socket:
+    """A generation that decodes for minutes unless its client leaves."""
+    u = urlsplit(url)
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 20000, "ignore_eos": True,
+                       "temperature": 0, "stream": stream}).encode()  # fmt: skip
+    sock = socket.create_connection((u.hostname, u.port))
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+def wait_queue(http: httpx.Client, waiting: int, running: int, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        q = http.get("/healthz").json()["queue"]
+        if q["waiting"] >= waiting and q["running"] >= running:
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"the queue never filled: {http.get('/healthz').json()}")
+
+
+def timed(http: httpx.Client, path: str, n: int, overflow_url: str | None = None) -> dict:
+    for _ in range(WARMUP):  # first calls of a code path (imports, caches) are not its latency
+        http.get(path)
+    ms, refused = [], 0
+    for _ in range(n):
+        if overflow_url is not None:  # one more client arrives and is turned away
+            r = httpx.post(overflow_url, json={"model": "x", "prompt": "x"}, timeout=30)
+            refused += r.status_code == 503
+        t0 = time.perf_counter()
+        r = http.get(path)
+        ms.append((time.perf_counter() - t0) * 1000)
+        assert r.status_code == 200, r.text
+    worst = max(range(n), key=ms.__getitem__)
+    ms.sort()
+    return {
+        "path": path, "samples": n, "p50_ms": round(statistics.median(ms), 2),
+        "p90_ms": round(ms[int(0.9 * (n - 1))], 2), "p99_ms": round(ms[int(0.99 * (n - 1))], 2),
+        "max_ms": round(ms[-1], 2), "max_at_sample": worst, **({"overflow_503": refused} if overflow_url else {}),
+    }  # fmt: skip
+
+
+def cancelled(http: httpx.Client) -> float:
+    text = http.get("/metrics").text
+    return sum(
+        float(v) for v in re.findall(r"^kvmesh_requests_cancelled_total\S* (\S+)$", text, re.M)
+    )
+
+
+def scenario(model: str, max_queue: int, queued: int, samples: int) -> dict:
+    proc, url = start_head(model, max_queue)
+    http = httpx.Client(base_url=url, timeout=60)
+    socks: list[socket.socket] = []
+    try:
+        out: dict = {"max_queue": max_queue, "waiting": queued}
+        if queued == 0:
+            out["healthz"] = timed(http, "/healthz", samples)
+            return out
+        socks.append(long_request(url, model, stream=True))
+        wait_queue(http, 0, 1)
+        socks += [long_request(url, model, stream=i % 2 == 0) for i in range(queued)]
+        wait_queue(http, queued, 1)
+        overflow = url + "/v1/completions" if queued >= max_queue else None
+        out["healthz"] = timed(http, "/healthz", samples, overflow)
+        out["metrics"] = timed(http, "/metrics", samples // 4)
+        out["summary"] = timed(http, "/v1/network/summary", samples // 4)
+        for s in socks:
+            s.close()
+        deadline = time.time() + 60
+        while cancelled(http) < len(socks) and time.time() < deadline:
+            time.sleep(0.1)
+        out["cancelled"] = cancelled(http)
+        return out
+    finally:
+        for s in socks:
+            s.close()
+        http.close()
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="demo", help="demo (0.5B-shaped) or demo-tiny")
+    ap.add_argument("--max-queue", type=int, default=8)
+    ap.add_argument("--deep", type=int, default=46)
+    ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    result = {
+        "benchmark": "healthz latency with the request queue full",
+        "model": a.model,
+        "machine": machine(),
+        "idle": scenario(a.model, a.max_queue, 0, a.samples),
+        "full": scenario(a.model, a.max_queue, a.max_queue, a.samples),
+        "deep": scenario(a.model, max(a.deep, a.max_queue), a.deep, a.samples),
+    }
+    print(json.dumps(result, indent=1))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
