@@ -9,6 +9,7 @@ import click
 
 from .engine import ENGINES
 from .errors import KVMeshError
+from .store_cli import disk_config_kwargs, disk_options, store
 
 
 def _console():  # type: ignore[no-untyped-def]
@@ -59,6 +60,9 @@ def main() -> None:
     `kvmesh peer` for a cache node, `kvmesh head` for an inference head.
     Every flag can also come from the config file or KVMESH_<ROLE>_<FLAG>.
     """
+
+
+main.add_command(store)
 
 
 @main.group("config")
@@ -251,6 +255,9 @@ def node_config(
         advertise=list(advertise),
         roles=roles,
         security=Security(tls=tls, fleet_key=key),
+        **disk_config_kwargs(
+            sec.get("disk"), str(sec.get("disk_budget")), str(sec.get("disk_admit"))
+        ),  # type: ignore[arg-type]
         **limits,  # type: ignore[arg-type]
         **extra,  # type: ignore[arg-type]
     )
@@ -293,6 +300,7 @@ def _logging(verbose: bool) -> None:
 @click.option("--pairing-token", help="Single-use token from POST /v1/network/nodes/register.")
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
+@disk_options
 def peer(
     listen: str,
     budget: str,
@@ -450,6 +458,7 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
 @click.option("--region", default="")
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
+@disk_options
 def head(
     model: str,
     engine: str,
