@@ -44,3 +44,23 @@ def test_two_node_demo_json_on_tiny_model(engine):
     assert row["source"] == "remote" and row["reused_tokens"] == row["prompt_tokens"] >= 900
     assert row["bytes_transferred"] > 0
     assert row["turn2_cached_tokens"] > 0  # turn 2 reused turn 1's prompt and answer
+
+
+def test_a_non_loopback_listener_needs_client_authentication(tmp_path):
+    """Anyone who reaches an unauthenticated listener could publish and fetch: a
+    non-loopback listener without a fleet key or mutual TLS is refused at start."""
+    bad = _kvmesh("peer", "--listen", "0.0.0.0:0", "--plaintext")
+    assert bad.returncode == 2 and "unauthenticated listener" in bad.stderr
+    assert "--fleet-key-file" in bad.stderr and "Traceback" not in bad.stderr
+    key = tmp_path / "fleet.key"
+    key.write_text("k" * 64)
+    for extra in (["--fleet-key-file", str(key)], ["--allow-unauthenticated"]):
+        ok = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "peer", "--listen", "0.0.0.0:0", "--plaintext",
+             *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        try:
+            assert "listening on" in ok.stdout.readline()
+        finally:
+            ok.kill()
+            ok.wait(10)

@@ -110,15 +110,16 @@ def test_gossip_converges_and_dead_nodes_expire(tmp_path):
     a = Peer(alias="a", log_dir=tmp_path)
     b = Peer("--seed", a.address, alias="b", log_dir=tmp_path)
     c = Peer("--seed", a.address, alias="c", log_dir=tmp_path)
+    # an observer whose TTL (60 s) outlasts every wait below: only a goodbye can
+    # remove a node from its view in time (no wall-clock assertion needed)
+    e = Peer("--seed", a.address, "--ttl", "60", alias="e", log_dir=tmp_path)
     d = None
     try:
-        t0 = time.time()
         for p in (a, b, c):
             wait_for(
-                lambda p=p: set(cards_seen(p.address)) == {"a", "b", "c"},
+                lambda p=p: set(cards_seen(p.address)) >= {"a", "b", "c"},
                 what=f"{p.alias} sees all",
             )
-        assert time.time() - t0 < 5
         seen = cards_seen(a.address)
         assert seen["b"].endpoints[0].interface == "loopback"
         assert seen["b"].epoch == b.epoch and "cache" in seen["b"].roles
@@ -127,16 +128,14 @@ def test_gossip_converges_and_dead_nodes_expire(tmp_path):
         c.kill()  # SIGKILL: no goodbye, the card expires after its TTL (2 s)
         wait_for(lambda: "c" not in cards_seen(a.address), timeout=8, what="c expires")
         d = Peer("--seed", a.address, alias="d", log_dir=tmp_path)
-        wait_for(lambda: "d" in cards_seen(a.address), what="d joins")
-        t0 = time.time()
+        wait_for(lambda: "d" in cards_seen(e.address), what="d joins")
         assert d.stop() == 0  # SIGTERM: a clean stop says goodbye
-        wait_for(lambda: "d" not in cards_seen(a.address), timeout=8, what="d leaves")
-        assert time.time() - t0 < 1.5  # well before the 2 s TTL
+        wait_for(lambda: "d" not in cards_seen(e.address), timeout=8, what="d's goodbye")
         b.restart()  # same node id (alias + address): a new epoch replaces the old card
         assert b.epoch != old_epoch
         wait_for(lambda: cards_seen(a.address)["b"].epoch == b.epoch, what="new epoch seen")
     finally:
-        for p in (a, b, c, d):
+        for p in (a, b, c, d, e):
             if p is not None:
                 p.kill()
 
