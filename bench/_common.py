@@ -4,6 +4,7 @@ made by the real export code from random cache tensors (no model needed)."""
 from __future__ import annotations
 
 import platform
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -78,16 +79,23 @@ def machine() -> dict[str, object]:
             "torch": torch.__version__, "platform": platform.platform()}  # fmt: skip
 
 
-def spawn_peer(*args: str) -> tuple[subprocess.Popen[str], str]:
-    import re
-
+def spawn_kvmesh(*args: str, pattern: str) -> tuple[subprocess.Popen[str], re.Match[str]]:
+    """``kvmesh ARGS`` in its own process, once its first line matches ``pattern``."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "peer", "--listen", "127.0.0.1:0", "--budget", "4GiB", *args],
+        [sys.executable, "-m", "kvmesh.cli", *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert p.stdout is not None
-    m = re.search(r"listening on (\S+)", p.stdout.readline())
+    m = re.search(pattern, p.stdout.readline())
     if not m:
         p.kill()
-        raise RuntimeError("peer did not start")
+        raise RuntimeError(f"kvmesh {args[0]} did not start")
+    return p, m
+
+
+def spawn_peer(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """A peer on an ephemeral loopback port (4 GiB unless ``args`` set --budget)."""
+    p, m = spawn_kvmesh(
+        "peer", "--listen", "127.0.0.1:0", "--budget", "4GiB", *args, pattern=r"listening on (\S+)"
+    )
     return p, m.group(1)

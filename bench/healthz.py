@@ -26,29 +26,22 @@ import re
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-from _common import machine
+from _common import machine, spawn_kvmesh
 
 WARMUP = 5
 PROMPT = "The head stays responsive while its request queue is full. " * 4
 
 
 def start_head(model: str, max_queue: int) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "head", "--model", model, "--listen", "127.0.0.1:0",
-         "--max-queue", str(max_queue), "--no-publish"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    proc, m = spawn_kvmesh(
+        "head", "--model", model, "--listen", "127.0.0.1:0", "--max-queue", str(max_queue),
+        "--no-publish", pattern=r"(http://\S+) grpc",
     )  # fmt: skip
-    assert proc.stdout is not None
-    m = re.search(r"(http://\S+) grpc", proc.stdout.readline())
-    if not m:
-        proc.kill()
-        raise SystemExit("head did not start")
     return proc, m.group(1)
 
 

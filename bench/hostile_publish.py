@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -31,7 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _common import machine
+from _common import machine, spawn_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the hostile tooling lives beside the tests
@@ -57,23 +56,17 @@ BUDGET, MAX_BLOCK, INFLIGHT = 64 * MiB, 8 * MiB, 16 * MiB
 
 
 def spawn(metrics: str) -> tuple[subprocess.Popen[str], str]:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "peer", "--listen", "127.0.0.1:0", "--budget", "64MiB",
-         "--max-block-bytes", "8MiB", "--max-inflight", "16MiB", "--metrics", metrics],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    p, address = spawn_peer(
+        "--budget", "64MiB", "--max-block-bytes", "8MiB", "--max-inflight", "16MiB",
+        "--metrics", metrics,
     )  # fmt: skip
-    assert p.stdout is not None
-    m = re.search(r"listening on (\S+)", p.stdout.readline())
-    if not m:
-        p.kill()
-        raise RuntimeError("peer did not start")
     for _ in range(100):
         try:
             scrape(metrics)
             break
         except OSError:
             time.sleep(0.05)
-    return p, m.group(1)
+    return p, address
 
 
 def target(address: str) -> Target:
