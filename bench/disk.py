@@ -1,10 +1,25 @@
-"""Disk tier figures: prefix reads (RAM vs disk, page cache warm and dropped),
-index rebuild for 10^5 blocks, write throughput under churn.
+"""Disk tier figures: time to first token of a disk hit on the real engine beside a
+RAM hit, cold prefill and a file prompt cache; store-level prefix reads; index
+rebuild for 10^5 blocks; write throughput under churn.
 
-    python bench/disk.py [--tokens 1024,4096] [--rebuild-blocks 100000]
+    python bench/disk.py [--ttft 1024,2048,4096] [--model demo] [--tokens 1024,4096]
+                         [--rebuild-blocks 100000] [--churn-blocks 200]
 
-Blocks have the demo model's geometry (24 layers, 2 KV heads of 64, float32:
-24 KiB per token, 768 KiB per 32-token block). Writes results to
+``ttft`` (per prompt length, on the ~0.5B-shaped demo model, float32 on CPU; the
+engine loaded once and warmed up; each figure is the head's own time to first
+token of one request, ``HeadRuntime.complete``, no sessions, no publishing):
+
+  cold_s               cold local prefill (the engine's best path) + first token
+  ram_hit_s            the head's own store holds the prompt in RAM (source local)
+  disk_warm_s          a restarted head (empty RAM) whose disk tier holds it, page
+                       cache warm (source disk: read, SHA-256, promote, import)
+  disk_dropped_s       the same after dropping the page cache (root only)
+  file_cache_s         KV + logits in safetensors, read into the cache by a fresh
+                       process (bench/_filecache.py, as bench/ttft.py); also
+                       file_cache_mmap_s (left mapped) and file_cache_cold_s
+
+Store-level blocks have the demo model's geometry (24 layers, 2 KV heads of 64,
+float32: 24 KiB per token, 768 KiB per 32-token block). Writes results to
 bench/results/disk.json. Not a test: nothing here asserts a time.
 """
 
@@ -67,6 +82,82 @@ def prefix_reads(root: Path, n_tokens: int) -> dict[str, object]:
     return out
 
 
+def ttft(root: Path, model: str, lengths: list[int]) -> list[dict[str, object]]:
+    """Real engine time to first token: cold, RAM hit, disk hit (warm, dropped), file cache."""
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    from kvmesh.engine import Sampling, load_engine
+    from kvmesh.mesh.node import NodeConfig, NodeThread
+    from kvmesh.runtime.head import HeadRuntime
+
+    one = Sampling(max_tokens=1)
+    engine = load_engine(model)
+    engine.prefill(list(range(16)))  # warm up, as every path is
+    rows = []
+    for n in lengths:
+        text = f"[disk {n}] " + " ".join(
+            f"fact {i}: a block outlives its process." for i in range(n)
+        )
+        toks = engine.encode(text)[:n]
+        d = root / f"ttft-{n}"
+        row: dict[str, object] = {
+            "prompt_tokens": n,
+            "kv_bytes": n * engine.card.kv_bytes_per_token,
+        }
+
+        def head(disk: bool) -> HeadRuntime:
+            cfg = NodeConfig(alias=f"bench-{time.time_ns()}", budget_bytes=8 << 30)
+            if disk:
+                cfg.disk_path, cfg.disk_budget_bytes = str(d), 8 << 30
+            return HeadRuntime(engine, NodeThread(cfg), max_sessions=0, publish=False)
+
+        def close(h: HeadRuntime) -> None:
+            h.close()
+            assert h.node is not None
+            h.node.close()
+
+        t0 = time.perf_counter()
+        state = engine.prefill(toks)
+        engine.sample(state.logits, one, None)
+        row["cold_s"] = time.perf_counter() - t0
+        h = head(disk=True)
+        blocks = engine.export(state, h.keyer)
+        assert h.fleet is not None
+        h.fleet.keep(blocks)
+        assert h.fleet.store.flush()
+        g = h.complete(toks, one)
+        assert g.report is not None and g.report.source == "local", g.report
+        row["ram_hit_s"] = g.ttft_s
+        close(h)
+        for label in ("disk_warm", "disk_dropped"):
+            row[f"{label}_note"] = drop_caches() if label == "disk_dropped" else "warm"
+            h = head(disk=True)  # a restart: the index rebuilt from headers, RAM empty
+            g = h.complete(toks, one)
+            assert g.report is not None and g.report.source == "disk", g.report
+            assert g.report.reused_tokens == n
+            row[f"{label}_s"] = g.ttft_s
+            close(h)
+        shutil.rmtree(d)
+        path = root / "prompt.safetensors"
+        layers = state.cache.layers
+        save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous() for i, lay in enumerate(layers)},
+                   **{f"v{i}": lay.values[:, :, :n].contiguous() for i, lay in enumerate(layers)},
+                   "logits": state.logits}, str(path))  # fmt: skip
+        helper = Path(__file__).parent / "_filecache.py"
+        out = subprocess.run([sys.executable, str(helper), model, "cpu", str(path), str(n), "[]", ""],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        fc = json.loads(out.stdout.strip().splitlines()[-1])
+        row["file_cache_s"], row["file_cache_mmap_s"] = fc["read"], fc["lazy"]
+        if "cold" in fc:
+            row["file_cache_cold_s"] = fc["cold"]
+        path.unlink()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def rebuild(root: Path, n_blocks: int) -> dict[str, object]:
     d = root / "rebuild"
     files = DiskFiles(d)
@@ -118,6 +209,8 @@ def churn(root: Path, n_blocks: int) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ttft", default="1024,2048,4096", help="prompt lengths ('' to skip)")
+    ap.add_argument("--model", default="demo")
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--rebuild-blocks", type=int, default=100_000)
     ap.add_argument("--churn-blocks", type=int, default=200)
@@ -125,7 +218,8 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvmesh-disk-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    res = {
+    res: dict[str, object] = {
+        "ttft": ttft(root, args.model, [int(n) for n in args.ttft.split(",") if n]),
         "prefix_reads": [prefix_reads(root, int(n)) for n in args.tokens.split(",")],
         "rebuild": rebuild(root, args.rebuild_blocks),
         "churn": churn(root, args.churn_blocks),

@@ -8,9 +8,12 @@ store's epoch, a random id made at start, so a restart voids every old lease.
 
 With a :class:`~kvmesh.disk.DiskConfig` the store has a second tier under RAM
 (files in :mod:`kvmesh.disk`): blocks are written behind by one thread, lookups
-and fetches see both tiers, a disk block is verified on every read and promoted
-to RAM when hot, each tier has its own budget and leaf-first LRU, and a restart
-rebuilds the disk index from file headers under a new epoch.
+and fetches see both tiers, each tier has its own budget and leaf-first LRU, and
+a restart rebuilds the disk index from file headers under a new epoch.
+:meth:`BlockStore.lookup` answers from the index alone (no file read);
+:meth:`BlockStore.get` and :meth:`BlockStore.longest_prefix` read and verify disk
+files outside the store lock, promote hot ones to RAM, and delete and count a bad
+one (a fetch of it then fails: the caller falls back).
 """
 
 from __future__ import annotations
@@ -70,10 +73,11 @@ class Lease:
 
 @dataclass(frozen=True)
 class Match:
-    """The longest stored prefix of one lookup."""
+    """The longest stored prefix of one lookup, its blocks read (and verified)."""
 
     blocks: tuple[Block, ...]
     tail: Block | None
+    disk_blocks: int = 0  # of these, read from the disk tier
 
     @property
     def tokens(self) -> int:
@@ -84,8 +88,40 @@ class Match:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.all())
 
+    @property
+    def from_disk(self) -> bool:
+        return self.disk_blocks > 0
+
     def all(self) -> tuple[Block, ...]:
         return self.blocks + ((self.tail,) if self.tail else ())
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """What the index knows of a stored block without reading it."""
+
+    header: BlockHeader
+    digest: bytes
+    nbytes: int
+
+    @property
+    def key(self) -> bytes:
+        return self.header.key
+
+
+@dataclass(frozen=True)
+class Found:
+    """The longest stored prefix as the index knows it: keys, sizes and digests
+    (from headers), no payload read. A disk file found bad later fails its fetch."""
+
+    blocks: tuple[BlockRef, ...]
+    tail: BlockRef | None
+    disk_blocks: int = 0
+
+    @property
+    def tokens(self) -> int:
+        n = sum(b.header.tokens for b in self.blocks)
+        return n + (self.tail.header.tokens if self.tail else 0)
 
 
 @dataclass
@@ -423,29 +459,43 @@ class BlockStore:
         self.disk_stats.used_bytes -= e.nbytes
         self.disk_stats.entries -= 1
 
-    def _read(self, key: bytes, hit: bool, promote: bool = False) -> Block | None:
-        """The block under ``key`` from whichever tier holds it, verified when it
-        comes from disk (a bad file is deleted, counted, and its subtree dropped)."""
+    def _hit(self, key: bytes, hit: bool) -> _Entry | None:
+        """Under the lock: the entry under ``key``, touched (and counted as hit)."""
         e = self._entries.get(key)
         if e is None:
             return None
         if hit:
             e.hits += 1
         self._touch(key)
-        if e.block is not None:
-            if hit and self.disk is not None and self.disk.admit == "hit":
-                self._admit(key)
-            return e.block
+        if e.block is not None and hit and self.disk is not None and self.disk.admit == "hit":
+            self._admit(key)
+        return e
+
+    def _open(self, e: _Entry) -> Block | None:
+        """Outside the lock: read and verify ``e``'s file; None when it is bad."""
         assert self._files is not None
         try:
-            block = self._files.open(e.header, e.digest, e.nbytes)
+            return self._files.open(e.header, e.digest, e.nbytes)
         except (MalformedPayload, OSError):
-            self.disk_stats.corrupt += 1
-            self._drop_subtree(key)
             return None
-        if promote and self.disk is not None and e.hits >= self.disk.promote_hits:
+
+    def _opened(self, key: bytes, e: _Entry, block: Block | None, promote: bool) -> bool:
+        """Under the lock, after :meth:`_open`: a bad file still indexed is counted,
+        deleted and its subtree dropped; a good hot one is promoted. False when the
+        block must not be used (bad, or dropped from the index meanwhile)."""
+        if self._entries.get(key) is not e:
+            return False  # evicted or dropped while being read: not a corrupt file
+        if block is None:
+            if e.block is not None or not e.on_disk:
+                return False  # promoted or unlinked meanwhile; the next read decides
+            self.disk_stats.corrupt += 1
+            log.warning("disk tier: deleting %s (bad on read)", e.digest.hex()[:12])
+            self._drop_subtree(key)
+            return False
+        hot = self.disk is not None and e.hits >= self.disk.promote_hits
+        if promote and hot and e.block is None and not self._no_room:
             self._promote(key, block)
-        return block
+        return True
 
     def _promote(self, key: bytes, block: Block) -> None:
         """Copy a hot disk block into RAM when it fits (its file stays). A lookup
@@ -520,46 +570,94 @@ class BlockStore:
     # -- reads --------------------------------------------------------------
 
     def get(self, key: bytes) -> Block | None:
-        """The block under ``key`` (a disk block verified, not promoted), or None."""
+        """The block under ``key``, or None (a disk file found bad is deleted and
+        counted). A disk block is read and verified outside the store lock, and
+        promoted to RAM when lookups made it hot (a fetch follows a lookup)."""
         with self._lock:
-            return self._read(key, hit=False)
+            e = self._hit(key, hit=False)
+            if e is None:
+                return None
+            if e.block is not None:
+                return e.block
+        block = self._open(e)
+        with self._lock:
+            self._no_room, self._lookup_keys = False, frozenset()
+            return block if self._opened(key, e, block, promote=e.hits > 0) else None
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    def longest_prefix(
-        self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None
-    ) -> Match:
-        """Longest run of stored blocks from the root, across tiers; never crosses
-        a hole. The tail counts only when every full block before it matched."""
+    def _chain(
+        self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None
+    ) -> tuple[list[tuple[bytes, _Entry]], tuple[bytes, _Entry] | None]:
+        """Under the lock: the stored entries of the longest prefix, each hit once;
+        counts the lookup (store hits/misses; a disk hit when a block is on disk only)."""
         if isinstance(keys, PrefixKeys):
             chain, tail = keys.blocks, keys.tail
         else:
             chain = tuple(keys)
-        with self._lock:
-            from_disk = self.disk_stats.promotions, self._disk_reads()
-            self._no_room = False
-            self._lookup_keys = frozenset(chain)
-            found: list[Block] = []
-            for k in chain:
-                b = self._read(k, hit=True, promote=not self._no_room)
-                if b is None:
-                    break
-                found.append(b)
-            t = None
-            if len(found) == len(chain) and tail is not None:
-                t = self._read(tail, hit=True, promote=not self._no_room)
-            self._lookup_keys = frozenset()
-            if found or t:
-                self.stats.hits += 1
-            else:
-                self.stats.misses += 1
-            if (self.disk_stats.promotions, self._disk_reads()) != from_disk:
-                self.disk_stats.hits += 1
-            return Match(tuple(found), t)
+        found: list[tuple[bytes, _Entry]] = []
+        for k in chain:
+            e = self._hit(k, hit=True)
+            if e is None:
+                break
+            found.append((k, e))
+        t = None
+        if len(found) == len(chain) and tail is not None:
+            te = self._hit(tail, hit=True)
+            t = (tail, te) if te is not None else None
+        if found or t:
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1
+        if any(e.block is None for _, e in found + ([t] if t else [])):
+            self.disk_stats.hits += 1
+        return found, t
 
-    def _disk_reads(self) -> int:
-        return self._files.reads if self._files else 0
+    def lookup(self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None) -> Found:
+        """Longest run of stored blocks from the root, across tiers, from the index
+        alone (no file is read: a lookup costs no I/O and holds the lock briefly)."""
+        with self._lock:
+            found, t = self._chain(keys, tail)
+            refs = [(BlockRef(e.header, e.digest, e.nbytes), e.block is None) for _, e in found]
+            tref = (
+                (BlockRef(t[1].header, t[1].digest, t[1].nbytes), t[1].block is None) if t else None
+            )
+        disk = sum(d for _, d in refs) + (tref[1] if tref else 0)
+        return Found(tuple(r for r, _ in refs), tref[0] if tref else None, disk)
+
+    def longest_prefix(
+        self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None
+    ) -> Match:
+        """Longest run of stored blocks from the root, across tiers, read; never
+        crosses a hole. The tail counts only when every full block before it
+        matched. Disk blocks are read and verified outside the store lock; the run
+        stops at the first bad file (deleted, counted), and hot ones are promoted."""
+        with self._lock:
+            found, t = self._chain(keys, tail)
+            want = found + ([t] if t else [])
+            blocks = [e.block for _, e in want]
+        read: list[Block | None] = []
+        for (_, e), b in zip(want, blocks, strict=True):
+            read.append(b if b is not None else self._open(e))
+            if read[-1] is None:
+                break
+        disk = 0
+        out: list[Block] = []
+        with self._lock:
+            self._no_room = False
+            self._lookup_keys = frozenset(k for k, _ in want)
+            for (k, e), b, got in zip(want, blocks, read, strict=False):
+                if b is None:
+                    if not self._opened(k, e, got, promote=True):
+                        break
+                    disk += 1
+                assert got is not None
+                out.append(got)
+            self._lookup_keys = frozenset()
+        n = len(found)
+        tail_block = out[n] if t is not None and len(out) > n else None
+        return Match(tuple(out[:n]), tail_block, disk)
 
     # -- leases -------------------------------------------------------------
 

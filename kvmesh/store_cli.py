@@ -53,7 +53,7 @@ def disk_options(fn: F) -> F:
     return fn
 
 
-def disk_config_kwargs(disk: str | None, disk_budget: str, disk_admit: str) -> dict[str, Any]:
+def disk_config_kwargs(disk: object, disk_budget: str, disk_admit: str) -> dict[str, Any]:
     """``NodeConfig`` keyword arguments for the ``--disk*`` options."""
     from .units import parse_size
 
@@ -63,7 +63,7 @@ def disk_config_kwargs(disk: str | None, disk_budget: str, disk_admit: str) -> d
         budget = parse_size(disk_budget)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--disk-budget") from None
-    return dict(disk_path=disk, disk_budget_bytes=budget, disk_admit=disk_admit)
+    return dict(disk_path=str(disk), disk_budget_bytes=budget, disk_admit=disk_admit)
 
 
 def _files(directory: str) -> DiskFiles:

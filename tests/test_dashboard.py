@@ -135,3 +135,47 @@ def test_peer_health_in_metrics_and_on_the_dashboard(browser, tiny_engine, tmp_p
         head.stop()
         liar.kill()
         forger.kill()
+
+
+def test_disk_tier_on_the_dashboard(browser, tmp_path):
+    """A head with a disk tier, restarted: its own disk serves the prompt, and the
+    dashboard shows per-tier figures and the disk source, never the directory."""
+    from .test_api import Head
+    from .test_mesh import wait_for
+
+    disk = tmp_path / "kv-disk-dir"
+    args = ("--disk", str(disk), "--disk-budget", "64MiB", "--alias", "disk-head")
+    body = {"model": "demo-tiny", "prompt": "tiers on the dashboard " * 20, "max_tokens": 3,
+            "temperature": 0}  # fmt: skip
+    head = Head(*args)
+    try:
+        assert head.http.post("/v1/completions", json=body).json()["kvmesh"]["source"] == "compute"
+        wait_for(
+            lambda: head.metric('kvmesh_tier_admissions_total{tier="disk"}') >= 4, what="writes"
+        )
+    finally:
+        head.proc.kill()  # SIGKILL
+        head.proc.wait(10)
+        head.http.close()
+    head = Head(*args)
+    try:
+        assert head.http.post("/v1/completions", json=body).json()["kvmesh"]["source"] == "disk"
+        tiers = {t["tier"]: t for t in head.http.get("/v1/network/prefill").json()["tiers"]}
+        assert set(tiers) == {"ram", "disk"} and tiers["disk"]["hits"] == 1
+        assert tiers["disk"]["corrupt"] == 0 and tiers["disk"]["used_bytes"] > 0
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(head.url + "/")
+        page.wait_for_function(
+            "document.querySelectorAll('#tiers tbody tr').length == 2", timeout=10000
+        )
+        rows = page.locator("#tiers tbody tr").all_inner_texts()
+        disk_row = next(r for r in rows if r.startswith("disk")).split("\t")
+        # tier, used / budget, blocks, hits, admissions, evictions, promotions, corrupt files
+        assert disk_row[1].endswith("/ 67 MB") and int(disk_row[2]) >= 4 and disk_row[3] == "1"
+        assert disk_row[7] == "0"
+        assert "disk 1" in page.locator("#sources").inner_text()
+        text = page.locator("body").inner_text()
+        assert "kv-disk-dir" not in text and str(tmp_path) not in text
+        page.close()
+    finally:
+        head.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvmesh.blocks import BlockKeyer
-from kvmesh.codec import MAX_CHUNK_BYTES, chunks
+from kvmesh.codec import MAX_CHUNK_BYTES, PREFIX, chunks, parse_prefix
 from kvmesh.disk import DiskConfig
 from kvmesh.errors import StoreFull
 from kvmesh.store import BlockStore
@@ -238,6 +239,66 @@ def test_a_big_disk_block_is_an_mmap_view_served_in_slices(tmp_path):
     s2.close()
 
 
+def test_a_lookup_reads_no_file_and_a_bad_file_fails_its_fetch(tmp_path):
+    toks = list(range(16))
+    s, chain = filled(tmp_path, toks)
+    s.close()
+    keys = KEYER.keys(toks)
+    p = tmp_path / "blocks" / (chain[2].digest.hex() + ".kvb")
+    raw = bytearray(p.read_bytes())
+    raw[-1] ^= 1  # only the digest can tell
+    p.write_bytes(bytes(raw))
+    s2 = disk_store(tmp_path)
+    assert s2._files is not None
+    found = s2.lookup(keys)  # the index alone: keys, sizes and digests from headers
+    assert found.tokens == 16 and found.disk_blocks == len(chain) and s2._files.reads == 0
+    assert [(r.key, r.digest, r.nbytes) for r in found.blocks] == [
+        (b.key, b.digest, b.nbytes) for b in chain[:4]
+    ]
+    assert s2.disk_stats.corrupt == 0 and s2.disk_stats.hits == 1
+    lease = s2.lease([b.key for b in chain[:4]])
+    assert s2.get(chain[1].key).blob == chain[1].blob
+    assert s2.get(chain[2].key) is None  # the fetch fails; the file is deleted and counted
+    assert s2.disk_stats.corrupt == 1 and chain[3].key not in s2 and not p.exists()
+    s2.release(lease.id)
+    assert s2.longest_prefix(keys).tokens == 2 * CARD.block_tokens
+    assert s2.reachable_bytes("disk") == s2.disk_stats.used_bytes == dir_bytes(tmp_path)
+    s2.close()
+
+
+def test_disk_reads_and_digests_happen_outside_the_store_lock(tmp_path):
+    import threading
+
+    toks = list(range(16))
+    s, chain = filled(tmp_path, toks)
+    s.close()
+    s2 = disk_store(tmp_path)
+    files_, lock_free = s2._files, []
+    assert files_ is not None
+    read = files_.open
+
+    def open_(*a):  # another thread must be able to take the store lock meanwhile
+        def take() -> None:
+            got = s2._lock.acquire(timeout=5)  # a bound, not a measurement
+            if got:
+                s2._lock.release()
+            lock_free.append(got)
+
+        t = threading.Thread(target=take)
+        t.start()
+        t.join()
+        return read(*a)
+
+    files_.open = open_  # type: ignore[method-assign]
+    m = s2.longest_prefix(KEYER.keys(toks))
+    assert m.tokens == 16 and m.disk_blocks == len(chain) and m.from_disk
+    assert lock_free == [True] * len(chain)
+    assert s2.disk_stats.promotions == len(chain)
+    m = s2.longest_prefix(KEYER.keys(toks))  # promoted: served from RAM now
+    assert m.tokens == 16 and not m.from_disk and len(lock_free) == len(chain)
+    s2.close()
+
+
 def test_store_cli_stats_and_verify(tmp_path):
     toks = list(range(16))
     s, chain = filled(tmp_path, toks)
@@ -312,37 +373,179 @@ def test_node_with_disk_is_a_remote_hit_after_both_restart(tiny_engine, tmp_path
         p2.close()
 
 
-@pytest.mark.skipif(
-    not _peer_has_disk_flags(), reason="`kvmesh peer --disk` is not wired into cli.py yet"
-)
-def test_peer_process_with_disk_survives_sigkill(tiny_engine, tmp_path):
-    """Issue 14's done-when: publish through a head to `kvmesh peer --disk`, SIGKILL
-    the peer and drop the head, restart both: a remote hit with identical text."""
-    from .procs import Peer
+def block_files(disk: Path) -> dict[int, Path]:
+    """A disk tier's block files (not tails) by their first token."""
+    out = {}
+    for f in (disk / "blocks").glob("*.kvb"):
+        raw = f.read_bytes()
+        header = json.loads(raw[PREFIX.size : PREFIX.size + parse_prefix(raw)])
+        if header["kind"] == "block":
+            out[header["start"]] = f
+    return out
+
+
+def flip_last_byte(f: Path) -> None:
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 1
+    f.write_bytes(bytes(raw))
+
+
+def test_a_bad_file_on_a_peer_fails_its_fetch_and_the_head_computes(tiny_engine, tmp_path):
+    """A lookup advertises a disk block from the index; at fetch time its file is
+    bad: the fetch fails with a typed error, the head computes, the text is the same."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvmesh.mesh.metrics import NodeCollector
+    from kvmesh.mesh.node import NodeConfig, NodeThread
+
     from .test_mesh import SAMPLING, close, fresh_head, make_head, prompt, wait_for
 
     disk = tmp_path / "disk"
-    p = Peer("--disk", str(disk), "--disk-budget", "64MiB", alias="dp", log_dir=tmp_path)
-    toks = prompt(tiny_engine, 300, salt="sigkill")
-    h = make_head(tiny_engine, [p.address])
+    cfg = dict(listen="127.0.0.1:0", alias="disk-peer", gossip_interval=0.3, ttl=2,
+               disk_path=str(disk), disk_budget_bytes=64 << 20)  # fmt: skip
+    toks = prompt(tiny_engine, 300, salt="badfile")
+    p = NodeThread(NodeConfig(**cfg))  # type: ignore[arg-type]
+    h = make_head(tiny_engine, [p.node.address])
     try:
         wait_for(lambda: len(h.node.node.membership.live()) >= 1, what="gossip")
         cold = h.complete(toks, SAMPLING)
         h.flush()
-        n = len(toks) // tiny_engine.card.block_tokens
-        wait_for(lambda: len(list((disk / "blocks").glob("*.kvb"))) >= n, what="disk writes")
+        wait_for(lambda: p.node.store.stats.entries > 0, what="publish")
+        assert p.node.store.flush(10)
     finally:
         close(h)
-        p.kill()
-    p.start()
+        p.close()
+    bt = tiny_engine.card.block_tokens
+    flip_last_byte(block_files(disk)[2 * bt])
+    p2 = NodeThread(NodeConfig(**cfg))  # type: ignore[arg-type]
+    h2 = fresh_head(tiny_engine, [p2.node], alias="head-2")
     try:
-        h2 = fresh_head(tiny_engine, [p])
+        again = h2.complete(toks, SAMPLING)
+        assert again.tokens == cold.tokens
+        assert again.report.source == "compute" and again.report.fallback == "lease_expired"
+        d = p2.node.store.disk_stats
+        assert d.corrupt == 1 and p2.node.cache.counters["fetch_rejected:not_found"] == 0
+        reg = CollectorRegistry()
+        reg.register(NodeCollector(lambda: p2.node))
+        text = generate_latest(reg).decode()
+        assert 'kvmesh_tier_corrupt_total{tier="disk"} 1.0' in text
+        assert 'kvmesh_tier_entries{tier="ram"}' in text
+    finally:
+        close(h2)
+        p2.close()
+
+
+def _completion(head, text: str) -> dict:
+    body = {"model": "demo-tiny", "prompt": text, "max_tokens": 8, "temperature": 0}
+    r = head.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _cached(out: dict) -> int:
+    return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.skipif(
+    not _peer_has_disk_flags(), reason="`kvmesh peer --disk` is not wired into cli.py yet"
+)
+def test_head_and_disk_peer_processes_survive_sigkill(tmp_path):
+    """Issue 14's done-when: publish through a `kvmesh head` to a `kvmesh peer --disk`,
+    SIGKILL the peer and the head, restart both: the same prompt is a remote hit
+    (>= 90% of the prompt cached) with identical text."""
+    from .procs import Peer
+    from .test_api import Head
+
+    disk = tmp_path / "disk"
+    text = "A disk tier outlives its process. " * 30
+    p = Peer("--disk", str(disk), "--disk-budget", "64MiB", alias="dp", log_dir=tmp_path)
+    try:
+        h = Head("--seed", p.address, "--alias", "h1")
         try:
-            again = h2.complete(toks, SAMPLING)
-            assert again.report.source == "remote"
-            assert again.report.reused_tokens >= 0.9 * len(toks)
-            assert again.tokens == cold.tokens
+            h.wait(lambda s: s["peers"] >= 1)
+            cold = _completion(h, text)
+            n = cold["usage"]["prompt_tokens"]
+            h.wait(lambda s: s["publish_pending"] == 0)
+            _wait(lambda: len(block_files(disk)) >= n // 32, "disk writes")
         finally:
-            close(h2)
+            h.proc.kill()  # SIGKILL, both
+            h.proc.wait(10)
+            h.http.close()
+        p.kill()
+        p.start()
+        h2 = Head("--seed", p.address, "--alias", "h2")
+        try:
+            h2.wait(lambda s: s["peers"] >= 1)
+            again = _completion(h2, text)
+            assert again["kvmesh"]["source"] == "remote", again["kvmesh"]
+            assert _cached(again) >= 0.9 * again["usage"]["prompt_tokens"]
+            assert again["choices"][0]["text"] == cold["choices"][0]["text"]
+        finally:
+            h2.stop()
     finally:
         p.kill()
+
+
+def _wait(cond, what: str, timeout: float = 20.0) -> None:
+    from .test_mesh import wait_for
+
+    wait_for(cond, timeout=timeout, what=what)
+
+
+def test_head_process_own_disk_hit_and_bad_files(tmp_path):
+    """`kvmesh head --disk`: after a SIGKILL the head's own disk serves the prompt
+    (`source: "disk"`). Then files are corrupted, truncated and half-written while
+    it is down: none is served, each is counted, the answer is the cold one."""
+    from .test_api import Head
+
+    disk = tmp_path / "disk"
+    text = "Cache that survives restarts. " * 30
+
+    def start() -> Head:
+        return Head("--disk", str(disk), "--disk-budget", "64MiB", "--alias", "solo")
+
+    h = start()
+    try:
+        cold = _completion(h, text)
+        n = cold["usage"]["prompt_tokens"]
+        _wait(lambda: len(block_files(disk)) >= n // 32, "disk writes")
+        assert cold["kvmesh"]["source"] == "compute"
+    finally:
+        h.proc.kill()
+        h.proc.wait(10)
+        h.http.close()
+    h = start()
+    try:
+        assert h.metric('kvmesh_tier_entries{tier="disk"}') >= n // 32
+        warm = _completion(h, text)
+        assert warm["kvmesh"]["source"] == "disk", warm["kvmesh"]
+        assert _cached(warm) >= 0.9 * n
+        assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert h.metric('kvmesh_tier_hits_total{tier="disk"}') == 1
+        assert h.metric('kvmesh_prefill_total{source="disk"}') == 1
+    finally:
+        h.proc.kill()
+        h.proc.wait(10)
+        h.http.close()
+    bt = 32
+    by_start = block_files(disk)
+    flip_last_byte(by_start[1 * bt])  # whole, right size: only the digest on read can tell
+    with open(by_start[3 * bt], "r+b") as f:  # truncated mid-payload
+        f.truncate(f.seek(0, os.SEEK_END) - 100)
+    half = by_start[5 * bt].read_bytes()  # half-written under its final name ...
+    by_start[5 * bt].write_bytes(half[: len(half) // 2])
+    (disk / "tmp" / (by_start[5 * bt].stem + ".0001")).write_bytes(
+        half[: len(half) // 3]
+    )  # ... and torn
+    h = start()
+    try:
+        assert h.metric('kvmesh_tier_corrupt_total{tier="disk"}') == 2  # found by the header scan
+        assert h.metric('kvmesh_disk_files_deleted_total{reason="torn"}') == 1
+        assert h.metric('kvmesh_disk_files_deleted_total{reason="orphan"}') >= 1
+        out = _completion(h, text)
+        assert out["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert out["kvmesh"]["source"] == "disk" and _cached(out) == bt  # block 0 only
+        assert h.metric('kvmesh_tier_corrupt_total{tier="disk"}') == 3  # block 1, on read
+        assert not by_start[1 * bt].exists() and not list((disk / "tmp").iterdir())
+    finally:
+        h.stop()

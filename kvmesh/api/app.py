@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..runtime.head import HeadRuntime
 from . import network
 from .guard import Guard
-from .network import APIKeys, NetworkState
+from .network import SOURCES, APIKeys, NetworkState
 from .openai import APIError, OpenAIService, error_response, router
 from .scheduler import QueueFull, Scheduler
 
@@ -59,7 +59,7 @@ class HeadCollector(Collector):
         ):
             yield CounterMetricFamily(name, doc, value=c.get(key, 0))
         src = CounterMetricFamily("kvmesh_prefill", "Prefills by source tier", labels=["source"])
-        for tier in ("session", "local", "remote", "compute"):
+        for tier in SOURCES:
             src.add_metric([tier], c.get(f"prefill_source:{tier}", 0))
         yield src
         fb = CounterMetricFamily("kvmesh_fallbacks", "Cache fallbacks by reason", labels=["reason"])

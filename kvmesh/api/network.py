@@ -28,6 +28,7 @@ from ..units import is_loopback
 from .openai import APIError, Body
 
 PAIRING_TTL_S = 600.0
+SOURCES = ("session", "local", "disk", "remote", "compute")  # where a prefill's prefix came from
 
 
 class APIKeys:
@@ -220,9 +221,7 @@ def _tokens(runtime: HeadRuntime, bucket_s: float = 10.0) -> dict[str, Any]:
 def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[str, Any]:
     c = runtime.telemetry.snapshot()["counters"]
     t = runtime.telemetry.snapshot()["timers"]
-    sources = {
-        s: c.get(f"prefill_source:{s}", 0) for s in ("session", "local", "remote", "compute")
-    }
+    sources = {s: c.get(f"prefill_source:{s}", 0) for s in SOURCES}
     total = sum(sources.values())
     node = runtime.node.node if runtime.node else None
     transfers = []
@@ -242,7 +241,31 @@ def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[s
         "capacity": [
             {"alias": n["alias"], **n["capacity"]} for n in _node_rows(runtime, state, private)
         ],
+        "tiers": _tiers(runtime),
     }
+
+
+def _tiers(runtime: HeadRuntime) -> list[dict[str, Any]]:
+    """The head's own store, tier by tier (RAM, then disk): aggregates only, public
+    like capacity (never a path, a key or a file name)."""
+    node = runtime.node.node if runtime.node else None
+    if node is None:
+        return []
+    return [
+        {
+            "tier": t.tier,
+            "budget_bytes": t.budget_bytes,
+            "used_bytes": t.used_bytes,
+            "entries": t.entries,
+            "hits": t.hits,
+            "admissions": t.admissions,
+            "evictions": t.evictions,
+            "promotions": t.promotions,
+            "corrupt": t.corrupt,
+            "dropped": t.dropped,
+        }  # fmt: skip
+        for t in node.store.tier_stats()
+    ]
 
 
 def router(

@@ -1,6 +1,8 @@
 """Prometheus metrics of a mesh node, collected on scrape (no hot-path cost).
 
-Besides store gauges and ``kvmesh_events{kind, side}`` (every counter of the
+Besides store gauges, per-tier figures (``kvmesh_tier_*{tier="ram"|"disk"}``:
+bytes, blocks, hits, admissions, evictions, promotions, corrupt files found)
+and ``kvmesh_events{kind, side}`` (every counter of the
 node's server and client, ``side`` telling which), two families let an operator
 alert on a hostile or failing fleet without knowing every counter name:
 
@@ -63,6 +65,7 @@ class NodeCollector(Collector):
         if node is None:
             return
         yield from self._store(node)
+        yield from self._tiers(node)
         yield from self._events(node)
         yield from self._failures(node)
 
@@ -94,6 +97,37 @@ class NodeCollector(Collector):
             ("kvmesh_store_inserts", s.inserts, "Blocks stored"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+
+    def _tiers(self, node: Any) -> Iterator[Any]:
+        """Per tier (``ram``, and ``disk`` with a disk tier): bytes, blocks, hits,
+        admissions, evictions, promotions, bad files found, writes dropped."""
+        tiers = node.store.tier_stats()
+        for name, attr, doc, family in (
+            ("kvmesh_tier_budget_bytes", "budget_bytes", "Byte budget by tier", GaugeMetricFamily),
+            ("kvmesh_tier_used_bytes", "used_bytes", "Bytes stored by tier", GaugeMetricFamily),
+            ("kvmesh_tier_entries", "entries", "Blocks stored by tier", GaugeMetricFamily),
+            ("kvmesh_tier_hits", "hits", "Lookups answered (in part) from a tier", CounterMetricFamily),
+            ("kvmesh_tier_admissions", "admissions", "Blocks that entered a tier (RAM: stored or promoted; disk: files written)", CounterMetricFamily),
+            ("kvmesh_tier_evictions", "evictions", "Blocks that left a tier for its budget", CounterMetricFamily),
+            ("kvmesh_tier_promotions", "promotions", "Disk blocks copied back into RAM", CounterMetricFamily),
+            ("kvmesh_tier_corrupt", "corrupt", "Bad files found (header scan or digest on read) and deleted, never served", CounterMetricFamily),
+            ("kvmesh_tier_dropped", "dropped", "Disk writes refused (queue full, no room, I/O error)", CounterMetricFamily),
+            ("kvmesh_tier_queued_bytes", "queued_bytes", "Bytes waiting for the disk writer", GaugeMetricFamily),
+        ):  # fmt: skip
+            m = family(name, doc, labels=["tier"])
+            for t in tiers:
+                m.add_metric([t.tier], getattr(t, attr))
+            yield m
+        if len(tiers) > 1:
+            d = node.store.disk_stats
+            f = CounterMetricFamily(
+                "kvmesh_disk_files_deleted",
+                "Disk tier files deleted at start or on read, by why",
+                labels=["reason"],
+            )
+            for reason, v in (("corrupt", d.corrupt), ("torn", d.torn), ("orphan", d.orphans)):
+                f.add_metric([reason], v)
+            yield f
 
     def _events(self, node: Any) -> Iterator[Any]:
         c = CounterMetricFamily(

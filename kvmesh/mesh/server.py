@@ -121,7 +121,7 @@ class CacheService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many keys")
         self.counters["lookups"] += 1
         tail = next((k for k in request.tail_keys if k in self.store), None)
-        m = self.store.longest_prefix(list(request.block_keys), tail)
+        m = self.store.lookup(list(request.block_keys), tail)  # the index only: no file read
         if m.blocks and m.blocks[0].header.namespace != request.namespace:
             return pb.LookupResponse(epoch=self.store.epoch)  # keys of another namespace
         resp = pb.LookupResponse(
@@ -159,7 +159,9 @@ class CacheService:
                     self.counters["fetch_rejected:lease_expired"] += 1
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "lease_expired")
                 block = self.store.get(key)
-                assert block is not None  # leased blocks are never evicted
+                if block is None:  # a disk file found bad on read (deleted, counted)
+                    await context.abort(grpc.StatusCode.NOT_FOUND, "lease_expired")
+                    return
                 blob = block.blob
                 if len(blob) <= size:
                     yield blob

@@ -66,7 +66,7 @@ class _Acquired:
     """The prefix gathered for one request before the engine runs."""
 
     session: tuple[int, int] | None = None  # (session id, tokens to keep)
-    source: str = "compute"  # session | local | remote | compute
+    source: str = "compute"  # session | local | disk (local, in part from disk) | remote | compute
     prefix: tuple[Block, ...] = ()  # the chain from the root (blocks, then a tail)
     importer: Importer | None = None  # ``prefix`` already copied in (remote)
     peer: str | None = None
@@ -213,7 +213,7 @@ class HeadRuntime:
         if got.session_tokens >= local.tokens and got.session_tokens:
             got.source = "session"  # resuming is a crop, importing a copy: sessions win ties
         elif local.tokens:
-            got.source, got.prefix = "local", local.all()
+            got.source, got.prefix = "disk" if local.from_disk else "local", local.all()
         have = max(got.session_tokens, local.tokens)
         if self.fleet is None or have >= len(tokens) - 1:
             return got

@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class PrefillReport:
-    source: str  # session | local | remote | compute
+    source: str  # session | local | disk | remote | compute
     prompt_tokens: int
     reused_tokens: int
     computed_tokens: int

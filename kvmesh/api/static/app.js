@@ -109,6 +109,9 @@ function renderChart(series) {
 
 function renderPrefill(p) {
   rows($("transfers").tBodies[0], p.recent_transfers.slice().reverse(), (t) => [t.peer, fmtBytes(t.bytes), (t.seconds * 1000).toFixed(1) + " ms", t.gbps.toFixed(2) + " GB/s"]);
+  rows($("tiers").tBodies[0], p.tiers || [], (t) => [t.tier, fmtBytes(t.used_bytes) + " / " + fmtBytes(t.budget_bytes),
+    t.entries, t.hits, t.admissions, t.evictions, t.tier === "disk" ? t.promotions : "–", t.tier === "disk" ? t.corrupt : "–"]);
+  $("sources").textContent = "prefills by source: " + Object.entries(p.by_source).map(([k, v]) => k + " " + v).join(" · ");
   const reasons = Object.entries(p.fallback_reasons);
   rows($("fallbacks").tBodies[0], reasons.length ? reasons : [["none", 0]], ([k, v]) => [k, v]);
 }
