@@ -90,7 +90,9 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
     for toks in (first, second):  # the honest peer holds only the first 96 tokens
         published(tiny_engine, [honest], toks[:100])
     bad = hostile(mode, honest, tmp_path)
-    h = fresh_head(tiny_engine, [honest])
+    # a loaded machine must not make the honest peer's lookups time out (that would
+    # back it off too): the stalls under test are at fetch time
+    h = fresh_head(tiny_engine, [honest], lookup_deadline=5.0)
     try:
         wait_for(lambda: len(h.node.node.membership.live()) >= 2, what="both peers")
         # demo-tiny prefills 200 tokens in milliseconds, so the planner would rightly
