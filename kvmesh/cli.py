@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from .engine import ENGINES
-from .errors import KVMeshError
+from .engine import DEVICES, DTYPES, ENGINES, pick_device, pick_dtype
+from .errors import ConfigError, KVMeshError
 from .store_cli import disk_config_kwargs, disk_options, store
 
 
@@ -377,6 +377,22 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     "--model", default="demo", show_default=True, help="demo, demo-tiny or a local model directory."
 )
 @click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True)
+@click.option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default="auto",
+    show_default=True,
+    help="Where the torch engine runs; auto: CUDA, else MPS, else the CPU. "
+    "(mlx picks Metal or the CPU itself: auto only.)",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default="auto",
+    show_default=True,
+    help="Weights' dtype (the KV cache follows, and so does the card's namespace); auto: "
+    "float32 on the CPU, the checkpoint's dtype on a GPU. (mlx: auto only.)",
+)
 @click.option("--listen", default="127.0.0.1:8000", show_default=True, help="HTTP HOST:PORT.")
 @click.option(
     "--grpc-listen",
@@ -462,6 +478,8 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
 def head(
     model: str,
     engine: str,
+    device: str,
+    dtype: str,
     listen: str,
     grpc_listen: str,
     budget: str,
@@ -495,6 +513,11 @@ def head(
         raise click.UsageError("--http-tls-cert and --http-tls-key go together")
     if api_key_scope == "all" and not api_key_file:
         raise click.UsageError("--api-key-scope all needs --api-key-file")
+    try:  # a device that is not there is a clear error now, not a traceback at load
+        pick_dtype(dtype, engine)
+        device = pick_device(device, engine) or device
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
     try:
         body_cap = parse_size(max_body_bytes)
     except ValueError as e:
@@ -517,6 +540,8 @@ def head(
         HeadOptions(
             model=model,
             engine=engine,
+            device=device,
+            dtype=dtype,
             listen=listen,
             publish=not no_publish,
             api_key_file=api_key_file,

@@ -204,9 +204,12 @@ def test_peer_killed_before_request_same_answer(tmp_path):
         ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
                                              "temperature": 9}).encode(), 400, None),
         ("/v1/nothing-here", b"{}", 404, None),
-        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x", "stop": ["\n"]}).encode(), 400, None),
+        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x", "logit_bias": {"1": 5}}).encode(), 400,
+         None),
         ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
-                                             "logprobs": True}).encode(), 400, None),
+                                             "tools": [{"type": "function"}]}).encode(), 400, None),
+        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x", "presence_penalty": 2.5}).encode(), 400,
+         None),
     ],
 )  # fmt: skip
 def test_bad_requests_get_openai_errors_and_the_head_keeps_serving(head, path, body, status, code):

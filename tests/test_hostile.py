@@ -98,6 +98,7 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
         # demo-tiny prefills 200 tokens in milliseconds, so the planner would rightly
         # skip small fetches; keep it at a real model's speed for this test
         h.planner.prefill_tps = 100.0
+        h.planner.backoff_first_s = 60.0  # outlasts both requests on a loaded machine
         out = h.complete(first, SAMPLING)
         assert out.tokens == _cold(tiny_engine, first)
         reasons = {**LYING, **STALLING}[mode]

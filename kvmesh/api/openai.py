@@ -12,7 +12,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -20,13 +20,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import Sampling
+from ..engine import Decoded, Sampling
 from ..errors import NoChatTemplate
 from ..runtime.head import Generation, HeadRuntime
 from .scheduler import Job, Scheduler, TokenStream
 
-UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-               "logit_bias", "tools", "functions", "response_format", "best_of", "echo", "suffix")  # fmt: skip
+# they would change the answer: refused (400) rather than ignored
+UNSUPPORTED = ("logit_bias", "tools", "functions", "response_format", "best_of", "echo", "suffix")
+MAX_N = 16  # sequences per request: each holds its own copy of the prompt's KV while decoding
+MAX_STOPS = 4  # as OpenAI
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
 class APIError(Exception):
@@ -94,16 +97,33 @@ class _Common(Body):
     max_completion_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)  # every engine's RNG takes it
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: decode max_tokens whatever is sampled
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+
+    def stops(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > MAX_STOPS:
+            raise APIError(400, f"at most {MAX_STOPS} stop sequences are supported", param="stop")
+        return tuple(s for s in stop if s)
+
+    def want_logprobs(self) -> int | None:
+        """How many alternatives to report per token; None = no logprobs."""
+        return None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def want_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class Message(BaseModel):
@@ -114,6 +134,13 @@ class Message(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def want_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _text(content: str | list[dict[str, Any]] | None) -> str:
@@ -149,6 +176,7 @@ class OpenAIService:
         self.max_context = max_context
         self.max_tokens_default = max_tokens_default
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     def names(self) -> set[str]:
         return {self.model_name, *self.aliases, self.runtime.card.model_id}
@@ -161,12 +189,11 @@ class OpenAIService:
                 param="model",
                 code="model_not_found",
             )
-        if req.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
         extra = req.model_extra or {}
         for name in UNSUPPORTED:  # they would change the answer: refuse rather than ignore
             if extra.get(name) not in (None, 0, 0.0, False, [], "", "none"):
                 raise APIError(400, f"'{name}' is not supported by kvmesh yet", param=name)
+        stops, logprobs = req.stops(), req.want_logprobs()
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -188,7 +215,8 @@ class OpenAIService:
             )
         return Sampling(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-            stop_on_eos=not req.ignore_eos,
+            stop_on_eos=not req.ignore_eos, stop=stops, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, logprobs=logprobs, n=req.n,
         )  # fmt: skip
 
     def tokens(self, req: _Common) -> list[int]:
@@ -221,24 +249,29 @@ class OpenAIService:
     def start(self, req: _Common, tokens: list[int], job: Job) -> tuple[Generation, TokenStream]:
         """Check ``req`` (4xx before anything runs) and start its generation."""
         sampling = self._check(req, len(tokens))
-        out = Generation()
+        out = Generation(choices=[Decoded() for _ in range(sampling.n)])  # read while it runs
         return out, self.scheduler.start(job, tokens, sampling, out)
 
     def body(
         self, req: _Common, rid: str, chat: bool, n_prompt: int, out: Generation
     ) -> dict[str, Any]:
-        text = self.runtime.engine.decode_text(out.tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        choices = []
+        for i, c in enumerate(out.choices):
+            # no stop string: the whole answer decoded at once, as before stop strings existed
+            text = c.text if c.stopped else self.runtime.engine.decode_text(c.tokens)
+            choice: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason}
+            choice["logprobs"] = self._logprobs(c, 0, c.shown, chat, req.want_logprobs())
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": req.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": self._usage(out, n_prompt),
             "kvmesh": {**out.report.as_dict(), "ttft_s": out.ttft_s} if out.report else None,
         }
@@ -246,33 +279,80 @@ class OpenAIService:
     @staticmethod
     def _usage(out: Generation, n_prompt: int) -> dict[str, Any]:
         cached = out.report.reused_tokens if out.report else 0
+        generated = sum(len(c.tokens) for c in out.choices)  # the prompt counts once
         return {
             "prompt_tokens": n_prompt,
-            "completion_tokens": len(out.tokens),
-            "total_tokens": n_prompt + len(out.tokens),
+            "completion_tokens": generated,
+            "total_tokens": n_prompt + generated,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
+    def _token_text(self, token: int) -> str:
+        """A token's own text, special tokens included (as vLLM reports them)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = str(self.runtime.engine.tokenizer.decode([token], skip_special_tokens=False))
+            if len(self._token_texts) < 1 << 18:
+                self._token_texts[token] = text
+        return text
+
+    def _logprobs(
+        self, c: Decoded, start: int, stop: int, chat: bool, top: int | None
+    ) -> dict[str, Any] | None:
+        """Logprobs of tokens [start, stop) of ``c`` in the route's shape: chat's
+        ``content`` list, or the legacy completions lists (``top_logprobs`` holds
+        the sampled token too, so up to ``logprobs + 1`` entries, as OpenAI's)."""
+        if top is None:
+            return None
+        entries = c.logprobs[start:stop]
+        name = self._token_text
+        if chat:
+            return {
+                "content": [
+                    {"token": name(e.token), "logprob": e.logprob,
+                     "bytes": list(name(e.token).encode()),
+                     "top_logprobs": [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode())}
+                                      for t, lp in e.top]}
+                    for e in entries
+                ]
+            }  # fmt: skip
+        tops = []
+        for e in entries:
+            alts = {name(t): lp for t, lp in e.top}
+            alts.setdefault(name(e.token), e.logprob)
+            tops.append(alts)
+        return {
+            "tokens": [name(e.token) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": c.offsets[start:stop],
+        }
+
     async def sse(
-        self, rid: str, n_prompt: int, chat: bool, include_usage: bool,
-        out: Generation, stream: TokenStream,
+        self, req: _Common, rid: str, n_prompt: int, chat: bool, out: Generation,
+        stream: TokenStream,
     ) -> AsyncIterator[str]:  # fmt: skip
-        """Server-sent events of a started generation (detokenised incrementally).
+        """Server-sent events of a started generation: each choice's text as the
+        engine detokenizes it (text that could start a stop string is held back
+        until it cannot) with the logprobs of the tokens that text accounts for.
         Starlette stops iterating when the client leaves, which cancels ``stream``."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        decode = self.runtime.engine.decode_text
+        top = req.want_logprobs()
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(i: int, text: str, logprobs: Any, finish: str | None, first: bool = False) -> str:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
                     delta["role"] = "assistant"
                 if text:
                     delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish}
+                if logprobs is not None:
+                    choice["logprobs"] = logprobs
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
             body = {
                 "id": rid,
                 "object": obj,
@@ -282,27 +362,26 @@ class OpenAIService:
             }
             return f"data: {json.dumps(body)}\n\n"
 
+        sent_text = [0] * len(out.choices)
+        sent_tokens = [0] * len(out.choices)
+
+        def news(final: bool) -> Iterator[str]:
+            for i, c in enumerate(out.choices):
+                shown, text = c.shown, c.text  # shown first: text only grows after it
+                lp = self._logprobs(c, sent_tokens[i], shown, chat, top)
+                new = text[sent_text[i] :]
+                if new or (lp and shown > sent_tokens[i]) or final:
+                    yield chunk(i, new, lp, c.finish_reason if final else None)
+                sent_text[i], sent_tokens[i] = len(text), shown
+
         if chat:
-            yield chunk(None, None, first=True)
-        # incremental detokenisation: each step decodes only the tokens since the last
-        # emitted boundary (plus the previous window, for tokenizers whose text
-        # depends on the token before), never the whole answer again
-        prefix = read = 0
-
-        def delta(final: bool) -> str | None:
-            nonlocal prefix, read
-            before = decode(out.tokens[prefix:read])
-            after = decode(out.tokens[prefix:])
-            if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-                return None  # nothing new, or an incomplete UTF-8 sequence: wait for more
-            prefix, read = read, len(out.tokens)
-            return after[len(before) :]
-
+            for i in range(len(out.choices)):
+                yield chunk(i, "", None, None, first=True)
         async for _ in stream:
-            text = delta(final=False)
-            if text:
-                yield chunk(text, None)
-        yield chunk(delta(final=True), out.finish_reason)
+            for event in news(final=False):
+                yield event
+        for event in news(final=True):
+            yield event
         if include_usage:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
                     "usage": self._usage(out, n_prompt)}  # fmt: skip
@@ -337,9 +416,8 @@ def router(service: OpenAIService) -> APIRouter:
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(
-                service.sse(rid, len(tokens), chat, include_usage, out, stream),
+                service.sse(req, rid, len(tokens), chat, out, stream),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )

@@ -33,6 +33,8 @@ class HeadOptions:
     api_key_scope: str = "admin"
     http_tls_cert: str | None = None
     http_tls_key: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | mps (torch; mlx picks its own)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
 
     def model_names(self) -> tuple[str, tuple[str, ...]]:
         """(canonical name, accepted aliases): the first ``--served-model-name``,
@@ -69,7 +71,13 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
     from ..units import is_loopback
     from .app import Limits, create_app
 
-    engine = load_engine(opts.model, opts.engine, progress=lambda m: log.info(m))
+    engine = load_engine(
+        opts.model,
+        opts.engine,
+        progress=lambda m: log.info(m),
+        device=opts.device,
+        dtype=opts.dtype,
+    )
     engine.prefill(engine.encode("warm up"))  # first-call setup is not any request's cost
     gc.collect()
     gc.freeze()  # the model's objects never die: keep full collections off the request path
@@ -105,7 +113,8 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
                     "(--http-tls-cert/--http-tls-key)", host)  # fmt: skip
     print(
         f"kvmesh head {node.node.alias} {'https' if tls else 'http'}://{host}:{port} "
-        f"grpc {node.node.address} epoch {node.node.store.epoch} model {engine.card.summary()}",
+        f"grpc {node.node.address} epoch {node.node.store.epoch} model {engine.card.summary()}"
+        f" device {getattr(engine, 'device', 'mlx')}",
         flush=True,
     )
     config = uvicorn.Config(

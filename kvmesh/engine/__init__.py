@@ -8,9 +8,60 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import Engine, KVState, Sampling
+from ..errors import ConfigError
+from .base import Decoded, Engine, KVState, Sampling, TokenLogprob
 
 ENGINES = ("torch", "mlx")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def pick_device(
+    device: str = "auto",
+    engine: str = "torch",
+    *,
+    cuda: Callable[[], bool] | None = None,
+    mps: Callable[[], bool] | None = None,
+) -> str | None:
+    """The device ``engine`` runs on: ``auto`` is CUDA when available, else MPS,
+    else the CPU. A device that is not there is a :class:`ConfigError` that says
+    so. mlx picks Metal or the CPU itself: None, and any other request is an error.
+    ``cuda`` / ``mps`` say whether those are available (default: ask torch)."""
+    kind, _, index = device.partition(":")  # torch's cuda:1 is cuda too
+    if kind not in DEVICES or (index and (kind != "cuda" or not index.isdigit())):
+        raise ConfigError(f"unknown device {device!r}; choose from {DEVICES}")
+    if engine == "mlx":
+        if device != "auto":
+            raise ConfigError(
+                f"--device {device} does not apply to the mlx engine: mlx runs on Metal where "
+                "there is one, else on the CPU (use --device auto)"
+            )
+        return None
+    if cuda is None or mps is None:
+        import torch
+
+        cuda = cuda or torch.cuda.is_available
+        mps = mps or torch.backends.mps.is_available
+    if device == "auto":
+        return "cuda" if cuda() else "mps" if mps() else "cpu"
+    if kind == "cuda" and not cuda():
+        raise ConfigError(f"--device {device}: CUDA is not available (no GPU, or a CPU-only torch)")
+    if kind == "mps" and not mps():
+        raise ConfigError("--device mps: MPS is not available (it needs Apple silicon)")
+    return device
+
+
+def pick_dtype(dtype: str = "auto", engine: str = "torch") -> str | None:
+    """The weights' dtype to load, or None for the engine's own choice (torch:
+    float32 on the CPU, the checkpoint's dtype on a GPU; mlx: the checkpoint's)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose from {DTYPES}")
+    if engine == "mlx" and dtype != "auto":
+        raise ConfigError(
+            f"--dtype {dtype} is not supported by the mlx engine: it runs the checkpoint's dtype "
+            "(convert the model with mlx_lm.convert --dtype instead)"
+        )
+    return None if dtype == "auto" else dtype
 
 
 def load_engine(
@@ -19,21 +70,45 @@ def load_engine(
     *,
     block_tokens: int | None = None,
     progress: Callable[[str], None] | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
     **kwargs: object,
 ) -> Engine:
-    """Load ``model`` (``demo``, ``demo-tiny`` or a local directory) on ``engine``."""
+    """Load ``model`` (``demo``, ``demo-tiny`` or a local directory) on ``engine``.
+    ``device`` and ``dtype`` take :data:`DEVICES` / :data:`DTYPES` (``auto``: see
+    :func:`pick_device`, :func:`pick_dtype`); None is the CPU and the engine's dtype."""
     from .demo import resolve_model
 
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
+    where = pick_device(device, engine) if device else None
+    weights = pick_dtype(dtype, engine) if dtype else None
     path = resolve_model(model, progress)
     if engine == "torch":
         from .hf import TransformersEngine
 
-        return TransformersEngine(path, block_tokens=block_tokens, **kwargs)  # type: ignore[arg-type]
-    if engine == "mlx":
-        from .mlx import MLXEngine
+        return TransformersEngine(
+            path,
+            block_tokens=block_tokens,
+            device=where or "cpu",
+            dtype=weights,
+            **kwargs,  # type: ignore[arg-type]
+        )
+    from .mlx import MLXEngine
 
-        return MLXEngine(path, block_tokens=block_tokens, **kwargs)  # type: ignore[arg-type]
-    raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
+    return MLXEngine(path, block_tokens=block_tokens, **kwargs)  # type: ignore[arg-type]
 
 
-__all__ = ["ENGINES", "Engine", "KVState", "Sampling", "load_engine"]
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "ENGINES",
+    "Decoded",
+    "Engine",
+    "KVState",
+    "Sampling",
+    "TokenLogprob",
+    "load_engine",
+    "pick_device",
+    "pick_dtype",
+]

@@ -12,12 +12,16 @@ from the local cache that produced them (invariant 2).
 from __future__ import annotations
 
 import abc
+import bisect
+import copy
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, BlockHeader, Layout, new_blob, seal
@@ -27,11 +31,121 @@ from ..errors import CacheMiss, ConfigError, MalformedPayload, NoChatTemplate
 
 @dataclass(frozen=True)
 class Sampling:
+    """How to decode one sequence. The defaults change nothing: no penalty, no stop
+    string and no logprobs leave the sampled tokens exactly as plain sampling's."""
+
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
     stop_on_eos: bool = True
+    stop: tuple[str, ...] = ()  # on decoded text; the stop string is not part of the answer
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from a token already generated
+    frequency_penalty: float = 0.0  # ... and this, times how often it was generated
+    logprobs: int | None = None  # record each token's logprob and this many alternatives
+    n: int = 1  # sequences from one prefill; sequence i samples with seed + i
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's raw logits (before
+    penalties and temperature, as vLLM reports by default) and the ``top`` most
+    likely tokens, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class StopScanner:
+    """Finds the first stop string in text that arrives piece by piece, and says
+    how much of it is safe to show: text that could still be the start of a stop
+    string is held back until the next piece proves it is not."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""  # everything fed so far
+        self.cut: int | None = None  # where the first stop string starts, once found
+        self._scanned = 0  # no stop string starts before this offset
+
+    def feed(self, piece: str) -> int:
+        """Add ``piece``; return how many characters of ``text`` are safe to show
+        (all of it up to ``cut`` once a stop string is found)."""
+        if self.cut is not None:
+            return self.cut
+        self.text += piece
+        if not self.stops:
+            return len(self.text)
+        hits = [i for s in self.stops if (i := self.text.find(s, self._scanned)) >= 0]
+        if hits:
+            self.cut = min(hits)
+            return self.cut
+        safe = len(self.text) - max(self._partial(s) for s in self.stops)
+        self._scanned = safe
+        return safe
+
+    def _partial(self, stop: str) -> int:
+        """Length of the longest end of ``text`` that is a proper start of ``stop``."""
+        for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
+            if self.text.endswith(stop[:k]):
+                return k
+        return 0
+
+
+@dataclass
+class Decoded:
+    """One decoded sequence as it grows: its tokens, their logprobs (when asked),
+    the text safe to show so far (a stop string cut off, a possible start of one
+    held back) and, per token, where its text starts. ``done`` once it ended."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text: str = ""
+    offsets: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    stopped: bool = False  # ended by a stop string, which ``text`` does not include
+    done: bool = False
+
+    @property
+    def shown(self) -> int:
+        """How many tokens the text shown so far accounts for: all of them once the
+        sequence ended without a stop string; otherwise those whose text starts
+        inside ``text`` (tokens inside or after a stop string are never shown)."""
+        if self.done and not self.stopped:
+            return len(self.tokens)
+        return bisect.bisect_left(self.offsets, len(self.text))
+
+
+class _Detokenizer:
+    """Incremental text of ``out.tokens``: each step decodes only the tokens since
+    the last boundary (plus the window before, for tokenizers whose text depends
+    on the previous token), never the whole answer again."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], out: Decoded, stops: Sequence[str]):
+        self.decode, self.out = decode, out
+        self.scanner = StopScanner(stops)
+        self.prefix = self.read = 0
+
+    def step(self, final: bool) -> None:
+        out, toks = self.out, self.out.tokens
+        while len(out.offsets) < len(toks):  # where the new tokens' text starts
+            out.offsets.append(len(self.scanner.text))
+        before = self.decode(toks[self.prefix : self.read])
+        after = self.decode(toks[self.prefix :])
+        piece = ""
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(toks)
+            piece = after[len(before) :]
+        safe = self.scanner.feed(piece)
+        if self.scanner.cut is not None:
+            out.stopped = True
+        elif final:
+            safe = len(self.scanner.text)  # nothing more can complete a stop string
+        out.text = self.scanner.text[:safe]
 
 
 @dataclass
@@ -251,7 +365,25 @@ class Engine(abc.ABC):
     def _read_logits(self, view: memoryview) -> Any: ...
 
     @abc.abstractmethod
-    def sample(self, logits: Any, sampling: Sampling, rng: Any) -> int: ...
+    def sample(
+        self, logits: Any, sampling: Sampling, rng: Any, counts: Mapping[int, int] | None = None
+    ) -> int:
+        """The next token from ``logits``; ``counts`` (tokens generated so far, how
+        often) are penalized first when ``sampling`` has a penalty."""
+
+    @abc.abstractmethod
+    def _log_softmax(self, logits: Any) -> np.ndarray:
+        """Float32 log-probabilities of ``logits`` (as a NumPy vector)."""
+
+    def logprob(self, logits: Any, token: int, top: int) -> TokenLogprob:
+        """``token``'s logprob under the raw ``logits`` and the ``top`` most likely."""
+        lp = self._log_softmax(logits)
+        best: tuple[tuple[int, float], ...] = ()
+        if top > 0:
+            idx = np.argpartition(-lp, top - 1)[:top]
+            idx = idx[np.argsort(-lp[idx], kind="stable")]
+            best = tuple((int(j), float(lp[j])) for j in idx)
+        return TokenLogprob(int(token), float(lp[token]), best)
 
     @abc.abstractmethod
     def new_rng(self, seed: int | None) -> Any: ...
@@ -301,15 +433,44 @@ class Engine(abc.ABC):
         cache, logits = self._forward(cache, tokens[keep:], keep)
         return KVState(tokens, cache, logits, len(tokens), keep, len(tokens) - keep)
 
-    def generate(self, state: KVState, sampling: Sampling) -> Iterator[int]:
-        """Decode locally. Mutates ``state`` so it ends holding the whole sequence."""
+    def fork(self, state: KVState) -> KVState:
+        """An independent copy of a live ``state`` (``n`` sequences from one
+        prefill): the same cached tensors (a crop shares them; decoding one copy
+        never writes into another) and the same logits."""
+        try:
+            cache = self._crop(state.cache, state.cached) if state.cached else None
+        except CacheMiss:  # a sliding layer already trimmed: copy it whole
+            cache = copy.deepcopy(state.cache)
+        return KVState(list(state.tokens), cache, state.logits, state.cached)
+
+    def generate(
+        self, state: KVState, sampling: Sampling, out: Decoded | None = None
+    ) -> Iterator[int]:
+        """Decode locally. Mutates ``state`` so it ends holding the whole sequence.
+        ``out``, when given, is filled in before each token is yielded: tokens,
+        logprobs, the text to show and why the sequence ended (a stop string ends
+        it too; the stop string is not part of ``out.text``)."""
         rng = self.new_rng(sampling.seed)
+        text = _Detokenizer(self.decode_text, out, sampling.stop) if out is not None else None
+        counts: dict[int, int] | None = {} if sampling.penalized else None
         for i in range(sampling.max_tokens):
-            tok = self.sample(state.logits, sampling, rng)
+            tok = self.sample(state.logits, sampling, rng, counts)
             state.tokens.append(tok)
+            eos = sampling.stop_on_eos and tok in self.eos_ids
+            last = i == sampling.max_tokens - 1 or eos
+            if out is not None and text is not None:
+                if sampling.logprobs is not None:
+                    out.logprobs.append(self.logprob(state.logits, tok, sampling.logprobs))
+                out.tokens.append(tok)
+                text.step(final=last)
+                if out.stopped or last:
+                    out.finish_reason = "stop" if out.stopped or eos else "length"
+                    out.done = last = True
             yield tok
-            if i == sampling.max_tokens - 1 or (sampling.stop_on_eos and tok in self.eos_ids):
+            if last:
                 return  # the last token is not forwarded: its KV is never needed here
+            if counts is not None:
+                counts[tok] = counts.get(tok, 0) + 1
             pending = state.tokens[state.cached :]
             state.cache, state.logits = self._forward(state.cache, pending, state.cached)
             state.cached = len(state.tokens)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +309,14 @@ class TransformersEngine(Engine):
             g.seed()
         return g
 
-    def sample(self, logits: Any, sampling: Sampling, rng: Any) -> int:
+    def sample(
+        self, logits: Any, sampling: Sampling, rng: Any, counts: Mapping[int, int] | None = None
+    ) -> int:
+        if counts and sampling.penalized:  # OpenAI: -= count * frequency + presence
+            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+            n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+            logits = logits.clone()
+            logits[ids] -= n * sampling.frequency_penalty + sampling.presence_penalty
         if sampling.temperature <= 0:
             return int(torch.argmax(logits).item())
         probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
@@ -318,3 +325,6 @@ class TransformersEngine(Engine):
             keep = torch.cumsum(sp, 0) - sp < sampling.top_p
             probs = torch.zeros_like(probs).scatter_(0, idx[keep], sp[keep])
         return int(torch.multinomial(probs, 1, generator=rng).item())
+
+    def _log_softmax(self, logits: Any) -> np.ndarray:
+        return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()

@@ -30,7 +30,7 @@ from a torch card for the same weights (the card's ``engine`` field).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -246,8 +246,14 @@ class MLXEngine(Engine):
     def new_rng(self, seed: int | None) -> Any:
         return np.random.default_rng(seed)
 
-    def sample(self, logits: Any, sampling: Sampling, rng: Any) -> int:
+    def sample(
+        self, logits: Any, sampling: Sampling, rng: Any, counts: Mapping[int, int] | None = None
+    ) -> int:
         x = np.asarray(logits, dtype=np.float64)
+        if counts and sampling.penalized:  # OpenAI: -= count * frequency + presence
+            ids = np.fromiter(counts, np.int64, len(counts))
+            n = np.fromiter(counts.values(), np.float64, len(counts))
+            x[ids] -= n * sampling.frequency_penalty + sampling.presence_penalty
         if sampling.temperature <= 0:
             return int(np.argmax(x))
         p = np.exp((x - x.max()) / sampling.temperature)
@@ -259,3 +265,8 @@ class MLXEngine(Engine):
             mask[order[keep]] = p[order[keep]]
             p = mask / mask.sum()
         return int(rng.choice(len(p), p=p))
+
+    def _log_softmax(self, logits: Any) -> np.ndarray:
+        x = np.asarray(logits, dtype=np.float64)
+        m = x.max()
+        return (x - (m + np.log(np.exp(x - m).sum()))).astype(np.float32)

@@ -27,13 +27,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..blocks import BlockKeyer
 from ..codec import Block
-from ..engine import Engine, KVState, Sampling
+from ..engine import Decoded, Engine, KVState, Sampling
 from ..engine.base import Importer
 from ..errors import CacheMiss, KVMeshError
 from ..mesh.client import PeerHit
@@ -52,13 +52,21 @@ CANCEL_POLL_S = 0.05  # how often a queued request checks whether its client lef
 
 @dataclass
 class Generation:
-    """Filled in while a request runs; final once its iterator is exhausted."""
+    """Filled in while a request runs; final once its iterator is exhausted.
+    ``choices`` are the ``sampling.n`` sequences decoded from one prefill, in order."""
 
     report: PrefillReport | None = None
-    tokens: list[int] = field(default_factory=list)
+    choices: list[Decoded] = field(default_factory=lambda: [Decoded()])
     ttft_s: float = 0.0
-    finish_reason: str = "length"
     cancelled: bool = False  # the client went away; ``tokens`` is what was decoded
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.choices[0].tokens
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
 
 
 @dataclass
@@ -151,17 +159,22 @@ class HeadRuntime:
             state, report, chain = self._compute(tokens, got)
             out.report = report
             prompt_view = KVState(list(tokens), state.cache, state.logits, len(tokens))
-            for i, tok in enumerate(self.engine.generate(state, sampling)):
-                if i == 0:
-                    out.ttft_s = time.perf_counter() - t0
-                out.tokens.append(tok)
-                yield tok
-                if tok in self.engine.eos_ids and sampling.stop_on_eos:
-                    out.finish_reason = "stop"
+            # n sequences share this prefill: each decodes from its own copy of it
+            states = [state] + [self.engine.fork(state) for _ in range(sampling.n - 1)]
+            out.choices.extend(Decoded() for _ in range(len(states) - len(out.choices)))
+            for i, (st, choice) in enumerate(zip(states, out.choices[: len(states)], strict=True)):
+                seed = None if sampling.seed is None else sampling.seed + i
+                one = replace(sampling, seed=seed, n=1)
+                for tok in self.engine.generate(st, one, choice):
+                    if not out.ttft_s:
+                        out.ttft_s = time.perf_counter() - t0
+                    yield tok
+                    if cancel is not None and cancel.is_set():
+                        break
                 if cancel is not None and cancel.is_set():
                     self._cancelled(out, "running")  # the state is whole: keep and publish it
                     break
-            self.telemetry.record(report, len(out.tokens))
+            self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
             self._keep_session(state)
         finally:
             self._lock.release()

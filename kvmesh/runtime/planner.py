@@ -41,7 +41,9 @@ class Planner:
         default_rtt: float = 0.002,
         import_bandwidth: float = 2e9,
         clock: Callable[[], float] = time.monotonic,
+        backoff_first_s: float = BACKOFF_FIRST_S,
     ) -> None:
+        self.backoff_first_s = backoff_first_s
         self._lock = threading.Lock()
         self._clock = clock
         self._failures: dict[str, int] = {}  # peer -> consecutive failures
@@ -92,7 +94,7 @@ class Planner:
         with self._lock:
             n = self._failures.get(peer, 0) + 1
             self._failures[peer] = n
-            backoff = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (n - 1))
+            backoff = min(BACKOFF_MAX_S, self.backoff_first_s * 2 ** (n - 1))
             self._avoid_until[peer] = self._clock() + backoff
             return backoff
 
