@@ -32,6 +32,7 @@ producer's cache of the same prefix: same tensors, same layer state.
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 from collections.abc import Mapping, Sequence
@@ -202,6 +203,10 @@ class TransformersEngine(Engine):
         )
         self.model.to(self.device)  # type: ignore[arg-type]  # (transformers types .to oddly)
         self.model.eval()
+        # transformers >= 5.20 names the cache argument ``cache``; earlier 5.x (which
+        # vLLM 0.32 pins) still call it ``past_key_values``
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         self._cache_cls = DynamicCache
         self.dtype = want
@@ -266,7 +271,8 @@ class TransformersEngine(Engine):
         if cache is None:
             cache = self._new_cache()
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        kw = {self._cache_kw: cache}
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
         _settle(cache)  # the cache was extended in place
         return cache, out.logits[0, -1].float()
 

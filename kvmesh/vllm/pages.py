@@ -1,0 +1,189 @@
+"""vLLM pages as kvmesh blocks: the card of a vLLM cache, and page copies in and out.
+
+A kvmesh block here is one vLLM page (``block_size`` tokens) over all attention
+layers, keyed with kvmesh's chained keys over the page's tokens. vLLM's page is
+opaque to kvmesh: on CPU (and FlashAttention-style backends) a layer's cache is
+one tensor ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` whose page
+holds, per head, all keys then all values. The codec's per-layer "K then V"
+specs, each ``[num_kv_heads, block_size, head_dim]``, cover exactly the bytes of
+one layer's page, so a page travels as the first and second half of its bytes and
+the codec's checks (namespace, key, sizes, SHA-256) apply unchanged. Backends
+that keep K and V apart (``[2, num_blocks, ...]``) map K to the first spec and V
+to the second. Which layout a card's bytes are in is part of the card's engine
+string, so two layouts never share a namespace. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..blocks import BlockKeyer, PrefixKeys
+from ..codec import Block, Layout, new_blob, seal
+from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
+from ..errors import ConfigError, MalformedPayload
+
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+PAGED = "paged"  # [num_blocks, *page]: one contiguous page per block and layer
+SPLIT_KV = "split_kv"  # [2, num_blocks, *half]: K pages and V pages apart
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What vLLM says its cache is (from ``kv_cache_config``), before it is checked
+    against the tensors it allocated."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_dtype: str
+
+
+def model_card(
+    model_dir: Path,
+    tokenizer_dir: Path,
+    cache: CacheSpec,
+    *,
+    engine: str,
+    quantization: str = "none",
+) -> CompatCard:
+    """The card of ``model_dir`` served by vLLM with ``cache``. ``engine`` names vLLM's
+    version, platform, attention backend, page layout, model dtype and execution
+    mode (everything the numbers depend on that the other fields do not say)."""
+    from ..engine.base import model_name
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    return CompatCard(
+        engine=engine,
+        model_id=model_name(model_dir, cfg),
+        weights_digest=weights_digest(model_dir),
+        tokenizer_digest=tokenizer_digest(tokenizer_dir),
+        quantization=quantization,
+        kv_dtype=cache.kv_dtype,
+        rope=rope_from_config(text_cfg),
+        num_layers=cache.num_layers,
+        num_kv_heads=cache.num_kv_heads,
+        head_dim=cache.head_dim,
+        sliding_windows=(0,) * cache.num_layers,
+        vocab_size=int(text_cfg["vocab_size"]),
+        block_tokens=cache.block_size,
+    )
+
+
+def page_layout(tensors: Sequence[torch.Tensor], card: CompatCard) -> str:
+    """:data:`PAGED` or :data:`SPLIT_KV` for vLLM's per-layer cache tensors, after
+    checking each against the card (dtype, page size, contiguity): a disagreement
+    is an error at start, never a silent re-reading."""
+    if len(tensors) != card.num_layers:
+        raise ConfigError(
+            f"vLLM registered {len(tensors)} cache layers, the card says {card.num_layers}"
+        )
+    half = card.num_kv_heads * card.block_tokens * card.head_dim
+    kinds = set()
+    for i, t in enumerate(tensors):
+        if DTYPES.get(t.dtype) != card.kv_dtype:
+            raise ConfigError(f"cache layer {i} is {t.dtype}, the card says {card.kv_dtype}")
+        if t.ndim >= 2 and t.shape[0] == 2 and _elements(t[0, 0]) == half:
+            kind, page = SPLIT_KV, t[0, 0]
+        elif _elements(t[0]) == 2 * half:
+            kind, page = PAGED, t[0]
+        else:
+            raise ConfigError(
+                f"cache layer {i} of shape {tuple(t.shape)} does not hold {card.summary()} pages"
+            )
+        if not page.is_contiguous():
+            raise ConfigError(f"cache layer {i}: a page is not contiguous (strides {t.stride()})")
+        kinds.add(kind)
+    if len(kinds) != 1:
+        raise ConfigError(f"cache layers mix page layouts: {sorted(kinds)}")
+    return kinds.pop()
+
+
+def _elements(t: torch.Tensor) -> int:
+    return int(t.numel())
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).reshape(-1) if t.ndim else t.reshape(1).view(torch.uint8)
+
+
+class Pages:
+    """Copies whole pages between vLLM's cache tensors and kvmesh blocks."""
+
+    def __init__(self, card: CompatCard, tensors: Sequence[torch.Tensor]) -> None:
+        self.card = card
+        self.layout = Layout(card)
+        self.kind = page_layout(tensors, card)
+        self.tensors = list(tensors)
+
+    def _parts(self, block_id: int) -> list[torch.Tensor]:
+        """Byte views of one page, per layer K then V (a paged layer as its two halves)."""
+        out = []
+        for t in self.tensors:
+            if self.kind == SPLIT_KV:
+                out += [_bytes(t[0, block_id]), _bytes(t[1, block_id])]
+            else:
+                page = _bytes(t[block_id])
+                n = page.numel() // 2
+                out += [page[:n], page[n:]]
+        return out
+
+    def copy_out(
+        self, keyer: BlockKeyer, keys: PrefixKeys, index: int, block_id: int
+    ) -> tuple[bytearray, object]:
+        """One page's bytes in a new blob (header written), for :meth:`seal` off the
+        model's path. The only work on the path is this one copy."""
+        b = self.card.block_tokens
+        header = self.layout.header(
+            "block", keys.blocks[index], keyer.parent_of(keys, index), index * b, b
+        )
+        blob, view = new_blob(header)
+        off = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns on buffers torch cannot own
+            for part in self._parts(block_id):
+                n = part.numel()
+                torch.frombuffer(view[off : off + n], dtype=torch.uint8).copy_(part)
+                off += n
+        if off != len(view):
+            raise MalformedPayload("page bytes do not fill the block")
+        return blob, header
+
+    @staticmethod
+    def seal(blob: bytearray, header: object) -> Block:
+        return seal(header, blob)  # type: ignore[arg-type]
+
+    def copy_in(self, block: Block, block_id: int) -> None:
+        """Copy a verified block's bytes into vLLM's page ``block_id``."""
+        specs = [spec for layer in block.header.layers for spec in layer]
+        expected = [s for layer in self.layout.layers(self.card.block_tokens) for s in layer]
+        if block.header.kind != "block" or specs != expected:
+            raise MalformedPayload("block does not hold one page under this card")
+        view = block.payload()
+        off = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only source: copied from, never written
+            for part in self._parts(block_id):
+                n = part.numel()
+                part.copy_(torch.frombuffer(view[off : off + n], dtype=torch.uint8))
+                off += n
+
+
+def check_position(block: Block, keyer: BlockKeyer, keys: PrefixKeys, index: int) -> None:
+    """A block is used only at the position whose key it carries, under its parent."""
+    h = block.header
+    b = keyer.block_tokens
+    if (
+        h.key != keys.blocks[index]
+        or h.parent != keyer.parent_of(keys, index)
+        or h.start != index * b
+        or h.tokens != b
+    ):
+        raise MalformedPayload(f"block {index} does not continue the chain")

@@ -1,0 +1,131 @@
+"""The connector's pieces that need no vLLM: settings, the card, and page copies.
+
+These run in the main environment too; the process tests in ``test_procs.py``
+need ``.venv-vllm`` (``tests/vllm/setup_venv.sh``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvmesh.blocks import BlockKeyer
+from kvmesh.codec import Layout, decode_block
+from kvmesh.errors import ConfigError, IncompatibleCard, MalformedPayload
+from kvmesh.vllm.config import parse_settings
+from kvmesh.vllm.pages import PAGED, SPLIT_KV, CacheSpec, Pages, check_position, model_card
+
+from ..helpers import small_card
+
+ENGINE = "vllm/0.32.0/cpu/CPU_ATTN/paged/float32/compile=NONE"
+
+
+def test_settings_use_the_head_flag_names():
+    s = parse_settings(
+        {"seed": "10.0.0.2:7070,10.0.0.3:7070", "budget": "4GiB", "alias": "gpu-1",
+         "listen": "127.0.0.1:0", "no-publish": "true", "advertise": "10.0.0.9:7070,interface=ethernet"}
+    )  # fmt: skip
+    assert s["seed"] == ["10.0.0.2:7070", "10.0.0.3:7070"]
+    assert s["advertise"] == ["10.0.0.9:7070,interface=ethernet"]
+    assert s["grpc_listen"] == "127.0.0.1:0" and not s.publish
+    cfg = s.node_config()
+    assert cfg.budget_bytes == 4 << 30 and cfg.alias == "gpu-1" and "head" in cfg.roles
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"sed": "x:1"}, {"budget": "lots"}, {"seed": 7}, {"ttl": -1}, {"plaintext": "maybe"},
+     {"listen": "0.0.0.0:7070"}, {"max_pending_publishes": 0}],
+)  # fmt: skip
+def test_bad_settings_are_one_clear_error(extra):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config"):
+        parse_settings(extra).node_config()
+
+
+def test_the_vllm_card_is_another_namespace_than_the_heads(tiny_dir):
+    from kvmesh.engine.base import CacheGeometry, card_from_hf_dir
+
+    spec = CacheSpec(num_layers=4, num_kv_heads=1, head_dim=32, block_size=32, kv_dtype="float32")
+    vcard = model_card(tiny_dir, tiny_dir, spec, engine=ENGINE)
+    hcard = card_from_hf_dir(
+        tiny_dir, "transformers/sdpa", CacheGeometry("float32", 1, 32, (0,) * 4), "none", 32
+    )
+    same = {"model_id", "weights_digest", "tokenizer_digest", "rope", "num_layers", "block_tokens"}
+    assert all(getattr(vcard, f) == getattr(hcard, f) for f in same)
+    assert vcard.namespace != hcard.namespace
+    # and a block of one is refused under the other's layout
+    keyer = BlockKeyer(vcard.namespace, 32)
+    cache = torch.randn(3, 1, 32, 64)
+    pages = Pages(vcard, [cache] * 4)
+    blob, header = pages.copy_out(keyer, keyer.keys(list(range(32))), 0, 1)
+    blk = Pages.seal(blob, header)
+    with pytest.raises(IncompatibleCard):
+        decode_block(blk.blob, Layout(hcard))
+
+
+def _card(**over):
+    return small_card(num_layers=2, num_kv_heads=2, head_dim=4, block_tokens=4, **over)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pages_round_trip_through_the_codec(dtype):
+    name = str(dtype).removeprefix("torch.")
+    card = _card(kv_dtype=name)
+    src = [torch.randn(5, 2, 4, 8).to(dtype) for _ in range(2)]  # [blocks, heads, B, 2*D]
+    dst = [torch.zeros_like(t) for t in src]
+    out, into = Pages(card, src), Pages(card, dst)
+    assert out.kind == PAGED
+    keyer = BlockKeyer(card.namespace, 4)
+    keys = keyer.keys(list(range(8)))
+    for i, (b_src, b_dst) in enumerate([(3, 0), (1, 4)]):
+        blob, header = out.copy_out(keyer, keys, i, b_src)
+        blk = decode_block(Pages.seal(blob, header).blob, out.layout)  # the wire checks pass
+        check_position(blk, keyer, keys, i)
+        into.copy_in(blk, b_dst)
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(s[b_src].view(torch.uint8), d[b_dst].view(torch.uint8))
+    assert not dst[0][1].any()  # nothing else written
+
+
+def test_split_kv_layout_moves_k_and_v_pages():
+    card = _card()
+    src = [torch.randn(2, 6, 4, 2, 4) for _ in range(2)]  # [2, blocks, B, heads, D]
+    dst = [torch.zeros_like(t) for t in src]
+    out, into = Pages(card, src), Pages(card, dst)
+    assert out.kind == SPLIT_KV
+    keyer = BlockKeyer(card.namespace, 4)
+    keys = keyer.keys([1, 2, 3, 4])
+    blob, header = out.copy_out(keyer, keys, 0, 5)
+    into.copy_in(Pages.seal(blob, header), 2)
+    assert all(torch.equal(s[:, 5], d[:, 2]) for s, d in zip(src, dst, strict=True))
+
+
+@pytest.mark.parametrize(
+    "tensors, match",
+    [
+        ([torch.zeros(5, 2, 4, 8)], "the card says 2"),
+        ([torch.zeros(5, 2, 4, 8, dtype=torch.float16)] * 2, "float16"),
+        ([torch.zeros(5, 2, 4, 6)] * 2, "does not hold"),
+        ([torch.zeros(5, 8, 4, 2).transpose(1, 3)] * 2, "not contiguous"),
+    ],
+)
+def test_cache_tensors_that_disagree_with_the_card_are_refused(tensors, match):
+    with pytest.raises(ConfigError, match=match):
+        Pages(_card(), tensors)
+
+
+def test_a_block_is_used_only_where_its_key_says():
+    card = _card()
+    keyer = BlockKeyer(card.namespace, 4)
+    keys = keyer.keys(list(range(12)))
+    pages = Pages(card, [torch.randn(3, 2, 4, 8)] * 2)
+    blob, header = pages.copy_out(keyer, keys, 1, 0)
+    blk = Pages.seal(blob, header)
+    check_position(blk, keyer, keys, 1)
+    with pytest.raises(MalformedPayload):
+        check_position(blk, keyer, keys, 2)
+    other = Pages(dataclasses.replace(card, num_layers=1), [torch.randn(3, 2, 4, 8)])
+    with pytest.raises(MalformedPayload):
+        pages.copy_in(Pages.seal(*other.copy_out(BlockKeyer(card.namespace, 4), keys, 1, 0)), 0)
