@@ -196,15 +196,17 @@ def card_from_hf_dir(
     quantization: str,
     block_tokens: int,
     kv_quant: str = "none",
+    tokenizer_dir: Path | None = None,
 ) -> CompatCard:
-    """A card for the model in ``path`` whose cache has ``geometry`` (probed)."""
+    """A card for the model in ``path`` whose cache has ``geometry`` (probed); its
+    tokenizer files are in ``tokenizer_dir`` when that differs from ``path``."""
     cfg = json.loads((path / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
     return CompatCard(
         engine=engine,
         model_id=model_name(path, cfg),
         weights_digest=weights_digest(path),
-        tokenizer_digest=tokenizer_digest(path),
+        tokenizer_digest=tokenizer_digest(tokenizer_dir or path),
         quantization=quantization,
         kv_dtype=geometry.kv_dtype,
         rope=rope_from_config(text_cfg),

@@ -15,7 +15,6 @@ string, so two layouts never share a namespace. No vLLM import here.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 
 from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, Layout, new_blob, seal
-from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
+from ..compat import CompatCard
 from ..errors import ConfigError, MalformedPayload
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -56,24 +55,18 @@ def model_card(
     """The card of ``model_dir`` served by vLLM with ``cache``. ``engine`` names vLLM's
     version, platform, attention backend, page layout, model dtype and execution
     mode (everything the numbers depend on that the other fields do not say)."""
-    from ..engine.base import model_name
+    from ..engine.base import CacheGeometry, card_from_hf_dir
 
-    cfg = json.loads((model_dir / "config.json").read_text())
-    text_cfg = cfg.get("text_config", cfg)
-    return CompatCard(
-        engine=engine,
-        model_id=model_name(model_dir, cfg),
-        weights_digest=weights_digest(model_dir),
-        tokenizer_digest=tokenizer_digest(tokenizer_dir),
-        quantization=quantization,
-        kv_dtype=cache.kv_dtype,
-        rope=rope_from_config(text_cfg),
-        num_layers=cache.num_layers,
-        num_kv_heads=cache.num_kv_heads,
-        head_dim=cache.head_dim,
-        sliding_windows=(0,) * cache.num_layers,
-        vocab_size=int(text_cfg["vocab_size"]),
-        block_tokens=cache.block_size,
+    geometry = CacheGeometry(
+        cache.kv_dtype, cache.num_kv_heads, cache.head_dim, (0,) * cache.num_layers
+    )
+    return card_from_hf_dir(
+        model_dir,
+        engine,
+        geometry,
+        quantization,
+        cache.block_size,
+        tokenizer_dir=tokenizer_dir,
     )
 
 
