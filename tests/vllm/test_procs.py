@@ -92,7 +92,7 @@ def test_corrupted_bytes_load_the_verified_pages_and_recompute_the_rest(mesh, b)
     before = b.counters()
     out = b.generate(PROMPTS["corrupt"])
     after = b.counters()
-    assert proxy.corrupted == 1
+    assert proxy.corrupted == 1, (before, after)
     failed = {k for k in after if k.startswith("peer_failed:") and after[k] > before.get(k, 0)}
     assert failed, after
     loaded = after.get("pages_loaded", 0) - before.get("pages_loaded", 0)
