@@ -20,7 +20,7 @@ import random
 from collections import OrderedDict
 from pathlib import Path
 
-from kvmesh.mesh.client import rendezvous
+from kvmesh.mesh.hits import rendezvous
 
 
 class Node:

@@ -18,14 +18,12 @@ and to the exact request bytes sent (requests are serialized once, here).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -44,6 +42,7 @@ from ..errors import (
     StaleEpoch,
     Unauthenticated,
 )
+from .hits import PeerHit, Transfer, rendezvous, validated
 from .membership import Membership
 from .proto import kvmesh_pb2 as pb
 from .security import ANY_DEST, FleetAuth, TLSConfig, body_digest, open_channel
@@ -65,39 +64,6 @@ class FetchStalled(PeerTimeout):
     reason = "stalled"
 
 
-@dataclass(frozen=True)
-class PeerHit:
-    node_id: str
-    alias: str
-    address: str
-    interface: str
-    epoch: str
-    blocks: tuple[pb.BlockInfo, ...]
-    tail: pb.BlockInfo | None
-    tokens: int
-
-    @property
-    def infos(self) -> tuple[pb.BlockInfo, ...]:
-        return self.blocks + ((self.tail,) if self.tail is not None else ())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(i.nbytes for i in self.infos)
-
-
-@dataclass(frozen=True)
-class Transfer:
-    peer: str
-    bytes: int
-    seconds: float
-    blocks: int
-    at: float
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
 def _error(e: grpc.aio.AioRpcError) -> KVMeshError:
     code, detail = e.code(), e.details() or ""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -109,30 +75,6 @@ def _error(e: grpc.aio.AioRpcError) -> KVMeshError:
     if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
         return LeaseExpired(detail)
     return PeerUnavailable(f"{code.name}: {detail}")
-
-
-def _validated(hit: PeerHit, layout: Layout, tail_tokens: int) -> PeerHit:
-    """``hit`` if its claimed length is exactly what its blocks hold (every block a
-    full block of tokens, a tail of exactly the asked tail's tokens) and every
-    announced size is one the card allows. A peer's ``matched_tokens`` alone never
-    ranks a candidate or sizes an allocation."""
-    block_tokens = layout.card.block_tokens
-    if any(not 0 < i.nbytes <= layout.max_block_bytes for i in hit.infos):
-        raise OversizePayload("a lookup answer announced a block larger than the card allows")
-    if any(b.tokens != block_tokens for b in hit.blocks):
-        raise MalformedPayload("a lookup answer's block does not hold a full block of tokens")
-    if hit.tail is not None and hit.tail.tokens != tail_tokens:
-        raise MalformedPayload("a lookup answer's tail does not match the asked tail")
-    held = len(hit.blocks) * block_tokens + (hit.tail.tokens if hit.tail is not None else 0)
-    if held != hit.tokens:
-        raise MalformedPayload(f"a peer claimed {hit.tokens} tokens for blocks holding {held}")
-    return hit
-
-
-def rendezvous(root: bytes, node_ids: Sequence[str], k: int) -> list[str]:
-    """The ``k`` owners of a prefix root: highest SHA-256(root || node id)."""
-    score = {n: hashlib.sha256(root + n.encode()).digest() for n in node_ids}
-    return sorted(node_ids, key=lambda n: score[n], reverse=True)[:k]
 
 
 class MeshClient:
@@ -287,7 +229,7 @@ class MeshClient:
         for peer, r in zip(waited, results, strict=True):
             if isinstance(r, PeerHit) and r.tokens > 0:
                 try:
-                    hits.append(_validated(r, Layout(card), keys.tail_tokens))
+                    hits.append(validated(r, Layout(card), keys.tail_tokens))
                 except MalformedPayload as e:  # a claim that does not add up is no hit at all
                     self.counters[f"lookup_failed:{e.reason}"] += 1
                     r = e.reason

@@ -16,7 +16,7 @@ from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..errors import KVMeshError
 from ..store import BlockStore, Match
-from .client import PeerHit
+from .hits import PeerHit
 from .node import NodeThread
 
 

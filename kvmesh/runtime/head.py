@@ -36,8 +36,8 @@ from ..codec import Block
 from ..engine import Decoded, Engine, KVState, Sampling
 from ..engine.base import Importer
 from ..errors import CacheMiss, KVMeshError
-from ..mesh.client import PeerHit
 from ..mesh.fleet import Fleet
+from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
 from ..store import Match
 from .audit import AuditJob, Auditor

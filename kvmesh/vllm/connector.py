@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 from ..blocks import PrefixKeys
 from ..codec import Block
 from ..errors import CacheMiss, ConfigError, KVMeshError
-from ..mesh.client import PeerHit
+from ..mesh.hits import PeerHit
 from . import service as services
 from .config import parse_settings
 from .pages import DTYPES, CacheSpec, Pages, check_position, model_card, page_layout

@@ -1,0 +1,74 @@
+"""What a peer's lookup answer may claim, and what a head keeps of it.
+
+A :class:`PeerHit` is a validated claim: :func:`validated` checks that its token
+count is exactly what its blocks hold and that every announced size is one the
+card allows, before anything ranks it or allocates for it (invariant 10).
+:func:`rendezvous` names the owners of a prefix root for placement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..codec import Layout
+from ..errors import MalformedPayload, OversizePayload
+from .proto import kvmesh_pb2 as pb
+
+
+@dataclass(frozen=True)
+class PeerHit:
+    node_id: str
+    alias: str
+    address: str
+    interface: str
+    epoch: str
+    blocks: tuple[pb.BlockInfo, ...]
+    tail: pb.BlockInfo | None
+    tokens: int
+
+    @property
+    def infos(self) -> tuple[pb.BlockInfo, ...]:
+        return self.blocks + ((self.tail,) if self.tail is not None else ())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.infos)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    peer: str
+    bytes: int
+    seconds: float
+    blocks: int
+    at: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def validated(hit: PeerHit, layout: Layout, tail_tokens: int) -> PeerHit:
+    """``hit`` if its claimed length is exactly what its blocks hold (every block a
+    full block of tokens, a tail of exactly the asked tail's tokens) and every
+    announced size is one the card allows. A peer's ``matched_tokens`` alone never
+    ranks a candidate or sizes an allocation."""
+    block_tokens = layout.card.block_tokens
+    if any(not 0 < i.nbytes <= layout.max_block_bytes for i in hit.infos):
+        raise OversizePayload("a lookup answer announced a block larger than the card allows")
+    if any(b.tokens != block_tokens for b in hit.blocks):
+        raise MalformedPayload("a lookup answer's block does not hold a full block of tokens")
+    if hit.tail is not None and hit.tail.tokens != tail_tokens:
+        raise MalformedPayload("a lookup answer's tail does not match the asked tail")
+    held = len(hit.blocks) * block_tokens + (hit.tail.tokens if hit.tail is not None else 0)
+    if held != hit.tokens:
+        raise MalformedPayload(f"a peer claimed {hit.tokens} tokens for blocks holding {held}")
+    return hit
+
+
+def rendezvous(root: bytes, node_ids: Sequence[str], k: int) -> list[str]:
+    """The ``k`` owners of a prefix root: highest SHA-256(root || node id)."""
+    score = {n: hashlib.sha256(root + n.encode()).digest() for n in node_ids}
+    return sorted(node_ids, key=lambda n: score[n], reverse=True)[:k]
