@@ -96,6 +96,7 @@ def main() -> None:
                 }
             )
         elif op == "quit":
+            service.stop()  # a clean stop: the mesh node says goodbye, peers drop it at once
             reply({"bye": True})
             break
 

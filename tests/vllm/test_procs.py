@@ -86,7 +86,19 @@ def test_a_fresh_process_gets_a_remote_hit_with_identical_logprobs(mesh, b):
     same(out, mesh["cold"]["hit"])  # and, at this length in float32, as A's cold run
 
 
-def test_corrupted_bytes_load_the_verified_pages_and_recompute_the_rest(mesh, b):
+@pytest.fixture
+def fresh_b(mesh):
+    """B as it starts: its planner has not yet measured vLLM's prefill on this tiny
+    model (after one request it may rightly prefer computing a 420-token prompt to
+    fetching it, and the corruption under test would never be on the wire)."""
+    proc = VLLMProcess(mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "b2.log",
+                       prefix_caching=True)  # fmt: skip
+    yield proc
+    proc.close()
+
+
+def test_corrupted_bytes_load_the_verified_pages_and_recompute_the_rest(mesh, fresh_b):
+    b = fresh_b
     proxy = mesh["proxy"]
     proxy.corrupt_at(PAGE_BYTES + PAGE_BYTES // 2)  # inside the second page of the stream
     before = b.counters()
