@@ -235,9 +235,9 @@ def test_hung_peer_hits_the_lookup_deadline(tiny_engine, peer):
     h = fresh_head(tiny_engine, [peer])
     try:
         peer.signal(signal.SIGSTOP)
-        t0 = time.time()
         out = h.complete(toks, SAMPLING)
-        assert time.time() - t0 < 5
+        # the lookup deadline ended the wait (how long it took belongs in bench/)
+        assert h.node.node.client.counters["lookup_failed:timeout"] == 1
         assert out.report.fallback == "timeout" and out.tokens == _baseline(tiny_engine, toks)
     finally:
         peer.signal(signal.SIGCONT)

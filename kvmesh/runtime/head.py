@@ -42,6 +42,7 @@ from ..mesh.node import NodeThread
 from ..store import Match
 from .audit import AuditJob, Auditor
 from .planner import Planner
+from .slots import Slots
 from .telemetry import PrefillReport, Telemetry
 
 log = logging.getLogger("kvmesh.head")
@@ -123,9 +124,7 @@ class HeadRuntime:
         self._publisher = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvmesh-publish"
         )
-        self._pending = 0
-        self._max_pending = max_pending_publishes
-        self._pending_lock = threading.Lock()
+        self._publishes = Slots(max_pending_publishes)  # exports waiting: dropped beyond
         if self.fleet is not None:
             self.fleet.advertise(self.card)
 
@@ -396,11 +395,9 @@ class HeadRuntime:
     # -- publishing ------------------------------------------------------------
 
     def _publish_later(self, prompt: KVState, final: KVState, reused: tuple[Block, ...]) -> None:
-        with self._pending_lock:
-            if self._pending >= self._max_pending:
-                self.telemetry.count("publish_dropped")
-                return
-            self._pending += 1
+        if not self._publishes.take():
+            self.telemetry.count("publish_dropped")
+            return
         self._publisher.submit(self._publish, prompt, final, reused)
 
     def _publish(self, prompt: KVState, final: KVState, reused: tuple[Block, ...]) -> None:
@@ -424,29 +421,20 @@ class HeadRuntime:
             log.warning("publish failed: %r", e)
             self.telemetry.count("publish_failed")
         finally:
-            with self._pending_lock:
-                self._pending -= 1
+            self._publishes.give()
 
     def publish_pending(self) -> int:
         """Publishes not yet handed to peers (exports running or queued sends)."""
-        with self._pending_lock:
-            n = self._pending
+        n = self._publishes.in_use
         if self.fleet is not None:
             n += self.fleet.queued()
         return n
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued publishes to reach the peers (tests and the demo)."""
-        deadline = time.time() + timeout
-        while True:
-            with self._pending_lock:
-                if self._pending == 0:
-                    break
-            if time.time() > deadline:
-                raise TimeoutError("publish did not finish")
-            time.sleep(0.01)
+        left = self._publishes.wait_idle(timeout)
         if self.fleet is not None:
-            self.fleet.drain(timeout)
+            self.fleet.drain(max(0.1, left))
 
     def close(self) -> None:
         self._publisher.shutdown(wait=True)

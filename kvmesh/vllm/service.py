@@ -23,6 +23,7 @@ from ..compat import CompatCard
 from ..mesh.fleet import Fleet
 from ..mesh.node import NodeThread
 from ..runtime.planner import Planner
+from ..runtime.slots import Slots
 from .config import ConnectorSettings
 
 log = logging.getLogger("kvmesh.vllm")
@@ -55,8 +56,7 @@ class MeshService:
         self.plans: dict[str, Any] = {}
         self.plans_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._pending = 0
-        self._max_pending = int(settings["max_pending_publishes"])
+        self._publishes = Slots(int(settings["max_pending_publishes"]))
         log.info("kvmesh node %s serving %s", self.node.node.address, card.summary())
 
     def count(self, name: str, n: int = 1) -> None:
@@ -65,35 +65,20 @@ class MeshService:
 
     def try_reserve_publish(self) -> bool:
         """One slot of the bounded publish queue; False (and counted) when full."""
-        with self._lock:
-            if self._pending >= self._max_pending:
-                self.counters["publish_dropped"] += 1
-                return False
-            self._pending += 1
+        if self._publishes.take():
             return True
+        self.count("publish_dropped")
+        return False
 
     def release_publish(self) -> None:
-        with self._lock:
-            self._pending -= 1
+        self._publishes.give()
 
     def pending_publishes(self) -> int:
-        with self._lock:
-            n = self._pending
-        return n + self.fleet.queued()
+        return self._publishes.in_use + self.fleet.queued()
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until queued publishes reached the peers (tests, benchmarks, shutdown)."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                if self._pending == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("publish did not finish")
-            time.sleep(0.01)
-        self.fleet.drain(max(0.1, deadline - time.monotonic()))
+        self.fleet.drain(max(0.1, self._publishes.wait_idle(timeout)))
 
     def close(self) -> None:
         for pool in (self.lookups, self.fetches, self.loads, self.publisher):
