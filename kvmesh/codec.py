@@ -6,7 +6,10 @@ Wire form of one block::
 
 The payload is, for each layer, K then V, each a C-contiguous
 ``[kv_heads, tokens, head_dim]`` array, followed by the optional float32 logits
-of a tail. The block *digest* is the SHA-256 of the whole encoded blob.
+of a tail. The block *digest* is the hash of the whole encoded blob under the
+card's ``block_digest`` algorithm: BLAKE3 (default) or SHA-256, both 256-bit and
+cryptographic. The algorithm is part of the card, hence of the namespace, so two
+nodes never compare digests made by different algorithms.
 
 Decoding validates magic, lengths and every header field against a
 :class:`Layout` derived from the expected card *before* any payload-sized buffer
@@ -21,9 +24,11 @@ import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from .compat import CompatCard, dtype_size, kv_quant_params
+import blake3
+
+from .compat import BLOCK_DIGESTS, CompatCard, dtype_size, kv_quant_params
 from .errors import ChecksumMismatch, IncompatibleCard, MalformedPayload, OversizePayload
 
 MAGIC = b"KVB1"
@@ -32,6 +37,27 @@ MAX_HEADER_BYTES = 64 * 1024
 CHUNK_BYTES = 1 << 20  # 1 MiB wire chunks; bench/transfer.py measures the choice
 MAX_CHUNK_BYTES = 4 << 20
 KINDS = ("block", "tail")
+
+
+class Hasher(Protocol):
+    def update(self, data: Any, /) -> Any: ...
+    def digest(self) -> bytes: ...
+
+
+def hasher(algo: str) -> Hasher:
+    """A fresh incremental hasher for a card's ``block_digest`` (both drop the GIL
+    while hashing, so verification runs beside the receiving thread)."""
+    if algo == "blake3":
+        return blake3.blake3()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown block digest {algo!r}; one of {', '.join(BLOCK_DIGESTS)}")
+
+
+def digest_of(data: Any, algo: str) -> bytes:
+    h = hasher(algo)
+    h.update(data)
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -115,6 +141,10 @@ class Layout:
             logits=self.logits() if kind == "tail" else None,
         )
 
+    def seal(self, header: BlockHeader, blob: bytes | bytearray) -> Block:
+        """``blob`` (filled under ``header``) frozen and digested as the card says."""
+        return seal(header, blob, self.card.block_digest)
+
     @property
     def max_block_bytes(self) -> int:
         b = self.card.block_tokens
@@ -169,12 +199,11 @@ def new_blob(header: BlockHeader) -> tuple[bytearray, memoryview]:
     return blob, memoryview(blob)[PREFIX.size + len(hdr) :]
 
 
-def seal(header: BlockHeader, blob: bytes | bytearray) -> Block:
-    """Freeze a filled blob (one copy, at export, so that serving it never copies)."""
+def seal(header: BlockHeader, blob: bytes | bytearray, algo: str) -> Block:
+    """Freeze a filled blob (one copy, at export, so that serving it never copies),
+    digested under ``algo`` (the card's ``block_digest``)."""
     frozen = bytes(blob)
-    return Block(
-        header, frozen, hashlib.sha256(frozen).digest(), len(frozen) - header.payload_bytes
-    )
+    return Block(header, frozen, digest_of(frozen, algo), len(frozen) - header.payload_bytes)
 
 
 # -- decoding ---------------------------------------------------------------
@@ -254,7 +283,7 @@ def parse_header(raw: bytes | memoryview, layout: Layout) -> BlockHeader:
 
 
 def decode_block(blob: bytes, layout: Layout, digest: bytes | None = None) -> Block:
-    """Validate a complete blob. With ``digest``, verify its SHA-256 too."""
+    """Validate a complete blob. With ``digest``, verify it too (the card's algorithm)."""
     if len(blob) > layout.max_block_bytes:
         raise OversizePayload("block larger than the card allows")
     hlen = parse_prefix(blob)
@@ -266,7 +295,7 @@ def decode_block(blob: bytes, layout: Layout, digest: bytes | None = None) -> Bl
         raise MalformedPayload(
             f"payload is {len(blob) - end} bytes, header says {header.payload_bytes}"
         )
-    actual = hashlib.sha256(blob).digest()
+    actual = digest_of(blob, layout.card.block_digest)
     if digest is not None and actual != digest:
         raise ChecksumMismatch(f"block {header.key.hex()[:12]} digest mismatch")
     return Block(header, blob, actual, end)
@@ -293,7 +322,7 @@ class Assembler:
         self.digest = digest
         self._parts: list[bytes] = []
         self.filled = 0
-        self._hash = hashlib.sha256()
+        self._hash = hasher(layout.card.block_digest)
         self.header: BlockHeader | None = None
         self._head = b""
 

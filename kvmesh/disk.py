@@ -2,7 +2,7 @@
 
 Layout of a disk tier directory::
 
-    DIR/blocks/<sha256 hex>.kvb   one block's wire blob (codec form), named by its digest
+    DIR/blocks/<digest hex>.kvb   one block's wire blob (codec form), named by its digest
     DIR/tmp/                      files being written; anything here at start is torn
 
 Contract:
@@ -13,8 +13,11 @@ Contract:
 - :meth:`DiskFiles.scan` reads headers only (never payloads): a file whose name,
   prefix, header or size is wrong is deleted and counted as ``corrupt``. Headers
   are checked for structure here; a block's card was checked when it arrived.
-- :meth:`DiskFiles.open` verifies the SHA-256 of the whole file against its name
-  before returning a block; a mismatch deletes the file and counts it. Nothing is
+- :meth:`DiskFiles.open` verifies the digest of the whole file against its name
+  before returning a block; a mismatch deletes the file and counts it. The tier
+  does not know cards, so a file matches under either block-digest algorithm
+  (BLAKE3 tried first: the default); both are cryptographic, so accepting either
+  cannot admit corrupt bytes. Nothing is
   served unverified. A block of at most ``MAX_CHUNK_BYTES`` is read into one
   ``bytes`` (what a fetch sends as one message anyway); a larger one is an
   ``mmap``-backed view that a fetch slices chunk by chunk.
@@ -27,7 +30,6 @@ The index, budgets and eviction order live in :class:`kvmesh.store.BlockStore`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import mmap
 import os
@@ -39,9 +41,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from .codec import KINDS, MAX_CHUNK_BYTES, MAX_HEADER_BYTES, PREFIX, Block, BlockHeader, TensorSpec
+from .codec import (
+    KINDS,
+    MAX_CHUNK_BYTES,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    Block,
+    BlockHeader,
+    TensorSpec,
+    digest_of,
+)
 from .codec import parse_prefix as _parse_prefix
-from .compat import dtype_size
+from .compat import BLOCK_DIGESTS, dtype_size
 from .errors import MalformedPayload
 
 SUFFIX = ".kvb"
@@ -219,7 +230,7 @@ class DiskFiles:
                 blob: bytes | memoryview = f.read(nbytes + 1)
             else:  # streamed by slices; never whole in a Python object
                 blob = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        if len(blob) != nbytes or hashlib.sha256(blob).digest() != digest:
+        if len(blob) != nbytes or not any(digest_of(blob, a) == digest for a in BLOCK_DIGESTS):
             raise MalformedPayload("digest mismatch")
         return Block(header, cast(bytes, blob), digest, nbytes - header.payload_bytes)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvmesh.blocks import BlockKeyer
-from kvmesh.codec import Block, Layout, new_blob, seal
+from kvmesh.codec import Block, Layout, new_blob
 from kvmesh.compat import CompatCard
 
 
@@ -39,11 +39,14 @@ def synthetic_chain(
     b = card.block_tokens
     out = []
     for i, key in enumerate(keys.blocks):
-        out.append(_fill(layout.header("block", key, keyer.parent_of(keys, i), i * b, b), seed))
+        out.append(
+            _fill(layout, layout.header("block", key, keyer.parent_of(keys, i), i * b, b), seed)
+        )
     if tail:
         parent = keys.blocks[-1] if keys.blocks else card.namespace
         out.append(
             _fill(
+                layout,
                 layout.header("tail", keys.tail, parent, len(keys.blocks) * b, keys.tail_tokens),
                 seed,
             )
@@ -51,9 +54,9 @@ def synthetic_chain(
     return out
 
 
-def _fill(header, seed: int) -> Block:  # type: ignore[no-untyped-def]
+def _fill(layout: Layout, header, seed: int) -> Block:  # type: ignore[no-untyped-def]
     # bytes depend on the key (and seed), so one key always has one content
     rng = np.random.default_rng([int.from_bytes(header.key[:8], "little"), seed])
     blob, view = new_blob(header)
     view[:] = rng.integers(0, 256, size=len(view), dtype=np.uint8).tobytes()
-    return seal(header, blob)
+    return layout.seal(header, blob)

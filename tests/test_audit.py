@@ -28,7 +28,7 @@ def _scaled(block: Block, factor: float) -> Block:
         vals = np.frombuffer(view[off : off + spec.nbytes], np.float32)
         vals *= factor
         off += spec.nbytes
-    return seal(block.header, blob)
+    return seal(block.header, blob, "blake3")
 
 
 def _publish_wrong(engine, peer: Peer, toks: list[int]) -> None:

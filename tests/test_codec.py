@@ -2,6 +2,7 @@ import hashlib
 import json
 import tracemalloc
 
+import blake3
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from kvmesh.codec import (
     chunks,
     decode_block,
 )
+from kvmesh.compat import CompatCard
 from kvmesh.errors import ChecksumMismatch, IncompatibleCard, MalformedPayload, OversizePayload
 
 from .helpers import small_card, synthetic_chain
@@ -121,9 +123,39 @@ def test_announced_size_must_match_header():
         asm.feed(block.blob)
 
 
-def test_digest_is_sha256_of_blob():
+def test_digest_is_blake3_of_blob_by_default():
     block = synthetic_chain(CARD, list(range(9)))[0]
+    assert CARD.block_digest == "blake3"
+    assert block.digest == blake3.blake3(block.blob).digest()
+
+
+def test_sha256_card_digests_with_sha256_and_is_another_namespace():
+    sha = small_card(block_digest="sha256")
+    assert sha.namespace != CARD.namespace  # mixed fleets never compare digests
+    block = synthetic_chain(sha, list(range(9)))[0]
     assert block.digest == hashlib.sha256(block.blob).digest()
+    assert decode_block(block.blob, Layout(sha), block.digest).digest == block.digest
+    asm = Assembler(Layout(sha), len(block.blob), block.digest)
+    asm.feed(block.blob)
+    assert asm.finish().digest == block.digest
+
+
+def test_digest_under_the_wrong_algorithm_is_refused():
+    block = synthetic_chain(CARD, list(range(9)))[0]
+    sha = hashlib.sha256(block.blob).digest()
+    with pytest.raises(ChecksumMismatch):
+        decode_block(block.blob, LAYOUT, sha)
+    asm = Assembler(LAYOUT, len(block.blob), sha)
+    asm.feed(block.blob)
+    with pytest.raises(ChecksumMismatch):
+        asm.finish()
+
+
+def test_unknown_digest_algorithm_is_a_clear_error():
+    with pytest.raises(ValueError, match="block digest"):
+        small_card(block_digest="md5")
+    with pytest.raises(ValueError, match="block digest"):
+        CompatCard.from_json({**CARD.to_json(), "block_digest": "crc32"})
 
 
 @settings(max_examples=200)

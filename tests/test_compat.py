@@ -29,7 +29,9 @@ def test_card_is_derived_from_the_model(tiny_engine, tiny_dir):
 def test_any_changed_field_is_a_new_namespace_and_a_miss(tiny_engine, field):
     card = tiny_engine.card
     value = getattr(card, field)
-    if isinstance(value, str):
+    if field == "block_digest":  # a closed set: the other algorithm
+        other = "sha256" if value == "blake3" else "blake3"
+    elif isinstance(value, str):
         other = value + "x"
     elif isinstance(value, tuple):
         other = value + (1,)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..blocks import BlockKeyer, PrefixKeys
-from ..codec import Block, BlockHeader, Layout, new_blob, seal
+from ..codec import Block, BlockHeader, Layout, new_blob
 from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
 from ..errors import CacheMiss, ConfigError, MalformedPayload, NoChatTemplate
 
@@ -516,4 +516,4 @@ class Engine(abc.ABC):
             self._write_kv(cache, header.start, header.start + header.tokens, view[:kv_bytes])
         if logits is not None:
             self._write_logits(logits, view[kv_bytes:])
-        return seal(header, blob)
+        return self.layout.seal(header, blob)

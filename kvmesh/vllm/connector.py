@@ -301,7 +301,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _publish(self, have: list[Block], copies: list[tuple[bytearray, object]]) -> None:
         svc = self._require_svc()
         try:
-            chain = have + [Pages.seal(blob, header) for blob, header in copies]
+            chain = have + [self.pages.seal(blob, header) for blob, header in copies]
             svc.fleet.keep(chain)
             if svc.settings.publish:
                 svc.fleet.publish(svc.card, chain)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..blocks import BlockKeyer, PrefixKeys
-from ..codec import Block, Layout, new_blob, seal
+from ..codec import Block, Layout, new_blob
 from ..compat import CompatCard
 from ..errors import ConfigError, MalformedPayload
 
@@ -149,9 +149,8 @@ class Pages:
             raise MalformedPayload("page bytes do not fill the block")
         return blob, header
 
-    @staticmethod
-    def seal(blob: bytearray, header: object) -> Block:
-        return seal(header, blob)  # type: ignore[arg-type]
+    def seal(self, blob: bytearray, header: object) -> Block:
+        return self.layout.seal(header, blob)  # type: ignore[arg-type]
 
     def copy_in(self, block: Block, block_id: int) -> None:
         """Copy a verified block's bytes into vLLM's page ``block_id``."""
