@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from .compat import BLOCK_DIGESTS
 from .engine import DEVICES, DTYPES, ENGINES, pick_device, pick_dtype
 from .errors import ConfigError, KVMeshError
 from .store_cli import disk_config_kwargs, disk_options, store
@@ -201,6 +202,26 @@ def security_options(fn):  # type: ignore[no-untyped-def]
                 type=click.IntRange(min=1),
                 help="Most nodes kept in the membership view.",
             ),
+            click.option(
+                "--data-port",
+                default=0,
+                show_default=True,
+                type=click.IntRange(0, 65535),
+                help="TCP port of the bulk data path (block bytes beside gRPC, same TLS and "
+                "fleet key) on the --listen host; 0: any free port, advertised in the card.",
+            ),
+            click.option(
+                "--advertise-data-port",
+                type=click.IntRange(1, 65535),
+                help="The data port peers should dial, when it differs from --data-port "
+                "(port forwarding, containers).",
+            ),
+            click.option(
+                "--no-bulk",
+                is_flag=True,
+                help="No bulk data path: block bytes go over gRPC (slower; for networks that "
+                "allow one port only).",
+            ),
         ]
     ):
         fn = opt(fn)
@@ -258,6 +279,9 @@ def node_config(
         **disk_config_kwargs(
             sec.get("disk"), str(sec.get("disk_budget")), str(sec.get("disk_admit"))
         ),  # type: ignore[arg-type]
+        bulk=not sec.get("no_bulk"),
+        data_port=int(sec.get("data_port") or 0),  # type: ignore[call-overload]
+        advertise_data_port=int(sec.get("advertise_data_port") or 0),  # type: ignore[call-overload]
         **limits,  # type: ignore[arg-type]
         **extra,  # type: ignore[arg-type]
     )
@@ -393,6 +417,14 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     help="Weights' dtype (the KV cache follows, and so does the card's namespace); auto: "
     "float32 on the CPU, the checkpoint's dtype on a GPU. (mlx: auto only.)",
 )
+@click.option(
+    "--block-digest",
+    type=click.Choice(BLOCK_DIGESTS),
+    default="blake3",
+    show_default=True,
+    help="How block bytes are verified (part of the card: heads with different digests "
+    "share nothing). Both are 256-bit cryptographic hashes; blake3 is several times faster.",
+)
 @click.option("--listen", default="127.0.0.1:8000", show_default=True, help="HTTP HOST:PORT.")
 @click.option(
     "--grpc-listen",
@@ -480,6 +512,7 @@ def head(
     engine: str,
     device: str,
     dtype: str,
+    block_digest: str,
     listen: str,
     grpc_listen: str,
     budget: str,
@@ -542,6 +575,7 @@ def head(
             engine=engine,
             device=device,
             dtype=dtype,
+            block_digest=block_digest,
             listen=listen,
             publish=not no_publish,
             api_key_file=api_key_file,

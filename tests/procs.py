@@ -108,6 +108,7 @@ class FaultProxy:
         self._down = 0
         self.stalled = threading.Event()
         self.corrupted = 0
+        self.connections = 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -137,6 +138,7 @@ class FaultProxy:
                 c.close()
                 continue
             self._socks += [c, s]
+            self.connections += 1
             threading.Thread(target=self._pipe, args=(c, s, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(s, c, True), daemon=True).start()
 
@@ -183,6 +185,8 @@ class FaultProxy:
                 s.setsockopt(
                     socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
                 )
+                s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it (close would not)
+            with contextlib.suppress(OSError):
                 s.close()
         self._socks.clear()
 

@@ -244,35 +244,50 @@ def test_hung_peer_hits_the_lookup_deadline(tiny_engine, peer):
         close(h)
 
 
+PATHS = ["bulk", "grpc"]  # block bytes on the bulk data path, or (--no-bulk) over gRPC
+
+
 @contextlib.contextmanager
-def behind_proxy(engine, tmp_path, alias, **head_cfg):
-    """A peer reached only through a FaultProxy, holding a published prompt, and
-    a fresh head: yields (proxy, peer, head, prompt tokens)."""
-    port = free_port()
-    proxy = FaultProxy(port)
+def behind_proxy(engine, tmp_path, alias, path="bulk", **head_cfg):
+    """A peer reached only through FaultProxies (gRPC and, on the bulk path, its data
+    port), holding a published prompt, and a fresh head: yields (the proxy that
+    carries block bytes, peer, head, prompt tokens)."""
+    port, data_port = free_port(), free_port()
+    proxy, data_proxy = FaultProxy(port), FaultProxy(data_port)
+    if path == "bulk":
+        extra = ("--data-port", str(data_port), "--advertise-data-port", str(data_proxy.port))
+    else:
+        extra = ("--no-bulk",)
     p = Peer(
         "--advertise",
         f"{proxy.address},interface=ethernet",
+        *extra,
         port=port,
         alias=alias,
         log_dir=tmp_path,
     )
     h = None
+    carrier = data_proxy if path == "bulk" else proxy
     try:
         toks = prompt(engine, 250, alias + " ")
         published(engine, [p], toks)
         h = fresh_head(engine, [p], **head_cfg)
-        yield proxy, p, h, toks
+        yield carrier, p, h, toks
+        assert h.node.node.client.counters["bytes_fetched"] == 0  # every fetch failed
+        assert (carrier.connections > 0) and (path == "bulk") == (data_proxy.connections > 0)
     finally:
-        proxy.stalled.clear()
+        for x in (proxy, data_proxy):
+            x.stalled.clear()
         if h is not None:
             close(h)
         p.kill()
         proxy.close()
+        data_proxy.close()
 
 
-def test_corrupted_bytes_in_flight_are_caught(tiny_engine, tmp_path):
-    with behind_proxy(tiny_engine, tmp_path, "corrupt") as (proxy, _, h, toks):
+@pytest.mark.parametrize("path", PATHS)
+def test_corrupted_bytes_in_flight_are_caught(tiny_engine, tmp_path, path):
+    with behind_proxy(tiny_engine, tmp_path, "corrupt", path) as (proxy, _, h, toks):
         proxy.corrupt_at(20000)
         out = h.complete(toks, SAMPLING)
         assert proxy.corrupted == 1
@@ -280,8 +295,9 @@ def test_corrupted_bytes_in_flight_are_caught(tiny_engine, tmp_path):
         assert out.tokens == _baseline(tiny_engine, toks)
 
 
-def test_peer_killed_mid_stream(tiny_engine, tmp_path):
-    with behind_proxy(tiny_engine, tmp_path, "midkill") as (proxy, p, h, toks):
+@pytest.mark.parametrize("path", PATHS)
+def test_peer_killed_mid_stream(tiny_engine, tmp_path, path):
+    with behind_proxy(tiny_engine, tmp_path, "midkill", path) as (proxy, p, h, toks):
         proxy.stall_at(10000)
         threading.Thread(
             target=lambda: (proxy.stalled.wait(10), p.kill(), proxy.sever(), proxy.stalled.clear()),
@@ -292,8 +308,14 @@ def test_peer_killed_mid_stream(tiny_engine, tmp_path):
         assert out.report.source == "compute" and out.tokens == _baseline(tiny_engine, toks)
 
 
-def test_hung_peer_mid_stream_times_out(tiny_engine, tmp_path):
-    with behind_proxy(tiny_engine, tmp_path, "midhang", fetch_deadline=1.5) as (proxy, _, h, toks):
+@pytest.mark.parametrize("path", PATHS)
+def test_hung_peer_mid_stream_times_out(tiny_engine, tmp_path, path):
+    with behind_proxy(tiny_engine, tmp_path, "midhang", path, fetch_deadline=1.5) as (
+        proxy,
+        _,
+        h,
+        toks,
+    ):
         proxy.stall_at(10000)
         out = h.complete(toks, SAMPLING)
         assert out.report.fallback == "timeout"
@@ -301,8 +323,8 @@ def test_hung_peer_mid_stream_times_out(tiny_engine, tmp_path):
 
 
 def test_stale_epoch_and_expired_lease(tiny_engine, tmp_path):
-    port = free_port()
-    p = Peer(port=port, alias="epoch", log_dir=tmp_path)
+    port = free_port()  # a fixed data port too, so the restarted peer answers the old hit
+    p = Peer("--data-port", str(free_port()), port=port, alias="epoch", log_dir=tmp_path)
     try:
         toks = prompt(tiny_engine, 150, "epoch ")
         published(tiny_engine, [p], toks)

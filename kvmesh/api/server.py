@@ -35,6 +35,7 @@ class HeadOptions:
     http_tls_key: str | None = None
     device: str = "auto"  # auto | cpu | cuda | mps (torch; mlx picks its own)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    block_digest: str = "blake3"  # blake3 | sha256: part of the card
 
     def model_names(self) -> tuple[str, tuple[str, ...]]:
         """(canonical name, accepted aliases): the first ``--served-model-name``,
@@ -77,6 +78,7 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
         progress=lambda m: log.info(m),
         device=opts.device,
         dtype=opts.dtype,
+        block_digest=opts.block_digest,
     )
     engine.prefill(engine.encode("warm up"))  # first-call setup is not any request's cost
     gc.collect()

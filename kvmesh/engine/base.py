@@ -197,6 +197,7 @@ def card_from_hf_dir(
     block_tokens: int,
     kv_quant: str = "none",
     tokenizer_dir: Path | None = None,
+    block_digest: str = "blake3",
 ) -> CompatCard:
     """A card for the model in ``path`` whose cache has ``geometry`` (probed); its
     tokenizer files are in ``tokenizer_dir`` when that differs from ``path``."""
@@ -217,6 +218,7 @@ def card_from_hf_dir(
         vocab_size=int(text_cfg["vocab_size"]),
         block_tokens=block_tokens,
         kv_quant=kv_quant,
+        block_digest=block_digest,
     )
 
 

@@ -182,6 +182,7 @@ class TransformersEngine(Engine):
         device: str = "cpu",
         dtype: str | None = None,
         threads: int | None = None,
+        block_digest: str = "blake3",
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
         from transformers.utils import logging as hf_logging
@@ -220,6 +221,7 @@ class TransformersEngine(Engine):
             geometry=self._probe(),
             quantization=json.dumps(quant, sort_keys=True) if quant else "none",
             block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
+            block_digest=block_digest,
         )
         self.layout = Layout(self.card)
         eos = self.model.generation_config.eos_token_id

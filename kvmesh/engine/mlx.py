@@ -155,6 +155,7 @@ class MLXEngine(Engine):
         block_tokens: int | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        block_digest: str = "blake3",
     ) -> None:
         import mlx.core as mx
         from mlx_lm import load
@@ -172,6 +173,7 @@ class MLXEngine(Engine):
             quantization=json.dumps(quant, sort_keys=True) if quant else "none",
             block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
             kv_quant=kv_quant_name(kv_bits, kv_group_size) if kv_bits else "none",
+            block_digest=block_digest,
         )
         self.layout = Layout(self.card)
         eos = self.tokenizer.eos_token_ids if hasattr(self.tokenizer, "eos_token_ids") else []

@@ -5,9 +5,10 @@ recently used closed first). Lookups fan out concurrently under a short deadline
 and are metadata only; a peer the caller marks as failing (``skip``) is not
 waited for, but still asked in the background, so that its failure keeps being
 reported while it lasts and no request pays its deadline again. A fetch streams
-blocks under a lease and hashes them in a worker thread while the next chunks
-arrive; it aborts when the total deadline passes or when no bytes arrive for
-``progress_timeout`` (:class:`FetchStalled`). Every failure is a typed error whose
+blocks under a lease and hashes them in a worker thread while the next bytes
+arrive: on the peer's bulk data path (:mod:`.bulk`) when it advertises one, else as
+a gRPC stream; it aborts when the total deadline passes or when no bytes arrive for
+``progress_timeout`` (:class:`FetchStalled`). Publishing takes the bulk path too. Every failure is a typed error whose
 ``reason`` the caller counts before falling back. Publishing goes through a
 bounded queue that drops (and counts) rather than ever blocking.
 
@@ -42,6 +43,8 @@ from ..errors import (
     StaleEpoch,
     Unauthenticated,
 )
+from . import bulk
+from .bulk import FetchStalled
 from .hits import PeerHit, Transfer, rendezvous, validated
 from .membership import Membership
 from .proto import kvmesh_pb2 as pb
@@ -56,12 +59,6 @@ LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
 FETCH = "/kvmesh.v1.PrefillCache/Fetch"
 PUBLISH = "/kvmesh.v1.PrefillCache/Publish"
 EXCHANGE = "/kvmesh.v1.Membership/Exchange"
-
-
-class FetchStalled(PeerTimeout):
-    """No bytes arrived for the progress timeout: the peer is alive but silent."""
-
-    reason = "stalled"
 
 
 def _error(e: grpc.aio.AioRpcError) -> KVMeshError:
@@ -89,6 +86,7 @@ class MeshClient:
         publish_queue: int = 64,
         replicas: int = 1,
         progress_timeout: float = 2.0,
+        use_bulk: bool = True,
     ) -> None:
         self.membership = membership
         self.auth = auth
@@ -108,6 +106,9 @@ class MeshClient:
         self._hashers = [
             ThreadPoolExecutor(1, thread_name_prefix="kvmesh-verify") for _ in range(2)
         ]
+        self.use_bulk = use_bulk
+        self._dialer = bulk.Dialer(tls)
+        self._streams = ThreadPoolExecutor(8, thread_name_prefix="kvmesh-bulk")
         self._queue: asyncio.Queue[tuple[CompatCard, list[Block]]] = asyncio.Queue(publish_queue)
         self._publisher: asyncio.Task[None] | None = None
         self._inflight = 0
@@ -128,6 +129,30 @@ class MeshClient:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
+
+    def _cred(self, method: str, dest: str, raw: bytes) -> str:
+        """A bulk stream's credential (the call credential's value; "" without a key)."""
+        md = self._md(method, dest, raw)
+        return md[0][1] if md else ""
+
+    def _data_address(self, peer: pb.CapabilityCard, address: str) -> str:
+        return bulk.data_address(address, peer.data_port) if self.use_bulk else ""
+
+    async def _on_stream(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args, cancel)`` on a stream thread; cancelling us aborts its socket and
+        waits for it, so nothing it hands on (``on_block``) runs after we return."""
+        cancel = bulk.Cancel()
+        fut = asyncio.get_running_loop().run_in_executor(self._streams, fn, *args, cancel)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancel()
+            await asyncio.wait([fut])
+            raise
+        except KVMeshError:
+            raise
+        except Exception as e:  # anything else a peer's bytes provoke is still typed
+            raise PeerUnavailable(f"bulk stream failed: {e!r}") from None
 
     def _md(self, method: str, dest: str, raw: bytes) -> tuple[tuple[str, str], ...] | None:
         """Call metadata: a credential for ``dest`` bound to the request bytes ``raw``."""
@@ -154,6 +179,7 @@ class MeshClient:
         self._channels.clear()
         for h in self._hashers:
             h.shutdown(wait=False)
+        self._streams.shutdown(wait=False)
 
     # -- gossip ------------------------------------------------------------------
 
@@ -300,6 +326,7 @@ class MeshClient:
             blocks=tuple(resp.blocks),
             tail=tail,
             tokens=resp.matched_tokens,
+            data_address=self._data_address(peer, ep.address),
         )
 
     # -- fetch -------------------------------------------------------------------
@@ -318,11 +345,11 @@ class MeshClient:
         ``progress_timeout``. Raises a typed error.
 
         ``on_block`` is called on a worker thread with each block as soon as its
-        SHA-256 has been checked, so the caller can import while the rest arrives."""
+        digest has been checked, so the caller can import while the rest arrives."""
         infos = hit.infos[start:]
         cap = layout.max_block_bytes
         if any(len(i.digest) != 32 for i in infos):
-            raise MalformedPayload("peer announced a block without a SHA-256")
+            raise MalformedPayload("peer announced a block without a 256-bit digest")
         if any(not 0 < i.nbytes <= cap for i in infos):
             raise OversizePayload("peer announced a block larger than the card allows")
         req = pb.FetchRequest(
@@ -333,15 +360,36 @@ class MeshClient:
             lease_ttl_s=lease_ttl or max(10.0, self.fetch_deadline),
         )
         raw = req.SerializeToString()
-        loop = asyncio.get_running_loop()
+        limit = min(self.fetch_deadline, deadline or self.fetch_deadline)
         t0 = time.perf_counter()
+        if hit.data_address:
+            cred = self._cred(bulk.METHODS[bulk.FETCH], hit.node_id, raw)
+            blocks = await self._on_stream(
+                bulk.fetch, hit.data_address, self._dialer, cred, raw, infos, layout,
+                self._hashers, on_block, self.progress_timeout, time.monotonic() + limit,
+            )  # fmt: skip
+        else:
+            blocks = await self._fetch_grpc(layout, hit, infos, raw, on_block, limit)
+        dt = time.perf_counter() - t0
+        total = sum(b.nbytes for b in blocks)
+        self.counters["bytes_fetched"] += total
+        self.transfers.append(Transfer(hit.alias, total, dt, len(blocks), time.time()))
+        return blocks
+
+    async def _fetch_grpc(
+        self,
+        layout: Layout,
+        hit: PeerHit,
+        infos: tuple[pb.BlockInfo, ...],
+        raw: bytes,
+        on_block: Callable[[Block], None] | None,
+        limit: float,
+    ) -> list[Block]:
+        """The fetch as a gRPC stream of raw chunks (a peer without a data path)."""
+        loop = asyncio.get_running_loop()
         call = self.channel(hit.address).unary_stream(
             FETCH, request_serializer=None, response_deserializer=None
-        )(
-            raw,
-            timeout=min(self.fetch_deadline, deadline or self.fetch_deadline),
-            metadata=self._md(FETCH, hit.node_id, raw),
-        )
+        )(raw, timeout=limit, metadata=self._md(FETCH, hit.node_id, raw))
         asms = [Assembler(layout, i.nbytes, i.digest) for i in infos]
         done: list[Block | None] = [None] * len(asms)
 
@@ -386,10 +434,6 @@ class MeshClient:
                 for f in pending:
                     if not f.cancelled():
                         f.exception()  # retrieved, so asyncio does not log it as lost
-        dt = time.perf_counter() - t0
-        total = sum(b.nbytes for b in blocks)
-        self.counters["bytes_fetched"] += total
-        self.transfers.append(Transfer(hit.alias, total, dt, len(blocks), time.time()))
         return blocks
 
     async def _next_chunk(self, call: Any, hit: PeerHit) -> bytes | None:
@@ -477,6 +521,32 @@ class MeshClient:
         if not blocks:
             return pb.PublishResponse()
         card_json = json.dumps(card.to_json())
+        if peer.data_port and self.use_bulk:
+            resp = await self._publish_bulk(peer, eps[0].address, card_json, blocks)
+        else:
+            resp = await self._publish_grpc(peer, eps[0].address, card_json, blocks)
+        self.counters["bytes_published"] += sum(b.nbytes for b in blocks)
+        if resp.rejected:
+            self.counters[f"publish_rejected:{resp.reason}"] += 1
+        return resp
+
+    async def _publish_bulk(
+        self, peer: pb.CapabilityCard, address: str, card_json: str, blocks: list[Block]
+    ) -> Any:
+        infos = [
+            pb.BlockInfo(key=b.key, nbytes=b.nbytes, digest=b.digest, tokens=b.header.tokens)
+            for b in blocks
+        ]
+        body = pb.BulkPublish(card_json=card_json, blocks=infos).SerializeToString()
+        cred = self._cred(bulk.METHODS[bulk.PUBLISH], peer.node_id, body)
+        return await self._on_stream(
+            bulk.publish, bulk.data_address(address, peer.data_port), self._dialer, cred, body,
+            blocks, self.progress_timeout, time.monotonic() + self.fetch_deadline,
+        )  # fmt: skip
+
+    async def _publish_grpc(
+        self, peer: pb.CapabilityCard, address: str, card_json: str, blocks: list[Block]
+    ) -> Any:
         size = self.chunk_bytes
 
         def messages():  # type: ignore[no-untyped-def]
@@ -497,19 +567,15 @@ class MeshClient:
             yield first
             yield from stream
 
-        call = self.channel(eps[0].address).stream_unary(
+        call = self.channel(address).stream_unary(
             PUBLISH, request_serializer=None, response_deserializer=pb.PublishResponse.FromString
         )
         try:
-            resp = await call(
+            return await call(
                 raws(), timeout=self.fetch_deadline, metadata=self._md(PUBLISH, peer.node_id, first)
             )
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
-        self.counters["bytes_published"] += sum(b.nbytes for b in blocks)
-        if resp.rejected:
-            self.counters[f"publish_rejected:{resp.reason}"] += 1
-        return resp
 
 
 def _report(on_failure: Callable[[str, str], None] | None, node_id: str, reason: str) -> None:

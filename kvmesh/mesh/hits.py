@@ -27,6 +27,7 @@ class PeerHit:
     blocks: tuple[pb.BlockInfo, ...]
     tail: pb.BlockInfo | None
     tokens: int
+    data_address: str = ""  # the peer's bulk data path; "" = fetch over gRPC
 
     @property
     def infos(self) -> tuple[pb.BlockInfo, ...]:

@@ -1,4 +1,8 @@
-"""A mesh node: block store + gRPC server + gossip + client, on one event loop.
+"""A mesh node: block store + gRPC server + bulk data path + gossip + client.
+
+The store, gRPC server, gossip and client share one event loop; the bulk data
+path (:mod:`.bulk`) serves block bytes from its own threads on ``data_port``
+(advertised in the node's card; 0 binds any free port).
 
 ``kvmesh peer`` runs one as a cache-only node; a head runs one too (a head is
 also a peer). :class:`NodeThread` hosts a node's loop in a background thread so
@@ -22,6 +26,7 @@ from typing import Any, TypeVar
 
 from ..disk import DiskConfig
 from ..store import BlockStore
+from .bulk import BulkServer
 from .client import MeshClient
 from .membership import MAX_MEMBERS, Membership, detect_endpoints, parse_advertise
 from .proto import kvmesh_pb2 as pb
@@ -54,6 +59,9 @@ class NodeConfig:
     disk_path: str = ""  # a disk tier under the RAM store (empty: none)
     disk_budget_bytes: int = 16 << 30
     disk_admit: str = "evicted"  # "evicted" (every block) | "hit" (blocks hit at least once)
+    bulk: bool = True  # serve and use the bulk data path (else block bytes go over gRPC)
+    data_port: int = 0  # the bulk path's port on the listen host (0: any free port)
+    advertise_data_port: int = 0  # the port peers dial, if not data_port (forwarding)
 
     def disk(self) -> DiskConfig | None:
         if not self.disk_path:
@@ -88,9 +96,12 @@ class MeshNode:
             replicas=config.replicas,
             lookup_deadline=config.lookup_deadline,
             fetch_deadline=config.fetch_deadline,
+            use_bulk=config.bulk,
         )
         self.endpoints: list[pb.Endpoint] = []
         self.port = 0
+        self.bulk: BulkServer | None = None
+        self.data_port = 0
         self.load = 0.0
         self.started = time.time()
         self._server: Any = None
@@ -118,6 +129,7 @@ class MeshNode:
             region=self.config.region,
             hits=s.hits,
             misses=s.misses,
+            data_port=self.data_port,
         )
 
     async def start(self) -> None:
@@ -130,6 +142,10 @@ class MeshNode:
             self.cache,
         )
         host = self.config.listen.rpartition(":")[0].strip("[]")
+        if self.config.bulk:
+            self.bulk = BulkServer(self.cache, self.auth, self.config.security.tls)
+            bound = self.bulk.start(host, self.config.data_port)
+            self.data_port = self.config.advertise_data_port or bound
         if self.config.advertise:
             self.endpoints = [parse_advertise(a) for a in self.config.advertise]
         else:
@@ -182,6 +198,8 @@ class MeshNode:
                 timeout=1.0,
             )
         await self.client.close()
+        if self.bulk is not None:
+            await asyncio.to_thread(self.bulk.stop)
         if self._server:
             await self._server.stop(grace)
         await asyncio.to_thread(self.store.close)  # finish queued disk writes

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import ssl
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -217,6 +218,25 @@ class TLSConfig:
                 pair, root_certificates=Path(self.ca).read_bytes(), require_client_auth=True
             )
         return grpc.ssl_server_credentials(pair)
+
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """The same certificates for the bulk data path's listener (mutual with ``ca``)."""
+        if not (self.cert and self.key):
+            raise ConfigError("TLS on a server needs --tls-cert and --tls-key")
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert, self.key)
+        if self.ca:
+            ctx.load_verify_locations(self.ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """The bulk data path's client side: the server checked against ``ca`` (else the
+        system roots, as gRPC does) and our certificate shown when we have one."""
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+        if self.cert and self.key:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(

@@ -24,15 +24,16 @@ import asyncio
 import gc
 import json
 import logging
+import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..codec import CHUNK_BYTES, MAX_CHUNK_BYTES, Assembler, Layout, chunks
+from ..codec import CHUNK_BYTES, MAX_CHUNK_BYTES, Assembler, Block, Layout, chunks
 from ..compat import CompatCard
 from ..errors import (
     KVMeshError,
@@ -40,6 +41,7 @@ from ..errors import (
     MalformedPayload,
     OversizePayload,
     PeerTimeout,
+    StaleEpoch,
     StoreFull,
 )
 from ..store import BlockStore
@@ -86,22 +88,76 @@ class CacheService:
         self.publish_progress_s = publish_progress_s
         self._since_gc = 0  # publish bytes received since the last full collection
         self.inflight_bytes = 0
+        self._inflight_lock = threading.Lock()  # the bulk path reserves from its threads
         self.layouts: dict[bytes, Layout] = {}
         self.summaries: dict[bytes, str] = {}
         self.counters: Counter[str] = Counter()
 
-    def _reserve(self, nbytes: int) -> int:
+    def reserve(self, nbytes: int) -> int:
         """Reserve room to buffer one announced block, or refuse it (typed)."""
         cap = min(self.max_block_bytes, self.store.stats.budget_bytes)
         if not 0 < nbytes <= cap:
             raise OversizePayload(f"announced block of {nbytes} bytes; this peer takes <= {cap}")
-        if self.inflight_bytes + nbytes > self.max_inflight_bytes:
-            raise StoreFull("too many bytes in flight; publish later")
-        self.inflight_bytes += nbytes
+        with self._inflight_lock:
+            if self.inflight_bytes + nbytes > self.max_inflight_bytes:
+                raise StoreFull("too many bytes in flight; publish later")
+            self.inflight_bytes += nbytes
         return nbytes
 
-    def _release(self, nbytes: int) -> None:
-        self.inflight_bytes -= nbytes
+    def release(self, nbytes: int) -> None:
+        with self._inflight_lock:
+            self.inflight_bytes -= nbytes
+
+    def keep(self, block: Block, resp: pb.PublishResponse) -> None:
+        """Store a verified published block, counting it in ``resp``."""
+        if self.store.put(block):
+            resp.stored += 1
+            self.counters["bytes_published"] += block.nbytes
+        else:
+            resp.duplicates += 1
+
+    def count_rejection(self, resp: pb.PublishResponse, e: Exception) -> None:
+        """A publish refused midway: typed and counted; what was complete is kept."""
+        reason = e.reason if isinstance(e, KVMeshError) and type(e) is not KVMeshError else None
+        reason = reason or "malformed_payload"
+        resp.rejected += 1
+        resp.reason = reason
+        self.counters[f"publish_rejected:{reason}"] += 1
+        log.warning("publish rejected: %s (%s)", reason, e)
+
+    def serve_fetch(self, request: pb.FetchRequest) -> Iterator[Block]:
+        """The blocks a fetch names, in order, under a lease on the store's epoch;
+        a refusal is a typed error, counted as ``fetch_rejected:*``."""
+        if len(request.keys) > MAX_LOOKUP_KEYS:
+            self.counters["fetch_rejected:bad_request"] += 1
+            raise MalformedPayload("bad fetch request")
+        if len(set(request.keys)) != len(request.keys):
+            self.counters["fetch_rejected:duplicate_keys"] += 1
+            raise MalformedPayload("duplicate keys")
+        if request.epoch != self.store.epoch:
+            self.counters["fetch_rejected:stale_epoch"] += 1
+            raise StaleEpoch("stale_epoch")
+        ttl = request.lease_ttl_s if 0 < request.lease_ttl_s <= 300 else 30.0
+        try:
+            lease = self.store.lease(list(request.keys), ttl)
+        except LeaseExpired:
+            self.counters["fetch_rejected:not_found"] += 1
+            raise
+        self.counters["fetches"] += 1
+        try:
+            for key in request.keys:
+                try:
+                    self.store.check_lease(lease.id, lease.epoch)
+                except LeaseExpired:
+                    self.counters["fetch_rejected:lease_expired"] += 1
+                    raise
+                block = self.store.get(key)
+                if block is None:  # a disk file found bad on read (deleted, counted)
+                    raise LeaseExpired("lease_expired: block gone")
+                yield block
+                self.counters["bytes_served"] += block.nbytes
+        finally:
+            self.store.release(lease.id)
 
     def _received(self, nbytes: int) -> None:
         """Collect cyclic garbage after every in-flight cap's worth of publish bytes.
@@ -135,42 +191,27 @@ class CacheService:
         """Raw block bytes, in order; each message holds part of exactly one block.
         (Not protobuf-encoded: a block travels without re-serialisation copies.)"""
         size = request.chunk_bytes or CHUNK_BYTES
-        if not 0 < size <= MAX_CHUNK_BYTES or len(request.keys) > MAX_LOOKUP_KEYS:
+        if not 0 < size <= MAX_CHUNK_BYTES:
             self.counters["fetch_rejected:bad_request"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad fetch request")
-        if len(set(request.keys)) != len(request.keys):
-            self.counters["fetch_rejected:duplicate_keys"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duplicate keys")
-        if request.epoch != self.store.epoch:
-            self.counters["fetch_rejected:stale_epoch"] += 1
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale_epoch")
-        ttl = request.lease_ttl_s if 0 < request.lease_ttl_s <= 300 else 30.0
+        blocks = self.serve_fetch(request)
         try:
-            lease = self.store.lease(list(request.keys), ttl)
-        except LeaseExpired:
-            self.counters["fetch_rejected:not_found"] += 1
-            await context.abort(grpc.StatusCode.NOT_FOUND, "lease_expired")
-        self.counters["fetches"] += 1
-        try:
-            for key in request.keys:
+            while True:
                 try:
-                    self.store.check_lease(lease.id, lease.epoch)
-                except LeaseExpired:
-                    self.counters["fetch_rejected:lease_expired"] += 1
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "lease_expired")
-                block = self.store.get(key)
-                if block is None:  # a disk file found bad on read (deleted, counted)
-                    await context.abort(grpc.StatusCode.NOT_FOUND, "lease_expired")
+                    block = next(blocks)
+                except StopIteration:
+                    return
+                except KVMeshError as e:
+                    await context.abort(*_fetch_status(e))
                     return
                 blob = block.blob
-                if len(blob) <= size:
+                if len(blob) <= size and isinstance(blob, bytes):
                     yield blob
                 else:
                     for chunk in chunks(blob, size):
                         yield bytes(chunk)
-                self.counters["bytes_served"] += block.nbytes
         finally:
-            self.store.release(lease.id)
+            blocks.close()
 
     async def Publish(
         self, request_iterator: AsyncIterator[pb.PublishChunk], context: Any
@@ -183,11 +224,11 @@ class CacheService:
             async for msg in self._progressing(request_iterator):
                 self._received(msg.ByteSize())
                 if layout is None:
-                    layout = self._layout(msg.card_json)
+                    layout = self.layout_of(msg.card_json)
                 if msg.nbytes:  # first chunk of a block
                     if asm is not None:
                         raise KVMeshError("previous block incomplete")
-                    reserved = self._reserve(msg.nbytes)
+                    reserved = self.reserve(msg.nbytes)
                     asm = Assembler(layout, msg.nbytes, msg.digest or None)
                 if asm is None:
                     raise KVMeshError("chunk outside a block")
@@ -198,28 +239,15 @@ class CacheService:
                 if asm.complete:
                     block = asm.finish()
                     asm = None
-                    self._release(reserved)
+                    self.release(reserved)
                     reserved = 0
-                    if self.store.put(block):
-                        resp.stored += 1
-                        self.counters["bytes_published"] += block.nbytes
-                    else:
-                        resp.duplicates += 1
+                    self.keep(block, resp)
             if asm is not None:
                 raise KVMeshError("stream ended inside a block")
-        except KVMeshError as e:  # typed: count it, keep what was complete
-            reason = e.reason if type(e) is not KVMeshError else "malformed_payload"
-            resp.rejected += 1
-            resp.reason = reason
-            self.counters[f"publish_rejected:{reason}"] += 1
-            log.warning("publish rejected: %s (%s)", reason, e)
-        except (ValueError, TypeError, KeyError) as e:
-            resp.rejected += 1
-            resp.reason = "malformed_payload"
-            self.counters["publish_rejected:malformed_payload"] += 1
-            log.warning("publish rejected: %s", e)
+        except (KVMeshError, ValueError, TypeError, KeyError) as e:  # typed and counted
+            self.count_rejection(resp, e)
         finally:
-            self._release(reserved)  # a failed or abandoned block frees its reservation
+            self.release(reserved)  # a failed or abandoned block frees its reservation
         return resp
 
     async def _progressing(self, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -237,10 +265,14 @@ class CacheService:
                 raise PeerTimeout(f"publisher silent for {self.publish_progress_s} s") from None
             yield msg
 
-    def _layout(self, card_json: str) -> Layout:
+    def layout_of(self, card_json: str) -> Layout:
+        """The layout of a publisher's card (typed refusal when it is no card)."""
         if not card_json or len(card_json) > MAX_CARD_JSON:
-            raise KVMeshError("publish must start with a card")
-        card = CompatCard.from_json(json.loads(card_json))
+            raise MalformedPayload("publish must start with a card")
+        try:
+            card = CompatCard.from_json(json.loads(card_json))
+        except (ValueError, TypeError, AttributeError):
+            raise MalformedPayload("publish card does not parse") from None
         ns = card.namespace
         if ns not in self.layouts:
             if len(self.layouts) >= MAX_NAMESPACES:
@@ -248,6 +280,15 @@ class CacheService:
             self.layouts[ns] = Layout(card)
             self.summaries[ns] = card.summary()[:MAX_SUMMARY_CHARS]
         return self.layouts[ns]
+
+
+def _fetch_status(e: KVMeshError) -> tuple[grpc.StatusCode, str]:
+    """A refused fetch as a gRPC status (what the client maps back to a type)."""
+    if isinstance(e, StaleEpoch):
+        return grpc.StatusCode.FAILED_PRECONDITION, "stale_epoch"
+    if isinstance(e, LeaseExpired):
+        return grpc.StatusCode.NOT_FOUND, "lease_expired"
+    return grpc.StatusCode.INVALID_ARGUMENT, str(e)
 
 
 def cache_handler(svc: CacheService) -> grpc.GenericRpcHandler:

@@ -90,6 +90,14 @@ class PublishResponse(_message.Message):
     reason: str
     def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class BulkPublish(_message.Message):
+    __slots__ = ("card_json", "blocks")
+    CARD_JSON_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    card_json: str
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
+    def __init__(self, card_json: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...) -> None: ...
+
 class Endpoint(_message.Message):
     __slots__ = ("address", "interface", "priority")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -101,7 +109,7 @@ class Endpoint(_message.Message):
     def __init__(self, address: _Optional[str] = ..., interface: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CapabilityCard(_message.Message):
-    __slots__ = ("node_id", "alias", "epoch", "roles", "endpoints", "namespaces", "card_summaries", "budget_bytes", "used_bytes", "entries", "load", "version", "heartbeat", "region", "hits", "misses", "mac")
+    __slots__ = ("node_id", "alias", "epoch", "roles", "endpoints", "namespaces", "card_summaries", "budget_bytes", "used_bytes", "entries", "load", "version", "heartbeat", "region", "hits", "misses", "mac", "data_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ALIAS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +127,7 @@ class CapabilityCard(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     alias: str
     epoch: str
@@ -136,7 +145,8 @@ class CapabilityCard(_message.Message):
     hits: int
     misses: int
     mac: bytes
-    def __init__(self, node_id: _Optional[str] = ..., alias: _Optional[str] = ..., epoch: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., card_summaries: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., load: _Optional[float] = ..., version: _Optional[int] = ..., heartbeat: _Optional[float] = ..., region: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    data_port: int
+    def __init__(self, node_id: _Optional[str] = ..., alias: _Optional[str] = ..., epoch: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., card_summaries: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., load: _Optional[float] = ..., version: _Optional[int] = ..., heartbeat: _Optional[float] = ..., region: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., mac: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("cards",)
