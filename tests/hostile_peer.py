@@ -11,6 +11,7 @@ claim chosen by MODE:
 - ``stall``: every asked block, then a fetch that never sends a byte.
 - ``stall-mid``: every asked block, then half of the first block and silence.
 
+Fetches lie the same way on the bulk data path and over gRPC (``--no-bulk``).
 It prints ``kvmesh peer ... listening on ADDR epoch E`` like ``kvmesh peer``.
 
 The other half of this module is the hostile *publisher* side, used by tests and
@@ -28,6 +29,7 @@ import json
 import os
 import random
 import signal
+import threading
 import urllib.request
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.codec import Block, chunks
 from kvmesh.compat import CompatCard
+from kvmesh.mesh.bulk import BLOCK, FRAME, BulkServer
 from kvmesh.mesh.node import MeshNode, NodeConfig
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.mesh.server import CacheService
@@ -74,6 +77,26 @@ class HostileCache(CacheService):
             await asyncio.sleep(3600)
         for _ in request.keys:
             yield os.urandom(FAKE_BLOCK_BYTES)
+
+
+class HostileBulk(BulkServer):
+    """The same lies on the bulk data path."""
+
+    def __init__(self, cache: HostileCache) -> None:
+        super().__init__(cache)
+        self.hostile = cache
+        self.forever = threading.Event()  # never set: a stall lasts until the node stops
+
+    def _fetch(self, stream: Any, body: bytes) -> None:
+        request = pb.FetchRequest.FromString(body)
+        self.hostile.fetches += 1
+        if self.hostile.mode == "stall":
+            self.forever.wait()
+        if self.hostile.mode == "stall-mid":
+            stream.send(FRAME.pack(BLOCK, FAKE_BLOCK_BYTES) + os.urandom(FAKE_BLOCK_BYTES // 2))
+            self.forever.wait()
+        for _ in request.keys:
+            stream.send(FRAME.pack(BLOCK, FAKE_BLOCK_BYTES) + os.urandom(FAKE_BLOCK_BYTES))
 
 
 # -- hostile publishers ---------------------------------------------------------
@@ -223,10 +246,14 @@ async def run(args: argparse.Namespace) -> None:
             alias=f"hostile-{args.mode}",
             gossip_interval=0.3,
             ttl=2,
+            bulk=False,  # its own lying bulk server instead, below
         )
     )
     node.cache = HostileCache(node, args.mode, args.block_tokens)
     await node.start()
+    if not args.no_bulk:
+        lying = HostileBulk(node.cache)
+        node.data_port = lying.start(args.listen.rpartition(":")[0])
     print(
         f"kvmesh peer {node.alias} listening on {node.address} epoch {node.store.epoch}", flush=True
     )
@@ -242,6 +269,7 @@ def main() -> None:
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--seed", action="append", default=[])
     ap.add_argument("--block-tokens", type=int, default=32)
+    ap.add_argument("--no-bulk", action="store_true", help="lie over gRPC only")
     args, _ = ap.parse_known_args()  # the flags `kvmesh peer` takes are accepted and ignored
     asyncio.run(run(args))
 

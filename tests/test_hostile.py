@@ -48,10 +48,10 @@ LYING = {"wrong-bytes": ("malformed_payload", "checksum_mismatch")}  # reasons c
 STALLING = {"stall": ("timeout", "stalled"), "stall-mid": ("timeout", "stalled")}
 
 
-def hostile(mode: str, seed: Peer, log_dir) -> Peer:
+def hostile(mode: str, seed: Peer, log_dir, path: str = "bulk") -> Peer:
     return Peer(
-        "--seed", seed.address, alias=f"hostile-{mode}", log_dir=log_dir,
-        command=("tests.hostile_peer", mode),
+        "--seed", seed.address, *(("--no-bulk",) if path == "grpc" else ()),
+        alias=f"hostile-{mode}", log_dir=log_dir, command=("tests.hostile_peer", mode),
     )  # fmt: skip
 
 
@@ -80,8 +80,9 @@ def test_a_lookup_answer_that_does_not_add_up_is_no_hit(tiny_engine, tmp_path, m
         honest.kill()
 
 
+@pytest.mark.parametrize("path", ["bulk", "grpc"])
 @pytest.mark.parametrize("mode", sorted({**LYING, **STALLING}))
-def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_path, mode):
+def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_path, mode, path):
     """The bad peer claims a longer prefix than the honest one holds, so it is tried
     first. Its failure is counted; the honest prefix is used (a stall may cost the
     first request its cache budget, never a wrong answer); later requests skip it."""
@@ -89,7 +90,7 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
     first, second = prompt(tiny_engine, 200, f"{mode} a "), prompt(tiny_engine, 200, f"{mode} b ")
     for toks in (first, second):  # the honest peer holds only the first 96 tokens
         published(tiny_engine, [honest], toks[:100])
-    bad = hostile(mode, honest, tmp_path)
+    bad = hostile(mode, honest, tmp_path, path)
     # a loaded machine must not make the honest peer's lookups time out (that would
     # back it off too): the stalls under test are at fetch time
     h = fresh_head(tiny_engine, [honest], lookup_deadline=5.0)

@@ -262,14 +262,21 @@ def fetch(
     stream = _Stream(sock, progress_s, deadline)
     pending: list[Future[Block]] = []
     try:
-        stream.send(_request(FETCH, request, cred))
-        for j, info in enumerate(infos):
-            _, n = stream.read_frame(info.nbytes)
-            if n != info.nbytes:
-                raise MalformedPayload(f"block {j} is {n} bytes, its lookup said {info.nbytes}")
-            buf = bytearray(n)
-            stream.recv_into(memoryview(buf))
-            pending.append(hashers[j % len(hashers)].submit(_verify, buf, layout, info, on_block))
+        try:
+            stream.send(_request(FETCH, request, cred))
+            for j, info in enumerate(infos):
+                _, n = stream.read_frame(info.nbytes)
+                if n != info.nbytes:
+                    raise MalformedPayload(f"block {j} is {n} bytes, its lookup said {info.nbytes}")
+                buf = bytearray(n)
+                stream.recv_into(memoryview(buf))
+                pending.append(
+                    hashers[j % len(hashers)].submit(_verify, buf, layout, info, on_block)
+                )
+        except KVMeshError as e:  # a block already received and found bad says more
+            wait(pending)
+            bad = next((f.exception() for f in pending if f.exception() is not None), None)
+            raise (bad or e) from None
         return [f.result() for f in pending]
     finally:
         sock.close()
@@ -468,11 +475,11 @@ class BulkServer:
                 try:
                     buf = bytearray(info.nbytes)
                     stream.recv_into(memoryview(buf))
+                    if verifying is not None:
+                        verifying.result()  # one block verified while the next arrives
                 except BaseException:
                     self.cache.release(reserved)
                     raise
-                if verifying is not None:
-                    verifying.result()  # one block verified while the next arrives
                 verifying = self._verify.submit(self._keep, buf, layout, info, reserved, resp)
             if verifying is not None:
                 verifying.result()

@@ -1,0 +1,456 @@
+"""The bulk data path (kvmesh/mesh/bulk.py) on real loopback sockets.
+
+Honest fetch and publish, under a fleet key and TLS / mutual TLS; then every way a
+hostile client or server may misbehave: each is a typed error on the other side,
+counted, with nothing allocated beyond the caps and the node still serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import trustme
+
+from kvmesh.codec import Layout
+from kvmesh.errors import (
+    ChecksumMismatch,
+    KVMeshError,
+    LeaseExpired,
+    MalformedPayload,
+    PeerTimeout,
+    PeerUnavailable,
+    StaleEpoch,
+    Unauthenticated,
+)
+from kvmesh.mesh import bulk
+from kvmesh.mesh.bulk import FRAME, REQUEST, BulkServer, Cancel, Dialer, FetchStalled
+from kvmesh.mesh.proto import kvmesh_pb2 as pb
+from kvmesh.mesh.security import FleetAuth, TLSConfig, body_digest
+from kvmesh.mesh.server import CacheService
+from kvmesh.store import BlockStore
+
+from .helpers import small_card, synthetic_chain
+
+CARD = small_card()
+LAYOUT = Layout(CARD)
+CHAIN = synthetic_chain(CARD, list(range(41)))  # 10 blocks and a tail
+KEY = b"k" * 32
+HASHERS = [ThreadPoolExecutor(1), ThreadPoolExecutor(1)]
+
+
+def wait_for(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def infos(blocks):
+    return [
+        pb.BlockInfo(key=b.key, nbytes=b.nbytes, digest=b.digest, tokens=b.header.tokens)
+        for b in blocks
+    ]
+
+
+class Served:
+    """A cache service and its bulk server on loopback."""
+
+    def __init__(self, blocks=CHAIN, auth=None, tls=None, **kw):
+        self.store = BlockStore(1 << 26)
+        for b in blocks:
+            self.store.put(b)
+        self.cache = CacheService(self.store, max_block_bytes=1 << 16, max_inflight_bytes=1 << 17)
+        self.server = BulkServer(self.cache, auth, tls, **kw)
+        self.address = f"127.0.0.1:{self.server.start('127.0.0.1')}"
+
+    @property
+    def counters(self):
+        return self.cache.counters
+
+    def fetch_raw(self, keys=None, epoch=None) -> bytes:
+        keys = [b.key for b in CHAIN] if keys is None else keys
+        req = pb.FetchRequest(namespace=CARD.namespace, keys=keys, epoch=epoch or self.store.epoch)
+        return req.SerializeToString()
+
+    def fetch(self, raw=None, want=CHAIN, cred="", dialer=None, progress=5.0):
+        return bulk.fetch(
+            self.address, dialer or Dialer(None), cred, raw or self.fetch_raw(), infos(want),
+            LAYOUT, HASHERS, None, progress, time.monotonic() + 30, Cancel(),
+        )  # fmt: skip
+
+    def publish(self, blocks=CHAIN, cred="", body=None, dialer=None):
+        body = body or publish_body(blocks)
+        return bulk.publish(
+            self.address, dialer or Dialer(None), cred, body, blocks, 5.0,
+            time.monotonic() + 30, Cancel(),
+        )  # fmt: skip
+
+    def close(self):
+        self.server.stop()
+
+
+def publish_body(blocks, card=CARD, announced=None) -> bytes:
+    import json
+
+    msg = pb.BulkPublish(card_json=json.dumps(card.to_json()), blocks=announced or infos(blocks))
+    return msg.SerializeToString()
+
+
+@pytest.fixture
+def served():
+    s = Served()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def empty():
+    s = Served(blocks=[])
+    yield s
+    s.close()
+
+
+def raw_exchange(address: str, data: bytes, read: int = 4096, timeout: float = 5.0) -> bytes:
+    """Send ``data`` on a plain socket; what comes back before the server closes."""
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while len(out) < read:
+            try:
+                chunk = s.recv(read)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+
+def error_reason(reply: bytes) -> str:
+    code, n = FRAME.unpack_from(reply)
+    assert code == bulk.ERROR, reply[:32]
+    return reply[FRAME.size : FRAME.size + n].decode().split(":", 1)[0]
+
+
+# -- honest ---------------------------------------------------------------------
+
+
+def test_fetch_returns_verified_blocks_and_publish_stores_them(served, empty):
+    got = served.fetch()
+    assert [b.blob for b in got] == [b.blob for b in CHAIN]
+    assert [b.digest for b in got] == [b.digest for b in CHAIN]
+    assert served.counters["fetches"] == 1 and served.counters["bytes_served"] > 0
+
+    resp = empty.publish()
+    assert (resp.stored, resp.duplicates, resp.rejected) == (len(CHAIN), 0, 0)
+    assert all(b.key in empty.store for b in CHAIN)
+    again = empty.publish()
+    assert (again.stored, again.duplicates) == (0, len(CHAIN))
+    assert empty.cache.inflight_bytes == 0
+    assert [b.blob for b in empty.fetch()] == [b.blob for b in CHAIN]
+
+
+def test_fleet_key_credentials_are_checked(tmp_path):
+    server_auth = FleetAuth(KEY, "srv")
+    s = Served(auth=server_auth)
+    try:
+        client = FleetAuth(KEY, "cli")
+        raw = s.fetch_raw()
+
+        def cred(raw, dest="srv", method=bulk.METHODS[bulk.FETCH], auth=client):
+            return auth.call_metadata(method, dest, body_digest(raw))[0][1]
+
+        assert len(s.fetch(raw, cred=cred(raw))) == len(CHAIN)
+        bad = [
+            "",  # none
+            cred(raw, dest="other"),  # made for another node
+            cred(s.fetch_raw([CHAIN[0].key])),  # bound to another request
+            cred(raw, method=bulk.METHODS[bulk.PUBLISH]),  # another method
+            cred(raw, auth=FleetAuth(b"x" * 32, "cli")),  # another fleet
+        ]
+        for c in bad:
+            with pytest.raises(Unauthenticated):
+                s.fetch(raw, cred=c)
+        replay = cred(raw)
+        s.fetch(raw, cred=replay)
+        with pytest.raises(Unauthenticated):
+            s.fetch(raw, cred=replay)
+        assert s.counters["unauthenticated"] == len(bad) + 1
+        assert s.counters["unauthenticated:wrong_destination"] == 1
+        assert s.counters["fetches"] == 2
+
+        # a publish credential binds every block's digest: swapping one is refused
+        e = Served(blocks=[], auth=server_auth)
+        try:
+            body = publish_body(CHAIN)
+            pub = client.call_metadata(bulk.METHODS[bulk.PUBLISH], "srv", body_digest(body))
+            forged = infos(CHAIN)
+            forged[3].digest = bytes(32)
+            with pytest.raises(Unauthenticated):
+                e.publish(cred=pub[0][1], body=publish_body(CHAIN, announced=forged))
+            body2 = publish_body(CHAIN)
+            ok = client.call_metadata(bulk.METHODS[bulk.PUBLISH], "srv", body_digest(body2))
+            assert e.publish(cred=ok[0][1], body=body2).stored == len(CHAIN)
+        finally:
+            e.close()
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("certs")
+    ca = trustme.CA()
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    client = ca.issue_cert("kvmesh-client")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    server.private_key_pem.write_to_path(str(d / "server.key"))
+    server.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
+    client.private_key_pem.write_to_path(str(d / "client.key"))
+    client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
+    return d
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_tls_and_mutual_tls(certs, mutual):
+    tls = TLSConfig(
+        cert=certs / "server.pem", key=certs / "server.key", ca=certs / "ca.pem" if mutual else None
+    )
+    s = Served(tls=tls)
+    try:
+        client = Dialer(
+            TLSConfig(cert=certs / "client.pem", key=certs / "client.key", ca=certs / "ca.pem")
+        )
+        assert [b.digest for b in s.fetch(dialer=client)] == [b.digest for b in CHAIN]
+        with pytest.raises(KVMeshError):  # plaintext to a TLS port
+            s.fetch()
+        with pytest.raises(KVMeshError):  # a server we cannot verify
+            s.fetch(dialer=Dialer(TLSConfig(ca=certs / "client.pem")))
+        if mutual:  # no client certificate
+            with pytest.raises(KVMeshError):
+                s.fetch(dialer=Dialer(TLSConfig(ca=certs / "ca.pem")))
+        assert len(s.fetch(dialer=client)) == len(CHAIN)  # still serving
+    finally:
+        s.close()
+
+
+# -- hostile clients ----------------------------------------------------------------
+
+
+def test_fetch_refusals_are_typed_and_the_server_keeps_serving(served):
+    with pytest.raises(StaleEpoch):
+        served.fetch(served.fetch_raw(epoch="another-life"))
+    with pytest.raises(LeaseExpired):
+        served.fetch(served.fetch_raw([bytes(32)]), want=CHAIN[:1])
+    dup = [CHAIN[0].key, CHAIN[0].key]
+    with pytest.raises(MalformedPayload):
+        served.fetch(served.fetch_raw(dup), want=[CHAIN[0], CHAIN[0]])
+    assert served.counters["bulk_rejected:stale_epoch"] == 1
+    assert served.counters["fetch_rejected:duplicate_keys"] == 1
+    assert len(served.fetch()) == len(CHAIN)
+
+
+def test_garbage_requests_get_a_typed_refusal(served):
+    assert error_reason(raw_exchange(served.address, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")) == (
+        "malformed_payload"
+    )
+    huge = REQUEST.pack(bulk.MAGIC, bulk.FETCH, 2**31, 0)  # refused before a byte is allocated
+    assert error_reason(raw_exchange(served.address, huge)) == "oversize_payload"
+    bad_op = REQUEST.pack(bulk.MAGIC, 9, 0, 0)
+    assert error_reason(raw_exchange(served.address, bad_op)) == "malformed_payload"
+    junk = b"\xff" * 40
+    not_proto = REQUEST.pack(bulk.MAGIC, bulk.FETCH, len(junk), 0) + junk
+    assert error_reason(raw_exchange(served.address, not_proto)) == "malformed_payload"
+    raw_exchange(served.address, REQUEST.pack(bulk.MAGIC, bulk.FETCH, 100, 0)[:7])  # then closes
+    wait_for(lambda: served.counters["bulk_rejected:peer_unreachable"] >= 1)
+    assert len(served.fetch()) == len(CHAIN)
+
+
+def _publish_raw(address: str, body: bytes, payload: bytes, read: bool = True) -> bytes:
+    head = REQUEST.pack(bulk.MAGIC, bulk.PUBLISH, len(body), 0) + body
+    return raw_exchange(address, head + payload, read=4096 if read else 0)
+
+
+def _done(reply: bytes) -> pb.PublishResponse:
+    code, n = FRAME.unpack_from(reply)
+    assert code == bulk.DONE, reply[:40]
+    return pb.PublishResponse.FromString(reply[FRAME.size : FRAME.size + n])
+
+
+def test_publish_with_a_wrong_digest_keeps_only_the_good_blocks(empty):
+    announced = infos(CHAIN[:4])
+    announced[2].digest = bytes(32)
+    payload = b"".join(b.blob for b in CHAIN[:4])
+    resp = _done(_publish_raw(empty.address, publish_body(CHAIN[:4], announced=announced), payload))
+    assert resp.rejected == 1 and resp.reason == "checksum_mismatch"
+    assert resp.stored == 2  # blocks 0 and 1 arrived whole before the bad one
+    assert CHAIN[1].key in empty.store and CHAIN[2].key not in empty.store
+    assert empty.counters["publish_rejected:checksum_mismatch"] == 1
+    assert empty.cache.inflight_bytes == 0
+
+
+def test_publish_refusals_before_allocation(empty):
+    big = infos(CHAIN[:1])
+    big[0].nbytes = 1 << 40  # over this node's cap: refused when announced
+    resp = _done(_publish_raw(empty.address, publish_body(CHAIN[:1], announced=big), b""))
+    assert resp.reason == "oversize_payload"
+    none = pb.BulkPublish(card_json="{}").SerializeToString()
+    assert error_reason(_publish_raw(empty.address, none, b"")) == "malformed_payload"
+    bad_card = pb.BulkPublish(card_json="[1, 2]", blocks=infos(CHAIN[:1])).SerializeToString()
+    assert error_reason(_publish_raw(empty.address, bad_card, b"")) == "malformed_payload"
+    assert empty.cache.inflight_bytes == 0 and empty.store.stats.entries == 0
+    assert empty.publish().stored == len(CHAIN)  # still serving
+
+
+def test_an_abandoned_or_silent_publish_frees_its_reservation():
+    s = Served(blocks=[], progress_s=0.5)
+    try:
+        body = publish_body(CHAIN[:3])
+        half = CHAIN[0].blob + CHAIN[1].blob[: CHAIN[1].nbytes // 2]
+        _publish_raw(s.address, body, half, read=False)  # closes midway
+        wait_for(lambda: s.counters["publish_rejected:peer_unreachable"] == 1)
+        host, port = s.address.split(":")
+        with socket.create_connection((host, int(port))) as silent:  # sends half, then nothing
+            silent.sendall(REQUEST.pack(bulk.MAGIC, bulk.PUBLISH, len(body), 0) + body + half)
+            wait_for(lambda: s.counters["publish_rejected:stalled"] == 1)
+        wait_for(lambda: s.cache.inflight_bytes == 0)
+        assert CHAIN[0].key in s.store and CHAIN[1].key not in s.store
+    finally:
+        s.close()
+
+
+def test_streams_beyond_the_cap_are_refused_busy():
+    s = Served(max_conns=2, progress_s=30.0)
+    idle = []
+    try:
+        host, port = s.address.split(":")
+        idle = [socket.create_connection((host, int(port))) for _ in range(2)]
+        wait_for(lambda: len(s.server._conns) == 2)
+        with pytest.raises(PeerUnavailable, match="busy"):
+            s.fetch()
+        assert s.counters["bulk_rejected:busy"] == 1
+        for c in idle:
+            c.close()
+        wait_for(lambda: not s.server._conns)
+        assert len(s.fetch()) == len(CHAIN)
+    finally:
+        for c in idle:
+            c.close()
+        s.close()
+
+
+# -- hostile servers ------------------------------------------------------------------
+
+
+class FakeServer:
+    """Speaks the bulk protocol's replies wrongly on purpose: ``behave(conn)`` runs
+    once the request has been read."""
+
+    def __init__(self, behave):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.behave = behave
+        self.started = threading.Event()
+        self.release = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        with conn:
+            _, _, body_len, cred_len = REQUEST.unpack(conn.recv(REQUEST.size, socket.MSG_WAITALL))
+            if body_len + cred_len:
+                conn.recv(body_len + cred_len, socket.MSG_WAITALL)
+            self.started.set()
+            with contextlib.suppress(OSError):
+                self.behave(self, conn)
+            self.release.wait(30)
+
+    def close(self):
+        self.release.set()
+        self.sock.close()
+
+
+def _block(conn, blob):
+    conn.sendall(FRAME.pack(bulk.BLOCK, len(blob)) + blob)
+
+
+def _fetch_from(fake, progress=5.0, deadline=20.0, cancel=None):
+    raw = pb.FetchRequest(keys=[b.key for b in CHAIN[:3]]).SerializeToString()
+    try:
+        return bulk.fetch(
+            fake.address, Dialer(None), "", raw, infos(CHAIN[:3]), LAYOUT, HASHERS, None,
+            progress, time.monotonic() + deadline, cancel or Cancel(),
+        )  # fmt: skip
+    finally:
+        fake.close()
+
+
+def _flipped(blob: bytes) -> bytes:
+    b = bytearray(blob)
+    b[-1] ^= 1
+    return bytes(b)
+
+
+HOSTILE = {
+    "wrong_size": (lambda f, c: _block(c, CHAIN[0].blob + b"x"), MalformedPayload),
+    "flipped_byte": (lambda f, c: _block(c, _flipped(CHAIN[0].blob)), ChecksumMismatch),
+    "another_block": (lambda f, c: _block(c, CHAIN[1].blob), ChecksumMismatch),
+    "closes_midway": (lambda f, c: c.sendall(FRAME.pack(bulk.BLOCK, CHAIN[0].nbytes)), PeerUnavailable),
+    "huge_error": (lambda f, c: c.sendall(FRAME.pack(bulk.ERROR, 10**9)), MalformedPayload),
+    "unknown_frame": (lambda f, c: c.sendall(FRAME.pack(7, 3) + b"abc"), MalformedPayload),
+    "typed_error": (lambda f, c: c.sendall(FRAME.pack(bulk.ERROR, 13) + b"stale_epoch: x"[:13]), StaleEpoch),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_server_gets_a_typed_error(name):
+    behave, error = HOSTILE[name]
+
+    def then_close(f, c):
+        behave(f, c)
+        c.shutdown(socket.SHUT_WR)
+
+    with pytest.raises(error):
+        _fetch_from(FakeServer(then_close))
+
+
+def test_a_silent_server_stalls_and_a_slow_one_meets_the_deadline():
+    with pytest.raises(FetchStalled):
+        _fetch_from(FakeServer(lambda f, c: None), progress=0.3)
+
+    def trickle(f, c):
+        c.sendall(FRAME.pack(bulk.BLOCK, CHAIN[0].nbytes))
+        for i in range(CHAIN[0].nbytes):
+            if f.release.wait(0.05):
+                return
+            c.sendall(CHAIN[0].blob[i : i + 1])
+
+    with pytest.raises(PeerTimeout) as e:  # each byte in time, the whole too late
+        _fetch_from(FakeServer(trickle), progress=1.0, deadline=0.6)
+    assert not isinstance(e.value, FetchStalled)
+
+
+def test_cancel_aborts_a_blocked_stream_at_once():
+    fake = FakeServer(lambda f, c: None)
+    cancel = Cancel()
+    threading.Thread(target=lambda: (fake.started.wait(10), cancel()), daemon=True).start()
+    with pytest.raises(PeerUnavailable):  # not FetchStalled: the progress timeout is 30 s
+        _fetch_from(fake, progress=30.0, deadline=60.0, cancel=cancel)
+
+
+def test_frame_layout_is_fixed():
+    assert REQUEST.size == struct.calcsize("<4sBIH") == 11 and FRAME.size == 9
