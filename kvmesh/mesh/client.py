@@ -148,6 +148,8 @@ class MeshClient:
         except asyncio.CancelledError:
             cancel()
             await asyncio.wait([fut])
+            if not fut.cancelled():
+                fut.exception()  # retrieved: its failure is moot once we gave up
             raise
         except KVMeshError:
             raise
@@ -209,19 +211,20 @@ class MeshClient:
     def compatible_peers(
         self, card: CompatCard, root: bytes | None = None
     ) -> list[pb.CapabilityCard]:
-        """Who a lookup asks. In a small fleet every live cache peer (a card can lag
-        a publish by a gossip interval); beyond that, the peers that advertise the
-        namespace plus the rendezvous owners of ``root``, where publishes go."""
+        """Who a lookup may ask, in the order it asks them. In a small fleet every
+        live cache peer, all at once (a card can lag a publish by a gossip
+        interval); beyond that the cache peers in rendezvous order of ``root``,
+        the order publishes follow: a lookup asks the first ``replicas + 1`` and
+        one more for each of those skipped or failing, so its cost stays flat with
+        fleet size. Without a root, the peers that advertise the namespace."""
         ns = card.namespace_hex
         caches = [c for c in self.membership.live() if "cache" in c.roles]
         if len(caches) <= ASK_ALL_BELOW:
             return caches
-        out = {c.node_id: c for c in caches if ns in c.namespaces}
-        if root is not None:
-            by_id = {c.node_id: c for c in caches}
-            for n in rendezvous(root, list(by_id), self.replicas + 1):
-                out.setdefault(n, by_id[n])
-        return list(out.values())
+        if root is None:
+            return [c for c in caches if ns in c.namespaces]
+        by_id = {c.node_id: c for c in caches}
+        return [by_id[n] for n in rendezvous(root, list(by_id), len(by_id))]
 
     async def lookup(
         self,
@@ -243,25 +246,30 @@ class MeshClient:
             namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail]
         )
         raw = req.SerializeToString()
-        waited = []
-        for p in peers:
-            if skip is not None and skip(p.node_id):
-                self.counters["lookup_skipped"] += 1
-                self._probe(p, req, raw, on_failure)
-            else:
-                waited.append(p)
-        results = await asyncio.gather(*(self._lookup_one(p, req, raw) for p in waited))
-        hits, errors = [], []
-        for peer, r in zip(waited, results, strict=True):
-            if isinstance(r, PeerHit) and r.tokens > 0:
-                try:
-                    hits.append(validated(r, Layout(card), keys.tail_tokens))
-                except MalformedPayload as e:  # a claim that does not add up is no hit at all
-                    self.counters[f"lookup_failed:{e.reason}"] += 1
-                    r = e.reason
-            if isinstance(r, str):
-                errors.append(r)
-                _report(on_failure, peer.node_id, r)
+        want = len(peers) if len(peers) <= ASK_ALL_BELOW else self.replicas + 1
+        hits, errors, asked = [], [], 0
+        while want > 0 and asked < len(peers):  # a later round only when an owner is out
+            batch, waited = peers[asked : asked + want], []
+            asked, want = asked + len(batch), 0
+            for p in batch:
+                if skip is not None and skip(p.node_id):
+                    self.counters["lookup_skipped"] += 1
+                    self._probe(p, req, raw, on_failure)
+                    want += 1
+                else:
+                    waited.append(p)
+            results = await asyncio.gather(*(self._lookup_one(p, req, raw) for p in waited))
+            for peer, r in zip(waited, results, strict=True):
+                if isinstance(r, PeerHit) and r.tokens > 0:
+                    try:
+                        hits.append(validated(r, Layout(card), keys.tail_tokens))
+                    except MalformedPayload as e:  # a claim that does not add up is no hit at all
+                        self.counters[f"lookup_failed:{e.reason}"] += 1
+                        r = e.reason
+                if isinstance(r, str):
+                    errors.append(r)
+                    _report(on_failure, peer.node_id, r)
+                    want += 1
         return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h))), errors
 
     def _probe(
