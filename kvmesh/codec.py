@@ -19,6 +19,7 @@ is allocated (invariant 7), and raises :class:`~kvmesh.errors.MalformedPayload`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -109,6 +110,7 @@ class Layout:
 
     card: CompatCard
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019  (layouts are few and live long)
     def layers(self, tokens: int) -> tuple[tuple[TensorSpec, ...], ...]:
         """Per layer, K then V; each one array, or (packed, scales, biases) when
         the KV cache is quantized (mlx-lm's QuantizedKVCache layout)."""
@@ -267,19 +269,23 @@ def parse_header(raw: bytes | memoryview, layout: Layout) -> BlockHeader:
     layers_raw = doc.get("layers")
     if not isinstance(layers_raw, list) or len(layers_raw) != layout.card.num_layers:
         raise MalformedPayload("wrong layer count")
-    layers = []
-    for layer in layers_raw:
-        if not isinstance(layer, list) or not 2 <= len(layer) <= 6:
-            raise MalformedPayload("bad layer entry")
-        layers.append(tuple(_spec(t) for t in layer))
-    if tuple(layers) != layout.layers(tokens):
+    # one comparison of the decoded JSON with what the card implies, in C: per-tensor
+    # parsing took ~0.4 ms a block, more than verifying its digest (bench/transfer.py)
+    if layers_raw != _layers_doc(layout, tokens):
         raise MalformedPayload("tensor dtype or shape does not match the card")
+    layers = layout.layers(tokens)
     logits = None if doc.get("logits") is None else _spec(doc["logits"])
     if logits != (layout.logits() if kind == "tail" else None):
         raise MalformedPayload("bad logits spec")
     return BlockHeader(
-        ns, _hex32(doc, "key"), _hex32(doc, "parent"), kind, start, tokens, tuple(layers), logits
+        ns, _hex32(doc, "key"), _hex32(doc, "parent"), kind, start, tokens, layers, logits
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _layers_doc(layout: Layout, tokens: int) -> list[list[list[Any]]]:
+    """The card's tensor specs for ``tokens`` as a header's JSON decodes them."""
+    return [[[t.dtype, list(t.shape)] for t in layer] for layer in layout.layers(tokens)]
 
 
 def decode_block(blob: bytes, layout: Layout, digest: bytes | None = None) -> Block:

@@ -9,6 +9,7 @@ the card's canonical JSON encoding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -66,7 +67,7 @@ class CompatCard:
     def canonical(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
-    @property
+    @functools.cached_property  # (a frozen card never changes; asked once per block read)
     def namespace(self) -> bytes:
         """32-byte SHA-256 of the canonical encoding."""
         return hashlib.sha256(self.canonical()).digest()

@@ -33,6 +33,7 @@ a client turns every failure into a typed error. Neither side trusts the other.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import socket
 import ssl
@@ -77,6 +78,18 @@ MAX_PUBLISH_BLOCKS = 65536
 MAX_CONNS = 32
 PROGRESS_S = 10.0
 DRAIN_S = 1.0  # after refusing a publish, read (and drop) for this long so the answer lands
+
+
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_new_bytearray.restype = ctypes.py_object
+_new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+
+
+def receive_buffer(n: int) -> bytearray:
+    """A bytearray of ``n`` bytes left uninitialized (``bytearray(n)`` zero-fills it:
+    a whole extra pass over memory the socket overwrites anyway). Only for buffers
+    filled in full before anyone reads them; a short read discards the buffer."""
+    return _new_bytearray(None, n)  # type: ignore[no-any-return]
 
 
 class FetchStalled(PeerTimeout):
@@ -268,7 +281,7 @@ def fetch(
                 _, n = stream.read_frame(info.nbytes)
                 if n != info.nbytes:
                     raise MalformedPayload(f"block {j} is {n} bytes, its lookup said {info.nbytes}")
-                buf = bytearray(n)
+                buf = receive_buffer(n)
                 stream.recv_into(memoryview(buf))
                 pending.append(
                     hashers[j % len(hashers)].submit(_verify, buf, layout, info, on_block)
@@ -473,7 +486,7 @@ class BulkServer:
             for info in request.blocks:
                 reserved = self.cache.reserve(info.nbytes)  # before the buffer exists
                 try:
-                    buf = bytearray(info.nbytes)
+                    buf = receive_buffer(info.nbytes)
                     stream.recv_into(memoryview(buf))
                     if verifying is not None:
                         verifying.result()  # one block verified while the next arrives
