@@ -60,7 +60,7 @@ def test_the_vllm_card_is_another_namespace_than_the_heads(tiny_dir):
     cache = torch.randn(3, 1, 32, 64)
     pages = Pages(vcard, [cache] * 4)
     blob, header = pages.copy_out(keyer, keyer.keys(list(range(32))), 0, 1)
-    blk = Pages.seal(blob, header)
+    blk = pages.seal(blob, header)
     with pytest.raises(IncompatibleCard):
         decode_block(blk.blob, Layout(hcard))
 
@@ -81,7 +81,7 @@ def test_pages_round_trip_through_the_codec(dtype):
     keys = keyer.keys(list(range(8)))
     for i, (b_src, b_dst) in enumerate([(3, 0), (1, 4)]):
         blob, header = out.copy_out(keyer, keys, i, b_src)
-        blk = decode_block(Pages.seal(blob, header).blob, out.layout)  # the wire checks pass
+        blk = decode_block(out.seal(blob, header).blob, out.layout)  # the wire checks pass
         check_position(blk, keyer, keys, i)
         into.copy_in(blk, b_dst)
         for s, d in zip(src, dst, strict=True):
@@ -98,7 +98,7 @@ def test_split_kv_layout_moves_k_and_v_pages():
     keyer = BlockKeyer(card.namespace, 4)
     keys = keyer.keys([1, 2, 3, 4])
     blob, header = out.copy_out(keyer, keys, 0, 5)
-    into.copy_in(Pages.seal(blob, header), 2)
+    into.copy_in(out.seal(blob, header), 2)
     assert all(torch.equal(s[:, 5], d[:, 2]) for s, d in zip(src, dst, strict=True))
 
 
@@ -122,10 +122,10 @@ def test_a_block_is_used_only_where_its_key_says():
     keys = keyer.keys(list(range(12)))
     pages = Pages(card, [torch.randn(3, 2, 4, 8)] * 2)
     blob, header = pages.copy_out(keyer, keys, 1, 0)
-    blk = Pages.seal(blob, header)
+    blk = pages.seal(blob, header)
     check_position(blk, keyer, keys, 1)
     with pytest.raises(MalformedPayload):
         check_position(blk, keyer, keys, 2)
     other = Pages(dataclasses.replace(card, num_layers=1), [torch.randn(3, 2, 4, 8)])
     with pytest.raises(MalformedPayload):
-        pages.copy_in(Pages.seal(*other.copy_out(BlockKeyer(card.namespace, 4), keys, 1, 0)), 0)
+        pages.copy_in(other.seal(*other.copy_out(BlockKeyer(card.namespace, 4), keys, 1, 0)), 0)

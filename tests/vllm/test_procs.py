@@ -35,12 +35,14 @@ FULL_PAGES = (420 - 1) // BLOCK  # pages a load may cover (vLLM computes the las
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_dir):
-    """A peer behind a proxy, holding what process A published; A's cold results."""
+    """A peer behind proxies (gRPC, and the bulk data path that carries block bytes),
+    holding what process A published; A's cold results."""
     logs = tmp_path_factory.mktemp("vllm")
-    port = free_port()
-    proxy = FaultProxy(port)
-    peer = Peer("--advertise", f"{proxy.address},interface=ethernet", port=port, alias="cache",
-                log_dir=logs)  # fmt: skip
+    port, data_port = free_port(), free_port()
+    grpc_proxy, proxy = FaultProxy(port), FaultProxy(data_port)
+    peer = Peer("--advertise", f"{grpc_proxy.address},interface=ethernet", "--data-port",
+                str(data_port), "--advertise-data-port", str(proxy.port), port=port,
+                alias="cache", log_dir=logs)  # fmt: skip
     try:
         a = VLLMProcess(str(tiny_dir), {"seed": peer.address}, logs / "a.log",
                         prefix_caching=True)  # fmt: skip
@@ -59,6 +61,7 @@ def mesh(tmp_path_factory, tiny_dir):
     finally:
         peer.kill()
         proxy.close()
+        grpc_proxy.close()
 
 
 @pytest.fixture(scope="module")
