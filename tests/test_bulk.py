@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import trustme
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.codec import Layout
 from kvmesh.errors import (
@@ -454,3 +456,33 @@ def test_cancel_aborts_a_blocked_stream_at_once():
 
 def test_frame_layout_is_fixed():
     assert REQUEST.size == struct.calcsize("<4sBIH") == 11 and FRAME.size == 9
+
+
+_FUZZ: list[Served] = []
+
+
+def _fuzz_target() -> Served:
+    if not _FUZZ:
+        _FUZZ.append(Served(progress_s=0.2))
+    return _FUZZ[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=300),
+        st.builds(  # a well-formed prefix over random sizes and bodies
+            lambda op, body, cred: REQUEST.pack(bulk.MAGIC, op, len(body), len(cred)) + body + cred,
+            st.sampled_from([bulk.FETCH, bulk.PUBLISH, 0, 255]),
+            st.binary(max_size=200),
+            st.binary(max_size=40),
+        ),
+    )
+)
+def test_random_bytes_on_the_data_port_never_hurt_the_node(raw):
+    s = _fuzz_target()
+    reply = raw_exchange(s.address, raw, timeout=3.0)
+    if reply:  # whatever came back is a well-formed refusal, never a block
+        code, _ = FRAME.unpack_from(reply)
+        assert code in (bulk.ERROR, bulk.DONE)
+    assert len(s.fetch()) == len(CHAIN)  # and it still serves

@@ -19,6 +19,7 @@ and to the exact request bytes sent (requests are serialized once, here).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -142,7 +143,8 @@ class MeshClient:
         """``fn(*args, cancel)`` on a stream thread; cancelling us aborts its socket and
         waits for it, so nothing it hands on (``on_block``) runs after we return."""
         cancel = bulk.Cancel()
-        fut = asyncio.get_running_loop().run_in_executor(self._streams, fn, *args, cancel)
+        call = functools.partial(fn, *args, cancel)
+        fut = asyncio.get_running_loop().run_in_executor(self._streams, call)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:

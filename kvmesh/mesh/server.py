@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any
 
 import grpc
@@ -125,7 +125,7 @@ class CacheService:
         self.counters[f"publish_rejected:{reason}"] += 1
         log.warning("publish rejected: %s (%s)", reason, e)
 
-    def serve_fetch(self, request: pb.FetchRequest) -> Iterator[Block]:
+    def serve_fetch(self, request: pb.FetchRequest) -> Generator[Block, None, None]:
         """The blocks a fetch names, in order, under a lease on the store's epoch;
         a refusal is a typed error, counted as ``fetch_rejected:*``."""
         if len(request.keys) > MAX_LOOKUP_KEYS:

@@ -300,8 +300,10 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _publish(self, have: list[Block], copies: list[tuple[bytearray, object]]) -> None:
         svc = self._require_svc()
+        pages = self.pages
+        assert pages is not None  # copies were made from them
         try:
-            chain = have + [self.pages.seal(blob, header) for blob, header in copies]
+            chain = have + [pages.seal(blob, header) for blob, header in copies]
             svc.fleet.keep(chain)
             if svc.settings.publish:
                 svc.fleet.publish(svc.card, chain)
