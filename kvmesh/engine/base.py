@@ -28,6 +28,8 @@ from ..codec import Block, BlockHeader, Layout, new_blob
 from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
 from ..errors import CacheMiss, ConfigError, MalformedPayload, NoChatTemplate
 
+PREFILL_CHUNK = 512  # tokens per prefill forward while other sequences are decoding
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -146,6 +148,42 @@ class _Detokenizer:
         elif final:
             safe = len(self.scanner.text)  # nothing more can complete a stop string
         out.text = self.scanner.text[:safe]
+
+
+class Decoder:
+    """Samples one sequence's tokens one at a time; the engine forwards each token
+    that goes on (:meth:`Engine.decode_batch`). ``out``, when given, is filled in
+    before each token is returned: tokens, logprobs, the text to show and why the
+    sequence ended (a stop string ends it too; it is not part of ``out.text``)."""
+
+    def __init__(
+        self, engine: Engine, state: KVState, sampling: Sampling, out: Decoded | None = None
+    ) -> None:
+        self.engine, self.state, self.sampling, self.out = engine, state, sampling, out
+        self.rng = engine.new_rng(sampling.seed)
+        self.text = _Detokenizer(engine.decode_text, out, sampling.stop) if out else None
+        self.counts: dict[int, int] | None = {} if sampling.penalized else None
+        self.i = 0
+
+    def next(self) -> tuple[int, bool]:
+        """The next token, and whether it is the last."""
+        eng, state, sampling, out = self.engine, self.state, self.sampling, self.out
+        tok = eng.sample(state.logits, sampling, self.rng, self.counts)
+        state.tokens.append(tok)
+        eos = sampling.stop_on_eos and tok in eng.eos_ids
+        self.i += 1
+        last = self.i >= sampling.max_tokens or eos
+        if out is not None and self.text is not None:
+            if sampling.logprobs is not None:
+                out.logprobs.append(eng.logprob(state.logits, tok, sampling.logprobs))
+            out.tokens.append(tok)
+            self.text.step(final=last)
+            if out.stopped or last:
+                out.finish_reason = "stop" if out.stopped or eos else "length"
+                out.done = last = True
+        if not last and self.counts is not None:
+            self.counts[tok] = self.counts.get(tok, 0) + 1
+        return tok, last
 
 
 @dataclass
@@ -395,10 +433,18 @@ class Engine(abc.ABC):
     # -- engine-neutral -------------------------------------------------------
 
     def prefill(
-        self, tokens: Sequence[int], prefix: Sequence[Block] = (), imported: Importer | None = None
+        self,
+        tokens: Sequence[int],
+        prefix: Sequence[Block] = (),
+        imported: Importer | None = None,
+        between: Callable[[], None] | None = None,
+        chunk: int = PREFILL_CHUNK,
     ) -> KVState:
         """KV and next-token logits for ``tokens``, importing ``prefix`` first.
-        ``imported`` is ``prefix`` already copied in (see :meth:`importer`)."""
+        ``imported`` is ``prefix`` already copied in (see :meth:`importer`). With
+        ``between``, a suffix longer than ``chunk`` tokens is computed ``chunk`` at
+        a time and ``between()`` runs after each chunk but the last (a batch keeps
+        decoding while a long prompt is prefilled)."""
         tokens = list(tokens)
         if not tokens:
             raise ValueError("cannot prefill an empty sequence")
@@ -415,7 +461,12 @@ class Engine(abc.ABC):
         if p == len(tokens):  # no stored logits: recompute the last token
             p -= 1
             cache = self._crop(cache, p) if p else None
-        cache, logits = self._forward(cache, tokens[p:], p)
+        at = p
+        while between is not None and len(tokens) - at > chunk:
+            cache, _ = self._forward(cache, tokens[at : at + chunk], at)
+            at += chunk
+            between()
+        cache, logits = self._forward(cache, tokens[at:], at)
         return KVState(tokens, cache, logits, len(tokens), p, len(tokens) - p)
 
     def extend(self, state: KVState, tokens: Sequence[int]) -> KVState:
@@ -450,34 +501,40 @@ class Engine(abc.ABC):
     def generate(
         self, state: KVState, sampling: Sampling, out: Decoded | None = None
     ) -> Iterator[int]:
-        """Decode locally. Mutates ``state`` so it ends holding the whole sequence.
-        ``out``, when given, is filled in before each token is yielded: tokens,
-        logprobs, the text to show and why the sequence ended (a stop string ends
-        it too; the stop string is not part of ``out.text``)."""
-        rng = self.new_rng(sampling.seed)
-        text = _Detokenizer(self.decode_text, out, sampling.stop) if out is not None else None
-        counts: dict[int, int] | None = {} if sampling.penalized else None
-        for i in range(sampling.max_tokens):
-            tok = self.sample(state.logits, sampling, rng, counts)
-            state.tokens.append(tok)
-            eos = sampling.stop_on_eos and tok in self.eos_ids
-            last = i == sampling.max_tokens - 1 or eos
-            if out is not None and text is not None:
-                if sampling.logprobs is not None:
-                    out.logprobs.append(self.logprob(state.logits, tok, sampling.logprobs))
-                out.tokens.append(tok)
-                text.step(final=last)
-                if out.stopped or last:
-                    out.finish_reason = "stop" if out.stopped or eos else "length"
-                    out.done = last = True
+        """Decode locally, one sequence. Mutates ``state`` so it ends holding the
+        whole sequence. ``out``, when given, is filled in before each token is
+        yielded (see :class:`Decoder`)."""
+        decoder = Decoder(self, state, sampling, out)
+        while True:
+            tok, last = decoder.next()
             yield tok
             if last:
                 return  # the last token is not forwarded: its KV is never needed here
-            if counts is not None:
-                counts[tok] = counts.get(tok, 0) + 1
-            pending = state.tokens[state.cached :]
-            state.cache, state.logits = self._forward(state.cache, pending, state.cached)
-            state.cached = len(state.tokens)
+            self.decode_batch([state])
+
+    def decode_batch(self, states: Sequence[KVState]) -> None:
+        """Forward each state's one pending token (the one its decoder just
+        sampled), updating its cache, logits and ``cached``. Engines that can run
+        several sequences in one forward override this; one state alone always
+        takes the single-sequence path, so a lone request decodes exactly as
+        without batching. This default runs them one after another."""
+        for state in states:
+            self._advance(state)
+
+    def _advance(self, state: KVState) -> None:
+        pending = state.tokens[state.cached :]
+        state.cache, state.logits = self._forward(state.cache, pending, state.cached)
+        state.cached = len(state.tokens)
+
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`decode_batch` runs several sequences in one forward."""
+        return False
+
+    def detach(self, state: KVState) -> None:
+        """Make ``state`` own its tensors once it leaves a batch (a session or an
+        export must not keep a whole batch's tensors alive)."""
+        return None  # engines whose batched rows are copies already have nothing to do
 
     def export(
         self,

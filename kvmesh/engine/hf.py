@@ -46,7 +46,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..codec import Block, Layout
 from ..errors import CacheMiss, ConfigError
-from .base import CacheGeometry, Engine, Importer, Sampling, card_from_hf_dir
+from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
@@ -277,6 +277,59 @@ class TransformersEngine(Engine):
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
         _settle(cache)  # the cache was extended in place
         return cache, out.logits[0, -1].float()
+
+    # -- batched decode ---------------------------------------------------------
+
+    @property
+    def batches(self) -> bool:
+        return not any(self.card.sliding_windows)  # full attention: padding is exact to mask
+
+    @torch.inference_mode()
+    def decode_batch(self, states: Sequence[KVState]) -> None:
+        """One forward for every state's pending token: caches left-padded to the
+        longest into one batch, an attention mask hiding the padding, each row at
+        its own position; then each state gets its rows back (views, until
+        :meth:`detach`)."""
+        if len(states) < 2 or not self.batches:
+            super().decode_batch(states)
+            return
+        lens = [s.cached for s in states]
+        width = max(lens)
+        batch = self._new_cache()
+        for i, layer in enumerate(batch.layers):
+            k0 = states[0].cache.layers[i].keys
+            shape = (len(states), k0.shape[1], width, k0.shape[3])
+            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
+            for row, (s, n) in enumerate(zip(states, lens, strict=True)):
+                ks[row, :, width - n :] = s.cache.layers[i].keys[0, :, :n]
+                vs[row, :, width - n :] = s.cache.layers[i].values[0, :, :n]
+            layer.lazy_initialization(ks, vs)
+            layer.keys, layer.values = ks, vs
+        mask = torch.ones((len(states), width + 1), dtype=torch.long, device=self.device)
+        for row, n in enumerate(lens):
+            mask[row, : width - n] = 0
+        ids = torch.tensor([[s.tokens[s.cached]] for s in states], device=self.device)
+        pos = torch.tensor([[n] for n in lens], device=self.device)
+        kw = {self._cache_kw: batch}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+            logits_to_keep=1, **kw,
+        )  # fmt: skip
+        for row, (s, n) in enumerate(zip(states, lens, strict=True)):
+            own = self._new_cache()
+            for src, dst in zip(batch.layers, own.layers, strict=True):
+                k = src.keys[row : row + 1, :, width - n :]
+                v = src.values[row : row + 1, :, width - n :]
+                _restore(dst, k, v, n + 1)
+            s.cache, s.logits, s.cached = own, out.logits[row, -1].float(), n + 1
+
+    def detach(self, state: KVState) -> None:
+        if state.cache is None:
+            return
+        for layer in state.cache.layers:
+            k = getattr(layer, "keys", None)
+            if isinstance(k, torch.Tensor) and k.untyped_storage().nbytes() > k.nbytes:
+                layer.keys, layer.values = k.clone(), layer.values.clone()
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
         """A new cache holding the first ``n_tokens`` positions; ``cache`` is untouched

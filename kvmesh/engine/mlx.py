@@ -40,7 +40,7 @@ from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..codec import Block, Layout
 from ..compat import kv_quant_name
 from ..errors import CacheMiss, ConfigError
-from .base import CacheGeometry, Engine, Importer, Sampling, card_from_hf_dir
+from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
 
 # wire dtype name -> NumPy buffer dtype (bfloat16 as raw 16-bit words)
 _NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32}
@@ -217,6 +217,31 @@ class MLXEngine(Engine):
         last = logits[0, -1].astype(mx.float32)
         mx.eval(last, *[p for c in cache for p in _parts(c)])
         return cache, last
+
+    # -- batched decode ---------------------------------------------------------
+
+    @property
+    def batches(self) -> bool:
+        # mlx-lm's BatchKVCache: plain KV caches only (no window, no quantized KV)
+        return not any(self.card.sliding_windows) and not self.kv_bits
+
+    def decode_batch(self, states: Sequence[KVState]) -> None:
+        """One forward for every state's pending token through mlx-lm's own batch
+        cache (left padding, per-row offsets); each state gets its rows back."""
+        if len(states) < 2 or not self.batches:
+            super().decode_batch(states)
+            return
+        from mlx_lm.models.cache import BatchKVCache
+
+        mx = self.mx
+        layers = len(states[0].cache)
+        batch = [BatchKVCache.merge([s.cache[i] for s in states]) for i in range(layers)]
+        ids = mx.array([[s.tokens[s.cached]] for s in states])
+        logits = self.model(ids, cache=batch)[:, -1].astype(mx.float32)
+        rows = [[c.extract(r) for c in batch] for r in range(len(states))]
+        mx.eval(logits, *[p for row in rows for c in row for p in _parts(c)])
+        for r, s in enumerate(states):
+            s.cache, s.logits, s.cached = rows[r], logits[r], s.cached + 1
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
         if self._window_trimmed(cache):

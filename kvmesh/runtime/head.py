@@ -9,14 +9,18 @@ read as plan → fetch → compute:
   the fleet. The longest prefix worth having wins; a remote prefix is fetched
   from where the local blocks end, and a failed peer gives way to the next one
   within one cache-time budget, then backs off (circuit breaker).
-- *compute* (under the engine lock): import the acquired prefix or resume the
-  session, compute the suffix, decode locally.
+- *compute* (on the engine thread, :mod:`.batch`): import the acquired prefix or
+  resume the session, compute the suffix, then decode locally, batched with every
+  other running request (continuous batching: one forward per step for all of
+  them; a request running alone decodes exactly as it would unbatched).
 
 Every cache failure is caught, counted as a fallback reason, and answered by
 local prefill (invariant 1). Publishing starts only after the last token
 (invariant 3: the decode loop makes no remote call) and runs on a background
 thread. A request can be cancelled (its client left): while queued it never
 takes the engine; while decoding it stops after the current token.
+``max_batch`` sequences run at once and ``kv_budget_bytes`` bounds the KV they
+may hold; beyond either, requests wait in order.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,6 +45,7 @@ from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
 from ..store import Match
 from .audit import AuditJob, Auditor
+from .batch import DEFAULT_MAX_BATCH, BatchRunner, Job
 from .planner import Planner
 from .slots import Slots
 from .telemetry import PrefillReport, Telemetry
@@ -48,7 +53,6 @@ from .telemetry import PrefillReport, Telemetry
 log = logging.getLogger("kvmesh.head")
 
 MIN_CACHE_BUDGET_S = 0.2
-CANCEL_POLL_S = 0.05  # how often a queued request checks whether its client left
 
 
 @dataclass
@@ -105,6 +109,8 @@ class HeadRuntime:
         publish: bool = True,
         max_pending_publishes: int = 2,
         audit_rate: float = 0.0,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        kv_budget_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.card = engine.card
@@ -117,7 +123,8 @@ class HeadRuntime:
         self.fetch_timeout = self.fleet.fetch_deadline if self.fleet else fetch_timeout
         self.publish_enabled = publish
         self.auditor = Auditor(audit_rate) if audit_rate else None
-        self._lock = threading.Lock()  # one sequence at a time on the engine
+        self._lock = threading.RLock()  # held for each engine step (and audits between)
+        self.batch = BatchRunner(engine, self._lock, max_batch, kv_budget_bytes)
         self._sessions_lock = threading.Lock()
         self._sessions: OrderedDict[int, KVState] = OrderedDict()
         self._next_session = 0
@@ -148,55 +155,45 @@ class HeadRuntime:
         if cancel is not None and cancel.is_set():
             self._cancelled(out, "queued")
             return
-        got = self._acquire(tokens)  # network waits happen here, never under the engine lock
-        if not self._take_engine(cancel):
+        got = self._acquire(tokens)  # network waits happen here, never on the engine thread
+        done: dict[str, object] = {}
+
+        def prefill(between: Callable[[], None]) -> KVState:  # on the engine thread
+            with self._lock:
+                state, report, chain = self._compute(tokens, got, between)
+            out.report = report
+            done.update(report=report, chain=chain)
+            done["prompt"] = KVState(list(tokens), state.cache, state.logits, len(tokens))
+            return state
+
+        def first_token() -> None:
+            if not out.ttft_s:
+                out.ttft_s = time.perf_counter() - t0
+
+        job = Job(sampling, out.choices, prefill, self._kv_bytes(len(tokens), sampling),
+                  cancel, on_start, first_token)  # fmt: skip
+        yield from self.batch.submit(job).tokens()
+        state = job.state
+        if state is None:  # cancelled before it took the engine
             self._cancelled(out, "queued")
             return
-        try:
-            if on_start is not None:
-                on_start()
-            state, report, chain = self._compute(tokens, got)
-            out.report = report
-            prompt_view = KVState(list(tokens), state.cache, state.logits, len(tokens))
-            # n sequences share this prefill: each decodes from its own copy of it
-            states = [state] + [self.engine.fork(state) for _ in range(sampling.n - 1)]
-            out.choices.extend(Decoded() for _ in range(len(states) - len(out.choices)))
-            for i, (st, choice) in enumerate(zip(states, out.choices[: len(states)], strict=True)):
-                seed = None if sampling.seed is None else sampling.seed + i
-                one = replace(sampling, seed=seed, n=1)
-                for tok in self.engine.generate(st, one, choice):
-                    if not out.ttft_s:
-                        out.ttft_s = time.perf_counter() - t0
-                    yield tok
-                    if cancel is not None and cancel.is_set():
-                        break
-                if cancel is not None and cancel.is_set():
-                    self._cancelled(out, "running")  # the state is whole: keep and publish it
-                    break
-            self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
-            self._keep_session(state)
-        finally:
-            self._lock.release()
+        if job.cancelled:
+            self._cancelled(out, "running")  # the state is whole: keep and publish it
+        report = done["report"]
+        assert isinstance(report, PrefillReport)
+        self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
+        self._keep_session(state)
         if self.publish_enabled:
-            self._publish_later(prompt_view, state, chain)
+            self._publish_later(done["prompt"], state, done["chain"])  # type: ignore[arg-type]
         if self.auditor is not None and report.source == "remote" and got.peer_id:
-            job = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
-            if job is not None:
-                self._publisher.submit(self._audit, job)
+            audit = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
+            if audit is not None:
+                self._publisher.submit(self._audit, audit)
 
-    def _take_engine(self, cancel: threading.Event | None) -> bool:
-        """Wait for the engine lock; False when ``cancel`` is set first (polled, so
-        a request whose client left frees its queue slot without ever running)."""
-        if cancel is None:
-            self._lock.acquire()
-            return True
-        while not self._lock.acquire(timeout=CANCEL_POLL_S):
-            if cancel.is_set():
-                return False
-        if cancel.is_set():
-            self._lock.release()
-            return False
-        return True
+    def _kv_bytes(self, prompt_tokens: int, sampling: Sampling) -> int:
+        """The KV a request's sequences may hold at their longest (its budget share)."""
+        per = self.card.kv_bytes_per_token
+        return per * (prompt_tokens + sampling.n * sampling.max_tokens)
 
     def _cancelled(self, out: Generation, stage: str) -> None:
         out.cancelled = True
@@ -301,20 +298,21 @@ class HeadRuntime:
         return True
 
     def _compute(
-        self, tokens: list[int], got: _Acquired
+        self, tokens: list[int], got: _Acquired, between: Callable[[], None] | None = None
     ) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
         """Under the engine lock: import the acquired prefix (or resume the session)
-        and compute the rest. Any failure to use the prefix computes it all."""
+        and compute the rest (in chunks with ``between`` run after each: see
+        :meth:`Engine.prefill`). Any failure to use the prefix computes it all."""
         t0 = time.perf_counter()
         fallback, source, prefix = got.fallback, got.source, got.prefix
         try:
             if source == "session":
                 state = self._resume(tokens, got)
             else:
-                state = self.engine.prefill(tokens, prefix, got.importer)
+                state = self.engine.prefill(tokens, prefix, got.importer, between)
         except Exception as e:  # invariant 1: compute it all
             fallback, source, prefix = _reason(e), "compute", ()
-            state = self.engine.prefill(tokens)
+            state = self.engine.prefill(tokens, between=between)
         dt = time.perf_counter() - t0
         if state.computed_tokens:
             self.planner.observe_prefill(state.computed_tokens, dt)
@@ -437,6 +435,7 @@ class HeadRuntime:
             self.fleet.drain(max(0.1, left))
 
     def close(self) -> None:
+        self.batch.close()
         self._publisher.shutdown(wait=True)
 
 
