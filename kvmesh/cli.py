@@ -475,6 +475,21 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     "(also /v1/completions, /v1/chat/completions and /v1/models, like vLLM's --api-key).",
 )
 @click.option(
+    "--max-batch",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Sequences decoded together in one forward per step (continuous batching); "
+    "more wait in the queue. 1 decodes one sequence at a time.",
+)
+@click.option(
+    "--kv-budget",
+    default="4GiB",
+    show_default=True,
+    help="KV cache the running sequences may hold at their longest (prompt + max_tokens, "
+    "times n); a request that would exceed it waits. One request alone always runs.",
+)
+@click.option(
     "--max-queue",
     default=64,
     show_default=True,
@@ -525,6 +540,8 @@ def head(
     max_tokens_default: int | None,
     audit_rate: float,
     api_key_scope: str,
+    max_batch: int,
+    kv_budget: str,
     max_queue: int,
     max_body_bytes: str,
     http_tls_cert: str | None,
@@ -555,6 +572,10 @@ def head(
         body_cap = parse_size(max_body_bytes)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--max-body-bytes") from None
+    try:
+        kv_cap = parse_size(kv_budget)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--kv-budget") from None
     cfg = node_config(
         grpc_listen,
         budget,
@@ -583,6 +604,8 @@ def head(
             max_tokens_default=max_tokens_default,
             audit_rate=audit_rate,
             max_queue=max_queue,
+            max_batch=max_batch,
+            kv_budget_bytes=kv_cap,
             max_body_bytes=body_cap,
             api_key_scope=api_key_scope,
             http_tls_cert=http_tls_cert,

@@ -58,7 +58,9 @@ class Raw:
 
 @pytest.fixture(scope="module")
 def head():
-    h = Head("--max-queue", "2", "--max-body-bytes", "64KiB", "--alias", "robust")
+    h = Head(
+        "--max-queue", "2", "--max-batch", "1", "--max-body-bytes", "64KiB", "--alias", "robust"
+    )
     yield h
     h.stop()
 
@@ -275,36 +277,53 @@ def test_pairing_over_https_on_a_non_loopback_address(tmp_path):
         h.stop()
 
 
-def test_cancel_stops_decode_within_a_token_and_a_queued_request_never_runs(tiny_engine):
-    """In process, exactly: the decode loop checks the cancel event after every
-    token, and a request waiting for the engine leaves without touching it."""
+def test_cancel_stops_decode_within_a_step_and_a_queued_request_never_runs(tiny_engine):
+    """In process, exactly: the engine thread checks a request's cancel event at
+    every step (a cancelled sequence decodes at most the step under way), and a
+    request waiting for room in the batch leaves without touching the engine."""
     import threading
 
     from kvmesh.engine import Sampling
     from kvmesh.runtime.head import Generation, HeadRuntime
 
-    h = HeadRuntime(tiny_engine, publish=False)
+    h = HeadRuntime(tiny_engine, publish=False, max_batch=1)
     toks = tiny_engine.encode(PROMPT)
     sampling = Sampling(max_tokens=50, stop_on_eos=False)
     cancel, out = threading.Event(), Generation()
+    seen = 0
     for i, _ in enumerate(h.generate(toks, sampling, out, cancel=cancel)):
         if i == 2:
+            seen = len(out.tokens)  # decoded so far (the engine does not wait for readers)
             cancel.set()  # the client left while token 3 was being sent
-    assert out.cancelled and len(out.tokens) == 3
+    assert out.cancelled and 3 <= len(out.tokens) <= seen + 1 < 50
     assert h.telemetry.counters["cancelled:running"] == 1
 
+    # the batch (of one) is taken by a long request: a second one waits, then leaves
+    long_cancel, long_out, first = threading.Event(), Generation(), threading.Event()
+
+    def long_request() -> None:
+        for _ in h.generate(toks, Sampling(max_tokens=10_000, stop_on_eos=False), long_out,
+                            long_cancel):  # fmt: skip
+            first.set()
+
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    assert first.wait(30)
     started, queued = [], Generation()
     cancel = threading.Event()
-    with h._lock:  # another request holds the engine
-        waiter = threading.Thread(
-            target=lambda: list(
-                h.generate(toks, sampling, queued, cancel, lambda: started.append(1))
-            )
-        )
-        waiter.start()
-        cancel.set()
-        waiter.join(30)
+    waiter = threading.Thread(
+        target=lambda: list(h.generate(toks, sampling, queued, cancel, lambda: started.append(1)))
+    )
+    waiter.start()
+    time_limit = 30
+    while h.batch.waiting == 0 and time_limit > 0:  # it is queued behind the long one
+        first.wait(0.05)
+        time_limit -= 0.05
+    cancel.set()
+    waiter.join(30)
     assert not waiter.is_alive() and queued.cancelled and queued.tokens == [] and not started
     assert h.telemetry.counters["cancelled:queued"] == 1
-    assert h.telemetry.counters["requests"] == 1  # the queued one never ran
+    long_cancel.set()
+    runner.join(30)
+    assert h.telemetry.counters["requests"] == 2  # the queued one never ran
     h.close()

@@ -91,6 +91,12 @@ class HeadCollector(Collector):
                                 value=s.waiting)  # fmt: skip
         yield GaugeMetricFamily("kvmesh_queue_running", "Requests on the engine", value=s.running)
         yield GaugeMetricFamily("kvmesh_queue_max", "--max-queue", value=s.max_queue)
+        batch = self.runtime.batch
+        yield GaugeMetricFamily("kvmesh_batch_sequences", "Sequences decoding together now",
+                                value=batch.running)  # fmt: skip
+        yield GaugeMetricFamily("kvmesh_batch_max", "--max-batch", value=batch.max_batch)
+        yield CounterMetricFamily("kvmesh_batch_steps", "Decode steps (one forward each)",
+                                  value=batch.steps)  # fmt: skip
         yield CounterMetricFamily("kvmesh_queue_rejected", "Requests refused with 503 (queue full)",
                                   value=s.rejected)  # fmt: skip
         cancelled = CounterMetricFamily(
@@ -222,6 +228,7 @@ def create_app(
             "publish_pending": runtime.publish_pending(),
             "queue": {"waiting": scheduler.waiting, "running": scheduler.running,
                       "max": scheduler.max_queue},
+            "batch": {"sequences": runtime.batch.running, "max": runtime.batch.max_batch},
         }  # fmt: skip
 
     @app.get("/metrics")

@@ -199,6 +199,11 @@ class OpenAIService:
         )
         if n_prompt == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
+        if req.n > self.runtime.batch.max_batch:  # its n sequences decode in one batch
+            raise APIError(
+                400, f"n={req.n} exceeds this head's --max-batch {self.runtime.batch.max_batch}",
+                param="n",
+            )  # fmt: skip
         if max_tokens is None:  # the rest of the context window, like OpenAI and vLLM
             max_tokens = max(1, self.max_context - n_prompt)
             if self.max_tokens_default:

@@ -53,11 +53,11 @@ class Scheduler:
         self.max_queue = max_queue
         self._lock = threading.Lock()
         self.waiting = 0  # admitted, not yet on the engine
-        self.running = 0  # on the engine (one at a time, plus one finishing)
+        self.running = 0  # on the engine (up to its batch, plus those finishing)
         self.rejected = 0
-        # one thread per waiting request, one running, one finishing: never a wait for a thread
+        # a thread per waiting and per running request, one finishing: never a wait for one
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_queue + 2, thread_name_prefix="kvmesh-generate"
+            max_queue + runtime.batch.max_batch + 1, thread_name_prefix="kvmesh-generate"
         )
 
     def admit(self) -> Job:

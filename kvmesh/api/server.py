@@ -36,6 +36,8 @@ class HeadOptions:
     device: str = "auto"  # auto | cpu | cuda | mps (torch; mlx picks its own)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     block_digest: str = "blake3"  # blake3 | sha256: part of the card
+    max_batch: int = 8  # sequences decoded together
+    kv_budget_bytes: int | None = None  # KV the running sequences may hold (None: no cap)
 
     def model_names(self) -> tuple[str, tuple[str, ...]]:
         """(canonical name, accepted aliases): the first ``--served-model-name``,
@@ -95,6 +97,8 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
         publish=opts.publish,
         max_sessions=opts.max_sessions,
         audit_rate=opts.audit_rate,
+        max_batch=opts.max_batch,
+        kv_budget_bytes=opts.kv_budget_bytes,
     )
     name, aliases = opts.model_names()
     app = create_app(
