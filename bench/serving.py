@@ -100,16 +100,9 @@ def bench_engine(engine: str, seq: int) -> dict:  # type: ignore[type-arg]
         alone = wave(url, texts(1), 48)[0]["_latency_s"]
         both = wave(url, texts(2), 48, delays=[0.0, 1.0])
         long_s, short_s = both[0]["_latency_s"], both[1]["_latency_s"]
-        streams = {}
-        for k in (1, 2, 4, 8):
-            t0 = time.perf_counter()
-            outs = wave(url, texts(k), 32)
-            dt = time.perf_counter() - t0
-            tokens = sum(o["usage"]["completion_tokens"] for o in outs)
-            streams[k] = {"tokens": tokens, "wall_s": dt, "tokens_per_s": tokens / dt}
-        base = streams[1]["tokens_per_s"]
-        for s in streams.values():
-            s["vs_one_stream"] = s["tokens_per_s"] / base
+        streams = throughput(url, texts)
+        # the same with "Hi"-sized prompts: what batching does to decode alone
+        tiny = throughput(url, lambda k: [f"Hi {n[0] + i}" for i in range(k)])
     finally:
         head.send_signal(signal.SIGTERM)
         head.wait(30)
@@ -120,7 +113,22 @@ def bench_engine(engine: str, seq: int) -> dict:  # type: ignore[type-arg]
         "short_during_long_s": short_s,
         "short_vs_long": short_s / alone,
         "streams": streams,
+        "streams_tiny_prompts": tiny,
     }
+
+
+def throughput(url: str, texts) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """1, 2, 4 and 8 concurrent 32-token streams: tokens/s over each wave's wall time."""
+    out = {}
+    for k in (1, 2, 4, 8):
+        t0 = time.perf_counter()
+        outs = wave(url, texts(k), 32)
+        dt = time.perf_counter() - t0
+        tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+        out[k] = {"tokens": tokens, "wall_s": dt, "tokens_per_s": tokens / dt}
+    for s in out.values():
+        s["vs_one_stream"] = s["tokens_per_s"] / out[1]["tokens_per_s"]
+    return out
 
 
 def main() -> None:
@@ -134,15 +142,17 @@ def main() -> None:
     for i, engine in enumerate(args.engines.split(",")):
         r = bench_engine(engine, 1000 * i)
         rows.append(r)
-        s = r["streams"]
         print(
             f"{engine}: 48 tokens alone {r['long_alone_s']:.2f} s; a 1-token request during it "
-            f"{r['short_during_long_s']:.2f} s ({r['short_vs_long']:.2f}x)  streams tok/s: "
-            + "  ".join(
-                f"{k}: {v['tokens_per_s']:.1f} ({v['vs_one_stream']:.2f}x)" for k, v in s.items()
-            ),
+            f"{r['short_during_long_s']:.2f} s ({r['short_vs_long']:.2f}x)",
             flush=True,
         )
+        for key in ("streams", "streams_tiny_prompts"):
+            waves = r[key].items()
+            text = "  ".join(
+                f"{k}: {v['tokens_per_s']:.1f} ({v['vs_one_stream']:.2f}x)" for k, v in waves
+            )
+            print(f"  {key} tok/s: {text}", flush=True)
     out = {"machine": machine(), "model": "demo", "results": rows}
     Path(args.json).write_text(json.dumps(out, indent=1))
     plot(rows, Path(args.json).with_suffix(".png"))
@@ -158,13 +168,17 @@ def plot(rows: list, path: Path) -> None:  # type: ignore[type-arg]
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
-        ks = sorted(r["streams"], key=int)
-        ax.plot([int(k) for k in ks], [r["streams"][k]["tokens_per_s"] for k in ks], marker="o",
-                label=f"{r['engine']} (1-token request during a 48-token one: "
-                      f"{r['short_vs_long']:.2f}x its time)")  # fmt: skip
+        for key, what in (
+            ("streams", "~60-token prompts"),
+            ("streams_tiny_prompts", '"Hi" prompts'),
+        ):
+            ks = sorted(r[key], key=int)
+            ys = [r[key][k]["tokens_per_s"] for k in ks]
+            ax.plot([int(k) for k in ks], ys, marker="o", label=f"{r['engine']}, {what}")
     ax.set_xlabel("concurrent 32-token streams")
     ax.set_ylabel("tokens decoded per second (all streams)")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_title("kvmesh head on the ~0.5B demo model, 2-core CPU")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
