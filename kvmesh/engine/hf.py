@@ -326,20 +326,7 @@ class TransformersEngine(Engine):
             super().decode_batch(states)
             return
         lens = [s.cached for s in states]
-        width = max(lens)
-        batch = self._new_cache()
-        for i, layer in enumerate(batch.layers):
-            k0 = states[0].cache.layers[i].keys
-            shape = (len(states), k0.shape[1], width, k0.shape[3])
-            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
-            for row, (s, n) in enumerate(zip(states, lens, strict=True)):
-                ks[row, :, width - n :] = s.cache.layers[i].keys[0, :, :n]
-                vs[row, :, width - n :] = s.cache.layers[i].values[0, :, :n]
-            layer.lazy_initialization(ks, vs)
-            layer.keys, layer.values = ks, vs
-        mask = torch.ones((len(states), width + 1), dtype=torch.long, device=self.device)
-        for row, n in enumerate(lens):
-            mask[row, : width - n] = 0
+        batch, mask = self._padded(states, lens)
         ids = torch.tensor([[s.tokens[s.cached]] for s in states], device=self.device)
         pos = torch.tensor([[n] for n in lens], device=self.device)
         kw = {self._cache_kw: batch}
@@ -351,13 +338,32 @@ class TransformersEngine(Engine):
             )  # fmt: skip
         finally:
             _batched.on = False
+        width = max(lens)
         for row, (s, n) in enumerate(zip(states, lens, strict=True)):
             own = self._new_cache()
             for src, dst in zip(batch.layers, own.layers, strict=True):
-                k = src.keys[row : row + 1, :, width - n :]
-                v = src.values[row : row + 1, :, width - n :]
-                _restore(dst, k, v, n + 1)
+                span = slice(width - n, None)
+                _restore(dst, src.keys[row : row + 1, :, span], src.values[row : row + 1, :, span],
+                         n + 1)  # fmt: skip
             s.cache, s.logits, s.cached = own, out.logits[row, -1].float(), n + 1
+
+    def _padded(self, states: Sequence[KVState], lens: list[int]) -> tuple[Any, torch.Tensor]:
+        """A cache holding every state's KV right-aligned (left-padded with zeros),
+        and the attention mask that hides the padding (one column more: the new token)."""
+        width = max(lens)
+        batch = self._new_cache()
+        for i, layer in enumerate(batch.layers):
+            k0 = states[0].cache.layers[i].keys
+            shape = (len(states), k0.shape[1], width, k0.shape[3])
+            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
+            for row, (s, n) in enumerate(zip(states, lens, strict=True)):
+                ks[row, :, width - n :] = s.cache.layers[i].keys[0, :, :n]
+                vs[row, :, width - n :] = s.cache.layers[i].values[0, :, :n]
+            _restore(layer, ks, vs, width)
+        mask = torch.ones((len(states), width + 1), dtype=torch.long, device=self.device)
+        for row, n in enumerate(lens):
+            mask[row, : width - n] = 0
+        return batch, mask
 
     def detach(self, state: KVState) -> None:
         if state.cache is None:

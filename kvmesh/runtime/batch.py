@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -36,7 +35,6 @@ from ..engine.base import Decoded, Decoder, Engine, KVState, Sampling
 log = logging.getLogger("kvmesh.batch")
 
 DEFAULT_MAX_BATCH = 8
-DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -153,14 +151,13 @@ class BatchRunner:
     def _admissible(self) -> list[Job]:
         """Jobs to start now, in order: a job that does not fit blocks those behind it
         (no starvation of large requests). Cancelled waiting jobs end here."""
+        for job in [j for j in self._waiting if j._gone()]:  # wherever they wait
+            self._waiting.remove(job)
+            self._end(job, cancelled=True)
         out: list[Job] = []
         seqs = len(self._running)
         while self._waiting:
             job = self._waiting[0]
-            if job._gone():
-                self._waiting.popleft()
-                self._end(job, cancelled=True)
-                continue
             fits_kv = (
                 self.kv_budget_bytes is None
                 or not (seqs or out)
@@ -266,14 +263,4 @@ class BatchRunner:
             self._end(self._waiting.popleft(), error=error)
 
 
-def wait_idle(runner: BatchRunner, timeout: float = 10.0) -> bool:
-    """True once nothing runs or waits (tests)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not runner.running and not runner.waiting:
-            return True
-        time.sleep(0.01)
-    return False
-
-
-__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_PREFILL_CHUNK", "BatchRunner", "Job", "wait_idle"]
+__all__ = ["DEFAULT_MAX_BATCH", "BatchRunner", "Job"]
