@@ -8,8 +8,9 @@ reported while it lasts and no request pays its deadline again. A fetch streams
 blocks under a lease and hashes them in a worker thread while the next bytes
 arrive: on the peer's bulk data path (:mod:`.bulk`) when it advertises one, else as
 a gRPC stream; it aborts when the total deadline passes or when no bytes arrive for
-``progress_timeout`` (:class:`FetchStalled`). Publishing takes the bulk path too. Every failure is a typed error whose
-``reason`` the caller counts before falling back. Publishing goes through a
+``progress_timeout`` (:class:`FetchStalled`). Publishing takes the bulk path too.
+Every failure is a typed error whose ``reason`` the caller counts before falling
+back. Publishing goes through a
 bounded queue that drops (and counts) rather than ever blocking.
 
 Under a fleet key each call's credential is bound to its destination's node id
@@ -249,30 +250,48 @@ class MeshClient:
         )
         raw = req.SerializeToString()
         want = len(peers) if len(peers) <= ASK_ALL_BELOW else self.replicas + 1
-        hits, errors, asked = [], [], 0
+        hits: list[PeerHit] = []
+        errors: list[str] = []
+        asked = 0
         while want > 0 and asked < len(peers):  # a later round only when an owner is out
-            batch, waited = peers[asked : asked + want], []
-            asked, want = asked + len(batch), 0
+            batch = peers[asked : asked + want]
+            asked += len(batch)
+            waited = [p for p in batch if not (skip is not None and skip(p.node_id))]
             for p in batch:
-                if skip is not None and skip(p.node_id):
+                if p not in waited:
                     self.counters["lookup_skipped"] += 1
                     self._probe(p, req, raw, on_failure)
-                    want += 1
-                else:
-                    waited.append(p)
-            results = await asyncio.gather(*(self._lookup_one(p, req, raw) for p in waited))
-            for peer, r in zip(waited, results, strict=True):
-                if isinstance(r, PeerHit) and r.tokens > 0:
-                    try:
-                        hits.append(validated(r, Layout(card), keys.tail_tokens))
-                    except MalformedPayload as e:  # a claim that does not add up is no hit at all
-                        self.counters[f"lookup_failed:{e.reason}"] += 1
-                        r = e.reason
-                if isinstance(r, str):
-                    errors.append(r)
-                    _report(on_failure, peer.node_id, r)
-                    want += 1
+            failed = await self._ask(waited, card, keys, req, raw, hits, errors, on_failure)
+            want = len(batch) - len(waited) + failed
         return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h))), errors
+
+    async def _ask(
+        self,
+        peers: list[pb.CapabilityCard],
+        card: CompatCard,
+        keys: PrefixKeys,
+        req: pb.LookupRequest,
+        raw: bytes,
+        hits: list[PeerHit],
+        errors: list[str],
+        on_failure: Callable[[str, str], None] | None,
+    ) -> int:
+        """One round of a lookup: validated hits into ``hits``, failure reasons into
+        ``errors`` (and reported); how many peers failed."""
+        results = await asyncio.gather(*(self._lookup_one(p, req, raw) for p in peers))
+        failed = 0
+        for peer, r in zip(peers, results, strict=True):
+            if isinstance(r, PeerHit) and r.tokens > 0:
+                try:
+                    hits.append(validated(r, Layout(card), keys.tail_tokens))
+                except MalformedPayload as e:  # a claim that does not add up is no hit at all
+                    self.counters[f"lookup_failed:{e.reason}"] += 1
+                    r = e.reason
+            if isinstance(r, str):
+                errors.append(r)
+                _report(on_failure, peer.node_id, r)
+                failed += 1
+        return failed
 
     def _probe(
         self,
