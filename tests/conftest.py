@@ -28,3 +28,20 @@ def tiny_dir() -> Path:
     from kvmesh.engine.demo import ensure_demo
 
     return ensure_demo("demo-tiny")
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    """A CA, a server certificate (localhost, 127.0.0.1) and a client certificate."""
+    import trustme
+
+    d = tmp_path_factory.mktemp("certs")
+    ca = trustme.CA()
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    client = ca.issue_cert("kvmesh-client")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    server.private_key_pem.write_to_path(str(d / "server.key"))
+    server.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
+    client.private_key_pem.write_to_path(str(d / "client.key"))
+    client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
+    return d

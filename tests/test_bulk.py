@@ -15,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import trustme
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -206,20 +205,6 @@ def test_fleet_key_credentials_are_checked(tmp_path):
             e.close()
     finally:
         s.close()
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("certs")
-    ca = trustme.CA()
-    server = ca.issue_cert("localhost", "127.0.0.1")
-    client = ca.issue_cert("kvmesh-client")
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    server.private_key_pem.write_to_path(str(d / "server.key"))
-    server.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
-    client.private_key_pem.write_to_path(str(d / "client.key"))
-    client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
-    return d
 
 
 @pytest.mark.parametrize("mutual", [False, True])

@@ -6,7 +6,6 @@ import asyncio
 
 import grpc
 import pytest
-import trustme
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.engine import Sampling
@@ -136,20 +135,6 @@ def test_versions_not_clocks_decide_and_restart_jumps_ahead():
     assert m.live()[0].alias == "b"
     m.merge([pb.CapabilityCard(node_id="a", version=41)])  # our own earlier life
     assert m.own_card().version == 42
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("certs")
-    ca = trustme.CA()
-    server = ca.issue_cert("localhost", "127.0.0.1")
-    client = ca.issue_cert("kvmesh-client")
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    server.private_key_pem.write_to_path(str(d / "server.key"))
-    server.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
-    client.private_key_pem.write_to_path(str(d / "client.key"))
-    client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
-    return d
 
 
 @pytest.mark.parametrize("mutual", [False, True])

@@ -152,18 +152,22 @@ class _Stream:
             return PeerTimeout("bulk stream deadline passed")
         return FetchStalled(f"{what} for {self.progress_s} s")
 
-    def recv_into(self, view: memoryview) -> None:
+    def _pump(self, move: Callable[[memoryview], int], view: memoryview, idle: str) -> None:
+        """``move`` (one recv_into or send) until ``view`` is done, each call bounded."""
         while view:
             self._arm()
             try:
-                n = self.sock.recv_into(view)
+                n = move(view)
             except TimeoutError:
-                raise self._timed_out("no bytes") from None
+                raise self._timed_out(idle) from None
             except OSError as e:
                 raise PeerUnavailable(f"bulk stream broke: {e}") from None
             if n == 0:
                 raise PeerUnavailable("bulk stream closed early")
             view = view[n:]
+
+    def recv_into(self, view: memoryview) -> None:
+        self._pump(self.sock.recv_into, view, "no bytes")
 
     def recv(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -171,16 +175,8 @@ class _Stream:
         return bytes(buf)
 
     def send(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while view:  # sendall, but each write bounded by the progress timeout
-            self._arm()
-            try:
-                n = self.sock.send(view)
-            except TimeoutError:
-                raise self._timed_out("peer took no bytes") from None
-            except OSError as e:
-                raise PeerUnavailable(f"bulk stream broke: {e}") from None
-            view = view[n:]
+        """sendall, but each write bounded by the progress timeout."""
+        self._pump(self.sock.send, memoryview(data).cast("B"), "peer took no bytes")
 
     def frame(self, code: int, payload: bytes = b"") -> None:
         self.send(FRAME.pack(code, len(payload)) + payload)

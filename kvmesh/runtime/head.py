@@ -95,6 +95,15 @@ class _Acquired:
         return self.session[1] if self.session else 0
 
 
+@dataclass
+class _Prefilled:
+    """What a request's prefill left for its thread (filled on the engine thread)."""
+
+    report: PrefillReport | None = None
+    chain: tuple[Block, ...] = ()
+    prompt: KVState | None = None  # the prompt's own view, for publishing
+
+
 class HeadRuntime:
     def __init__(
         self,
@@ -156,14 +165,13 @@ class HeadRuntime:
             self._cancelled(out, "queued")
             return
         got = self._acquire(tokens)  # network waits happen here, never on the engine thread
-        done: dict[str, object] = {}
+        done = _Prefilled()
 
         def prefill(between: Callable[[], None]) -> KVState:  # on the engine thread
             with self._lock:
-                state, report, chain = self._compute(tokens, got, between)
-            out.report = report
-            done.update(report=report, chain=chain)
-            done["prompt"] = KVState(list(tokens), state.cache, state.logits, len(tokens))
+                state, done.report, done.chain = self._compute(tokens, got, between)
+            out.report = done.report
+            done.prompt = KVState(list(tokens), state.cache, state.logits, len(tokens))
             return state
 
         def first_token() -> None:
@@ -179,12 +187,12 @@ class HeadRuntime:
             return
         if job.cancelled:
             self._cancelled(out, "running")  # the state is whole: keep and publish it
-        report = done["report"]
-        assert isinstance(report, PrefillReport)
+        report, prompt = done.report, done.prompt
+        assert report is not None and prompt is not None  # the job ran: it was prefilled
         self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
         self._keep_session(state)
         if self.publish_enabled:
-            self._publish_later(done["prompt"], state, done["chain"])  # type: ignore[arg-type]
+            self._publish_later(prompt, state, done.chain)
         if self.auditor is not None and report.source == "remote" and got.peer_id:
             audit = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
             if audit is not None:
