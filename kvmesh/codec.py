@@ -23,7 +23,7 @@ import functools
 import hashlib
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -178,16 +178,22 @@ class Block:
     def payload(self) -> memoryview:
         return memoryview(self.blob)[self.payload_offset :]
 
-    def tensors(self) -> Iterator[tuple[TensorSpec, memoryview]]:
-        """(spec, bytes) for K0, V0, K1, V1, ..., then logits if present."""
+    def kv_tensors(self) -> Iterator[tuple[TensorSpec, memoryview]]:
+        """(spec, bytes) for K0, V0, K1, V1, ... (a quantized layer's K and V as
+        their parts): exactly one per destination buffer of an import."""
         view = self.payload()
         off = 0
         for layer in self.header.layers:
             for spec in layer:
                 yield spec, view[off : off + spec.nbytes]
                 off += spec.nbytes
+
+    def tensors(self) -> Iterator[tuple[TensorSpec, memoryview]]:
+        """:meth:`kv_tensors`, then the logits if present."""
+        yield from self.kv_tensors()
         if self.header.logits is not None:
-            yield self.header.logits, view[off : off + self.header.logits.nbytes]
+            n = self.header.logits.nbytes
+            yield self.header.logits, self.payload()[len(self.blob) - self.payload_offset - n :]
 
 
 def new_blob(header: BlockHeader) -> tuple[bytearray, memoryview]:
@@ -217,9 +223,13 @@ def _spec(raw: Any) -> TensorSpec:
         or len(raw) != 2
         or not isinstance(raw[0], str)
         or not isinstance(raw[1], list)
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw[1])
+        or not all(type(d) is int and d >= 0 for d in raw[1])
     ):
         raise MalformedPayload("bad tensor spec")
+    try:
+        dtype_size(raw[0])
+    except ValueError:
+        raise MalformedPayload(f"unknown dtype {raw[0][:16]!r}") from None
     return TensorSpec(raw[0], tuple(raw[1]))
 
 
@@ -231,6 +241,17 @@ def _hex32(doc: dict[str, Any], name: str) -> bytes:
         return bytes.fromhex(v)
     except ValueError:
         raise MalformedPayload(f"bad {name}") from None
+
+
+def _count(doc: dict[str, Any], name: str) -> int:
+    v = doc.get(name)
+    if type(v) is not int or v < 0:
+        raise MalformedPayload(f"bad {name}")
+    return v
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def parse_prefix(head: bytes | bytearray | memoryview) -> int:
@@ -245,47 +266,127 @@ def parse_prefix(head: bytes | bytearray | memoryview) -> int:
     return int(hlen)
 
 
-def parse_header(raw: bytes | memoryview, layout: Layout) -> BlockHeader:
-    """Parse header JSON and check every field against ``layout``."""
+def read_header(
+    raw: bytes | memoryview,
+    layout: Layout | None = None,
+    intern: Callable[[Any], Any] = _same,
+) -> BlockHeader:
+    """A header's *structure*, checked against no card: a JSON object, hex ids,
+    non-negative counts, well-formed specs of known dtypes. Whether it is what a
+    card expects is :func:`check_header`'s job. With ``layout``, layers equal to
+    the card's reuse its parsed specs (parsing every spec costs more than
+    verifying the block's digest: bench/transfer.py). ``intern`` lets the disk
+    index keep one copy of the specs that many headers share."""
     try:
         doc = json.loads(bytes(raw))
     except (UnicodeDecodeError, ValueError):
         raise MalformedPayload("header is not JSON") from None
     if not isinstance(doc, dict):
         raise MalformedPayload("header is not an object")
-    ns = _hex32(doc, "ns")
-    if ns != layout.card.namespace:
-        raise IncompatibleCard("block belongs to another namespace")
-    kind, start, tokens = doc.get("kind"), doc.get("start"), doc.get("tokens")
+    kind = doc.get("kind")
     if kind not in KINDS:
         raise MalformedPayload("bad kind")
-    b = layout.card.block_tokens
-    if not isinstance(tokens, int) or isinstance(tokens, bool):
-        raise MalformedPayload("bad token count")
-    if (kind == "block" and tokens != b) or (kind == "tail" and not 0 <= tokens < b):
-        raise MalformedPayload(f"{kind} with {tokens} tokens")
-    if not isinstance(start, int) or isinstance(start, bool) or start < 0 or start % b:
-        raise MalformedPayload("bad start")
-    layers_raw = doc.get("layers")
-    if not isinstance(layers_raw, list) or len(layers_raw) != layout.card.num_layers:
-        raise MalformedPayload("wrong layer count")
-    # one comparison of the decoded JSON with what the card implies, in C: per-tensor
-    # parsing took ~0.4 ms a block, more than verifying its digest (bench/transfer.py)
-    if layers_raw != _layers_doc(layout, tokens):
-        raise MalformedPayload("tensor dtype or shape does not match the card")
-    layers = layout.layers(tokens)
-    logits = None if doc.get("logits") is None else _spec(doc["logits"])
-    if logits != (layout.logits() if kind == "tail" else None):
-        raise MalformedPayload("bad logits spec")
+    tokens = _count(doc, "tokens")
+    layers = intern(_layers(doc.get("layers"), layout, tokens))
+    logits = None if doc.get("logits") is None else intern(_spec(doc["logits"]))
     return BlockHeader(
-        ns, _hex32(doc, "key"), _hex32(doc, "parent"), kind, start, tokens, layers, logits
+        intern(_hex32(doc, "ns")),
+        _hex32(doc, "key"),
+        _hex32(doc, "parent"),
+        kind,
+        _count(doc, "start"),
+        tokens,
+        layers,
+        logits,
     )
+
+
+def _layers(raw: Any, layout: Layout | None, tokens: int) -> tuple[tuple[TensorSpec, ...], ...]:
+    # the token bound keeps a lying header from filling the layout's spec cache;
+    # the card's layers are then recognised in one comparison, in C
+    if (
+        layout is not None
+        and tokens <= layout.card.block_tokens
+        and raw == _layers_doc(layout, tokens)
+    ):
+        return layout.layers(tokens)
+    if not isinstance(raw, list) or not raw or not all(isinstance(x, list) for x in raw):
+        raise MalformedPayload("bad layers")
+    return tuple(tuple(_spec(t) for t in layer) for layer in raw)
 
 
 @functools.lru_cache(maxsize=256)
 def _layers_doc(layout: Layout, tokens: int) -> list[list[list[Any]]]:
     """The card's tensor specs for ``tokens`` as a header's JSON decodes them."""
     return [[[t.dtype, list(t.shape)] for t in layer] for layer in layout.layers(tokens)]
+
+
+def check_header(header: BlockHeader, layout: Layout) -> None:
+    """Raise unless ``header`` is exactly what a block under ``layout``'s card
+    is: its namespace, a kind whose token count fits the block size, a start on
+    a block boundary, the card's layer count and per-layer K/V dtypes and
+    shapes for that token count, and float32 logits over the vocabulary for a
+    tail (none for a block). The one check every tier's blocks go through:
+    decoding (peers), the store (RAM and disk, once it knows the card) and
+    every import (:func:`kvmesh.engine.base.check_chain`, ``Importer.add``)."""
+    c = layout.card
+    if header.namespace != c.namespace:
+        raise IncompatibleCard("block belongs to another namespace")
+    b, kind, tokens = c.block_tokens, header.kind, header.tokens
+    if (kind == "block" and tokens != b) or (kind == "tail" and not 0 <= tokens < b):
+        raise MalformedPayload(f"{kind} with {tokens} tokens")
+    if kind not in KINDS or header.start < 0 or header.start % b:
+        raise MalformedPayload(f"bad kind or start ({kind!r} at {header.start})")
+    if len(header.layers) != c.num_layers:
+        raise MalformedPayload(
+            f"wrong layer count: {len(header.layers)}, the card says {c.num_layers}"
+        )
+    # identity makes this cheap for headers built from the layout (export, decode)
+    if header.layers != layout.layers(tokens):
+        raise MalformedPayload("tensor dtype or shape does not match the card")
+    if header.logits != (layout.logits() if kind == "tail" else None):
+        raise MalformedPayload("bad logits spec")
+
+
+def check_form(header: BlockHeader) -> None:
+    """What holds for a block under *any* card, for a reader that has none (the
+    disk tier at start serves many namespaces): every spec is
+    ``[kv_heads, tokens, ...]`` over the header's tokens, a layer is its K
+    part(s) then V part(s) alike, all layers alike, a block has tokens and
+    starts on a multiple of them, a tail carries 1-D float32 logits and a block
+    none. A header that passes still has to pass :func:`check_header`."""
+    first = header.layers[0] if header.layers else ()
+    half = len(first) // 2
+    if not half or first[:half] != first[half:] or any(x != first for x in header.layers):
+        raise MalformedPayload("layers are not K then V alike in every layer")
+    if any(len(t.shape) != 3 or t.shape[1] != header.tokens for t in first):
+        raise MalformedPayload("a tensor spec disagrees with the header's token count")
+    if header.kind == "block" and (not header.tokens or header.start % header.tokens):
+        raise MalformedPayload("bad block extent")
+    logits = header.logits
+    if header.kind == "block" and logits is not None:
+        raise MalformedPayload("a block carries logits")
+    if header.kind == "tail" and (
+        logits is None or logits.dtype != "float32" or len(logits.shape) != 1
+    ):
+        raise MalformedPayload("a tail without float32 logits")
+
+
+def check_block(block: Block, layout: Layout) -> None:
+    """:func:`check_header`, and the blob holds exactly the payload it announces."""
+    check_header(block.header, layout)
+    if (
+        block.payload_offset < PREFIX.size
+        or len(block.blob) != block.payload_offset + block.header.payload_bytes
+    ):
+        raise MalformedPayload("block bytes disagree with its header")
+
+
+def parse_header(raw: bytes | memoryview, layout: Layout) -> BlockHeader:
+    """Parse header JSON and check every field against ``layout``."""
+    header = read_header(raw, layout)
+    check_header(header, layout)
+    return header
 
 
 def decode_block(blob: bytes, layout: Layout, digest: bytes | None = None) -> Block:

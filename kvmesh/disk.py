@@ -30,7 +30,6 @@ The index, budgets and eviction order live in :class:`kvmesh.store.BlockStore`.
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
 import secrets
@@ -42,17 +41,17 @@ from pathlib import Path
 from typing import Any, cast
 
 from .codec import (
-    KINDS,
     MAX_CHUNK_BYTES,
     MAX_HEADER_BYTES,
     PREFIX,
     Block,
     BlockHeader,
-    TensorSpec,
+    check_form,
     digest_of,
+    read_header,
 )
 from .codec import parse_prefix as _parse_prefix
-from .compat import BLOCK_DIGESTS, dtype_size
+from .compat import BLOCK_DIGESTS
 from .errors import MalformedPayload
 
 SUFFIX = ".kvb"
@@ -108,26 +107,6 @@ class DiskRecord:
     mtime: float
 
 
-def _spec(raw: Any) -> TensorSpec:
-    if not (
-        isinstance(raw, list)
-        and len(raw) == 2
-        and isinstance(raw[0], str)
-        and isinstance(raw[1], list)
-        and all(type(d) is int and d >= 0 for d in raw[1])
-    ):
-        raise MalformedPayload("bad tensor spec")
-    dtype_size(raw[0])  # ValueError on an unknown dtype
-    return TensorSpec(raw[0], tuple(raw[1]))
-
-
-def _hex32(doc: dict[str, Any], name: str) -> bytes:
-    v = doc.get(name)
-    if not isinstance(v, str) or len(v) != 64:
-        raise MalformedPayload(f"bad {name}")
-    return bytes.fromhex(v)
-
-
 class _Interner:
     """Blocks of one namespace share their layer specs: keep one copy in the index."""
 
@@ -138,32 +117,13 @@ class _Interner:
         return self._seen.setdefault(value, value)
 
 
-def parse_header_loose(raw: bytes, intern: Callable[[Any], Any] = lambda v: v) -> BlockHeader:
-    """A header's structure, without a card (a disk tier serves many namespaces)."""
-    try:
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("kind") not in KINDS:
-            raise MalformedPayload("bad header")
-        start, tokens = doc.get("start"), doc.get("tokens")
-        if type(start) is not int or type(tokens) is not int or start < 0 or tokens < 0:
-            raise MalformedPayload("bad start or token count")
-        layers_raw = doc.get("layers")
-        if not isinstance(layers_raw, list) or not layers_raw:
-            raise MalformedPayload("bad layers")
-        layers = tuple(tuple(_spec(t) for t in layer) for layer in layers_raw)
-        logits = None if doc.get("logits") is None else _spec(doc["logits"])
-        return BlockHeader(
-            intern(_hex32(doc, "ns")),
-            _hex32(doc, "key"),
-            _hex32(doc, "parent"),
-            doc["kind"],
-            start,
-            tokens,
-            intern(layers),
-            intern(logits),
-        )
-    except (ValueError, TypeError, AttributeError) as e:  # JSON, hex, dtype, list shapes
-        raise MalformedPayload(f"bad header: {e}") from None
+def read_disk_header(raw: bytes, intern: Callable[[Any], Any] = lambda v: v) -> BlockHeader:
+    """A file's header, parsed strictly but without a card (a disk tier serves
+    many namespaces): the codec's structure and card-free form checks. The store
+    checks it against the card too once it knows the namespace's layout."""
+    header = read_header(raw, intern=intern)
+    check_form(header)
+    return header
 
 
 class DiskFiles:
@@ -211,7 +171,7 @@ class DiskFiles:
         end = PREFIX.size + _parse_prefix(head)
         if len(head) < end:
             raise MalformedPayload("truncated header")
-        header = parse_header_loose(head[PREFIX.size : end], intern)
+        header = read_disk_header(head[PREFIX.size : end], intern)
         if st.st_size != end + header.payload_bytes:
             raise MalformedPayload(f"file is {st.st_size} bytes, header says more or less")
         return DiskRecord(header, digest, st.st_size, st.st_mtime)

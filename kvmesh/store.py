@@ -24,10 +24,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .blocks import PrefixKeys
-from .codec import Block, BlockHeader
+from .codec import Block, BlockHeader, Layout, check_block, check_header
 from .disk import DiskConfig, DiskFiles, DiskStats, Writer, unlink
 from .errors import (
     ImmutableConflict,
@@ -169,10 +169,12 @@ class BlockStore:
         budget_bytes: int,
         clock: Callable[[], float] = time.monotonic,
         disk: DiskConfig | None = None,
+        layouts: Sequence[Layout] = (),
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.epoch = secrets.token_hex(8)
+        self._layouts = {lay.card.namespace: lay for lay in layouts}  # see expect()
         self._clock = clock
         self._lock = threading.RLock()
         self._entries: dict[bytes, _Entry] = {}
@@ -198,6 +200,7 @@ class BlockStore:
         """Store ``block``. True if stored, False if already held (identical)."""
         key, parent = block.header.key, block.header.parent
         with self._lock:
+            self._check_put(block)
             existing = self._entries.get(key)
             if existing is not None:
                 if existing.digest != block.digest:
@@ -225,6 +228,54 @@ class BlockStore:
             if self.disk is not None and self.disk.admit == "evicted":
                 self._admit(key)
             return True
+
+    def _check_put(self, block: Block) -> None:
+        """Under the lock: a block of a namespace whose card the store knows must
+        match it (the same check as decoding and import: :func:`check_block`)."""
+        layout = self._layouts.get(block.header.namespace)
+        if layout is None:
+            return
+        try:
+            check_block(block, layout)
+        except MalformedPayload as e:
+            self._reject(e.reason)
+            raise
+
+    def expect(self, layout: Layout) -> int:
+        """From now on hold ``layout``'s namespace to its card: every indexed block
+        of it is checked now (:func:`check_header`; a disagreeing disk file is
+        deleted and counted as corrupt, its subtree dropped, so the disk tier never
+        serves it), later puts are refused unless they match. Returns how many
+        blocks were found bad. A store serves many namespaces and learns their
+        cards from their users (a head knows its own), hence a call, not a scan."""
+        ns = layout.card.namespace
+        with self._lock:
+            self._layouts[ns] = layout
+            bad = []
+            for k, e in self._entries.items():
+                if e.header.namespace != ns:
+                    continue
+                try:
+                    check_header(e.header, layout)
+                except MalformedPayload:
+                    bad.append(k)
+                    continue
+                e.header = _canonical(e.header, layout)
+            for k in bad:
+                self._drop_bad(k)
+            return len(bad)
+
+    def _drop_bad(self, key: bytes) -> None:
+        """Under the lock: forget a block found to disagree with its card."""
+        e = self._entries.get(key)
+        if e is None:
+            return  # below another bad block: already dropped with it
+        if e.on_disk or e.queued:
+            self.disk_stats.corrupt += 1
+            log.warning("disk tier: deleting %s (disagrees with its card)", e.digest.hex()[:12])
+        else:
+            self._reject(MalformedPayload.reason)
+        self._drop_subtree(key)
 
     def _reject(self, reason: str) -> None:
         self.stats.rejects[reason] = self.stats.rejects.get(reason, 0) + 1
@@ -540,6 +591,14 @@ class BlockStore:
             if h.key in self._entries:
                 bad(str(files.path(r.digest)), "a second file for one key")
                 continue
+            layout = self._layouts.get(h.namespace)
+            if layout is not None:
+                try:
+                    check_header(h, layout)
+                except MalformedPayload as why:
+                    bad(str(files.path(r.digest)), f"disagrees with its card: {why}")
+                    continue
+                h = _canonical(h, layout)
             parent = self._entries.get(h.parent)
             if not _is_root(h) and parent is None:
                 ds.orphans += 1
@@ -758,6 +817,16 @@ class BlockStore:
                     )
                 )
             return tuple(out)
+
+
+def _canonical(header: BlockHeader, layout: Layout) -> BlockHeader:
+    """``header`` (already checked) holding the layout's own spec objects, so later
+    checks of it compare by identity (cheap) and the index shares one copy."""
+    return replace(
+        header,
+        layers=layout.layers(header.tokens),
+        logits=layout.logits() if header.logits else None,
+    )
 
 
 def _place(order: OrderedDict[bytes, None], key: bytes, member: bool, old: bool) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..blocks import BlockKeyer, PrefixKeys
-from ..codec import Block, BlockHeader, Layout, new_blob
+from ..codec import Block, BlockHeader, Layout, check_block, new_blob
 from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
 from ..errors import CacheMiss, ConfigError, MalformedPayload, NoChatTemplate
 
@@ -267,14 +267,15 @@ def model_name(path: Path, cfg: dict[str, Any]) -> str:
     return raw.rsplit("/", 1)[-1] or path.resolve().name
 
 
-def check_chain(prefix: Sequence[Block], card: CompatCard, tokens: int) -> int:
-    """Validate that ``prefix`` is a contiguous chain from the root; return its length."""
-    ns = card.namespace
-    parent, pos = ns, 0
+def check_chain(prefix: Sequence[Block], layout: Layout, tokens: int) -> int:
+    """Validate that ``prefix`` is a contiguous chain from the root whose every
+    block is what ``layout``'s card says a block is (:func:`check_block`:
+    namespace, token count, layer count, per-tensor dtypes and shapes, logits),
+    whichever tier it came from; return its length in tokens."""
+    parent, pos = layout.card.namespace, 0
     for i, blk in enumerate(prefix):
+        check_block(blk, layout)
         h = blk.header
-        if h.namespace != ns:
-            raise MalformedPayload("block from another namespace")
         if h.parent != parent or h.start != pos:
             raise MalformedPayload(f"block {i} does not continue the chain")
         if h.kind == "tail" and i != len(prefix) - 1:
@@ -287,15 +288,24 @@ def check_chain(prefix: Sequence[Block], card: CompatCard, tokens: int) -> int:
 
 class Importer(abc.ABC):
     """Preallocated KV for ``n_tokens`` positions. ``add`` may be called from any
-    thread, in any order, once per block: blocks write disjoint positions."""
+    thread, in any order, once per block: blocks write disjoint positions.
 
-    def __init__(self, n_tokens: int) -> None:
+    With ``layout``, ``add`` checks each block against it (:func:`check_block`)
+    before anything is copied, so ``_copy`` may rely on the block holding exactly
+    one tensor per buffer, of the card's dtype and shape, and a bad block (from
+    any tier) writes nothing. Without one, only :func:`check_chain` at prefill
+    checks the blocks."""
+
+    def __init__(self, n_tokens: int, layout: Layout | None = None) -> None:
         self.n_tokens = n_tokens
+        self.layout = layout
         self.added = 0
         self._count = threading.Lock()
 
     def add(self, block: Block) -> None:
         h = block.header
+        if self.layout is not None:
+            check_block(block, self.layout)
         if h.start + h.tokens > self.n_tokens:
             raise MalformedPayload("block beyond the imported prefix")
         if h.tokens:
@@ -304,7 +314,9 @@ class Importer(abc.ABC):
             self.added += 1
 
     @abc.abstractmethod
-    def _copy(self, block: Block) -> None: ...
+    def _copy(self, block: Block) -> None:
+        """Copy ``block``'s K/V (:meth:`Block.kv_tensors`, one per buffer, in
+        order) into positions ``[start, start + tokens)``."""
 
     @abc.abstractmethod
     def cache(self) -> Any: ...
@@ -448,7 +460,7 @@ class Engine(abc.ABC):
         tokens = list(tokens)
         if not tokens:
             raise ValueError("cannot prefill an empty sequence")
-        p = check_chain(prefix, self.card, len(tokens)) if prefix else 0
+        p = check_chain(prefix, self.layout, len(tokens)) if prefix else 0
         if imported is not None and (imported.n_tokens != p or imported.added != len(prefix)):
             raise MalformedPayload("the imported buffer does not hold this prefix")
         cache = (
