@@ -66,6 +66,20 @@ class PeerUnavailable(KVMeshError):
     reason = "peer_unreachable"
 
 
+class PeerBusy(PeerUnavailable):
+    """The peer refused a stream because all its stream slots were taken: it is
+    alive and honest, just loaded; not a failure to back off from."""
+
+    reason = "busy"
+
+
+class LocalBusy(KVMeshError):
+    """This node's own stream slots stayed taken for the whole wait: the request
+    never reached the peer, so it is not the peer's failure."""
+
+    reason = "local_busy"
+
+
 class PeerTimeout(KVMeshError):
     reason = "timeout"
 

@@ -24,13 +24,14 @@ from kvmesh.errors import (
     KVMeshError,
     LeaseExpired,
     MalformedPayload,
+    PeerBusy,
     PeerTimeout,
     PeerUnavailable,
     StaleEpoch,
     Unauthenticated,
 )
 from kvmesh.mesh import bulk
-from kvmesh.mesh.bulk import FRAME, REQUEST, BulkServer, Cancel, Dialer, FetchStalled
+from kvmesh.mesh.bulk import FRAME, HELLO, BulkServer, Cancel, Dialer, FetchStalled, hello
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.mesh.security import FleetAuth, TLSConfig, body_digest
 from kvmesh.mesh.server import CacheService
@@ -84,14 +85,13 @@ class Served:
     def fetch(self, raw=None, want=CHAIN, cred="", dialer=None, progress=5.0):
         return bulk.fetch(
             self.address, dialer or Dialer(None), cred, raw or self.fetch_raw(), infos(want),
-            LAYOUT, HASHERS, None, progress, time.monotonic() + 30, Cancel(),
+            LAYOUT, HASHERS, None, progress, 30.0, Cancel(),
         )  # fmt: skip
 
     def publish(self, blocks=CHAIN, cred="", body=None, dialer=None):
         body = body or publish_body(blocks)
         return bulk.publish(
-            self.address, dialer or Dialer(None), cred, body, blocks, 5.0,
-            time.monotonic() + 30, Cancel(),
+            self.address, dialer or Dialer(None), cred, body, blocks, 5.0, 30.0, Cancel(),
         )  # fmt: skip
 
     def close(self):
@@ -250,20 +250,22 @@ def test_garbage_requests_get_a_typed_refusal(served):
     assert error_reason(raw_exchange(served.address, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")) == (
         "malformed_payload"
     )
-    huge = REQUEST.pack(bulk.MAGIC, bulk.FETCH, 2**31, 0)  # refused before a byte is allocated
+    huge = HELLO.pack(bulk.MAGIC, bulk.FETCH, 2**31, bytes(32), 0, b"")  # refused unallocated
     assert error_reason(raw_exchange(served.address, huge)) == "oversize_payload"
-    bad_op = REQUEST.pack(bulk.MAGIC, 9, 0, 0)
+    bad_op = HELLO.pack(bulk.MAGIC, 9, 0, bytes(32), 0, b"")
     assert error_reason(raw_exchange(served.address, bad_op)) == "malformed_payload"
     junk = b"\xff" * 40
-    not_proto = REQUEST.pack(bulk.MAGIC, bulk.FETCH, len(junk), 0) + junk
+    not_proto = hello(bulk.FETCH, junk, "") + junk
     assert error_reason(raw_exchange(served.address, not_proto)) == "malformed_payload"
-    raw_exchange(served.address, REQUEST.pack(bulk.MAGIC, bulk.FETCH, 100, 0)[:7])  # then closes
+    lying = hello(bulk.FETCH, b"other", "") + served.fetch_raw()  # a body it does not announce
+    assert error_reason(raw_exchange(served.address, lying)) == "malformed_payload"
+    raw_exchange(served.address, hello(bulk.FETCH, junk, "")[:7], read=0)  # then closes
     wait_for(lambda: served.counters["bulk_rejected:peer_unreachable"] >= 1)
     assert len(served.fetch()) == len(CHAIN)
 
 
 def _publish_raw(address: str, body: bytes, payload: bytes, read: bool = True) -> bytes:
-    head = REQUEST.pack(bulk.MAGIC, bulk.PUBLISH, len(body), 0) + body
+    head = hello(bulk.PUBLISH, body, "") + body
     return raw_exchange(address, head + payload, read=4096 if read else 0)
 
 
@@ -307,7 +309,7 @@ def test_an_abandoned_or_silent_publish_frees_its_reservation():
         wait_for(lambda: s.counters["publish_rejected:peer_unreachable"] == 1)
         host, port = s.address.split(":")
         with socket.create_connection((host, int(port))) as silent:  # sends half, then nothing
-            silent.sendall(REQUEST.pack(bulk.MAGIC, bulk.PUBLISH, len(body), 0) + body + half)
+            silent.sendall(hello(bulk.PUBLISH, body, "") + body + half)
             wait_for(lambda: s.counters["publish_rejected:stalled"] == 1)
         wait_for(lambda: s.cache.inflight_bytes == 0)
         assert CHAIN[0].key in s.store and CHAIN[1].key not in s.store
@@ -315,24 +317,199 @@ def test_an_abandoned_or_silent_publish_frees_its_reservation():
         s.close()
 
 
-def test_streams_beyond_the_cap_are_refused_busy():
+def _hold_streams(address: str, n: int, op: int = bulk.FETCH) -> list[socket.socket]:
+    """``n`` authenticated streams (no fleet key) that announce a body and never send it."""
+    host, port = address.split(":")
+    held = [socket.create_connection((host, int(port))) for _ in range(n)]
+    for c in held:
+        c.sendall(HELLO.pack(bulk.MAGIC, op, 100, bytes(32), 0, b""))
+    return held
+
+
+def test_streams_beyond_the_cap_are_refused_busy_which_is_not_a_failure():
     s = Served(max_conns=2, progress_s=30.0)
     idle = []
     try:
-        host, port = s.address.split(":")
-        idle = [socket.create_connection((host, int(port))) for _ in range(2)]
-        wait_for(lambda: len(s.server._conns) == 2)
-        with pytest.raises(PeerUnavailable, match="busy"):
+        idle = _hold_streams(s.address, 2)
+        wait_for(lambda: s.server.gate.counts() == (0, 2))
+        with pytest.raises(PeerBusy, match="busy"):  # typed: the head does not back off
             s.fetch()
         assert s.counters["bulk_rejected:busy"] == 1
         for c in idle:
             c.close()
-        wait_for(lambda: not s.server._conns)
+        wait_for(lambda: s.server.gate.counts() == (0, 0))
         assert len(s.fetch()) == len(CHAIN)
     finally:
         for c in idle:
             c.close()
         s.close()
+
+
+# -- before authentication: a fixed-size hello, a deadline for all of it, per-source caps ---
+
+
+class SlowLoris:
+    """``n`` connections from ``source`` that send a byte of a hello every ``every``
+    seconds and never authenticate; stops when closed."""
+
+    def __init__(self, address: str, n: int, source: str = "127.0.0.1", every: float = 2.0):
+        host, port = address.split(":")
+        self.stop = threading.Event()
+        self.socks = [
+            socket.create_connection((host, int(port)), source_address=(source, 0))
+            for _ in range(n)
+        ]
+        self.thread = threading.Thread(target=self._drip, args=(every,), daemon=True)
+        self.thread.start()
+
+    def _drip(self, every: float) -> None:
+        data = hello(bulk.FETCH, b"x" * 64, "")
+        for i in range(len(data)):
+            for c in self.socks:
+                with contextlib.suppress(OSError):
+                    c.send(data[i : i + 1])
+            if self.stop.wait(every):
+                return
+
+    def cut(self) -> int:
+        """How many of them the server has closed."""
+        n = 0
+        for c in self.socks:
+            c.setblocking(False)
+            try:
+                n += c.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                n += 1
+        return n
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for c in self.socks:
+            c.close()
+
+
+def _auth_fetch(s: Served, client: FleetAuth) -> list:
+    raw = s.fetch_raw()
+    cred = client.call_metadata(bulk.METHODS[bulk.FETCH], "srv", body_digest(raw))[0][1]
+    return s.fetch(raw, cred=cred)
+
+
+def test_slow_unauthenticated_connections_do_not_stop_an_honest_fetch():
+    """32 connections dripping a hello from the honest client's own address (the
+    worst case: a per-source cap cannot tell them apart) with a pre-auth deadline
+    long enough not to help: only 8 stay, each new one cutting that address's
+    oldest, so the honest fetch always gets its turn."""
+    s = Served(auth=FleetAuth(KEY, "srv"), auth_s=600.0, progress_s=600.0)
+    loris = None
+    try:
+        loris = SlowLoris(s.address, 32)
+        wait_for(lambda: s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE)
+        assert s.server.gate.counts() == (bulk.PER_SOURCE, 0)
+        client = FleetAuth(KEY, "cli")
+        for _ in range(3):
+            assert [b.digest for b in _auth_fetch(s, client)] == [b.digest for b in CHAIN]
+        assert s.counters["fetches"] == 3 and s.counters["unauthenticated"] == 0
+        # the first fetch cut the oldest; the rest found a free place
+        assert s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE + 1
+        wait_for(lambda: loris.cut() == 32 - bulk.PER_SOURCE + 1)
+    finally:
+        if loris is not None:
+            loris.close()
+        s.close()
+
+
+def test_slow_connections_from_another_address_cost_an_honest_client_nothing():
+    s = Served(auth=FleetAuth(KEY, "srv"), auth_s=600.0, progress_s=600.0)
+    loris = None
+    try:
+        loris = SlowLoris(s.address, 32, source="127.0.0.2")
+        wait_for(lambda: s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE)
+        assert len(_auth_fetch(s, FleetAuth(KEY, "cli"))) == len(CHAIN)
+        assert s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE  # none of theirs
+        assert s.server.gate.counts() == (bulk.PER_SOURCE, 0)
+    finally:
+        if loris is not None:
+            loris.close()
+        s.close()
+
+
+def test_the_pre_auth_deadline_is_for_the_whole_hello_not_each_read():
+    """Each byte arrives well within the progress timeout; the hello as a whole
+    does not arrive within ``auth_s``: cut, counted, and the node keeps serving."""
+    s = Served(auth_s=0.5, progress_s=600.0)
+    loris = None
+    try:
+        loris = SlowLoris(s.address, 3, every=0.05)
+        wait_for(lambda: s.counters["bulk_rejected:auth_deadline"] == 3)
+        wait_for(lambda: loris.cut() == 3)
+        assert len(s.fetch()) == len(CHAIN)
+    finally:
+        if loris is not None:
+            loris.close()
+        s.close()
+
+
+def test_a_refused_credential_is_answered_before_any_body_is_read():
+    """The hello announces a 4 MiB body that never comes. Were the server to read
+    it before checking the credential, it would wait out its 600 s progress
+    timeout; it answers ``unauthenticated`` and closes at once instead."""
+    s = Served(auth=FleetAuth(KEY, "srv"), progress_s=600.0)
+    try:
+        body = b"\0" * bulk.MAX_BODY
+        for cred in ("", FleetAuth(b"x" * 32, "cli").call_metadata(
+            bulk.METHODS[bulk.FETCH], "srv", body_digest(body))[0][1]):  # fmt: skip
+            reply = raw_exchange(s.address, hello(bulk.FETCH, body, cred), timeout=60.0)
+            assert error_reason(reply) == "unauthenticated"
+            code, n = FRAME.unpack_from(reply)
+            assert len(reply) == FRAME.size + n  # then the server closed the stream
+        assert s.counters["unauthenticated"] == 2
+        assert s.counters["unauthenticated:malformed"] == 1  # none at all
+        assert s.counters["unauthenticated:bad_mac"] == 1
+        assert s.counters["bulk_rejected:unauthenticated"] == 2
+        assert s.counters["fetches"] == 0
+    finally:
+        s.close()
+
+
+def test_a_version_1_hello_is_refused_by_name(served):
+    old = struct.pack("<4sBIH", b"KVX1", bulk.FETCH, 0, 0)
+    reply = raw_exchange(served.address, old)
+    assert error_reason(reply) == "malformed_payload" and b"KVX2" in reply
+
+
+def test_a_silent_tls_handshake_is_cut_at_the_pre_auth_deadline(certs):
+    s = Served(tls=TLSConfig(cert=certs / "server.pem", key=certs / "server.key"), auth_s=0.5)
+    try:
+        host, port = s.address.split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as quiet:
+            assert quiet.recv(1) == b""  # closed by the server, no handshake ever sent
+        wait_for(lambda: s.counters["bulk_rejected:auth_deadline"] == 1)
+    finally:
+        s.close()
+
+
+def test_a_fetch_limit_counts_from_when_its_thread_starts(served):
+    """A fetch that waited longer than its whole limit for a thread still gets all
+    of it (the wait was ours, not the peer's)."""
+    pool = ThreadPoolExecutor(1)
+    gate = threading.Event()
+    try:
+        pool.submit(gate.wait, 60)  # the only thread, busy
+        fut = pool.submit(
+            bulk.fetch, served.address, Dialer(None), "", served.fetch_raw(), infos(CHAIN),
+            LAYOUT, HASHERS, None, 5.0, 0.5, Cancel(),
+        )  # fmt: skip
+        queued = time.monotonic()
+        while time.monotonic() < queued + 1.0:  # longer than its limit, in the queue
+            time.sleep(0.05)
+        gate.set()
+        assert len(fut.result(60)) == len(CHAIN)
+    finally:
+        gate.set()
+        pool.shutdown()
 
 
 # -- hostile servers ------------------------------------------------------------------
@@ -358,9 +535,9 @@ class FakeServer:
         except OSError:
             return
         with conn:
-            _, _, body_len, cred_len = REQUEST.unpack(conn.recv(REQUEST.size, socket.MSG_WAITALL))
-            if body_len + cred_len:
-                conn.recv(body_len + cred_len, socket.MSG_WAITALL)
+            _, _, body_len, *_ = HELLO.unpack(conn.recv(HELLO.size, socket.MSG_WAITALL))
+            if body_len:
+                conn.recv(body_len, socket.MSG_WAITALL)
             self.started.set()
             with contextlib.suppress(OSError):
                 self.behave(self, conn)
@@ -380,7 +557,7 @@ def _fetch_from(fake, progress=5.0, deadline=20.0, cancel=None):
     try:
         return bulk.fetch(
             fake.address, Dialer(None), "", raw, infos(CHAIN[:3]), LAYOUT, HASHERS, None,
-            progress, time.monotonic() + deadline, cancel or Cancel(),
+            progress, deadline, cancel or Cancel(),
         )  # fmt: skip
     finally:
         fake.close()
@@ -440,7 +617,8 @@ def test_cancel_aborts_a_blocked_stream_at_once():
 
 
 def test_frame_layout_is_fixed():
-    assert REQUEST.size == struct.calcsize("<4sBIH") == 11 and FRAME.size == 9
+    assert HELLO.size == struct.calcsize("<4sBI32sH1024s") == 1067 and FRAME.size == 9
+    assert bulk.MAGIC == b"KVX2"
 
 
 _FUZZ: list[Served] = []
@@ -448,7 +626,7 @@ _FUZZ: list[Served] = []
 
 def _fuzz_target() -> Served:
     if not _FUZZ:
-        _FUZZ.append(Served(progress_s=0.2))
+        _FUZZ.append(Served(progress_s=0.2, auth_s=0.5))
     return _FUZZ[0]
 
 
@@ -456,11 +634,15 @@ def _fuzz_target() -> Served:
 @given(
     st.one_of(
         st.binary(max_size=300),
-        st.builds(  # a well-formed prefix over random sizes and bodies
-            lambda op, body, cred: REQUEST.pack(bulk.MAGIC, op, len(body), len(cred)) + body + cred,
+        st.builds(  # a well-formed hello over random ops, bodies and credentials
+            lambda op, body, cred, digest: (
+                HELLO.pack(bulk.MAGIC, op, len(body), digest or body_digest(body), len(cred), cred)
+                + body
+            ),
             st.sampled_from([bulk.FETCH, bulk.PUBLISH, 0, 255]),
             st.binary(max_size=200),
             st.binary(max_size=40),
+            st.one_of(st.just(b""), st.binary(min_size=32, max_size=32)),
         ),
     )
 )

@@ -7,50 +7,67 @@ a receiver ``recv_into``\\ s a buffer preallocated at the size announced (checke
 against the card's cap *before* it is allocated), and a hasher thread verifies
 each finished block while the next one arrives.
 
-Wire (integers little-endian)::
+Wire, version 2 (integers little-endian)::
 
-    request  b"KVX1" | u8 op | u32 body_len | u16 cred_len | body | credential
-             FETCH:   body is a FetchRequest; the reply is one frame per block
-             PUBLISH: body is a BulkPublish (the card, every block's size and
-                      digest); the blocks' bytes follow it back to back
+    hello    b"KVX2" | u8 op | u32 body_len | 32-byte SHA-256 of the body
+             | u16 cred_len | credential, zero-padded to 1,024 bytes
+             (fixed size, 1,067 bytes: all a server reads before it authenticates)
+    body     body_len bytes, hashing to the hello's SHA-256
+             FETCH:   a FetchRequest; the reply is one frame per block
+             PUBLISH: a BulkPublish (the card, every block's size and digest);
+                      the blocks' bytes follow it back to back
     frame    u8 code | u64 n | n bytes
              BLOCK: one block's bytes   ERROR: "reason: detail" (UTF-8)
              DONE:  a PublishResponse
 
 The credential is the ``x-kvmesh-auth`` value (see :mod:`.security`) for
-``/kvmesh.v1.Bulk/Fetch`` or ``/kvmesh.v1.Bulk/Publish`` bound to the body; for a
-publish that body names every block's digest, so no block can be swapped in. It
-is empty without a fleet key. Under TLS the stream is wrapped with the node's own
-certificates (client certificates required when the server has a CA).
+``/kvmesh.v1.Bulk/Fetch`` or ``/kvmesh.v1.Bulk/Publish`` bound to the body's
+SHA-256; for a publish that body names every block's digest, so no block can be
+swapped in. It is empty without a fleet key. Under TLS the stream is wrapped with
+the node's own certificates (client certificates required when the server has a
+CA). A version 1 hello (``KVX1``) is refused at once, by name.
 
-Every wait is bounded: the progress timeout for each read or write, and the
-caller's total deadline. A server runs at most ``max_conns`` streams (one more is
-answered ``busy``), reserves publish bytes against the cache service's in-flight
-cap before allocating them, and counts every refusal as ``bulk_rejected:<reason>``;
-a client turns every failure into a typed error. Neither side trusts the other.
+Before authentication a connection gets ``auth_s`` seconds *in all* (TLS handshake
+and hello; not per read), at most ``per_source`` such connections from one
+address and ``max_pending`` in all: past either cap the oldest unauthenticated
+connection (of that address, else of all) is cut, so a new one always gets its
+turn and slow unauthenticated connections cannot hold the port. Only then does a
+stream take one of ``max_conns`` slots (one more is answered ``busy``, which a
+client raises as :class:`~kvmesh.errors.PeerBusy`: the peer is loaded, not
+failing), read the body, each read or write within the progress timeout.
+
+A server reserves publish bytes against the cache service's in-flight cap before
+allocating them and counts every refusal as ``bulk_rejected:<reason>``; a client
+turns every failure into a typed error. Neither side trusts the other. A client's
+``limit_s`` counts from when its call starts on a stream thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import logging
 import socket
 import ssl
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..codec import Block, Layout, decode_block
 from ..errors import (
     ChecksumMismatch,
+    ConfigError,
     KVMeshError,
     LeaseExpired,
     MalformedPayload,
     OversizePayload,
+    PeerBusy,
     PeerTimeout,
     PeerUnavailable,
     StaleEpoch,
@@ -58,24 +75,28 @@ from ..errors import (
     Unauthenticated,
 )
 from .proto import kvmesh_pb2 as pb
-from .security import AUTH_HEADER, CallRefused, FleetAuth, TLSConfig, body_digest
+from .security import AUTH_HEADER, CallRefused, FleetAuth, TLSConfig
 
 if TYPE_CHECKING:
     from .server import CacheService
 
 log = logging.getLogger("kvmesh.bulk")
 
-MAGIC = b"KVX1"
-REQUEST = struct.Struct("<4sBIH")
+MAGIC = b"KVX2"  # the protocol version: a peer speaking another is refused by name
+CRED_SLOT = 1024  # a credential is ~110 bytes plus the node ids
+HELLO = struct.Struct(f"<4sBI32sH{CRED_SLOT}s")
 FRAME = struct.Struct("<BQ")
 FETCH, PUBLISH = 1, 2
 BLOCK, ERROR, DONE = 0, 1, 2
 METHODS = {FETCH: "/kvmesh.v1.Bulk/Fetch", PUBLISH: "/kvmesh.v1.Bulk/Publish"}
 MAX_BODY = 4 << 20  # 65,536 keys of a fetch fit; a card plus 65,536 block infos too
-MAX_CRED = 1024
 MAX_REASON = 512
 MAX_PUBLISH_BLOCKS = 65536
-MAX_CONNS = 32
+MAX_CONNS = 32  # authenticated streams
+MAX_PENDING = 64  # connections not yet authenticated, from all addresses
+PER_SOURCE = 8  # ... from one address
+AUTH_S = 3.0  # TLS handshake and hello, in all: an honest peer needs milliseconds
+STREAM_S = 3600.0  # an authenticated stream's total (its reads and writes: PROGRESS_S each)
 PROGRESS_S = 10.0
 DRAIN_S = 1.0  # after refusing a publish, read (and drop) for this long so the answer lands
 
@@ -98,6 +119,12 @@ class FetchStalled(PeerTimeout):
     reason = "stalled"
 
 
+class AuthDeadline(PeerTimeout):
+    """A connection did not authenticate within the pre-auth deadline."""
+
+    reason = "auth_deadline"
+
+
 _ERRORS: dict[str, type[KVMeshError]] = {
     "stale_epoch": StaleEpoch,
     "lease_expired": LeaseExpired,
@@ -107,6 +134,7 @@ _ERRORS: dict[str, type[KVMeshError]] = {
     "checksum_mismatch": ChecksumMismatch,
     "store_full": StoreFull,
     "timeout": PeerTimeout,
+    "busy": PeerBusy,
 }
 
 
@@ -242,9 +270,14 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
 
 
-def _request(op: int, body: bytes, cred: str) -> bytes:
+def hello(op: int, body: bytes, cred: str) -> bytes:
+    """The fixed-size frame a request opens with: everything the server checks
+    before it reads ``body`` (which the caller sends next)."""
     raw = cred.encode()
-    return REQUEST.pack(MAGIC, op, len(body), len(raw)) + body + raw
+    if len(raw) > CRED_SLOT:
+        raise ConfigError(f"a bulk credential is {len(raw)} bytes (at most {CRED_SLOT}): "
+                          "shorten the node id")  # fmt: skip
+    return HELLO.pack(MAGIC, op, len(body), hashlib.sha256(body).digest(), len(raw), raw)
 
 
 # -- client ----------------------------------------------------------------------
@@ -260,19 +293,20 @@ def fetch(
     hashers: Sequence[ThreadPoolExecutor],
     on_block: Callable[[Block], None] | None,
     progress_s: float,
-    deadline: float,
+    limit_s: float,
     cancel: Cancel,
 ) -> list[Block]:
     """Fetch ``infos``' blocks (``request`` is their serialized FetchRequest): each
     received into a buffer of its announced size (already capped by the caller),
-    verified on ``hashers`` (alternating) while the next arrives. Blocking; raises
-    a typed error."""
+    verified on ``hashers`` (alternating) while the next arrives, all within
+    ``limit_s`` of this call. Blocking; raises a typed error."""
+    deadline = time.monotonic() + limit_s  # from now: not while the call waited for a thread
     sock = _connect(address, dialer, progress_s, cancel)
     stream = _Stream(sock, progress_s, deadline)
     pending: list[Future[Block]] = []
     try:
         try:
-            stream.send(_request(FETCH, request, cred))
+            stream.send(hello(FETCH, request, cred) + request)
             for j, info in enumerate(infos):
                 _, n = stream.read_frame(info.nbytes)
                 if n != info.nbytes:
@@ -312,16 +346,18 @@ def publish(
     body: bytes,
     blocks: Sequence[Block],
     progress_s: float,
-    deadline: float,
+    limit_s: float,
     cancel: Cancel,
 ) -> pb.PublishResponse:
-    """Send ``blocks`` (announced by ``body``, a BulkPublish) from their own buffers;
-    the receiver's answer. Blocking; raises a typed error when there is none."""
+    """Send ``blocks`` (announced by ``body``, a BulkPublish) from their own buffers
+    within ``limit_s`` of this call; the receiver's answer. Blocking; raises a
+    typed error when there is none."""
+    deadline = time.monotonic() + limit_s
     sock = _connect(address, dialer, progress_s, cancel)
     stream = _Stream(sock, progress_s, deadline)
     try:
         try:
-            stream.send(_request(PUBLISH, body, cred))
+            stream.send(hello(PUBLISH, body, cred) + body)
             for blk in blocks:
                 stream.send(blk.blob)
         except PeerUnavailable:
@@ -335,9 +371,98 @@ def publish(
 # -- server ----------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class _Conn:
+    """One accepted connection: its socket as it is now (plain, then TLS), where
+    it came from, and whether the gate cut it before it authenticated."""
+
+    sock: socket.socket
+    source: str
+    accepted: float
+    evicted: bool = False
+
+    def cut(self) -> None:
+        # socket.socket's own shutdown: SSLSocket's would drop its TLS state under
+        # the thread that is using it
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+
+class _Gate:
+    """Who holds the port. Unauthenticated connections: at most ``per_source`` from
+    one address and ``max_pending`` in all, the oldest (of that address, else of
+    all) cut to make room for a new one. Authenticated streams: at most
+    ``max_conns``, the next refused. Thread-safe."""
+
+    def __init__(self, max_conns: int, max_pending: int, per_source: int) -> None:
+        self.max_conns, self.max_pending, self.per_source = max_conns, max_pending, per_source
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[_Conn, None] = OrderedDict()  # oldest first
+        self._by_source: dict[str, int] = {}
+        self._streams: set[_Conn] = set()
+
+    def arrive(self, conn: _Conn) -> None:
+        """Admit a new unauthenticated connection, cutting whom it displaces."""
+        with self._lock:
+            if self._by_source.get(conn.source, 0) >= self.per_source:
+                self._evict(next(c for c in self._pending if c.source == conn.source))
+            if len(self._pending) >= self.max_pending:
+                self._evict(next(iter(self._pending)))
+            self._pending[conn] = None
+            self._by_source[conn.source] = self._by_source.get(conn.source, 0) + 1
+
+    def _evict(self, conn: _Conn) -> None:
+        self._leave(conn)
+        conn.evicted = True
+        conn.cut()
+
+    def _leave(self, conn: _Conn) -> bool:
+        if self._pending.pop(conn, False) is False:
+            return False
+        left = self._by_source[conn.source] - 1
+        if left:
+            self._by_source[conn.source] = left
+        else:
+            del self._by_source[conn.source]
+        return True
+
+    def rewrap(self, conn: _Conn, wrap: Callable[[socket.socket], socket.socket]) -> None:
+        """``conn.sock = wrap(conn.sock)`` where no eviction can cut in between (a
+        wrapped socket takes over the file descriptor of the plain one)."""
+        with self._lock:
+            if conn.evicted:
+                raise PeerUnavailable("cut before it authenticated")
+            conn.sock = wrap(conn.sock)
+
+    def authenticated(self, conn: _Conn) -> None:
+        """Move ``conn`` from pending to a stream slot; raise when there is none."""
+        with self._lock:
+            if not self._leave(conn):
+                raise PeerUnavailable("cut before it authenticated")
+            if len(self._streams) >= self.max_conns:
+                raise PeerBusy(f"all {self.max_conns} bulk streams in use")
+            self._streams.add(conn)
+
+    def gone(self, conn: _Conn) -> None:
+        with self._lock:
+            self._leave(conn)
+            self._streams.discard(conn)
+
+    def counts(self) -> tuple[int, int]:
+        """(unauthenticated connections, authenticated streams) now."""
+        with self._lock:
+            return len(self._pending), len(self._streams)
+
+    def cut_all(self) -> None:
+        with self._lock:
+            for c in [*self._pending, *self._streams]:
+                c.cut()
+
+
 class BulkServer:
     """The bulk path of one cache node: a listening socket, one thread accepting and
-    one thread per stream (at most ``max_conns``)."""
+    one thread per connection (at most ``max_pending`` unauthenticated and
+    ``max_conns`` authenticated ones)."""
 
     def __init__(
         self,
@@ -346,17 +471,19 @@ class BulkServer:
         tls: TLSConfig | None = None,
         max_conns: int = MAX_CONNS,
         progress_s: float = PROGRESS_S,
+        auth_s: float = AUTH_S,
+        max_pending: int = MAX_PENDING,
+        per_source: int = PER_SOURCE,
     ) -> None:
         self.cache = cache
         self.auth = auth
         self.tls = tls if tls is not None and tls.enabled else None
-        self.max_conns = max_conns
         self.progress_s = progress_s
+        self.auth_s = auth_s
         self.port = 0
+        self.gate = _Gate(max_conns, max_pending, per_source)
         self._ssl = self.tls.server_ssl_context() if self.tls else None
         self._sock: socket.socket | None = None
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._verify = ThreadPoolExecutor(2, thread_name_prefix="kvmesh-bulk-verify")
         self._acceptor: threading.Thread | None = None
@@ -383,86 +510,105 @@ class BulkServer:
             self._acceptor.join(2)
         if self._sock is not None:
             self._sock.close()
-        with self._lock:
-            for c in list(self._conns):
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
+        self.gate.cut_all()
         self._verify.shutdown(wait=False, cancel_futures=True)
 
     def _accept(self) -> None:
         assert self._sock is not None
         while not self._stopping.is_set():
             try:
-                conn, _ = self._sock.accept()
+                sock, addr = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
-            with self._lock:
-                busy = len(self._conns) >= self.max_conns
-                if not busy:
-                    self._conns.add(conn)
-            if busy:
-                self._refuse_busy(conn)
-                continue
+            conn = _Conn(sock, addr[0], time.monotonic())
+            self.gate.arrive(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def _refuse_busy(self, conn: socket.socket) -> None:
-        self.counters["bulk_rejected:busy"] += 1
-        with contextlib.suppress(OSError):
-            if self._ssl is None:  # (under TLS a refusal would need a handshake first)
-                conn.settimeout(0.5)
-                conn.sendall(FRAME.pack(ERROR, 4) + b"busy")
-        conn.close()
-
-    def _serve(self, conn: socket.socket) -> None:
-        sock = conn
+    def _serve(self, conn: _Conn) -> None:
         try:
-            _tune(conn)
-            if self._ssl is not None:
-                conn.settimeout(self.progress_s)
-                sock = self._ssl.wrap_socket(conn, server_side=True)
-            stream = _Stream(sock, self.progress_s, time.monotonic() + 3600)
-            self._handle(stream)
+            _tune(conn.sock)
+            self._handle(conn)
         except (ssl.SSLError, OSError) as e:
-            self.counters["bulk_rejected:connection"] += 1
+            self._count_reject(conn, "connection")
             log.debug("bulk stream failed: %s", e)
         except Exception:  # a bug here must not take the acceptor or the node down
             log.exception("bulk stream failed")
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            sock.close()
+            self.gate.gone(conn)
+            conn.sock.close()
 
-    def _handle(self, stream: _Stream) -> None:
+    def _count_reject(self, conn: _Conn, reason: str) -> None:
+        self.counters[f"bulk_rejected:{'evicted' if conn.evicted else reason}"] += 1
+
+    def _handle(self, conn: _Conn) -> None:
+        stream: _Stream | None = None
         try:
-            op, body = self._admit(stream)
+            deadline = conn.accepted + self.auth_s  # the whole pre-auth phase
+            if self._ssl is not None:
+                self._handshake(conn, deadline)
+            stream = _Stream(conn.sock, self.auth_s, deadline)
+            op, body_len, digest = self._admit(stream)
+            self.gate.authenticated(conn)
+            stream.progress_s, stream.deadline = self.progress_s, time.monotonic() + STREAM_S
+            body = stream.recv(body_len)
+            if hashlib.sha256(body).digest() != digest:
+                raise MalformedPayload("bulk request body differs from its hello's digest")
             if op == FETCH:
                 self._fetch(stream, body)
             else:
                 self._publish(stream, body)
         except KVMeshError as e:
-            self.counters[f"bulk_rejected:{e.reason}"] += 1
-            with contextlib.suppress(KVMeshError):  # the peer may be gone already
-                stream.frame(ERROR, f"{e.reason}: {e}"[:MAX_REASON].encode())
+            self._count_reject(conn, e.reason)
+            if stream is not None and not conn.evicted:
+                with contextlib.suppress(KVMeshError):  # the peer may be gone already
+                    stream.frame(ERROR, f"{e.reason}: {e}"[:MAX_REASON].encode())
 
-    def _admit(self, stream: _Stream) -> tuple[int, bytes]:
-        """The request's op and body, once its prefix, sizes and credential check out."""
-        magic, op, body_len, cred_len = REQUEST.unpack(stream.recv(REQUEST.size))
-        if magic != MAGIC or op not in METHODS:
+    def _admit(self, stream: _Stream) -> tuple[int, int, bytes]:
+        """Read and check the hello: (op, body_len, body digest) once its credential
+        checks out. Nothing of the body has been read."""
+        try:
+            magic = stream.recv(len(MAGIC))
+            if magic != MAGIC:  # answered at once: an old peer learns why
+                raise MalformedPayload(f"not a kvmesh bulk {MAGIC.decode()} hello ({magic!r})")
+            rest = stream.recv(HELLO.size - len(MAGIC))
+        except PeerTimeout:
+            raise AuthDeadline(f"no hello within {self.auth_s} s") from None
+        _, op, body_len, digest, cred_len, cred = HELLO.unpack(magic + rest)
+        if op not in METHODS or cred_len > CRED_SLOT:
             raise MalformedPayload("not a kvmesh bulk request")
-        if body_len > MAX_BODY or cred_len > MAX_CRED:
-            raise OversizePayload("bulk request header too large")
-        body = stream.recv(body_len)
-        cred = stream.recv(cred_len).decode("ascii", "replace")
-        if self.auth is not None:
-            try:
-                self.auth.verify_call(METHODS[op], ((AUTH_HEADER, cred),), body_digest(body))
-            except CallRefused as e:
-                self.counters["unauthenticated"] += 1
-                self.counters[f"unauthenticated:{e.why}"] += 1
-                raise
-        return op, body
+        if body_len > MAX_BODY:
+            raise OversizePayload("bulk request body too large")
+        self._check_credential(op, cred[:cred_len].decode("ascii", "replace"), digest)
+        return op, body_len, digest
+
+    def _handshake(self, conn: _Conn, deadline: float) -> None:
+        """TLS handshake bounded by the pre-auth deadline: the socket timeout is a
+        deadline for the whole handshake (not per read) in :mod:`ssl`."""
+        assert self._ssl is not None
+        ctx = self._ssl
+        self.gate.rewrap(
+            conn, lambda s: ctx.wrap_socket(s, server_side=True, do_handshake_on_connect=False)
+        )
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AuthDeadline("no time left for the TLS handshake")
+        conn.sock.settimeout(left)
+        try:
+            conn.sock.do_handshake()  # type: ignore[attr-defined]
+        except TimeoutError:
+            raise AuthDeadline(f"TLS handshake took over {self.auth_s} s") from None
+
+    def _check_credential(self, op: int, cred: str, digest: bytes) -> None:
+        if self.auth is None:
+            return
+        try:
+            self.auth.verify_call(METHODS[op], ((AUTH_HEADER, cred),), digest)
+        except CallRefused as e:
+            self.counters["unauthenticated"] += 1
+            self.counters[f"unauthenticated:{e.why}"] += 1
+            raise
 
     def _fetch(self, stream: _Stream, body: bytes) -> None:
         request = _parse(pb.FetchRequest, body)

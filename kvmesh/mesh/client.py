@@ -9,9 +9,16 @@ blocks under a lease and hashes them in a worker thread while the next bytes
 arrive: on the peer's bulk data path (:mod:`.bulk`) when it advertises one, else as
 a gRPC stream; it aborts when the total deadline passes or when no bytes arrive for
 ``progress_timeout`` (:class:`FetchStalled`). Publishing takes the bulk path too.
-Every failure is a typed error whose ``reason`` the caller counts before falling
-back. Publishing goes through a
+At most ``STREAMS`` bulk streams run at once; a call waits for one no longer than
+its own deadline (then :class:`LocalBusy`: our failure, not the peer's), and that
+deadline starts when its stream does. A peer that answers ``busy`` raises
+:class:`PeerBusy` (loaded, not failing). Every failure is a typed error whose
+``reason`` the caller counts before falling back. Publishing goes through a
 bounded queue that drops (and counts) rather than ever blocking.
+
+``lookup`` reports each peer's outcome to the caller (``on_failure``,
+``on_success``), background probes included, so a circuit breaker can both back
+off from a failing peer and forgive one that answers again.
 
 Under a fleet key each call's credential is bound to its destination's node id
 and to the exact request bytes sent (requests are serialized once, here).
@@ -27,6 +34,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -38,6 +46,7 @@ from ..errors import (
     ChecksumMismatch,
     KVMeshError,
     LeaseExpired,
+    LocalBusy,
     MalformedPayload,
     OversizePayload,
     PeerTimeout,
@@ -56,6 +65,7 @@ from .server import GRPC_OPTIONS
 log = logging.getLogger("kvmesh.client")
 
 ASK_ALL_BELOW = 8  # fleets this small are asked in full: a lookup is ~1 ms and metadata only
+STREAMS = 8  # bulk streams at once (threads); a call waits for one at most its own limit
 MAX_CHANNELS = 512  # addresses come from gossip: a hostile card must not open channels forever
 LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
 FETCH = "/kvmesh.v1.PrefillCache/Fetch"
@@ -110,7 +120,8 @@ class MeshClient:
         ]
         self.use_bulk = use_bulk
         self._dialer = bulk.Dialer(tls)
-        self._streams = ThreadPoolExecutor(8, thread_name_prefix="kvmesh-bulk")
+        self._streams = ThreadPoolExecutor(STREAMS, thread_name_prefix="kvmesh-bulk")
+        self._stream_slots = asyncio.Semaphore(STREAMS)  # a thread free for each holder
         self._queue: asyncio.Queue[tuple[CompatCard, list[Block]]] = asyncio.Queue(publish_queue)
         self._publisher: asyncio.Task[None] | None = None
         self._inflight = 0
@@ -140,12 +151,26 @@ class MeshClient:
     def _data_address(self, peer: pb.CapabilityCard, address: str) -> str:
         return bulk.data_address(address, peer.data_port) if self.use_bulk else ""
 
-    async def _on_stream(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args, cancel)`` on a stream thread; cancelling us aborts its socket and
-        waits for it, so nothing it hands on (``on_block``) runs after we return."""
+    async def _on_stream(self, fn: Callable[..., Any], *args: Any, limit_s: float) -> Any:
+        """``fn(*args, limit_s, cancel)`` on a stream thread, once one is free: the
+        wait for it is bounded by ``limit_s`` too (:class:`LocalBusy`, our own
+        failure, not the peer's), and ``fn``'s own ``limit_s`` counts from when it
+        starts. Cancelling us aborts its socket and waits for it, so nothing it
+        hands on (``on_block``) runs after we return."""
+        try:
+            async with asyncio.timeout(limit_s):
+                await self._stream_slots.acquire()
+        except TimeoutError:
+            self.counters["local_busy"] += 1
+            raise LocalBusy(f"all {STREAMS} bulk streams busy for {limit_s:.1f} s") from None
+        try:
+            return await self._run_stream(functools.partial(fn, *args, limit_s))
+        finally:
+            self._stream_slots.release()
+
+    async def _run_stream(self, fn: Callable[..., Any]) -> Any:
         cancel = bulk.Cancel()
-        call = functools.partial(fn, *args, cancel)
-        fut = asyncio.get_running_loop().run_in_executor(self._streams, call)
+        fut = asyncio.get_running_loop().run_in_executor(self._streams, fn, cancel)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -235,6 +260,7 @@ class MeshClient:
         keys: PrefixKeys,
         skip: Callable[[str], bool] | None = None,
         on_failure: Callable[[str, str], None] | None = None,
+        on_success: Callable[[str], None] | None = None,
     ) -> tuple[list[PeerHit], list[str]]:
         """Concurrent lookup on every compatible live peer: (hits longest first,
         the failure reasons of peers that did not answer).
@@ -243,12 +269,13 @@ class MeshClient:
         breaker) is not waited for; it is asked in the background instead (one
         probe per peer at a time) and its answer is never a hit. ``on_failure
         (node_id, reason)`` is called, on this loop, for every peer whose lookup
-        failed or whose answer did not add up, probes included."""
+        failed or whose answer did not add up, and ``on_success(node_id)`` for
+        every peer whose answer (hit or miss) checked out, probes included."""
         peers = self.compatible_peers(card, (keys.blocks or (keys.tail,))[0])
         req = pb.LookupRequest(
             namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail]
         )
-        raw = req.SerializeToString()
+        ask = _Ask(card, keys, req, req.SerializeToString(), on_failure, on_success)
         want = len(peers) if len(peers) <= ASK_ALL_BELOW else self.replicas + 1
         hits: list[PeerHit] = []
         errors: list[str] = []
@@ -260,58 +287,54 @@ class MeshClient:
             for p in batch:
                 if p not in waited:
                     self.counters["lookup_skipped"] += 1
-                    self._probe(p, req, raw, on_failure)
-            failed = await self._ask(waited, card, keys, req, raw, hits, errors, on_failure)
+                    self._probe(p, ask)
+            failed = await self._ask(waited, ask, hits, errors)
             want = len(batch) - len(waited) + failed
         return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h))), errors
 
     async def _ask(
-        self,
-        peers: list[pb.CapabilityCard],
-        card: CompatCard,
-        keys: PrefixKeys,
-        req: pb.LookupRequest,
-        raw: bytes,
-        hits: list[PeerHit],
-        errors: list[str],
-        on_failure: Callable[[str, str], None] | None,
+        self, peers: list[pb.CapabilityCard], ask: _Ask, hits: list[PeerHit], errors: list[str]
     ) -> int:
         """One round of a lookup: validated hits into ``hits``, failure reasons into
         ``errors`` (and reported); how many peers failed."""
-        results = await asyncio.gather(*(self._lookup_one(p, req, raw) for p in peers))
+        results = await asyncio.gather(*(self._lookup_one(p, ask.req, ask.raw) for p in peers))
         failed = 0
         for peer, r in zip(peers, results, strict=True):
-            if isinstance(r, PeerHit) and r.tokens > 0:
-                try:
-                    hits.append(validated(r, Layout(card), keys.tail_tokens))
-                except MalformedPayload as e:  # a claim that does not add up is no hit at all
-                    self.counters[f"lookup_failed:{e.reason}"] += 1
-                    r = e.reason
+            r = self._checked(peer, r, ask)
             if isinstance(r, str):
                 errors.append(r)
-                _report(on_failure, peer.node_id, r)
                 failed += 1
+            elif r is not None and r.tokens > 0:
+                hits.append(r)
         return failed
 
-    def _probe(
-        self,
-        peer: pb.CapabilityCard,
-        req: pb.LookupRequest,
-        raw: bytes,
-        on_failure: Callable[[str, str], None] | None,
-    ) -> None:
-        """Ask a skipped peer in the background: its failure is still reported."""
+    def _checked(self, peer: pb.CapabilityCard, r: PeerHit | str | None, ask: _Ask) -> Any:
+        """A peer's lookup result validated (a claim that does not add up is a
+        failure, no hit at all) and reported to the caller's listeners."""
+        if isinstance(r, PeerHit) and r.tokens > 0:
+            try:
+                r = validated(r, Layout(ask.card), ask.keys.tail_tokens)
+            except MalformedPayload as e:
+                self.counters[f"lookup_failed:{e.reason}"] += 1
+                r = e.reason
+        if isinstance(r, str):
+            _report(ask.on_failure, peer.node_id, r)
+        elif r is not None:
+            _report(ask.on_success, peer.node_id)
+        return r
+
+    def _probe(self, peer: pb.CapabilityCard, ask: _Ask) -> None:
+        """Ask a skipped peer in the background: its outcome is still reported."""
         if peer.node_id in self._probing:
             return
         self._probing.add(peer.node_id)
 
         async def probe() -> None:
             try:
-                r = await self._lookup_one(peer, req, raw)
+                r = await self._lookup_one(peer, ask.req, ask.raw)
             finally:
                 self._probing.discard(peer.node_id)
-            if isinstance(r, str):
-                _report(on_failure, peer.node_id, r)
+            self._checked(peer, r, ask)
 
         self._spawn(probe())
 
@@ -371,7 +394,10 @@ class MeshClient:
     ) -> list[Block]:
         """Stream ``hit``'s blocks from index ``start`` on, verified, within ``deadline``
         seconds (at most the client's fetch deadline), each wait for bytes within
-        ``progress_timeout``. Raises a typed error.
+        ``progress_timeout``. Raises a typed error. On the bulk path the deadline
+        starts once a stream thread takes the fetch; waiting for one is bounded by
+        the same number of seconds and, when it runs out, :class:`LocalBusy` (ours,
+        not the peer's): the whole call may take up to twice ``deadline``.
 
         ``on_block`` is called on a worker thread with each block as soon as its
         digest has been checked, so the caller can import while the rest arrives."""
@@ -395,7 +421,7 @@ class MeshClient:
             cred = self._cred(bulk.METHODS[bulk.FETCH], hit.node_id, raw)
             blocks = await self._on_stream(
                 bulk.fetch, hit.data_address, self._dialer, cred, raw, infos, layout,
-                self._hashers, on_block, self.progress_timeout, time.monotonic() + limit,
+                self._hashers, on_block, self.progress_timeout, limit_s=limit,
             )  # fmt: skip
         else:
             blocks = await self._fetch_grpc(layout, hit, infos, raw, on_block, limit)
@@ -570,7 +596,7 @@ class MeshClient:
         cred = self._cred(bulk.METHODS[bulk.PUBLISH], peer.node_id, body)
         return await self._on_stream(
             bulk.publish, bulk.data_address(address, peer.data_port), self._dialer, cred, body,
-            blocks, self.progress_timeout, time.monotonic() + self.fetch_deadline,
+            blocks, self.progress_timeout, limit_s=self.fetch_deadline,
         )  # fmt: skip
 
     async def _publish_grpc(
@@ -607,11 +633,23 @@ class MeshClient:
             raise _error(e) from None
 
 
-def _report(on_failure: Callable[[str, str], None] | None, node_id: str, reason: str) -> None:
-    """Tell the caller a peer failed; the caller's bug never fails a lookup."""
-    if on_failure is None:
+@dataclass(frozen=True)
+class _Ask:
+    """One lookup's question, and whom to tell how each peer answered."""
+
+    card: CompatCard
+    keys: PrefixKeys
+    req: pb.LookupRequest
+    raw: bytes
+    on_failure: Callable[[str, str], None] | None
+    on_success: Callable[[str], None] | None
+
+
+def _report(listener: Callable[..., None] | None, *args: str) -> None:
+    """Tell the caller how a peer did; the caller's bug never fails a lookup."""
+    if listener is None:
         return
     try:
-        on_failure(node_id, reason)
+        listener(*args)
     except Exception:
-        log.exception("on_failure callback raised")
+        log.exception("lookup listener raised")

@@ -4,7 +4,10 @@ A head's request path runs on ordinary threads; the mesh runs on its own event
 loop. ``Fleet`` is the one place that crosses between them: every call has a
 deadline, and the head never reaches through the node's insides. Lookups return
 validated hits only (a peer's claim is checked against the keys asked; see
-:meth:`MeshClient.lookup`).
+:meth:`MeshClient.lookup`) and tell the caller how each peer answered, so its
+circuit breaker can blame and forgive. A fetch's deadline starts when its stream
+does; waiting for a local stream is bounded by as much again and is our failure
+(:class:`~kvmesh.errors.LocalBusy`), never the peer's.
 """
 
 from __future__ import annotations
@@ -49,14 +52,16 @@ class Fleet:
         keys: PrefixKeys,
         skip: Callable[[str], bool] | None = None,
         on_failure: Callable[[str, str], None] | None = None,
+        on_success: Callable[[str], None] | None = None,
     ) -> tuple[list[PeerHit], list[str]]:
         """Validated hits (longest first) and the failure reasons of peers that did
         not answer. Peers for which ``skip(node_id)`` is true are not waited for;
-        ``on_failure(node_id, reason)`` hears of each peer that failed (both run on
-        the mesh thread). Never raises: a failed lookup is a miss."""
+        ``on_failure(node_id, reason)`` hears of each peer that failed and
+        ``on_success(node_id)`` of each that answered, background probes included
+        (all run on the mesh thread). Never raises: a failed lookup is a miss."""
         try:
             return self._node.call(
-                self._client.lookup(card, keys, skip, on_failure),
+                self._client.lookup(card, keys, skip, on_failure, on_success),
                 timeout=self._client.lookup_deadline + 1,
             )
         except TimeoutError:
@@ -73,10 +78,13 @@ class Fleet:
         timeout: float,
     ) -> list[Block]:
         """Stream ``hit``'s blocks from index ``start``, verified, within ``timeout``
-        seconds. Raises a :class:`KVMeshError` or ``TimeoutError``."""
+        seconds of the stream's start (after at most ``timeout`` waiting for a local
+        stream: :class:`~kvmesh.errors.LocalBusy`). Raises a :class:`KVMeshError`
+        (:class:`~kvmesh.errors.PeerBusy` and ``LocalBusy`` are no peer failure) or
+        ``TimeoutError``."""
         return self._node.call(
             self._client.fetch(layout, hit, start, on_block=on_block, deadline=timeout),
-            timeout=timeout + 1,
+            timeout=2 * timeout + 1,  # the wait for a stream, then the stream
         )
 
     def keep(self, blocks: Sequence[Block]) -> int:

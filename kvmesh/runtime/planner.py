@@ -2,21 +2,40 @@
 
 Local prefill speed (tokens/s, per model) and per-peer bandwidth and RTT are
 learned from measurements as exponentially weighted averages, so a slow link or a
-fast accelerator correctly chooses recompute. A peer whose fetch failed is not
-planned on for a backoff that doubles on each further failure and resets on a
-success (a circuit breaker, invariant 10).
+fast accelerator correctly chooses recompute.
+
+A peer that failed is not planned on for a while (a circuit breaker, invariant
+10), kept apart for its two kinds of failure:
+
+- a *lookup* failure (no answer in time, or one that does not add up) is forgiven
+  by the next lookup it answers (:meth:`Planner.lookup_succeeded`: background
+  probes keep asking it), so a peer that recovers is used again at once;
+- a *fetch* failure stands until its backoff passes, whatever lookups say (a peer
+  may answer lookups and still fail every fetch); a successful fetch forgives both.
+
+Each kind's backoff is ``backoff_first_s × 2^(score − 1)``, at most
+``BACKOFF_MAX_S``, where a failure adds 1 to the score and the score halves for
+every ``half_life_s`` of *quiet*: time the peer was usable again without failing
+(time spent backed off is no evidence). So a peer failing on every try reaches
+the maximum, and one isolated failure a day always costs the first backoff only.
+Only a peer's own failures belong here: a busy peer (``PeerBusy``) or our own
+saturation (``LocalBusy``) is not one. Entries are bounded (``MAX_TRACKED``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ALPHA = 0.3
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
+HALF_LIFE_S = 60.0  # a failure's weight halves over this much quiet time
+MAX_TRACKED = 4096  # peers with a breaker entry (ids come from gossip: bounded)
+LOOKUP, FETCH = "lookup", "fetch"
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -33,6 +52,31 @@ class Estimate:
         return self.fetch_s < self.compute_s
 
 
+@dataclass
+class _Strikes:
+    """One kind of failure of one peer: a decaying score and the end of its backoff."""
+
+    score: float = 0.0
+    until: float = 0.0
+
+    def fail(self, now: float, first_s: float, half_life_s: float) -> float:
+        quiet = max(0.0, now - self.until)  # usable and not failing: evidence of health
+        self.score = self.score * 0.5 ** (quiet / half_life_s) + 1.0
+        backoff = min(BACKOFF_MAX_S, first_s * 2 ** (self.score - 1.0))
+        self.until = now + backoff
+        return backoff
+
+
+@dataclass
+class _Breaker:
+    kinds: dict[str, _Strikes] = field(
+        default_factory=lambda: {LOOKUP: _Strikes(), FETCH: _Strikes()}
+    )
+
+    def until(self) -> float:
+        return max(s.until for s in self.kinds.values())
+
+
 class Planner:
     def __init__(
         self,
@@ -42,12 +86,13 @@ class Planner:
         import_bandwidth: float = 2e9,
         clock: Callable[[], float] = time.monotonic,
         backoff_first_s: float = BACKOFF_FIRST_S,
+        half_life_s: float = HALF_LIFE_S,
     ) -> None:
         self.backoff_first_s = backoff_first_s
+        self.half_life_s = half_life_s
         self._lock = threading.Lock()
         self._clock = clock
-        self._failures: dict[str, int] = {}  # peer -> consecutive failures
-        self._avoid_until: dict[str, float] = {}
+        self._breakers: OrderedDict[str, _Breaker] = OrderedDict()  # least recently failed first
         self.quarantined: set[str] = set()  # peers whose KV failed an audit
         self.prefill_tps: float | None = None
         self._prior_tps = prefill_tps
@@ -91,24 +136,44 @@ class Planner:
 
     def peer_failed(self, peer: str) -> float:
         """Record a failed fetch; returns the backoff (seconds) now applied to ``peer``."""
+        return self._fail(peer, FETCH)
+
+    def lookup_failed(self, peer: str) -> float:
+        """Record a failed lookup (forgiven by the next answered one); the backoff."""
+        return self._fail(peer, LOOKUP)
+
+    def _fail(self, peer: str, kind: str) -> float:
         with self._lock:
-            n = self._failures.get(peer, 0) + 1
-            self._failures[peer] = n
-            backoff = min(BACKOFF_MAX_S, self.backoff_first_s * 2 ** (n - 1))
-            self._avoid_until[peer] = self._clock() + backoff
-            return backoff
+            breaker = self._breakers.pop(peer, None) or _Breaker()
+            self._breakers[peer] = breaker  # most recently failed last
+            while len(self._breakers) > MAX_TRACKED:
+                self._breakers.popitem(last=False)
+            return breaker.kinds[kind].fail(self._clock(), self.backoff_first_s, self.half_life_s)
 
     def peer_succeeded(self, peer: str) -> None:
+        """A fetch worked: every strike against ``peer`` is forgiven."""
         with self._lock:
-            self._failures.pop(peer, None)
-            self._avoid_until.pop(peer, None)
+            self._breakers.pop(peer, None)
+
+    def lookup_succeeded(self, peer: str) -> None:
+        """``peer`` answered a lookup: its lookup strikes are forgiven (it is alive
+        and answering); fetch strikes stand until their backoff passes."""
+        with self._lock:
+            breaker = self._breakers.get(peer)
+            if breaker is None:
+                return
+            breaker.kinds[LOOKUP] = _Strikes()
+            fetch = breaker.kinds[FETCH]
+            if fetch.score == 0.0:
+                del self._breakers[peer]
 
     def usable(self, peer: str) -> bool:
         """False while ``peer`` is backed off after a failure, or quarantined."""
         with self._lock:
             if peer in self.quarantined:
                 return False
-            return self._clock() >= self._avoid_until.get(peer, 0.0)
+            breaker = self._breakers.get(peer)
+            return breaker is None or self._clock() >= breaker.until()
 
     def quarantine(self, peer: str) -> None:
         """Never plan on ``peer`` again in this process (its KV failed an audit)."""
@@ -119,7 +184,8 @@ class Planner:
         """Peers currently avoided, with the seconds left (for metrics)."""
         now = self._clock()
         with self._lock:
-            return {p: t - now for p, t in self._avoid_until.items() if t > now}
+            untils = {p: b.until() for p, b in self._breakers.items()}
+        return {p: t - now for p, t in untils.items() if t > now}
 
     def compute_s(self, tokens: int) -> float:
         """Estimated seconds to prefill ``tokens`` locally."""
