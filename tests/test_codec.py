@@ -163,3 +163,20 @@ def test_unknown_digest_algorithm_is_a_clear_error():
 def test_garbage_never_crashes(raw):
     with pytest.raises(MalformedPayload):
         decode_block(raw, LAYOUT)
+
+
+def test_decoded_headers_share_the_layouts_specs():
+    """The card's layers are recognised in one comparison and the decoded header
+    holds the layout's own spec objects, so later checks compare by identity."""
+    block = synthetic_chain(CARD, list(range(9)))[0]
+    h = decode_block(bytes(block.blob), LAYOUT).header
+    assert h.layers is LAYOUT.layers(h.tokens)
+
+
+def test_unknown_dtype_is_a_malformed_header_not_a_crash():
+    from kvmesh.codec import read_header
+
+    block = synthetic_chain(CARD, list(range(9)))[0]
+    raw = _rewrite_header(block, lambda d: d["layers"][0][0].__setitem__(0, "float7"))
+    with pytest.raises(MalformedPayload, match="unknown dtype"):
+        read_header(raw[PREFIX.size : PREFIX.size + PREFIX.unpack_from(raw, 0)[1]])
