@@ -7,6 +7,7 @@ counted, with nothing allocated beyond the caps and the node still serving.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import struct
@@ -23,6 +24,7 @@ from kvmesh.errors import (
     ChecksumMismatch,
     KVMeshError,
     LeaseExpired,
+    LocalBusy,
     MalformedPayload,
     PeerBusy,
     PeerTimeout,
@@ -32,6 +34,9 @@ from kvmesh.errors import (
 )
 from kvmesh.mesh import bulk
 from kvmesh.mesh.bulk import FRAME, HELLO, BulkServer, Cancel, Dialer, FetchStalled, hello
+from kvmesh.mesh.client import STREAMS, MeshClient
+from kvmesh.mesh.hits import PeerHit
+from kvmesh.mesh.membership import Membership
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.mesh.security import FleetAuth, TLSConfig, body_digest
 from kvmesh.mesh.server import CacheService
@@ -510,6 +515,40 @@ def test_a_fetch_limit_counts_from_when_its_thread_starts(served):
     finally:
         gate.set()
         pool.shutdown()
+
+
+def test_a_fetch_that_cannot_get_a_local_stream_is_local_busy_not_the_peers_fault(served):
+    """Every stream thread of the client is held by fetches from a peer that never
+    answers: one more fetch gives up waiting for a thread as ``LocalBusy`` (never
+    having reached its peer), and gets one once they are gone."""
+    silent = socket.create_server(("127.0.0.1", 0), backlog=STREAMS * 2)
+    nowhere = f"127.0.0.1:{silent.getsockname()[1]}"
+
+    def hit(address: str) -> PeerHit:
+        return PeerHit("p", "p", address, "loopback", served.store.epoch, tuple(infos(CHAIN)),
+                       None, 41, data_address=address)  # fmt: skip
+
+    async def run() -> None:
+        client = MeshClient(Membership("me", pb.CapabilityCard), fetch_deadline=600.0,
+                            progress_timeout=600.0)  # fmt: skip
+        stuck = [asyncio.create_task(client.fetch(LAYOUT, hit(nowhere))) for _ in range(STREAMS)]
+        try:
+            while not client._stream_slots.locked():
+                await asyncio.sleep(0.01)
+            with pytest.raises(LocalBusy):
+                await client.fetch(LAYOUT, hit(served.address), deadline=0.3)
+            assert client.counters["local_busy"] == 1 and served.counters["fetches"] == 0
+            for t in stuck:
+                t.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
+            assert len(await client.fetch(LAYOUT, hit(served.address))) == len(CHAIN)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        silent.close()
 
 
 # -- hostile servers ------------------------------------------------------------------

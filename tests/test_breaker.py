@@ -1,0 +1,166 @@
+"""The circuit breaker (kvmesh/runtime/planner.py) decays and blames the right party.
+
+A fake clock drives the planner: failures age out over quiet time (so an isolated
+failure never escalates), a peer failing on every try still reaches the maximum,
+an answered lookup forgives lookup failures but not fetch failures, and the mesh
+client reports answered lookups (probes included) for real nodes on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvmesh.blocks import BlockKeyer
+from kvmesh.mesh.node import MeshNode, NodeConfig
+from kvmesh.runtime.planner import BACKOFF_MAX_S, MAX_TRACKED, Planner
+
+from .helpers import small_card
+
+DAY = 86400.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _planner() -> tuple[Planner, Clock]:
+    clock = Clock()
+    return Planner(clock=clock, backoff_first_s=1.0, half_life_s=60.0), clock
+
+
+def test_one_isolated_failure_a_day_never_escalates():
+    p, clock = _planner()
+    for _ in range(30):
+        assert p.peer_failed("a") < 1.001  # the first backoff, every time
+        clock.advance(DAY)
+        assert p.usable("a")
+
+
+def test_a_peer_failing_on_every_try_reaches_the_maximum_and_stays_there():
+    p, clock = _planner()
+    backoffs = []
+    for _ in range(12):
+        backoffs.append(p.peer_failed("a"))
+        assert not p.usable("a")
+        clock.advance(backoffs[-1])  # retried the moment its backoff ends: no quiet time
+        assert p.usable("a")
+    assert backoffs[:4] == [1.0, 2.0, 4.0, 8.0]
+    assert backoffs[-1] == BACKOFF_MAX_S
+    assert backoffs == sorted(backoffs)
+
+
+def test_failures_age_out_over_quiet_time():
+    p, clock = _planner()
+    for _ in range(10):  # escalated to the maximum
+        clock.advance(p.peer_failed("a"))
+    clock.advance(60.0)  # one half-life of quiet: the score halves (10 -> 5, then +1)
+    halved = p.peer_failed("a")
+    assert 1.0 < halved < BACKOFF_MAX_S
+    clock.advance(halved + 10 * 60.0)  # ten half-lives: all but forgotten
+    assert p.peer_failed("a") < 1.1
+
+
+def test_time_spent_backed_off_is_not_quiet_time():
+    """Failures reported while the peer is avoided (background probes) escalate."""
+    p, clock = _planner()
+    first = p.lookup_failed("a")
+    clock.advance(first / 2)
+    assert p.lookup_failed("a") > first
+
+
+def test_an_answered_lookup_forgives_lookup_failures_at_once():
+    p, clock = _planner()
+    for _ in range(8):
+        p.lookup_failed("a")
+    assert not p.usable("a")
+    p.lookup_succeeded("a")  # e.g. a background probe answered: it is back
+    assert p.usable("a")
+    assert p.lookup_failed("a") == 1.0  # a later failure starts over
+    assert p.backed_off() == {"a": 1.0}
+
+
+def test_an_answered_lookup_does_not_forgive_a_failed_fetch():
+    """A peer may answer every lookup and still fail every fetch."""
+    p, clock = _planner()
+    p.peer_failed("a")
+    backoff = p.peer_failed("a")
+    p.lookup_succeeded("a")
+    assert not p.usable("a")
+    clock.advance(backoff)
+    assert p.usable("a")
+    assert p.peer_failed("a") == 4.0  # the fetch strikes stood
+
+
+def test_a_fetch_success_forgives_everything_and_peers_are_apart():
+    p, clock = _planner()
+    p.peer_failed("a")
+    p.lookup_failed("a")
+    p.lookup_failed("b")
+    p.peer_succeeded("a")
+    assert p.usable("a") and not p.usable("b")
+    assert set(p.backed_off()) == {"b"}
+
+
+def test_a_quarantined_peer_stays_out_whatever_succeeds():
+    p, _ = _planner()
+    p.quarantine("a")
+    p.lookup_succeeded("a")
+    p.peer_succeeded("a")
+    assert not p.usable("a")
+
+
+def test_the_breaker_table_is_bounded():
+    p, _ = _planner()
+    for i in range(MAX_TRACKED + 10):
+        p.peer_failed(f"p{i}")
+    assert len(p.backed_off()) == MAX_TRACKED
+    assert p.usable("p0")  # the least recently failed went first
+
+
+def test_the_mesh_client_reports_answered_lookups_probes_included():
+    """Real nodes: a lookup that asks the peer and a background probe of a skipped
+    peer both report it answered, which forgives its lookup strikes."""
+    card = small_card()
+    keys = BlockKeyer(card.namespace, card.block_tokens).keys(list(range(40)))
+
+    async def run() -> None:
+        peer = MeshNode(NodeConfig(alias="peer", ttl=60, gossip_interval=60))
+        head = MeshNode(NodeConfig(alias="head", roles=("head",), ttl=60, gossip_interval=60))
+        for n in (peer, head):
+            await n.start()
+        try:
+            await head.client.exchange(peer.address, peer.node_id)
+            p, _ = _planner()
+            p.lookup_failed(peer.node_id)
+            answered: list[str] = []
+
+            def ok(node_id: str) -> None:
+                answered.append(node_id)
+                p.lookup_succeeded(node_id)
+
+            hits, errors = await head.client.lookup(card, keys, on_success=ok)
+            assert (hits, errors) == ([], []) and answered == [peer.node_id]
+            assert p.usable(peer.node_id)
+
+            p.lookup_failed(peer.node_id)
+            hits, errors = await head.client.lookup(
+                card, keys, skip=lambda n: not p.usable(n), on_success=ok
+            )
+            assert (hits, errors) == ([], []) and head.client.counters["lookup_skipped"] == 1
+            for _ in range(200):  # the probe's answer comes later, on this loop
+                if len(answered) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert answered == [peer.node_id] * 2 and p.usable(peer.node_id)
+        finally:
+            for n in (head, peer):
+                await n.stop(0.1)
+
+    asyncio.run(run())
