@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from .api.server import DEFAULT_MAX_TOKENS
 from .compat import BLOCK_DIGESTS
 from .engine import DEVICES, DTYPES, ENGINES, pick_device, pick_dtype
 from .errors import ConfigError, KVMeshError
@@ -453,10 +454,15 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     "The --model argument as given and its directory name are accepted too.",
 )
 @click.option(
+    "--default-max-tokens",
     "--max-tokens-default",
-    type=click.IntRange(min=1),
-    help="Cap on tokens generated when a request sets no max_tokens "
-    "(default: the rest of the context window, like OpenAI and vLLM).",
+    "max_tokens_default",
+    default=DEFAULT_MAX_TOKENS,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Most tokens generated for a request that sets no max_tokens (never past the "
+    "context window), so leaving it out cannot hold a batch slot for a whole context. "
+    "0: the rest of the context window, as OpenAI and vLLM.",
 )
 @click.option(
     "--audit-rate",
@@ -601,7 +607,7 @@ def head(
             publish=not no_publish,
             api_key_file=api_key_file,
             served_model_names=served_model_name,
-            max_tokens_default=max_tokens_default,
+            max_tokens_default=max_tokens_default or None,  # 0: no cap
             audit_rate=audit_rate,
             max_queue=max_queue,
             max_batch=max_batch,

@@ -246,15 +246,55 @@ def test_openai_client_n2_stop_logprobs_streaming_with_usage(client):
     assert usage.completion_tokens == full.usage.completion_tokens
 
 
-# -- still refused -------------------------------------------------------------------
+# -- no-op values, still refused -----------------------------------------------------
+
+
+# what common SDKs send by default: kvmesh implements none of these, and none changes the answer
+NO_OPS = [{"best_of": 1}, {"logit_bias": {}}, {"response_format": {"type": "text"}},
+          {"echo": False}, {"suffix": ""}, {"tools": []}, {"functions": []}, {"top_k": -1},
+          {"top_k": 0}, {"min_p": 0}, {"repetition_penalty": 1.0}, {"min_tokens": 0},
+          {"logit_bias": None}, {"stream_options": None}]  # fmt: skip
+
+
+def test_no_op_values_are_accepted_and_change_nothing(head):
+    base = {"max_tokens": 6, "temperature": 0.8, "seed": 11, "ignore_eos": True}
+    plain = complete(head, **base)["choices"][0]["text"]
+    for extra in NO_OPS:
+        assert complete(head, **base, **extra)["choices"][0]["text"] == plain, extra
+    # null is the default for OpenAI's nullable fields (temperature 1, top_p 1, n 1 ...)
+    nulls = {k: None for k in ("top_p", "n", "presence_penalty", "frequency_penalty", "stream",
+                               "logprobs")}  # fmt: skip
+    assert complete(head, **base, **nulls)["choices"][0]["text"] == plain
+    default_t = complete(head, max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
+    assert complete(head, **{**base, "temperature": None})["choices"] == default_t["choices"]
+
+
+def test_the_openai_sdk_defaults_pass_on_chat(client):
+    kw = {"model": "demo-tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
+          "temperature": 0}  # fmt: skip
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    same = client.chat.completions.create(
+        **kw, response_format={"type": "text"}, logit_bias={},
+        extra_body={"best_of": 1, "top_k": -1},
+    )  # fmt: skip
+    assert same.choices[0].message.content == plain
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.chat.completions.create(**kw, stream_options={"include_usage": True})
 
 
 BAD = [
     *[({name: value}, name) for name, value in (
-        ("logit_bias", {"1": 5}), ("tools", [{"type": "function"}]), ("functions", [{"name": "f"}]),
-        ("response_format", {"type": "json_object"}), ("best_of", 2), ("echo", True), ("suffix", "x"))],
+        ("logit_bias", {"1": 5}), ("logit_bias", []), ("tools", [{"type": "function"}]),
+        ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}),
+        ("response_format", "text"), ("best_of", 2), ("best_of", True), ("echo", True),
+        ("suffix", "x"), ("top_k", 40), ("min_p", 0.1), ("repetition_penalty", 1.2),
+        ("min_tokens", 3))],
+    ({"best_of": 1, "n": 2}, "best_of"),  # OpenAI: best_of must be at least n
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # OpenAI: only with stream
+    ({"stream_options": {}, "stream": False}, "stream_options"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
     ({"stop": 5}, "stop"),
 ]  # fmt: skip
 
@@ -267,7 +307,45 @@ def test_every_unsupported_parameter_is_listed():
 def test_unsupported_or_bad_parameters_are_400s(head, extra, param):
     r = head.http.post("/v1/completions", json={"model": "demo-tiny", "prompt": "x", **extra})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and err["param"].split(".")[0] == param
+
+
+# OpenAI's ranges: outside is a 400 whatever the value (NaN and infinities are JSON here)
+OUT_OF_RANGE = {
+    "temperature": ["NaN", "Infinity", "-Infinity", "-0.001", "2.0001", "1e308", '"hot"', "[]"],
+    "top_p": ["0", "-0.5", "1.0001", "NaN", "Infinity", "1e-400"],
+    "presence_penalty": ["-2.0001", "2.0001", "NaN", "-Infinity"],
+    "frequency_penalty": ["-2.0001", "2.0001", "NaN", "Infinity"],
+    "n": ["0", "-1", str(MAX_N + 1), "1.5", "NaN"],
+    "seed": ["-1", str(1 << 63), "0.5", "NaN"],
+    "max_tokens": ["0", "-5", "40000", "1e400", "NaN"],
+}
+
+
+@pytest.mark.parametrize("name,raw", [(k, v) for k, vs in OUT_OF_RANGE.items() for v in vs])
+def test_sampling_parameters_out_of_range_are_400s(head, name, raw):
+    body = f'{{"model": "demo-tiny", "prompt": "x", "max_tokens": 2, "{name}": {raw}}}'
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        if path.endswith("chat/completions"):
+            body = body.replace('"prompt": "x"', '"messages": [{"role": "user", "content": "x"}]')
+        r = head.http.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["message"], r.text
+
+
+def test_sampling_parameters_at_their_bounds_all_decode(head):
+    """Every edge OpenAI accepts runs, and its logprobs are finite numbers."""
+    edges = [{"temperature": t} for t in (0, 1e-40, 5e-324, 1e-5, 0.01, 2)]
+    edges += [{"top_p": p} for p in (5e-324, 1e-9, 1)]
+    edges += [{name: v} for name in ("presence_penalty", "frequency_penalty") for v in (-2, 2)]
+    edges += [{"seed": 0}, {"seed": (1 << 63) - 1}, {"logprobs": 0}, {"logprobs": 20}]
+    for extra in edges:
+        out = complete(head, **{"max_tokens": 3, "ignore_eos": True, "logprobs": 2, "seed": 1,
+                                **extra})  # fmt: skip
+        lp = out["choices"][0]["logprobs"]
+        assert out["usage"]["completion_tokens"] == 3, extra
+        assert all(-1e4 <= v <= 0 for v in lp["token_logprobs"]), (extra, lp)
 
 
 @pytest.mark.parametrize(
@@ -276,6 +354,7 @@ def test_unsupported_or_bad_parameters_are_400s(head, extra, param):
         {"top_logprobs": 2},
         {"logprobs": True, "top_logprobs": 21},
         {"tools": [{"type": "function"}]},
+        {"stream_options": {"include_usage": True}},
     ],
 )
 def test_chat_logprob_limits_are_400s(head, extra):

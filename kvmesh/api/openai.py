@@ -4,12 +4,36 @@ Bad requests get a 4xx with an OpenAI-style error body; the head keeps serving.
 Generations run on the scheduler (``scheduler.py``): a full queue is a 503, and a
 client that disconnects cancels its request, queued or running, streaming or not.
 ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens not recomputed.
+
+Contracts:
+
+- Sampling parameters are checked here, in OpenAI's ranges; a value outside is a
+  400, never a 500: ``temperature`` finite in [0, 2], ``top_p`` in (0, 1],
+  ``presence_penalty``/``frequency_penalty`` in [-2, 2], ``n`` in [1, 16] and at
+  most ``--max-batch``, ``seed`` in [0, 2**63), ``logprobs``/``top_logprobs`` in
+  [0, 20], ``max_tokens`` at least 1 with prompt + max_tokens within the context.
+  ``null`` is the default, as in OpenAI's schema.
+- Every accepted value is one the engine samples with, never NaN (vLLM's rule): a
+  temperature below ``GREEDY_BELOW`` is greedy, one below ``MIN_TEMPERATURE`` is
+  raised to it (dividing logits by less overflows float32 to inf, then NaN).
+- A request without ``max_tokens`` generates at most ``max_tokens_default``
+  (``kvmesh head --default-max-tokens``), never past the context window.
+- Parameters kvmesh does not implement (``NO_OP``) are accepted only with the value
+  that changes nothing (what SDKs send by default); any other value is a 400.
+  ``stream_options`` without ``stream: true`` is a 400, as OpenAI's.
+- Responses, streamed or not, name the model by its canonical served name (the
+  first ``--served-model-name``), whichever alias the request used, as vLLM does.
+- A stream that fails after its headers are sent ends with an OpenAI-style
+  ``data: {"error": {...}}`` event and then ``data: [DONE]``, never a cut stream.
+- Logprobs are finite: one that is not (-inf) is reported as ``LOGPROB_FLOOR``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -25,8 +49,30 @@ from ..errors import NoChatTemplate
 from ..runtime.head import Generation, HeadRuntime
 from .scheduler import Job, Scheduler, TokenStream
 
-# they would change the answer: refused (400) rather than ignored
-UNSUPPORTED = ("logit_bias", "tools", "functions", "response_format", "best_of", "echo", "suffix")
+log = logging.getLogger("kvmesh.api")
+
+# Not implemented: accepted only with these values, which change nothing (SDKs send
+# them by default); any other would change the answer, so it is refused, not ignored.
+NO_OP: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
+    "top_k": (-1, 0),  # vLLM's sampling extensions, off
+    "min_p": (0,),
+    "repetition_penalty": (1,),
+    "min_tokens": (0,),
+}
+UNSUPPORTED = tuple(NO_OP)
+# OpenAI's schema makes these nullable: null means the default
+NULLABLE = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
+            "logprobs", "top_logprobs", "ignore_eos")  # fmt: skip
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature is greedy
+MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a smaller positive temperature is raised to it
+LOGPROB_FLOOR = -9999.0  # what OpenAI and vLLM report for a token of probability ~0
 MAX_N = 16  # sequences per request: each holds its own copy of the prompt's KV while decoding
 MAX_STOPS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
@@ -95,8 +141,8 @@ class _Common(Body):
     model: str
     max_tokens: int | None = Field(default=None)
     max_completion_tokens: int | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -104,8 +150,15 @@ class _Common(Body):
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: decode max_tokens whatever is sampled
     stop: str | list[str] | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULLABLE)}
+        return data
 
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -154,6 +207,46 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
+def safe_temperature(t: float) -> float:
+    """The temperature the engine samples with (vLLM's rule): greedy below
+    ``GREEDY_BELOW``; otherwise at least ``MIN_TEMPERATURE``, so logits divided by
+    it stay finite (``1e-40`` would turn them to inf and the softmax to NaN)."""
+    if t < GREEDY_BELOW:
+        return 0.0
+    return max(t, MIN_TEMPERATURE)
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    """400 for what kvmesh does not implement (unless its value changes nothing) and
+    for what OpenAI itself refuses."""
+    extra = req.model_extra or {}
+    for name, no_ops in NO_OP.items():
+        value = extra.get(name)
+        if value is not None and not _same_as_any(value, no_ops):
+            allowed = " or ".join(json.dumps(v) for v in no_ops)
+            raise APIError(
+                400, f"'{name}' is not supported by kvmesh (only {allowed} is accepted)",
+                param=name, code="unsupported_parameter",
+            )  # fmt: skip
+    if extra.get("best_of") is not None and req.n > 1:  # best_of 1 < n: as OpenAI
+        raise APIError(400, "best_of must be at least n", param="best_of")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+        )  # fmt: skip
+
+
+def _same_as_any(value: Any, no_ops: tuple[Any, ...]) -> bool:
+    """Equal in JSON terms: ``true`` is not ``1`` and ``1.0`` is ``1``."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in no_ops)
+
+
+def _finite(logprob: float) -> float:
+    # -inf (probability 0) is not JSON: report OpenAI's and vLLM's floor instead
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
 class OpenAIService:
     """``model_name`` is the canonical name (``/v1/models``); ``aliases`` are also
     accepted in requests (vLLM: ``--served-model-name`` and the ``--model`` argument
@@ -189,14 +282,8 @@ class OpenAIService:
                 param="model",
                 code="model_not_found",
             )
-        extra = req.model_extra or {}
-        for name in UNSUPPORTED:  # they would change the answer: refuse rather than ignore
-            if extra.get(name) not in (None, 0, 0.0, False, [], "", "none"):
-                raise APIError(400, f"'{name}' is not supported by kvmesh yet", param=name)
+        _refuse_unsupported(req)
         stops, logprobs = req.stops(), req.want_logprobs()
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
         if n_prompt == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         if req.n > self.runtime.batch.max_batch:  # its n sequences decode in one batch
@@ -204,7 +291,20 @@ class OpenAIService:
                 400, f"n={req.n} exceeds this head's --max-batch {self.runtime.batch.max_batch}",
                 param="n",
             )  # fmt: skip
-        if max_tokens is None:  # the rest of the context window, like OpenAI and vLLM
+        return Sampling(
+            max_tokens=self._max_tokens(req, n_prompt), temperature=safe_temperature(req.temperature),
+            top_p=req.top_p, seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stops,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            logprobs=logprobs, n=req.n,
+        )  # fmt: skip
+
+    def _max_tokens(self, req: _Common, n_prompt: int) -> int:
+        """The request's own limit, else the operator's default cap, and never past
+        the context window (a prompt that fills it is a 400)."""
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        if max_tokens is None:
             max_tokens = max(1, self.max_context - n_prompt)
             if self.max_tokens_default:
                 max_tokens = min(max_tokens, self.max_tokens_default)
@@ -218,11 +318,7 @@ class OpenAIService:
                 param="prompt",
                 code="context_length_exceeded",
             )
-        return Sampling(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-            stop_on_eos=not req.ignore_eos, stop=stops, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, logprobs=logprobs, n=req.n,
-        )  # fmt: skip
+        return max_tokens
 
     def tokens(self, req: _Common) -> list[int]:
         """The request's prompt as token ids (CPU work: call off the event loop)."""
@@ -275,7 +371,7 @@ class OpenAIService:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": req.model,
+            "model": self.model_name,  # canonical, as the stream's chunks (and vLLM)
             "choices": choices,
             "usage": self._usage(out, n_prompt),
             "kvmesh": {**out.report.as_dict(), "ttft_s": out.ttft_s} if out.report else None,
@@ -314,21 +410,21 @@ class OpenAIService:
         if chat:
             return {
                 "content": [
-                    {"token": name(e.token), "logprob": e.logprob,
+                    {"token": name(e.token), "logprob": _finite(e.logprob),
                      "bytes": list(name(e.token).encode()),
-                     "top_logprobs": [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode())}
-                                      for t, lp in e.top]}
+                     "top_logprobs": [{"token": name(t), "logprob": _finite(lp),
+                                       "bytes": list(name(t).encode())} for t, lp in e.top]}
                     for e in entries
                 ]
             }  # fmt: skip
         tops = []
         for e in entries:
-            alts = {name(t): lp for t, lp in e.top}
-            alts.setdefault(name(e.token), e.logprob)
+            alts = {name(t): _finite(lp) for t, lp in e.top}
+            alts.setdefault(name(e.token), _finite(e.logprob))
             tops.append(alts)
         return {
             "tokens": [name(e.token) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
+            "token_logprobs": [_finite(e.logprob) for e in entries],
             "top_logprobs": tops,
             "text_offset": c.offsets[start:stop],
         }
@@ -337,10 +433,24 @@ class OpenAIService:
         self, req: _Common, rid: str, n_prompt: int, chat: bool, out: Generation,
         stream: TokenStream,
     ) -> AsyncIterator[str]:  # fmt: skip
-        """Server-sent events of a started generation: each choice's text as the
-        engine detokenizes it (text that could start a stop string is held back
-        until it cannot) with the logprobs of the tokens that text accounts for.
-        Starlette stops iterating when the client leaves, which cancels ``stream``."""
+        """Server-sent events of a started generation, always ending with ``[DONE]``:
+        a failure after the headers are sent (they carried 200) becomes an error
+        event first. Starlette stops iterating when the client leaves, which
+        cancels ``stream`` (a BaseException: nothing more is sent then)."""
+        try:
+            async for event in self._events(req, rid, n_prompt, chat, out, stream):
+                yield event
+        except Exception as e:
+            yield _sse(_stream_error(rid, e))
+        yield "data: [DONE]\n\n"
+
+    async def _events(
+        self, req: _Common, rid: str, n_prompt: int, chat: bool, out: Generation,
+        stream: TokenStream,
+    ) -> AsyncIterator[str]:  # fmt: skip
+        """Each choice's text as the engine detokenizes it (text that could start a
+        stop string is held back until it cannot) with the logprobs of the tokens
+        that text accounts for; then the finish reasons, and usage if asked."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         top = req.want_logprobs()
@@ -358,14 +468,8 @@ class OpenAIService:
                     choice["logprobs"] = logprobs
             else:
                 choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
-            body = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": self.model_name,
-                "choices": [choice],
-            }
-            return f"data: {json.dumps(body)}\n\n"
+            return _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                         "choices": [choice]})  # fmt: skip
 
         sent_text = [0] * len(out.choices)
         sent_tokens = [0] * len(out.choices)
@@ -388,10 +492,26 @@ class OpenAIService:
         for event in news(final=True):
             yield event
         if include_usage:
-            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                    "usage": self._usage(out, n_prompt)}  # fmt: skip
-            yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                        "choices": [], "usage": self._usage(out, n_prompt)})  # fmt: skip
+
+
+def _sse(body: dict[str, Any]) -> str:
+    # allow_nan=False: NaN is not JSON; a value that slipped through fails here, loudly
+    return f"data: {json.dumps(body, allow_nan=False)}\n\n"
+
+
+def _stream_error(rid: str, e: Exception) -> dict[str, Any]:
+    """The error event of a stream that failed after it began (OpenAI's shape, as
+    vLLM sends it). An APIError says what it is; anything else is the engine's
+    failure, logged here and named only generically to the client."""
+    if isinstance(e, APIError):
+        err = {"message": _printable(e.message), "type": e.type, "param": e.param, "code": e.code}
+    else:
+        log.error("stream %s failed after it began: %s: %s", rid, type(e).__name__, e)
+        err = {"message": "the generation failed on the server; the output is incomplete",
+               "type": "server_error", "param": None, "code": "generation_failed"}  # fmt: skip
+    return {"error": err}
 
 
 def router(service: OpenAIService) -> APIRouter:

@@ -3,6 +3,11 @@
 The HTTP listener serves TLS when given ``http_tls_cert``/``http_tls_key``; a
 plaintext listener on a non-loopback address is allowed (as vLLM's) but warned
 about, and never hands out the fleet key (``network.pairing_refusal``).
+
+A request without ``max_tokens`` generates at most ``max_tokens_default`` tokens
+(``DEFAULT_MAX_TOKENS`` unless the operator says otherwise; None: the rest of the
+context window, as OpenAI and vLLM), so one client cannot hold a batch slot for a
+whole context by leaving it out.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger("kvmesh.head")
 
 SWITCH_INTERVAL_S = 0.0005
+DEFAULT_MAX_TOKENS = 1024  # a generous answer; a longer one is asked for with max_tokens
 
 
 @dataclass
@@ -29,7 +35,7 @@ class HeadOptions:
     api_key_file: str | None = None
     max_sessions: int = 8
     served_model_names: tuple[str, ...] = ()
-    max_tokens_default: int | None = None
+    max_tokens_default: int | None = DEFAULT_MAX_TOKENS  # None: the rest of the context
     audit_rate: float = 0.0
     max_queue: int = 64
     max_body_bytes: int = 4 << 20
