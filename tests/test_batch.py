@@ -21,6 +21,7 @@ import torch
 
 from kvmesh.engine import Sampling, load_engine
 from kvmesh.engine.base import Decoded
+from kvmesh.runtime.batch import PAD_TOKENS, STEP_FACTOR
 from kvmesh.runtime.head import Generation, HeadRuntime
 
 from . import zoo
@@ -37,6 +38,11 @@ def engine(kind: str, arch: str):
             pytest.importorskip("mlx_lm")
             _engines[kind, arch] = load_engine(str(zoo.mlx_model(arch, "float32")), "mlx")
     return _engines[kind, arch]
+
+
+def charge(eng, kv_bytes: int, n: int = 1) -> int:
+    """What a job counts against the KV budget (kvmesh.runtime.batch's contract)."""
+    return int(kv_bytes * STEP_FACTOR) + n * PAD_TOKENS * eng.card.kv_bytes_per_token
 
 
 def as_np(logits) -> np.ndarray:
@@ -147,8 +153,9 @@ def test_max_batch_and_the_kv_budget_bound_what_runs():
     eng = engine("torch", "llama")
     for kw, bound in (
         ({"max_batch": 2}, 2),
-        # each request may hold (40 + 20) tokens of KV: the budget fits three
-        ({"max_batch": 8, "kv_budget_bytes": 3 * 60 * eng.card.kv_bytes_per_token}, 3),
+        # each request may hold (40 + 20) tokens of KV, charged with a step's working
+        # copy: the budget fits three
+        ({"max_batch": 8, "kv_budget_bytes": 3 * charge(eng, 60 * eng.card.kv_bytes_per_token)}, 3),
     ):
         h = runtime(**kw)
         try:

@@ -49,6 +49,7 @@ from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..codec import Block, Layout
 from ..errors import CacheMiss, ConfigError
 from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
+from .sampling import distribution, greedy
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
@@ -420,14 +421,11 @@ class TransformersEngine(Engine):
             n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
             logits = logits.clone()
             logits[ids] -= n * sampling.frequency_penalty + sampling.presence_penalty
-        if sampling.temperature <= 0:
-            return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
-        if sampling.top_p < 1.0:
-            sp, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sp, 0) - sp < sampling.top_p
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sp[keep])
-        return int(torch.multinomial(probs, 1, generator=rng).item())
+        x = logits.detach().float().cpu().numpy()
+        p = distribution(x, sampling.temperature, sampling.top_p)
+        if p is None:
+            return greedy(x)
+        return int(torch.multinomial(torch.from_numpy(p), 1, generator=rng).item())
 
     def _log_softmax(self, logits: Any) -> np.ndarray:
         return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()

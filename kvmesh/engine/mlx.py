@@ -41,6 +41,7 @@ from ..codec import Block, Layout
 from ..compat import kv_quant_name
 from ..errors import CacheMiss, ConfigError
 from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
+from .sampling import distribution, greedy
 
 # wire dtype name -> NumPy buffer dtype (bfloat16 as raw 16-bit words)
 _NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32}
@@ -281,16 +282,9 @@ class MLXEngine(Engine):
             ids = np.fromiter(counts, np.int64, len(counts))
             n = np.fromiter(counts.values(), np.float64, len(counts))
             x[ids] -= n * sampling.frequency_penalty + sampling.presence_penalty
-        if sampling.temperature <= 0:
-            return int(np.argmax(x))
-        p = np.exp((x - x.max()) / sampling.temperature)
-        p /= p.sum()
-        if sampling.top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            keep = np.cumsum(p[order]) - p[order] < sampling.top_p
-            mask = np.zeros_like(p)
-            mask[order[keep]] = p[order[keep]]
-            p = mask / mask.sum()
+        p = distribution(x, sampling.temperature, sampling.top_p)
+        if p is None:
+            return greedy(x)
         return int(rng.choice(len(p), p=p))
 
     def _log_softmax(self, logits: Any) -> np.ndarray:

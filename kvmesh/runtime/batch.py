@@ -1,22 +1,45 @@
-"""Continuous batching: one engine thread advances every running sequence by one
-token per step, in one forward pass.
+"""Continuous batching: one engine thread advances running sequences by one token
+per step, in one forward pass, shared fairly between clients.
 
 A request whose prefix was already acquired (network waits happen on its own
-thread, never here) is submitted as a :class:`Job`. Between steps the engine
-thread admits waiting jobs while fewer than ``max_batch`` sequences run and the
-KV they will hold fits ``kv_budget_bytes`` (beyond either limit requests queue,
-in order). Admitting a job prefills it (imported prefix, computed suffix) and
-forks its ``n`` sequences; a suffix longer than ``prefill_chunk`` tokens is
-computed one chunk per step, so running sequences keep decoding while a long
-prompt is prefilled. A step samples every running sequence's next token (handed
-to its job at once), then runs one batched forward for those that continue
-(:meth:`Engine.decode_batch`: one sequence alone is the plain single-sequence
-forward, so a request running alone decodes exactly as before batching).
+thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
+(an API key, a tenant or a connection). Contract:
+
+- **Admission.** Between steps the engine thread admits waiting jobs, the client
+  with the fewest resident sequences first (in order within a client). A job is
+  admitted while its sequences fit ``max_batch``, or, for a client with nothing
+  resident yet, ``2 * max_batch`` (a newcomer never waits behind one client's whole
+  generation); and while the KV they may hold fits ``kv_budget_bytes``. A job that
+  does not fit blocks those behind it (no starvation of large requests). A job
+  that could never fit the budget is refused at :meth:`BatchRunner.submit` with
+  :class:`OverBudget`.
+- **What the budget counts.** A job's ``kv_bytes`` is the KV all its ``n``
+  sequences may hold at their longest (each fork ends up with its own copy). For
+  an engine that batches, a step also builds a padded working copy of the
+  sequences it decodes, and a forward only batches lengths whose padding stays
+  within :data:`PAD_SLACK` of their KV plus :data:`PAD_TOKENS` a sequence (one
+  16k-token sequence never pads seven short ones to 16k), so a job is charged
+  ``STEP_FACTOR`` times its KV plus ``PAD_TOKENS`` a sequence. Other
+  holders (the head's kept sessions) reserve through :meth:`BatchRunner.reserve`,
+  and are asked to give room back (``make_room``) before a job is made to wait.
+- **Steps.** Admitting a job prefills it (imported prefix, computed suffix; a
+  suffix longer than ``prefill_chunk`` tokens is computed one chunk per step) and
+  forks its ``n`` sequences. A step decodes at most ``max_batch`` sequences: when
+  more are resident, slots are dealt to clients in turn, and within a client to
+  the sequences that have decoded least. Each chosen sequence samples its next
+  token (handed to its job at once), then one forward per group of similar
+  lengths runs for those that go on (:meth:`Engine.decode_batch`; one sequence
+  alone is the single-sequence forward, so a request running alone decodes
+  exactly as before batching).
+- **Failures.** A sequence whose sampling raises fails its own job only; a
+  batched forward that raises is retried one sequence at a time, so only the jobs
+  whose forward fails end. If the loop itself dies (a bug), every waiting and
+  running job fails with :class:`EngineFailed`, later submits raise it, and
+  :attr:`BatchRunner.failure` says why (``/healthz`` turns red): nothing hangs.
 
 The engine lock is held for each step, so other engine work (audits) runs between
 steps. A job's cancel event is checked every step: a waiting job never runs, a
-running one stops after the token being decoded. A failure while prefilling or
-stepping fails the jobs involved (their readers raise it), never the thread.
+running one stops after the token being decoded.
 """
 
 from __future__ import annotations
@@ -35,6 +58,17 @@ from ..engine.base import Decoded, Decoder, Engine, KVState, Sampling
 log = logging.getLogger("kvmesh.batch")
 
 DEFAULT_MAX_BATCH = 8
+PAD_SLACK = 0.25  # a forward's padding stays within 25% of its real KV ...
+PAD_TOKENS = 256  # ... plus this many tokens a sequence (short chats stay one batch)
+STEP_FACTOR = 2.0 + PAD_SLACK  # a sequence's KV + its padded working copy in a step
+
+
+class OverBudget(ValueError):
+    """A request whose worst case can never fit the KV budget."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread died; no request can run on this head."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +87,12 @@ class Job:
     cancel: threading.Event | None = None
     on_start: Callable[[], None] | None = None
     on_token: Callable[[], None] | None = None  # after a token is recorded, before it is handed on
+    client: str = ""  # whose share of the batch it takes
     state: KVState | None = None  # the prompt's state once prefilled
     cancelled: bool = False
     _items: queue.SimpleQueue[int | _Done] = field(default_factory=queue.SimpleQueue)
     _running: int = 0
+    _charged: int = 0  # bytes held against the budget while admitted
 
     def tokens(self) -> Iterator[int]:
         """The job's tokens as they are decoded (all choices, interleaved); raises
@@ -87,6 +123,7 @@ class BatchRunner:
         lock: AbstractContextManager[Any],
         max_batch: int = DEFAULT_MAX_BATCH,
         kv_budget_bytes: int | None = None,
+        make_room: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -94,29 +131,69 @@ class BatchRunner:
         self.lock = lock  # the engine lock: held for each step
         self.max_batch = max_batch
         self.kv_budget_bytes = kv_budget_bytes
+        self.make_room = make_room  # asked to free reserved bytes before a job waits
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[_Seq] = []
         self._kv_held = 0
+        self._reserved = 0  # held by others (sessions) against the same budget
         self._closed = False
+        self.failure: BaseException | None = None
         self.steps = 0
         self.batched_tokens = 0  # tokens decoded in steps of more than one sequence
         self.peak_batch = 0
-        self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
+        self.peak_resident = 0
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
     # -- the request side --------------------------------------------------------
 
+    def charge(self, kv_bytes: int, n: int = 1) -> int:
+        """What a job of ``n`` sequences holding ``kv_bytes`` of KV in all counts
+        against the budget."""
+        if not self.engine.batches:
+            return kv_bytes
+        pad = n * PAD_TOKENS * self.engine.card.kv_bytes_per_token
+        return int(kv_bytes * STEP_FACTOR) + pad
+
+    def check(self, n: int, kv_bytes: int) -> None:
+        """Raise ValueError for a request this runner could never run."""
+        if n > self.max_batch:
+            raise ValueError(f"n={n} exceeds --max-batch {self.max_batch}")
+        budget, need = self.kv_budget_bytes, self.charge(kv_bytes, n)
+        if budget is not None and need > budget:
+            raise OverBudget(
+                f"this request may need {need / 2**20:.0f} MiB of KV "
+                f"(prompt and max_tokens, times n, with a step's working copy); the "
+                f"head's --kv-budget is {budget / 2**20:.0f} MiB: lower max_tokens or n"
+            )
+
     def submit(self, job: Job) -> Job:
         """Queue ``job``; read its tokens with ``job.tokens()``."""
-        if job.sampling.n > self.max_batch:
-            raise ValueError(f"n={job.sampling.n} exceeds --max-batch {self.max_batch}")
+        self.check(job.sampling.n, job.kv_bytes)
         with self._cv:
+            if self.failure is not None:
+                raise EngineFailed(f"the engine failed: {self.failure!r}")
             if self._closed:
                 raise RuntimeError("the engine is shut down")
             self._waiting.append(job)
             self._cv.notify()
         return job
+
+    def reserve(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` of the budget for something else (a kept session);
+        False when they do not fit beside what runs now."""
+        with self._cv:
+            budget = self.kv_budget_bytes
+            if budget is not None and self._kv_held + self._reserved + nbytes > budget:
+                return False
+            self._reserved += nbytes
+            return True
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._cv:
+            self._reserved -= nbytes
+            self._cv.notify()
 
     @property
     def waiting(self) -> int:
@@ -126,6 +203,11 @@ class BatchRunner:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def held_bytes(self) -> int:
+        """Budget bytes held now: admitted jobs (charged) and reservations."""
+        return self._kv_held + self._reserved
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -133,6 +215,17 @@ class BatchRunner:
         self._thread.join(10)
 
     # -- the engine thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        """The loop, supervised: if it dies, every job fails and nothing waits."""
+        try:
+            self._loop()
+        except BaseException as e:
+            log.critical("the engine thread died", exc_info=True)
+            with self._cv:
+                self.failure = e
+                self._closed = True
+            self._fail_all(EngineFailed(f"the engine failed: {e!r}"))
 
     def _loop(self) -> None:
         while True:
@@ -142,34 +235,66 @@ class BatchRunner:
                 if self._closed:
                     self._fail_all(RuntimeError("the engine is shut down"))
                     return
-                admit = self._admissible()
-            for job in admit:
+            for job in self._admissible():
                 self._start(job)
             if self._running:
                 self._step()
 
     def _admissible(self) -> list[Job]:
-        """Jobs to start now, in order: a job that does not fit blocks those behind it
-        (no starvation of large requests). Cancelled waiting jobs end here."""
-        for job in [j for j in self._waiting if j._gone()]:  # wherever they wait
-            self._waiting.remove(job)
-            self._end(job, cancelled=True)
+        """Jobs to start now, fairest first (see the module docstring). Cancelled
+        waiting jobs end here."""
+        with self._cv:
+            for job in [j for j in self._waiting if j._gone()]:  # wherever they wait
+                self._waiting.remove(job)
+                self._end(job, cancelled=True)
+        resident = self._resident_by_client()
         out: list[Job] = []
-        seqs = len(self._running)
-        while self._waiting:
-            job = self._waiting[0]
-            fits_kv = (
-                self.kv_budget_bytes is None
-                or not (seqs or out)
-                or (self._kv_held + job.kv_bytes <= self.kv_budget_bytes)
-            )
-            if seqs + job.sampling.n > self.max_batch or not fits_kv:
-                break
-            self._waiting.popleft()
-            self._kv_held += job.kv_bytes
-            seqs += job.sampling.n
+        while True:
+            with self._cv:
+                job = self._fairest(resident)
+                if job is None or not self._fits_batch(job, resident):
+                    return out
+                need = self.charge(job.kv_bytes, job.sampling.n)
+                short = need - self._free_kv() if self.kv_budget_bytes is not None else 0
+            if short > 0 and self.make_room is not None:
+                self.make_room(short)  # sessions give room back (outside our lock)
+            with self._cv:
+                if not self._fits_kv(need, out):
+                    return out
+                self._waiting.remove(job)
+                self._kv_held += need
+                job._charged = need
+            resident[job.client] = resident.get(job.client, 0) + job.sampling.n
             out.append(job)
-        return out
+
+    def _resident_by_client(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for seq in self._running:
+            counts[seq.job.client] = counts.get(seq.job.client, 0) + 1
+        return counts
+
+    def _fairest(self, resident: dict[str, int]) -> Job | None:
+        """The oldest waiting job of the client with the fewest resident sequences."""
+        best: Job | None = None
+        for job in self._waiting:  # in arrival order: the first of a client wins ties
+            if best is None or resident.get(job.client, 0) < resident.get(best.client, 0):
+                best = job
+        return best
+
+    def _fits_batch(self, job: Job, resident: dict[str, int]) -> bool:
+        total = sum(resident.values()) + job.sampling.n
+        newcomer = resident.get(job.client, 0) == 0
+        return total <= (2 * self.max_batch if newcomer else self.max_batch)
+
+    def _free_kv(self) -> int:
+        assert self.kv_budget_bytes is not None
+        return self.kv_budget_bytes - self._kv_held - self._reserved
+
+    def _fits_kv(self, need: int, admitted_now: list[Job]) -> bool:
+        if self.kv_budget_bytes is None or need <= self._free_kv():
+            return True
+        # alone it runs whatever else holds reservations (submit checked need <= budget)
+        return not self._running and not admitted_now
 
     def _start(self, job: Job) -> None:
         try:
@@ -177,55 +302,89 @@ class BatchRunner:
                 job.on_start()
             # a long suffix is computed in chunks, the running sequences stepping between
             state = job.prefill(self._between)
-        except BaseException as e:
+            job.state = state
+            if job._gone():
+                self._release(job)
+                self._end(job, cancelled=True)
+                return
+            n = job.sampling.n
+            states = [state] + [self.engine.fork(state) for _ in range(n - 1)]
+            job.choices.extend(Decoded() for _ in range(n - len(job.choices)))
+        except Exception as e:  # this job's prefill or forks: it alone fails
             self._release(job)
             self._end(job, error=e)
             return
-        job.state = state
-        if job._gone():
-            self._release(job)
-            self._end(job, cancelled=True)
-            return
-        n = job.sampling.n
-        states = [state] + [self.engine.fork(state) for _ in range(n - 1)]
-        job.choices.extend(Decoded() for _ in range(n - len(job.choices)))
         for i, (st, out) in enumerate(zip(states, job.choices[:n], strict=True)):
             seed = None if job.sampling.seed is None else job.sampling.seed + i
             one = replace(job.sampling, seed=seed, n=1)
             self._running.append(_Seq(job, st, Decoder(self.engine, st, one, out)))
         job._running = n
+        self.peak_resident = max(self.peak_resident, len(self._running))
 
     def _between(self) -> None:
         if self._running:
             self._step()
 
+    def _chosen(self) -> list[_Seq]:
+        """At most ``max_batch`` sequences for this step: slots dealt to clients in
+        turn, within a client to the sequences that decoded least."""
+        if len(self._running) <= self.max_batch:
+            return list(self._running)
+        by_client: dict[str, list[_Seq]] = {}
+        for seq in sorted(self._running, key=lambda s: s.decoder.i):
+            by_client.setdefault(seq.job.client, []).append(seq)
+        queues = list(by_client.values())
+        chosen: list[_Seq] = []
+        while len(chosen) < self.max_batch:
+            for q in queues:
+                if q and len(chosen) < self.max_batch:
+                    chosen.append(q.pop(0))
+        return chosen
+
     def _step(self) -> None:
-        """Sample every running sequence, then one forward for those that go on."""
+        """Sample each chosen sequence, then one forward for those that go on."""
         going: list[_Seq] = []
-        try:
-            with self.lock:
-                for seq in list(self._running):
-                    if seq.job._gone():
-                        self._finish(seq, cancelled=True)
-                        continue
+        with self.lock:
+            for seq in self._chosen():
+                if seq.job._gone():
+                    self._finish(seq, cancelled=True)
+                    continue
+                try:
                     tok, last = seq.decoder.next()
                     if seq.job.on_token is not None:
                         seq.job.on_token()
-                    seq.job._items.put(tok)
-                    if last:
-                        self._finish(seq)
-                    else:
-                        going.append(seq)
-                if going:
-                    self.engine.decode_batch([s.state for s in going])
-                    self.steps += 1
-                    self.peak_batch = max(self.peak_batch, len(going))
-                    if len(going) > 1:
-                        self.batched_tokens += len(going)
-        except BaseException as e:  # fail the jobs of this step, keep serving
-            log.exception("decode step failed")
-            for job in {seq.job for seq in going}:
-                self._fail(job, e)
+                except Exception as e:  # this sequence's sampling: its job alone fails
+                    log.warning("sampling failed: %r", e)
+                    self._fail(seq.job, e)
+                    continue
+                seq.job._items.put(tok)
+                if last:
+                    self._finish(seq)
+                else:
+                    going.append(seq)
+            going = [s for s in going if s in self._running]  # a sibling may have failed it
+            for group in _similar_lengths(going):
+                self._forward(group)
+
+    def _forward(self, going: list[_Seq]) -> None:
+        """One batched forward; if it raises, each sequence alone, failing only the
+        jobs whose own forward fails."""
+        try:
+            self.engine.decode_batch([s.state for s in going])
+        except Exception as e:
+            if len(going) == 1:
+                log.warning("decode step failed: %r", e)
+                self._fail(going[0].job, e)
+                return
+            log.warning("batched decode step failed (%r): stepping each alone", e)
+            for seq in going:
+                if seq in self._running and seq.state.cached < len(seq.state.tokens):
+                    self._forward([seq])
+            return
+        self.steps += 1
+        self.peak_batch = max(self.peak_batch, len(going))
+        if len(going) > 1:
+            self.batched_tokens += len(going)
 
     def _finish(self, seq: _Seq, cancelled: bool = False) -> None:
         """``seq`` is over: out of the batch, owning its tensors; its job ends with
@@ -249,7 +408,8 @@ class BatchRunner:
 
     def _release(self, job: Job) -> None:
         with self._cv:
-            self._kv_held -= job.kv_bytes
+            self._kv_held -= job._charged
+            job._charged = 0
 
     @staticmethod
     def _end(job: Job, cancelled: bool = False, error: BaseException | None = None) -> None:
@@ -259,8 +419,26 @@ class BatchRunner:
     def _fail_all(self, error: BaseException) -> None:
         for job in {seq.job for seq in self._running}:
             self._fail(job, error)
-        while self._waiting:
-            self._end(self._waiting.popleft(), error=error)
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
+            self._end(job, error=error)
 
 
-__all__ = ["DEFAULT_MAX_BATCH", "BatchRunner", "Job"]
+def _similar_lengths(seqs: list[_Seq]) -> list[list[_Seq]]:
+    """``seqs`` in groups whose padding to their longest stays small."""
+    groups: list[list[_Seq]] = []
+    real = 0  # tokens the last group holds
+    for seq in sorted(seqs, key=lambda s: s.state.cached):
+        n = seq.state.cached  # the longest so far: the width the group would pad to
+        rows = len(groups[-1]) + 1 if groups else 1
+        if groups and rows * n <= (1 + PAD_SLACK) * (real + n) + PAD_TOKENS * rows:
+            groups[-1].append(seq)
+            real += n
+        else:
+            groups.append([seq])
+            real = n
+    return groups
+
+
+__all__ = ["DEFAULT_MAX_BATCH", "BatchRunner", "EngineFailed", "Job", "OverBudget"]

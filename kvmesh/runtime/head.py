@@ -133,9 +133,9 @@ class HeadRuntime:
         self.publish_enabled = publish
         self.auditor = Auditor(audit_rate) if audit_rate else None
         self._lock = threading.RLock()  # held for each engine step (and audits between)
-        self.batch = BatchRunner(engine, self._lock, max_batch, kv_budget_bytes)
+        self.batch = BatchRunner(engine, self._lock, max_batch, kv_budget_bytes, self._drop_sessions)
         self._sessions_lock = threading.Lock()
-        self._sessions: OrderedDict[int, KVState] = OrderedDict()
+        self._sessions: OrderedDict[int, tuple[KVState, int]] = OrderedDict()  # (state, bytes)
         self._next_session = 0
         self._publisher = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvmesh-publish"
@@ -153,13 +153,16 @@ class HeadRuntime:
         out: Generation,
         cancel: threading.Event | None = None,
         on_start: Callable[[], None] | None = None,
+        client: str = "",
     ) -> Iterator[int]:
         """Prefill (planned) then decode locally, yielding tokens; publish after.
 
         ``cancel`` (the client went away): a request still queued never runs, a
         running one stops after the token being decoded. ``on_start`` is called
-        once the engine is this request's (it has left the queue)."""
+        once the engine is this request's (it has left the queue). ``client`` names
+        whose fair share of the batch it takes (see :mod:`.batch`)."""
         tokens = list(tokens)
+        self.check_request(len(tokens), sampling)  # before any network work
         t0 = time.perf_counter()
         if cancel is not None and cancel.is_set():
             self._cancelled(out, "queued")
@@ -179,7 +182,7 @@ class HeadRuntime:
                 out.ttft_s = time.perf_counter() - t0
 
         job = Job(sampling, out.choices, prefill, self._kv_bytes(len(tokens), sampling),
-                  cancel, on_start, first_token)  # fmt: skip
+                  cancel, on_start, first_token, client)  # fmt: skip
         yield from self.batch.submit(job).tokens()
         state = job.state
         if state is None:  # cancelled before it took the engine
@@ -198,10 +201,21 @@ class HeadRuntime:
             if audit is not None:
                 self._publisher.submit(self._audit, audit)
 
+    def check_request(self, prompt_tokens: int, sampling: Sampling) -> None:
+        """Raise ValueError (a 400) for a request this head could never run: ``n``
+        beyond the batch, or a worst case beyond the KV budget."""
+        self.batch.check(sampling.n, self._kv_bytes(prompt_tokens, sampling))
+
+    @property
+    def engine_failure(self) -> BaseException | None:
+        """Why the engine thread died, or None while it serves."""
+        return self.batch.failure
+
     def _kv_bytes(self, prompt_tokens: int, sampling: Sampling) -> int:
-        """The KV a request's sequences may hold at their longest (its budget share)."""
+        """The KV a request's sequences may hold at their longest (its budget share):
+        each of its ``n`` sequences ends up with its own copy of the prompt."""
         per = self.card.kv_bytes_per_token
-        return per * (prompt_tokens + sampling.n * sampling.max_tokens)
+        return per * sampling.n * (prompt_tokens + sampling.max_tokens)
 
     def _cancelled(self, out: Generation, stage: str) -> None:
         out.cancelled = True
@@ -279,13 +293,18 @@ class HeadRuntime:
             self.telemetry.count("planned_compute")
             return False
         t0 = time.perf_counter()
-        try:
+        try:  # ours: a failure here is never the peer's fault
             # bounded by the prompt: a validated hit holds no more tokens than its keys
             importer = self.engine.importer(hit.tokens)
             for blk in local.blocks[:skip]:
                 importer.add(blk)
+        except Exception as e:  # e.g. past a sliding window, or a bad local block
+            got.fallback = _reason(e)
+            self.telemetry.count(f"local_import_failed:{got.fallback}")
+            return False
+        try:
             blocks = self.fleet.fetch(self.engine.layout, hit, skip, importer.add, left)
-        except CacheMiss as e:  # e.g. past a sliding window: ours, not the peer's fault
+        except CacheMiss as e:
             got.fallback = e.reason
             return False
         except Exception as e:  # the cache never decides correctness
@@ -347,8 +366,7 @@ class HeadRuntime:
     def _resume(self, tokens: list[int], got: _Acquired) -> KVState:
         assert got.session is not None
         sid, keep = got.session
-        with self._sessions_lock:
-            session = self._sessions.pop(sid, None)
+        session = self._take_session(sid)
         if session is None:
             raise CacheMiss("the session was taken by another request")
         return self.engine.resume(session, keep, tokens)
@@ -360,7 +378,7 @@ class HeadRuntime:
         with ``tokens``, when that is at least one block. Not taken yet."""
         best, best_len = None, 0
         with self._sessions_lock:
-            for sid, st in self._sessions.items():
+            for sid, (st, _) in self._sessions.items():
                 n = _common_prefix(st.tokens[: st.cached], tokens)
                 if n > best_len:
                     best, best_len = sid, n
@@ -369,15 +387,41 @@ class HeadRuntime:
         return best, min(best_len, len(tokens) - 1)
 
     def _keep_session(self, state: KVState) -> None:
+        """Keep ``state`` as a session, its KV reserved in the batch's budget (older
+        sessions give way; a session that cannot fit is not kept)."""
+        nbytes = self.card.kv_bytes_per_token * state.cached
+        if self.max_sessions < 1:
+            return
         with self._sessions_lock:
-            self._sessions[self._next_session] = state
+            while len(self._sessions) >= self.max_sessions:
+                self._forget_oldest()
+            while not self.batch.reserve(nbytes):
+                if not self._sessions:
+                    return
+                self._forget_oldest()
+            self._sessions[self._next_session] = (state, nbytes)
             self._next_session += 1
-            while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
 
-    def clear_sessions(self) -> None:
+    def _take_session(self, sid: int) -> KVState | None:
         with self._sessions_lock:
-            self._sessions.clear()
+            kept = self._sessions.pop(sid, None)
+        if kept is None:
+            return None
+        self.batch.unreserve(kept[1])  # the request resuming it holds its own share
+        return kept[0]
+
+    def _forget_oldest(self) -> None:
+        _, (_, nbytes) = self._sessions.popitem(last=False)
+        self.batch.unreserve(nbytes)
+
+    def _drop_sessions(self, nbytes: int) -> None:
+        """Give back at least ``nbytes`` of the budget, oldest sessions first (the
+        batch asks before a request would wait for room)."""
+        freed = 0
+        with self._sessions_lock:
+            while self._sessions and freed < nbytes:
+                freed += self._sessions[next(iter(self._sessions))][1]
+                self._forget_oldest()
 
     # -- audit -----------------------------------------------------------------
 
