@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -217,10 +217,11 @@ def create_app(
         registry.register(NodeCollector(lambda: runtime.node.node if runtime.node else None))
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
+    async def healthz() -> Any:
         node = runtime.node.node if runtime.node else None
-        return {
-            "status": "ok",
+        failure = runtime.engine_failure
+        body = {
+            "status": "ok" if failure is None else "engine_failed",
             "model": model_name,  # the served name, never a local path (server.model_names)
             "namespace": runtime.card.namespace_hex[:12],
             "peers": len(node.membership.live()) if node else 0,
@@ -230,6 +231,10 @@ def create_app(
                       "max": scheduler.max_queue},
             "batch": {"sequences": runtime.batch.running, "max": runtime.batch.max_batch},
         }  # fmt: skip
+        if failure is None:
+            return body
+        body["error"] = f"the engine thread died: {failure!r}"  # red: no request can run
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -87,10 +87,13 @@ class Scheduler:
                 self.waiting -= 1
 
     def start(
-        self, job: Job, tokens: Sequence[int], sampling: Sampling, out: Generation
-    ) -> TokenStream:
+        self, job: Job, tokens: Sequence[int], sampling: Sampling, out: Generation,
+        client: str = "",
+    ) -> TokenStream:  # fmt: skip
         """Run ``job`` now (it owns its slot until it ends); read its tokens from
-        the returned stream. The caller must not ``release`` it afterwards."""
+        the returned stream. The caller must not ``release`` it afterwards.
+        ``client`` (an API key's name, else the connection) takes a fair share of
+        the batch beside other clients (see :mod:`kvmesh.runtime.batch`)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[int | _End] = asyncio.Queue()
 
@@ -103,8 +106,9 @@ class Scheduler:
         def produce() -> None:
             try:
                 gen = self.runtime.generate(
-                    tokens, sampling, out, cancel=job.cancel, on_start=lambda: self._started(job)
-                )
+                    tokens, sampling, out, cancel=job.cancel,
+                    on_start=lambda: self._started(job), client=client,
+                )  # fmt: skip
                 for tok in gen:
                     put(tok)
                 put(_End())

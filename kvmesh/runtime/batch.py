@@ -143,6 +143,7 @@ class BatchRunner:
         self.batched_tokens = 0  # tokens decoded in steps of more than one sequence
         self.peak_batch = 0
         self.peak_resident = 0
+        self.peak_padding = (0, 0, 0)  # (padding, real, rows) tokens of the most padded forward
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
@@ -369,6 +370,10 @@ class BatchRunner:
     def _forward(self, going: list[_Seq]) -> None:
         """One batched forward; if it raises, each sequence alone, failing only the
         jobs whose own forward fails."""
+        lens = [s.state.cached for s in going]
+        padding = len(lens) * max(lens) - sum(lens)
+        if padding > self.peak_padding[0]:
+            self.peak_padding = (padding, sum(lens), len(lens))
         try:
             self.engine.decode_batch([s.state for s in going])
         except Exception as e:
