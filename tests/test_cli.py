@@ -64,3 +64,28 @@ def test_a_non_loopback_listener_needs_client_authentication(tmp_path):
         finally:
             ok.kill()
             ok.wait(10)
+
+
+def test_head_default_max_tokens_caps_requests_that_set_none():
+    """``--default-max-tokens`` (also spelt ``--max-tokens-default``) caps a request
+    without ``max_tokens``; a request's own limit wins; ``--help`` states the default."""
+    from kvmesh.api.server import DEFAULT_MAX_TOKENS, HeadOptions
+
+    from .test_api import Head
+
+    text = " ".join(_kvmesh("head", "--help").stdout.split())
+    assert "--default-max-tokens, --max-tokens-default" in text
+    assert f"[default: {DEFAULT_MAX_TOKENS}; x>=0]" in text and "0: the rest of the context" in text
+    assert HeadOptions().max_tokens_default == DEFAULT_MAX_TOKENS == 1024
+    bad = _kvmesh("head", "--default-max-tokens", "-1")
+    assert bad.returncode == 2 and "-1 is not in the range x>=0" in bad.stderr, bad.stderr
+    body = {"model": "demo-tiny", "prompt": "cap", "temperature": 0, "ignore_eos": True}
+    for flag in ("--default-max-tokens", "--max-tokens-default"):
+        h = Head(flag, "3", "--no-publish")
+        try:
+            out = h.http.post("/v1/completions", json=body).json()
+            assert out["usage"]["completion_tokens"] == 3, out
+            out = h.http.post("/v1/completions", json={**body, "max_tokens": 5}).json()
+            assert out["usage"]["completion_tokens"] == 5, out
+        finally:
+            h.stop()
