@@ -245,9 +245,9 @@ class BatchRunner:
         """Jobs to start now, fairest first (see the module docstring). Cancelled
         waiting jobs end here."""
         with self._cv:
-            for job in [j for j in self._waiting if j._gone()]:  # wherever they wait
-                self._waiting.remove(job)
-                self._end(job, cancelled=True)
+            for gone in [j for j in self._waiting if j._gone()]:  # wherever they wait
+                self._waiting.remove(gone)
+                self._end(gone, cancelled=True)
         resident = self._resident_by_client()
         out: list[Job] = []
         while True:

@@ -39,7 +39,7 @@ from ..blocks import BlockKeyer
 from ..codec import Block
 from ..engine import Decoded, Engine, KVState, Sampling
 from ..engine.base import Importer
-from ..errors import CacheMiss, KVMeshError
+from ..errors import CacheMiss, KVMeshError, LocalBusy, PeerBusy
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
@@ -250,8 +250,9 @@ class HeadRuntime:
             return got
         t0 = time.perf_counter()
         hits, errors = self.fleet.lookup(
-            self.card, keys, skip=self._avoided, on_failure=self._lookup_failed
-        )
+            self.card, keys, skip=self._avoided, on_failure=self._lookup_failed,
+            on_success=self.planner.lookup_succeeded,
+        )  # fmt: skip
         got.lookup_s = time.perf_counter() - t0
         got.fallback = errors[0] if errors else None
         budget = self._cache_budget(len(tokens))
@@ -274,7 +275,7 @@ class HeadRuntime:
     def _lookup_failed(self, node_id: str, reason: str) -> None:
         """A peer that did not answer a lookup in time backs off like a failed fetch,
         so a frozen peer costs one request its lookup deadline, not every request."""
-        self.planner.peer_failed(node_id)
+        self.planner.lookup_failed(node_id)
         self.telemetry.count(f"lookup_failed:{reason}")
 
     def _cache_budget(self, n_tokens: int) -> float:
@@ -306,6 +307,10 @@ class HeadRuntime:
             blocks = self.fleet.fetch(self.engine.layout, hit, skip, importer.add, left)
         except CacheMiss as e:
             got.fallback = e.reason
+            return False
+        except (PeerBusy, LocalBusy) as e:  # loaded, or our own streams: no peer failure
+            got.fallback = e.reason
+            self.telemetry.count(f"fetch_skipped:{e.reason}")
             return False
         except Exception as e:  # the cache never decides correctness
             got.fallback = reason = _reason(e)

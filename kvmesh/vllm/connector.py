@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 
 from ..blocks import PrefixKeys
 from ..codec import Block
-from ..errors import CacheMiss, ConfigError, KVMeshError
+from ..errors import CacheMiss, ConfigError, KVMeshError, LocalBusy, PeerBusy
 from ..mesh.hits import PeerHit
 from . import service as services
 from .config import parse_settings
@@ -357,12 +357,13 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
 
             def failed(node_id: str, why: str) -> None:
-                svc.planner.peer_failed(node_id)  # a peer that fails lookups backs off
+                svc.planner.lookup_failed(node_id)  # a peer that fails lookups backs off
                 svc.count(f"lookup_failed:{why}")
 
             hits, errors = svc.fleet.lookup(
-                svc.card, plan.keys, skip=lambda n: not svc.planner.usable(n), on_failure=failed
-            )
+                svc.card, plan.keys, skip=lambda n: not svc.planner.usable(n), on_failure=failed,
+                on_success=svc.planner.lookup_succeeded,
+            )  # fmt: skip
             b = self.block_size
             have = len(plan.local)
             for hit in hits:
@@ -401,6 +402,9 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         t0 = time.perf_counter()
         try:
             svc.fleet.fetch(svc.layout, hit, start, on_block, budget)
+        except (PeerBusy, LocalBusy) as e:  # loaded, or our own streams: no peer failure
+            plan.fetch_error = e.reason
+            svc.count(f"fetch_skipped:{e.reason}")
         except Exception as e:  # the verified pages before the failure still load
             plan.fetch_error = e.reason if isinstance(e, KVMeshError) else "error"
             if isinstance(e, (TimeoutError, concurrent.futures.TimeoutError)):
