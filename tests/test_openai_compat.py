@@ -153,3 +153,21 @@ def test_a_tiny_temperature_samples_as_greedy_does(client):
     warm = client.post("/v1/completions", json={**body, "temperature": 1e-3, "seed": 1})
     assert warm.status_code == 200  # raised to MIN_TEMPERATURE: sampled, finite
     assert all(lp <= 0 for lp in warm.json()["choices"][0]["logprobs"]["token_logprobs"])
+
+
+def test_a_request_beyond_the_kv_budget_is_a_400_before_its_stream_begins(tiny_engine):
+    per_token = tiny_engine.card.kv_bytes_per_token
+    rt = HeadRuntime(tiny_engine, None, publish=False, kv_budget_bytes=per_token * 1000)
+    try:
+        app = create_app(rt, "house-model", 4096, aliases=("demo-tiny",))
+        with TestClient(app, raise_server_exceptions=False) as c:
+            for stream in (False, True):
+                body = {**COMPLETION, "max_tokens": 2000, "stream": stream}
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["code"] == "kv_budget_exceeded" and "--kv-budget" in err["message"]
+            ok = c.post("/v1/completions", json={**COMPLETION, "max_tokens": 8})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 8, ok.text
+    finally:
+        rt.close()

@@ -23,6 +23,8 @@ Contracts:
   ``stream_options`` without ``stream: true`` is a 400, as OpenAI's.
 - Responses, streamed or not, name the model by its canonical served name (the
   first ``--served-model-name``), whichever alias the request used, as vLLM does.
+- A request the head could never run (``n`` beyond ``--max-batch``, a worst case
+  beyond ``--kv-budget``) is a 400 before anything starts, streamed or not.
 - A stream that fails after its headers are sent ends with an OpenAI-style
   ``data: {"error": {...}}`` event and then ``data: [DONE]``, never a cut stream.
 - Logprobs are finite: one that is not (-inf) is reported as ``LOGPROB_FLOOR``.
@@ -46,6 +48,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine import Decoded, Sampling
 from ..errors import NoChatTemplate
+from ..runtime.batch import EngineFailed, OverBudget
 from ..runtime.head import Generation, HeadRuntime
 from .scheduler import Job, Scheduler, TokenStream
 
@@ -350,6 +353,12 @@ class OpenAIService:
     def start(self, req: _Common, tokens: list[int], job: Job) -> tuple[Generation, TokenStream]:
         """Check ``req`` (4xx before anything runs) and start its generation."""
         sampling = self._check(req, len(tokens))
+        try:  # before a stream's 200: a request this head could never run is the client's 400
+            self.runtime.check_request(len(tokens), sampling)
+        except OverBudget as e:
+            raise APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
         out = Generation(choices=[Decoded() for _ in range(sampling.n)])  # read while it runs
         return out, self.scheduler.start(job, tokens, sampling, out)
 
@@ -509,8 +518,9 @@ def _stream_error(rid: str, e: Exception) -> dict[str, Any]:
         err = {"message": _printable(e.message), "type": e.type, "param": e.param, "code": e.code}
     else:
         log.error("stream %s failed after it began: %s: %s", rid, type(e).__name__, e)
+        code = "engine_failed" if isinstance(e, EngineFailed) else "generation_failed"
         err = {"message": "the generation failed on the server; the output is incomplete",
-               "type": "server_error", "param": None, "code": "generation_failed"}  # fmt: skip
+               "type": "server_error", "param": None, "code": code}  # fmt: skip
     return {"error": err}
 
 
