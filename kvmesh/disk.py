@@ -12,7 +12,10 @@ Contract:
   whole file under its final name or a temp file, which the next start deletes.
 - :meth:`DiskFiles.scan` reads headers only (never payloads): a file whose name,
   prefix, header or size is wrong is deleted and counted as ``corrupt``. Headers
-  are checked for structure here; a block's card was checked when it arrived.
+  are parsed strictly here (the codec's structure and card-free form checks);
+  the tier knows no cards, so the store checks them against a namespace's card
+  once it knows it (``BlockStore.expect``), and every import checks each block
+  again (``check_chain``): a file is never trusted for having been written.
 - :meth:`DiskFiles.open` verifies the digest of the whole file against its name
   before returning a block; a mismatch deletes the file and counts it. The tier
   does not know cards, so a file matches under either block-digest algorithm

@@ -13,7 +13,11 @@ a restart rebuilds the disk index from file headers under a new epoch.
 :meth:`BlockStore.lookup` answers from the index alone (no file read);
 :meth:`BlockStore.get` and :meth:`BlockStore.longest_prefix` read and verify disk
 files outside the store lock, promote hot ones to RAM, and delete and count a bad
-one (a fetch of it then fails: the caller falls back).
+one (a fetch of it then fails: the caller falls back). A namespace whose card
+the store is told (:meth:`BlockStore.expect`, or ``layouts`` at construction)
+has every block checked against it (:func:`~kvmesh.codec.check_header`, the
+codec's one check): indexed disk files that disagree are deleted and counted as
+corrupt, puts that disagree are refused.
 """
 
 from __future__ import annotations
