@@ -44,12 +44,6 @@ class StaleEpoch(LeaseExpired):
     reason = "stale_epoch"
 
 
-class ImmutableConflict(KVMeshError):
-    """Same block key published again with different content."""
-
-    reason = "immutable_conflict"
-
-
 class OrphanBlock(KVMeshError):
     """A block whose parent is not stored: it could never be reached."""
 

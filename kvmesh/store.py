@@ -34,7 +34,6 @@ from .blocks import PrefixKeys
 from .codec import Block, BlockHeader, Layout, check_block, check_header
 from .disk import DiskConfig, DiskFiles, DiskStats, Writer, unlink
 from .errors import (
-    ImmutableConflict,
     LeaseExpired,
     MalformedPayload,
     OrphanBlock,
@@ -139,6 +138,7 @@ class StoreStats:
     inserts: int = 0
     rejects: dict[str, int] = field(default_factory=dict)
     leases: int = 0
+    variants: int = 0  # puts of a held key with other bytes (the first bytes are kept)
 
 
 @dataclass(frozen=True)
@@ -201,17 +201,17 @@ class BlockStore:
     # -- writes -------------------------------------------------------------
 
     def put(self, block: Block) -> bool:
-        """Store ``block``. True if stored, False if already held (identical)."""
+        """Store ``block``. True if stored, False if its key is already held. A key
+        held with other bytes keeps the first: two producers may compute the same
+        tokens to different bytes (kernels that depend on the pass's length, e.g.
+        bfloat16 on AMX), which is counted as a variant, never as an attack."""
         key, parent = block.header.key, block.header.parent
         with self._lock:
             self._check_put(block)
             existing = self._entries.get(key)
             if existing is not None:
                 if existing.digest != block.digest:
-                    self._reject(ImmutableConflict.reason)
-                    raise ImmutableConflict(
-                        f"block {key.hex()[:12]} already stored with other bytes"
-                    )
+                    self.stats.variants += 1
                 self._touch(key)
                 return False
             is_root = _is_root(block.header)

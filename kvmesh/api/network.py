@@ -25,6 +25,7 @@ from pydantic import ConfigDict, Field
 
 from ..runtime.head import HeadRuntime
 from ..units import is_loopback
+from .credentials import presented_key
 from .openai import APIError, Body
 
 PAIRING_TTL_S = 600.0
@@ -54,15 +55,6 @@ class APIKeys:
         for stored in self._hashes:  # no early exit: constant time in the match position
             ok |= hmac.compare_digest(h, stored)
         return ok
-
-
-def presented_key(headers: Mapping[str, str]) -> str | None:
-    """The key a client presented: ``X-API-Key``, else ``Authorization: Bearer``."""
-    key = headers.get("x-api-key")
-    if key:
-        return key
-    auth = headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
 def pairing_refusal(scheme: str, client_host: str | None, fleet_key: bool) -> str | None:

@@ -33,6 +33,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -50,6 +51,7 @@ from ..engine import Decoded, Sampling
 from ..errors import NoChatTemplate
 from ..runtime.batch import EngineFailed, OverBudget
 from ..runtime.head import Generation, HeadRuntime
+from .credentials import presented_key
 from .scheduler import Job, Scheduler, TokenStream
 
 log = logging.getLogger("kvmesh.api")
@@ -350,8 +352,11 @@ class OpenAIService:
         except NoChatTemplate as e:
             raise APIError(400, str(e), param="messages", code="no_chat_template") from None
 
-    def start(self, req: _Common, tokens: list[int], job: Job) -> tuple[Generation, TokenStream]:
-        """Check ``req`` (4xx before anything runs) and start its generation."""
+    def start(
+        self, req: _Common, tokens: list[int], job: Job, client: str = ""
+    ) -> tuple[Generation, TokenStream]:
+        """Check ``req`` (4xx before anything runs) and start its generation as
+        ``client``'s (see :func:`client_of`)."""
         sampling = self._check(req, len(tokens))
         try:  # before a stream's 200: a request this head could never run is the client's 400
             self.runtime.check_request(len(tokens), sampling)
@@ -360,7 +365,7 @@ class OpenAIService:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         out = Generation(choices=[Decoded() for _ in range(sampling.n)])  # read while it runs
-        return out, self.scheduler.start(job, tokens, sampling, out)
+        return out, self.scheduler.start(job, tokens, sampling, out, client)
 
     def body(
         self, req: _Common, rid: str, chat: bool, n_prompt: int, out: Generation
@@ -545,7 +550,7 @@ def router(service: OpenAIService) -> APIRouter:
         job = service.scheduler.admit()  # QueueFull: 503 before any work
         try:
             tokens = await run_in_threadpool(service.tokens, req)  # templating is CPU work
-            out, stream = service.start(req, tokens, job)
+            out, stream = service.start(req, tokens, job, client_of(request))
         except BaseException:
             service.scheduler.release(job)
             raise
@@ -569,6 +574,16 @@ def router(service: OpenAIService) -> APIRouter:
         return await respond(request, req, chat=True)
 
     return r
+
+
+def client_of(request: Request) -> str:
+    """Whose fair share of the batch a request takes: its API key (hashed: the key
+    itself is never kept), else its connection."""
+    key = presented_key(request.headers)
+    if key:
+        return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    peer = request.client
+    return f"conn:{peer.host}:{peer.port}" if peer else "conn:?"
 
 
 async def _finish_unless_gone(request: Request, stream: TokenStream) -> bool:

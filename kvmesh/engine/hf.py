@@ -179,7 +179,7 @@ def _settle(cache: Any) -> None:
 
 class _TorchImporter(Importer):
     def __init__(self, engine: TransformersEngine, n_tokens: int) -> None:
-        super().__init__(n_tokens)
+        super().__init__(n_tokens, engine.layout)
         c = engine.card
         self.engine = engine
         dtype = _BY_NAME[c.kv_dtype]  # the card's (probed) dtype, which the cache really has
@@ -192,7 +192,8 @@ class _TorchImporter(Importer):
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
         # numpy slice assignment: ~1 µs per copy instead of torch's ~10 µs dispatch
-        for dst, (spec, view) in zip(self._dsts, block.tensors(), strict=False):
+        # add() checked the block against the card: K/V match the buffers one to one
+        for dst, (spec, view) in zip(self._dsts, block.kv_tensors(), strict=True):
             dst[:, a : a + t] = np.frombuffer(view, self._np_dtype).reshape(spec.shape)
 
     def cache(self) -> Any:

@@ -68,14 +68,15 @@ def _from_numpy(buf: np.ndarray, dtype: str) -> Any:
 
 class _MLXImporter(Importer):
     def __init__(self, engine: MLXEngine, n_tokens: int) -> None:
-        super().__init__(n_tokens)
+        super().__init__(n_tokens, engine.layout)
         self.engine = engine
         self.specs = [spec for layer in engine.layout.layers(n_tokens) for spec in layer]
         self.bufs = [np.empty((1, *s.shape), _NP[s.dtype]) for s in self.specs]
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
-        for dst, (spec, view) in zip(self.bufs, block.tensors(), strict=False):
+        # add() checked the block against the card: K/V match the buffers one to one
+        for dst, (spec, view) in zip(self.bufs, block.kv_tensors(), strict=True):
             dst[0, :, a : a + t] = np.frombuffer(view, _NP[spec.dtype]).reshape(spec.shape)
 
     def cache(self) -> Any:

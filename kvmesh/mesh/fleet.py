@@ -40,6 +40,7 @@ class Fleet:
     def advertise(self, card: CompatCard) -> None:
         """Gossip that this node serves ``card``'s namespace and runs a head."""
         node = self._node.node
+        self.store.expect(Layout(card))  # its blocks, every tier, held to the card
         node.extra_namespaces[card.namespace_hex] = card.summary()
         node.config.roles = tuple(sorted({"head", *node.config.roles}))
 

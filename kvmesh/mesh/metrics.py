@@ -40,7 +40,6 @@ SURFACES: dict[str, tuple[str, ...]] = {
         "checksum_mismatch",
         "timeout",
         "orphan_block",
-        "immutable_conflict",
         "incompatible_card",
     ),
     "fetch": ("duplicate_keys", "bad_request", "stale_epoch", "lease_expired", "not_found"),

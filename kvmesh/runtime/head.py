@@ -133,7 +133,9 @@ class HeadRuntime:
         self.publish_enabled = publish
         self.auditor = Auditor(audit_rate) if audit_rate else None
         self._lock = threading.RLock()  # held for each engine step (and audits between)
-        self.batch = BatchRunner(engine, self._lock, max_batch, kv_budget_bytes, self._drop_sessions)
+        self.batch = BatchRunner(
+            engine, self._lock, max_batch, kv_budget_bytes, self._drop_sessions
+        )
         self._sessions_lock = threading.Lock()
         self._sessions: OrderedDict[int, tuple[KVState, int]] = OrderedDict()  # (state, bytes)
         self._next_session = 0
