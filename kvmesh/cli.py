@@ -11,7 +11,7 @@ from .api.server import DEFAULT_MAX_TOKENS
 from .compat import BLOCK_DIGESTS
 from .engine import DEVICES, DTYPES, ENGINES, pick_device, pick_dtype
 from .errors import ConfigError, KVMeshError
-from .store_cli import disk_config_kwargs, disk_options, store
+from .store_cli import disk_options, store
 
 
 def _console():  # type: ignore[no-untyped-def]
@@ -229,63 +229,14 @@ def security_options(fn):  # type: ignore[no-untyped-def]
     return fn
 
 
-def node_config(
-    listen: str,
-    budget: str,
-    seed: tuple[str, ...],
-    alias: str | None,
-    advertise: tuple[str, ...],
-    roles: tuple[str, ...],
-    sec: dict[str, object],
-    **extra: object,
-):  # type: ignore[no-untyped-def]
-    from .mesh.node import NodeConfig
-    from .mesh.security import Security, TLSConfig, load_fleet_key
-    from .units import is_loopback, parse_size, split_hostport
+def node_config(*args: object, **kw: object):  # type: ignore[no-untyped-def]
+    """The library's checked node config; its refusals are usage errors here."""
+    from .mesh.settings import node_config as build
 
-    host, _ = split_hostport(listen)
-    tls = TLSConfig.from_options(sec)
-    if tls.enabled and not (tls.cert and tls.key):
-        raise click.UsageError("--tls-ca needs --tls-cert and --tls-key on a node")
-    if not tls.enabled and not is_loopback(host) and not sec.get("plaintext"):
-        raise click.UsageError(
-            f"refusing a plaintext listener on {host}: pass --tls-cert/--tls-key, or --plaintext "
-            "for a trusted private network"
-        )
-    key = load_fleet_key(sec["fleet_key_file"]) if sec.get("fleet_key_file") else None  # type: ignore[arg-type]
-    mutual_tls = tls.enabled and bool(sec.get("tls_ca"))
-    if not is_loopback(host) and not (key or mutual_tls or sec.get("allow_unauthenticated")):
-        raise click.UsageError(
-            f"refusing an unauthenticated listener on {host}: anyone reaching it could publish "
-            "and fetch. Pass --fleet-key-file (e.g. `openssl rand -hex 32 > fleet.key`), mutual TLS "
-            "(--tls-ca), or "
-            "--allow-unauthenticated for a network you fully trust"
-        )
     try:
-        limits = dict(
-            max_block_bytes=parse_size(str(sec.get("max_block_bytes") or "64MiB")),
-            max_inflight_bytes=parse_size(str(sec.get("max_inflight") or "128MiB")),
-            max_members=int(sec.get("max_members") or 256),  # type: ignore[call-overload]
-        )
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    return NodeConfig(
-        listen=listen,
-        budget_bytes=parse_size(budget),
-        seeds=list(seed),
-        alias=alias or "",
-        advertise=list(advertise),
-        roles=roles,
-        security=Security(tls=tls, fleet_key=key),
-        **disk_config_kwargs(
-            sec.get("disk"), str(sec.get("disk_budget")), str(sec.get("disk_admit"))
-        ),  # type: ignore[arg-type]
-        bulk=not sec.get("no_bulk"),
-        data_port=int(sec.get("data_port") or 0),  # type: ignore[call-overload]
-        advertise_data_port=int(sec.get("advertise_data_port") or 0),  # type: ignore[call-overload]
-        **limits,  # type: ignore[arg-type]
-        **extra,  # type: ignore[arg-type]
-    )
+        return build(*args, **kw)  # type: ignore[arg-type]
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _logging(verbose: bool) -> None:

@@ -6,7 +6,7 @@ verify DIR`` checks every file's SHA-256 against its name, reports bad files
 it exits 1 when anything bad is left. Run it on a directory no node is using.
 
 :func:`disk_options` adds ``--disk``, ``--disk-budget`` and ``--disk-admit`` to a
-command; :func:`disk_config_kwargs` turns their values into ``NodeConfig`` fields.
+command (:mod:`kvmesh.mesh.settings` turns their values into ``NodeConfig`` fields).
 """
 
 from __future__ import annotations
@@ -51,19 +51,6 @@ def disk_options(fn: F) -> F:
     ):
         fn = opt(fn)
     return fn
-
-
-def disk_config_kwargs(disk: object, disk_budget: str, disk_admit: str) -> dict[str, Any]:
-    """``NodeConfig`` keyword arguments for the ``--disk*`` options."""
-    from .units import parse_size
-
-    if not disk:
-        return {}
-    try:
-        budget = parse_size(disk_budget)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--disk-budget") from None
-    return dict(disk_path=str(disk), disk_budget_bytes=budget, disk_admit=disk_admit)
 
 
 def _files(directory: str) -> DiskFiles:

@@ -86,14 +86,12 @@ class ConnectorSettings:
 
     def node_config(self) -> NodeConfig:
         """The mesh node of this vLLM process, built and checked like ``kvmesh head``'s."""
-        import click
-
-        from ..cli import node_config
+        from ..mesh.settings import node_config
 
         v = self.values
         sec = {k: v[k] for k in _SECURITY}
         try:
-            return node_config(  # type: ignore[no-any-return]
+            return node_config(
                 v["grpc_listen"],
                 str(v["budget"]),
                 tuple(v["seed"]),
@@ -107,8 +105,8 @@ class ConnectorSettings:
                 lookup_deadline=v["lookup_timeout"],
                 fetch_deadline=v["fetch_timeout"],
             )
-        except click.ClickException as e:
-            raise ConfigError(f"kv_connector_extra_config: {e.format_message()}") from None
+        except ConfigError as e:
+            raise ConfigError(f"kv_connector_extra_config: {e}") from None
         except (ValueError, OSError) as e:
             raise ConfigError(f"kv_connector_extra_config: {e}") from None
 
