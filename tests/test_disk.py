@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import blake3
@@ -323,13 +321,6 @@ def test_store_cli_stats_and_verify(tmp_path):
 # -- a mesh node with a disk tier -----------------------------------------------
 
 
-def _peer_has_disk_flags() -> bool:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "peer", "--help"], capture_output=True, text=True
-    )
-    return "--disk" in out.stdout
-
-
 def test_node_with_disk_is_a_remote_hit_after_both_restart(tiny_engine, tmp_path):
     """In-process: a peer node with a disk tier, and a head, both restarted."""
     from kvmesh.mesh.node import NodeConfig, NodeThread
@@ -447,9 +438,6 @@ def _cached(out: dict) -> int:
     return out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.skipif(
-    not _peer_has_disk_flags(), reason="`kvmesh peer --disk` is not wired into cli.py yet"
-)
 def test_head_and_disk_peer_processes_survive_sigkill(tmp_path):
     """Issue 14's done-when: publish through a `kvmesh head` to a `kvmesh peer --disk`,
     SIGKILL the peer and the head, restart both: the same prompt is a remote hit
