@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvmesh.api.app import create_app
-from kvmesh.api.openai import GREEDY_BELOW, MIN_TEMPERATURE, safe_temperature
+from kvmesh.engine.sampling import GREEDY_BELOW, MIN_TEMPERATURE, safe_temperature
 from kvmesh.runtime.head import HeadRuntime
 
 PROMPT = "Explain prefill caching"

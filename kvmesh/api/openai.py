@@ -14,8 +14,8 @@ Contracts:
   [0, 20], ``max_tokens`` at least 1 with prompt + max_tokens within the context.
   ``null`` is the default, as in OpenAI's schema.
 - Every accepted value is one the engine samples with, never NaN (vLLM's rule): a
-  temperature below ``GREEDY_BELOW`` is greedy, one below ``MIN_TEMPERATURE`` is
-  raised to it (dividing logits by less overflows float32 to inf, then NaN).
+  temperature below 1e-5 is greedy, one below 0.01 is raised to 0.01 (vLLM's rule,
+  applied by the engines: :func:`kvmesh.engine.sampling.safe_temperature`).
 - A request without ``max_tokens`` generates at most ``max_tokens_default``
   (``kvmesh head --default-max-tokens``), never past the context window.
 - Parameters kvmesh does not implement (``NO_OP``) are accepted only with the value
@@ -75,8 +75,6 @@ UNSUPPORTED = tuple(NO_OP)
 # OpenAI's schema makes these nullable: null means the default
 NULLABLE = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
             "logprobs", "top_logprobs", "ignore_eos")  # fmt: skip
-GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature is greedy
-MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a smaller positive temperature is raised to it
 LOGPROB_FLOOR = -9999.0  # what OpenAI and vLLM report for a token of probability ~0
 MAX_N = 16  # sequences per request: each holds its own copy of the prompt's KV while decoding
 MAX_STOPS = 4  # as OpenAI
@@ -212,15 +210,6 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def safe_temperature(t: float) -> float:
-    """The temperature the engine samples with (vLLM's rule): greedy below
-    ``GREEDY_BELOW``; otherwise at least ``MIN_TEMPERATURE``, so logits divided by
-    it stay finite (``1e-40`` would turn them to inf and the softmax to NaN)."""
-    if t < GREEDY_BELOW:
-        return 0.0
-    return max(t, MIN_TEMPERATURE)
-
-
 def _refuse_unsupported(req: _Common) -> None:
     """400 for what kvmesh does not implement (unless its value changes nothing) and
     for what OpenAI itself refuses."""
@@ -297,7 +286,7 @@ class OpenAIService:
                 param="n",
             )  # fmt: skip
         return Sampling(
-            max_tokens=self._max_tokens(req, n_prompt), temperature=safe_temperature(req.temperature),
+            max_tokens=self._max_tokens(req, n_prompt), temperature=req.temperature,
             top_p=req.top_p, seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stops,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logprobs=logprobs, n=req.n,

@@ -3,20 +3,27 @@ valid probability vector for every accepted parameter.
 
 Contract: :func:`distribution` takes float logits (any finite or non-finite values)
 and returns float64 probabilities that are finite, non-negative and sum to 1, or
-None when the request is greedy. A temperature below :data:`SAMPLING_EPS` is greedy
-(vLLM's convention): dividing by it would overflow to inf and NaN. The softmax is
-taken after subtracting the maximum, in float64, so no finite logit overflows.
+None when the request is greedy. The temperature is vLLM's rule, in one place
+(:func:`safe_temperature`): below :data:`GREEDY_BELOW` it is greedy, below
+:data:`MIN_TEMPERATURE` it is raised to it (dividing by less overflows float32
+logits to inf, then NaN). The softmax is taken after subtracting the maximum, in
+float64, so no finite logit overflows.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy (as in vLLM)
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature is greedy
+MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a smaller positive temperature is raised to it
 
 
-def is_greedy(temperature: float) -> bool:
-    return not temperature >= SAMPLING_EPS  # NaN is greedy too, never a division
+def safe_temperature(t: float) -> float:
+    """The temperature sampled with: 0.0 (greedy) below ``GREEDY_BELOW`` or NaN,
+    else at least ``MIN_TEMPERATURE``."""
+    if not t >= GREEDY_BELOW:  # NaN too: never a division by it
+        return 0.0
+    return max(t, MIN_TEMPERATURE)
 
 
 def clean(logits: np.ndarray) -> np.ndarray:
@@ -31,12 +38,14 @@ def clean(logits: np.ndarray) -> np.ndarray:
 
 
 def greedy(logits: np.ndarray) -> int:
-    return int(np.argmax(clean(logits)))
+    i = int(np.argmax(logits))  # argmax lands on a NaN when there is one
+    return i if not np.isnan(logits[i]) else int(np.argmax(clean(logits)))
 
 
 def distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray | None:
     """Probabilities to sample from, or None for greedy decoding."""
-    if is_greedy(temperature):
+    temperature = safe_temperature(temperature)
+    if not temperature:
         return None
     x = clean(logits)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
@@ -54,4 +63,6 @@ def distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.nda
     return p
 
 
-__all__ = ["SAMPLING_EPS", "clean", "distribution", "greedy", "is_greedy"]
+__all__ = [
+    "GREEDY_BELOW", "MIN_TEMPERATURE", "clean", "distribution", "greedy", "safe_temperature",
+]
