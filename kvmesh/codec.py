@@ -85,8 +85,8 @@ class BlockHeader:
     layers: tuple[tuple[TensorSpec, ...], ...]  # per layer: K part(s) then V part(s)
     logits: TensorSpec | None = None
 
-    @property
-    def payload_bytes(self) -> int:
+    @functools.cached_property
+    def payload_bytes(self) -> int:  # checked on every import: summed once per header
         n = sum(spec.nbytes for layer in self.layers for spec in layer)
         return n + (self.logits.nbytes if self.logits else 0)
 

@@ -225,3 +225,68 @@ def test_a_request_that_can_never_fit_the_budget_is_refused_before_it_runs():
         assert 0 < h.batch.held_bytes <= 4096 * per  # the kept session holds its share
     finally:
         h.close()
+
+
+def poison(monkeypatch, eng, seed: int = 666) -> None:
+    """Sampling raises for the sequences of requests seeded ``seed`` (choice 0)."""
+    real = type(eng).sample
+
+    def sample(self, logits, sampling, rng, counts=None):
+        if sampling.seed == seed:
+            raise FloatingPointError("poisoned request")
+        return real(self, logits, sampling, rng, counts)
+
+    monkeypatch.setattr(type(eng), "sample", sample)
+
+
+def test_a_failing_choice_ends_its_siblings_without_touching_the_engine(monkeypatch):
+    eng = engine()
+    h = HeadRuntime(eng, publish=False, max_sessions=0)
+    poison(monkeypatch, eng)
+    try:  # choice 0 raises; choice 1 would end on this very step (max_tokens=1)
+        with pytest.raises(FloatingPointError):
+            h.complete(toks(20), Sampling(max_tokens=1, seed=666, n=2, stop_on_eos=False))
+        assert h.engine_failure is None and h.batch.running == 0
+        assert len(h.complete(toks(20), Sampling(max_tokens=2)).tokens) == 2
+    finally:
+        h.close()
+
+
+def test_failures_during_another_prompts_chunked_prefill_change_no_stream(monkeypatch):
+    import kvmesh.engine.base as base
+
+    eng = engine()
+    monkeypatch.setattr(base.Engine.prefill, "__defaults__", ((), None, None, 8))  # 8-token chunks
+    h = HeadRuntime(eng, publish=False, max_sessions=0)
+    poison(monkeypatch, eng)
+    try:
+        alone = h.complete(toks(5), Sampling(max_tokens=20, stop_on_eos=False))
+        started = threading.Event()
+        t0, first, e0 = run(h, toks(5), Sampling(max_tokens=20, stop_on_eos=False), "z", started)
+        assert started.wait(60)
+        t1, _, e1 = run(h, toks(5), Sampling(max_tokens=1, seed=666, n=2, stop_on_eos=False), "a")
+        t2, chunked, e2 = run(h, toks(60), Sampling(max_tokens=3, stop_on_eos=False), "b")
+        for t in (t0, t1, t2):
+            t.join(120)
+        assert isinstance(e1[0], FloatingPointError) and not e0 and not e2
+        assert texts(first) == texts(alone) and chunked.report.source == "compute"
+        assert chunked.report.fallback is None and h.engine_failure is None
+    finally:
+        h.close()
+
+
+def test_a_fair_share_follows_issued_keys_and_addresses_never_claims():
+    from starlette.requests import Request
+
+    from kvmesh.api.openai import client_of
+
+    def req(headers: dict[str, str], port: int) -> Request:
+        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        return Request({"type": "http", "headers": raw, "client": ("10.0.0.5", port)})
+
+    issued = "the-key-the-head-issued"
+    valid = issued.__eq__
+    made_up = {client_of(req({"X-API-Key": f"made-up-{i}"}, 5000 + i), valid) for i in range(5)}
+    assert made_up == {"host:10.0.0.5"}  # new keys and new connections are one client
+    mine = client_of(req({"Authorization": f"Bearer {issued}"}, 7000), valid)
+    assert mine.startswith("key:") and issued not in mine

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..runtime.batch import EngineFailed
 from ..runtime.head import HeadRuntime
 from . import network
 from .guard import Guard
@@ -166,7 +167,7 @@ def create_app(
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
     scheduler = Scheduler(runtime, limits.max_queue)
     service = OpenAIService(
-        runtime, scheduler, model_name, max_context, aliases, max_tokens_default
+        runtime, scheduler, model_name, max_context, aliases, max_tokens_default, keys.check
     )
     app.state.runtime = runtime
     app.state.openai = service
@@ -203,6 +204,12 @@ def create_app(
         code = "body_too_large" if exc.status_code == 413 else None
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
                               code=code, headers=exc.headers)  # fmt: skip
+
+    @app.exception_handler(EngineFailed)
+    async def _engine_failed(request: Request, exc: EngineFailed) -> Any:
+        return error_response(503, "the engine failed: no request can run on this head "
+                              "(see /healthz and the server log)", "server_error",
+                              code="engine_failed")  # fmt: skip
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> Any:

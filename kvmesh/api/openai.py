@@ -39,7 +39,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -255,11 +255,13 @@ class OpenAIService:
         max_context: int,
         aliases: tuple[str, ...] = (),
         max_tokens_default: int | None = None,
+        key_is_valid: Callable[[str | None], bool] = lambda key: False,
     ) -> None:
         self.runtime = runtime
         self.scheduler = scheduler
         self.model_name = model_name
         self.aliases = aliases
+        self.key_is_valid = key_is_valid  # fair shares follow only keys the head issued
         self.max_context = max_context
         self.max_tokens_default = max_tokens_default
         self.created = int(time.time())
@@ -539,7 +541,7 @@ def router(service: OpenAIService) -> APIRouter:
         job = service.scheduler.admit()  # QueueFull: 503 before any work
         try:
             tokens = await run_in_threadpool(service.tokens, req)  # templating is CPU work
-            out, stream = service.start(req, tokens, job, client_of(request))
+            out, stream = service.start(req, tokens, job, client_of(request, service.key_is_valid))
         except BaseException:
             service.scheduler.release(job)
             raise
@@ -565,14 +567,15 @@ def router(service: OpenAIService) -> APIRouter:
     return r
 
 
-def client_of(request: Request) -> str:
-    """Whose fair share of the batch a request takes: its API key (hashed: the key
-    itself is never kept), else its connection."""
+def client_of(request: Request, key_is_valid: Callable[[str | None], bool]) -> str:
+    """Whose fair share of the batch a request takes: a valid API key (hashed: the
+    key itself is never kept), else the client's address. Never a claim the client
+    can vary at will (an unchecked key, a new connection's port): that would make
+    every request a newcomer."""
     key = presented_key(request.headers)
-    if key:
+    if key and key_is_valid(key):
         return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
-    peer = request.client
-    return f"conn:{peer.host}:{peer.port}" if peer else "conn:?"
+    return f"host:{request.client.host}" if request.client else "host:?"
 
 
 async def _finish_unless_gone(request: Request, stream: TokenStream) -> bool:

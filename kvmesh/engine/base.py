@@ -267,14 +267,18 @@ def model_name(path: Path, cfg: dict[str, Any]) -> str:
     return raw.rsplit("/", 1)[-1] or path.resolve().name
 
 
-def check_chain(prefix: Sequence[Block], layout: Layout, tokens: int) -> int:
+def check_chain(
+    prefix: Sequence[Block], layout: Layout, tokens: int, checked: bool = False
+) -> int:
     """Validate that ``prefix`` is a contiguous chain from the root whose every
     block is what ``layout``'s card says a block is (:func:`check_block`:
     namespace, token count, layer count, per-tensor dtypes and shapes, logits),
-    whichever tier it came from; return its length in tokens."""
+    whichever tier it came from; return its length in tokens. ``checked``: an
+    importer with this layout already checked each block as it was added."""
     parent, pos = layout.card.namespace, 0
     for i, blk in enumerate(prefix):
-        check_block(blk, layout)
+        if not checked:
+            check_block(blk, layout)
         h = blk.header
         if h.parent != parent or h.start != pos:
             raise MalformedPayload(f"block {i} does not continue the chain")
@@ -460,7 +464,8 @@ class Engine(abc.ABC):
         tokens = list(tokens)
         if not tokens:
             raise ValueError("cannot prefill an empty sequence")
-        p = check_chain(prefix, self.layout, len(tokens)) if prefix else 0
+        checked = imported is not None and imported.layout is self.layout
+        p = check_chain(prefix, self.layout, len(tokens), checked) if prefix else 0
         if imported is not None and (imported.n_tokens != p or imported.added != len(prefix)):
             raise MalformedPayload("the imported buffer does not hold this prefix")
         cache = (

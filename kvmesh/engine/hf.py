@@ -49,7 +49,7 @@ from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..codec import Block, Layout
 from ..errors import CacheMiss, ConfigError
 from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
-from .sampling import distribution, greedy
+from .sampling import distribution, greedy, safe_temperature
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
@@ -422,10 +422,14 @@ class TransformersEngine(Engine):
             n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
             logits = logits.clone()
             logits[ids] -= n * sampling.frequency_penalty + sampling.presence_penalty
+        if not safe_temperature(sampling.temperature):  # greedy: one argmax on the device
+            i = int(torch.argmax(logits).item())
+            if not torch.isnan(logits[i]):
+                return i
         x = logits.detach().float().cpu().numpy()
         p = distribution(x, sampling.temperature, sampling.top_p)
         if p is None:
-            return greedy(x)
+            return greedy(x)  # NaN logits: never chosen
         return int(torch.multinomial(torch.from_numpy(p), 1, generator=rng).item())
 
     def _log_softmax(self, logits: Any) -> np.ndarray:

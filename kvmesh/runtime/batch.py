@@ -71,6 +71,13 @@ class EngineFailed(RuntimeError):
     """The engine thread died; no request can run on this head."""
 
 
+class _StepBroke(BaseException):
+    """A decode step that raised inside another job's chunked prefill. Not an
+    ``Exception``: that prefill's own fallback must not swallow it and blame the
+    job being prefilled (the step's sequences may be half advanced); it ends the
+    loop, whose supervisor fails every job."""
+
+
 @dataclass(frozen=True)
 class _Done:
     error: BaseException | None = None
@@ -134,6 +141,7 @@ class BatchRunner:
         self.make_room = make_room  # asked to free reserved bytes before a job waits
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
+        self._starting: list[Job] = []  # admitted, not yet prefilled
         self._running: list[_Seq] = []
         self._kv_held = 0
         self._reserved = 0  # held by others (sessions) against the same budget
@@ -236,8 +244,10 @@ class BatchRunner:
                 if self._closed:
                     self._fail_all(RuntimeError("the engine is shut down"))
                     return
-            for job in self._admissible():
-                self._start(job)
+            self._starting = self._admissible()
+            while self._starting:  # each stays listed while it starts: a death ends it too
+                self._start(self._starting[0])
+                self._starting.pop(0)
             if self._running:
                 self._step()
 
@@ -257,7 +267,7 @@ class BatchRunner:
                     return out
                 need = self.charge(job.kv_bytes, job.sampling.n)
                 short = need - self._free_kv() if self.kv_budget_bytes is not None else 0
-            if short > 0 and self.make_room is not None:
+            if 0 < short <= self._reserved and self.make_room is not None:
                 self.make_room(short)  # sessions give room back (outside our lock)
             with self._cv:
                 if not self._fits_kv(need, out):
@@ -324,7 +334,10 @@ class BatchRunner:
 
     def _between(self) -> None:
         if self._running:
-            self._step()
+            try:
+                self._step()
+            except Exception as e:
+                raise _StepBroke(e) from e
 
     def _chosen(self) -> list[_Seq]:
         """At most ``max_batch`` sequences for this step: slots dealt to clients in
@@ -347,6 +360,8 @@ class BatchRunner:
         going: list[_Seq] = []
         with self.lock:
             for seq in self._chosen():
+                if seq not in self._running:  # a sibling's failure ended its job
+                    continue
                 if seq.job._gone():
                     self._finish(seq, cancelled=True)
                     continue
@@ -425,8 +440,10 @@ class BatchRunner:
         for job in {seq.job for seq in self._running}:
             self._fail(job, error)
         with self._cv:
-            waiting, self._waiting = list(self._waiting), deque()
+            waiting, self._waiting = [*self._starting, *self._waiting], deque()
+            self._starting = []
         for job in waiting:
+            self._release(job)
             self._end(job, error=error)
 
 
