@@ -92,7 +92,7 @@ class Scheduler:
     ) -> TokenStream:  # fmt: skip
         """Run ``job`` now (it owns its slot until it ends); read its tokens from
         the returned stream. The caller must not ``release`` it afterwards.
-        ``client`` (an API key's name, else the connection) takes a fair share of
+        ``client`` (a valid API key, else the client's address) takes a fair share of
         the batch beside other clients (see :mod:`kvmesh.runtime.batch`)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[int | _End] = asyncio.Queue()

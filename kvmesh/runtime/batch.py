@@ -3,7 +3,7 @@ per step, in one forward pass, shared fairly between clients.
 
 A request whose prefix was already acquired (network waits happen on its own
 thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
-(an API key, a tenant or a connection). Contract:
+(whatever the caller names: the HTTP API uses a valid API key, else an address). Contract:
 
 - **Admission.** Between steps the engine thread admits waiting jobs, the client
   with the fewest resident sequences first (in order within a client). A job is
