@@ -4,6 +4,8 @@ A fake clock drives the planner: failures age out over quiet time (so an isolate
 failure never escalates), a peer failing on every try still reaches the maximum,
 an answered lookup forgives lookup failures but not fetch failures, and the mesh
 client reports answered lookups (probes included) for real nodes on loopback.
+The score is bounded (thousands of failures stay at the maximum), and the one
+fetch/lookup failure policy blames only a peer's own failures.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh.blocks import BlockKeyer
+from kvmesh.errors import CacheMiss, ChecksumMismatch, LocalBusy, PeerBusy
 from kvmesh.mesh.node import MeshNode, NodeConfig
 from kvmesh.runtime.planner import BACKOFF_MAX_S, MAX_TRACKED, Planner
 
@@ -164,3 +167,63 @@ def test_the_mesh_client_reports_answered_lookups_probes_included():
                 await n.stop(0.1)
 
     asyncio.run(run())
+
+
+def test_thousands_of_failures_stay_at_the_maximum_without_overflowing():
+    """A dead peer probed on every lookup fails while backed off, so it never has
+    quiet time: its score must stop growing (2 ** 1024 would overflow)."""
+    p, clock = _planner()
+    for i in range(5000):  # the clock never moves
+        fetch, lookup = p.peer_failed("a"), p.lookup_failed("a")
+        if i >= 10:
+            assert fetch == lookup == BACKOFF_MAX_S
+    assert p.backed_off() == {"a": BACKOFF_MAX_S}
+    clock.advance(BACKOFF_MAX_S + 10 * 60.0)  # ten half-lives of quiet: it is forgotten
+    assert p.peer_failed("a") < 1.1
+
+
+def test_a_backoff_first_at_the_maximum_is_the_maximum_every_time():
+    p, _ = _planner()
+    p.backoff_first_s = BACKOFF_MAX_S
+    assert all(p.peer_failed("a") == BACKOFF_MAX_S for _ in range(3000))
+
+
+class Counted(list):
+    def __call__(self, name: str) -> None:
+        self.append(name)
+
+
+def test_fetch_failures_blame_only_the_peers_own():
+    """One policy for every caller: busy and our own saturation are counted as
+    skipped and blame nobody, a miss is ours, anything else backs the peer off."""
+    p, _ = _planner()
+    count = Counted()
+    assert p.fetch_failed("a", PeerBusy("loaded"), count) == "busy"
+    assert p.fetch_failed("a", LocalBusy("ours"), count, "alias-a") == "local_busy"
+    assert p.fetch_failed("a", CacheMiss("gone"), count) == "miss"
+    assert count == ["fetch_skipped:busy", "fetch_skipped:local_busy"]
+    assert p.usable("a") and p.backed_off() == {}
+    assert p.fetch_failed("a", TimeoutError(), count) == "timeout"
+    assert p.fetch_failed("b", ChecksumMismatch("bad"), count) == "checksum_mismatch"
+    assert p.fetch_failed("c", RuntimeError("bug"), count) == "error"
+    assert count[2:] == [
+        "peer_failed:timeout",
+        "peer_failed:checksum_mismatch",
+        "peer_failed:error",
+    ]
+    assert set(p.backed_off()) == {"a", "b", "c"}
+    p.lookup_succeeded("a")  # an answered lookup does not forgive a failed fetch
+    assert not p.usable("a")
+
+
+def test_lookup_hooks_back_off_count_and_forgive():
+    p, _ = _planner()
+    count = Counted()
+    hooks = p.lookup_hooks(count)
+    assert not hooks["skip"]("a")
+    hooks["on_failure"]("a", "timeout")
+    assert count == ["lookup_failed:timeout"] and hooks["skip"]("a")
+    hooks["on_success"]("a")
+    assert not hooks["skip"]("a") and p.backed_off() == {}
+    p.quarantine("q")
+    assert hooks["skip"]("q")

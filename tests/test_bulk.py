@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvmesh.codec import Layout
 from kvmesh.errors import (
     ChecksumMismatch,
+    ConfigError,
     KVMeshError,
     LeaseExpired,
     LocalBusy,
@@ -350,6 +351,74 @@ def test_streams_beyond_the_cap_are_refused_busy_which_is_not_a_failure():
         s.close()
 
 
+def test_a_busy_refusal_reaches_a_client_still_sending_as_busy(monkeypatch):
+    """The refusal comes before the body is read: the server drains what the
+    client is still sending, so the client reads ``busy`` (not a reset, which
+    would blame the peer) even with megabytes of its request unsent."""
+    monkeypatch.setattr(bulk, "DRAIN_S", 60.0)  # ends when the client closes, not by time
+    s = Served(max_conns=1, progress_s=30.0)
+    idle = []
+    try:
+        idle = _hold_streams(s.address, 1)
+        wait_for(lambda: s.server.gate.counts() == (0, 1))
+        big = b"\0" * (bulk.MAX_BODY - 1)  # not parsed: refused before it is read
+        for _ in range(3):
+            with pytest.raises(PeerBusy, match="busy"):
+                s.fetch(big)
+        assert s.counters["bulk_rejected:busy"] == 3
+        wait_for(lambda: s.server.gate.refusing() == 0)  # each drain ended with its client
+    finally:
+        for c in idle:
+            c.close()
+        s.close()
+
+
+def test_connections_refused_busy_are_bounded_and_cut_at_stop(monkeypatch):
+    """A connection answered ``busy`` is held (draining) within the gate's
+    accounting: at most ``max_conns`` of them, the next closed at once, and all
+    cut when the server stops."""
+    monkeypatch.setattr(bulk, "DRAIN_S", 600.0)
+    s = Served(max_conns=1, progress_s=600.0)
+    held = []
+    try:
+        held = _hold_streams(s.address, 1)
+        wait_for(lambda: s.server.gate.counts() == (0, 1))
+        held += _hold_streams(s.address, 1)  # refused busy, then silent: drains
+        wait_for(lambda: s.server.gate.refusing() == 1)
+        reply = raw_exchange(s.address, HELLO.pack(bulk.MAGIC, bulk.FETCH, 100, bytes(32), 0, b""))
+        assert error_reason(reply) == "busy"  # answered and closed: no place to drain
+        assert s.server.gate.refusing() == 1 and s.counters["bulk_rejected:busy"] == 2
+        s.server.stop()
+        wait_for(lambda: s.server.gate.counts() == (0, 0) and s.server.gate.refusing() == 0)
+    finally:
+        for c in held:
+            c.close()
+        s.close()
+
+
+def test_a_connection_without_a_thread_is_cut_and_the_acceptor_goes_on(monkeypatch):
+    s = Served()
+    real = threading.Thread
+    failures = []
+
+    class Flaky(real):  # type: ignore[misc,valid-type]
+        def start(self):
+            if getattr(self, "_target", None) == s.server._serve and not failures:
+                failures.append(self)
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    try:
+        monkeypatch.setattr(threading, "Thread", Flaky)
+        assert raw_exchange(s.address, b"", read=1) == b""  # cut
+        assert failures and s.counters["bulk_rejected:no_thread"] == 1
+        assert s.server.gate.counts() == (0, 0)
+        assert len(s.fetch()) == len(CHAIN)  # the next one is served
+    finally:
+        monkeypatch.undo()
+        s.close()
+
+
 # -- before authentication: a fixed-size hello, a deadline for all of it, per-source caps ---
 
 
@@ -549,6 +618,116 @@ def test_a_fetch_that_cannot_get_a_local_stream_is_local_busy_not_the_peers_faul
         asyncio.run(run())
     finally:
         silent.close()
+
+
+class FakeSlots:
+    """Stands in for a client's stream slots: taking one takes ``wait_s`` on the
+    client's (fake) clock."""
+
+    def __init__(self, clock: list[float], wait_s: float) -> None:
+        self.clock, self.wait_s = clock, wait_s
+
+    async def acquire(self) -> bool:
+        self.clock[0] += self.wait_s
+        return True
+
+    def release(self) -> None:
+        pass
+
+
+def _budgeted(wait_s: float, limit_s: float):
+    """(limit the stream got, or the error raised, the client's counters) after a
+    wait of ``wait_s`` for a slot, on a fake clock."""
+    got: list[float] = []
+
+    def stream(tag: str, limit: float, cancel: Cancel, digest: bytes) -> str:
+        got.append(limit)
+        return tag + digest.decode()
+
+    async def run():
+        client = MeshClient(Membership("me", pb.CapabilityCard))
+        now = [100.0]
+        client._clock = lambda: now[0]
+        client._stream_slots = FakeSlots(now, wait_s)  # type: ignore[assignment]
+        try:
+            out = await client._on_stream(stream, "ok", limit_s=limit_s, digest=b"!")
+            assert out == "ok!"
+            return got[0], client.counters
+        except LocalBusy as e:
+            assert not got  # the stream never started: the peer was never reached
+            return e, client.counters
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def test_the_wait_for_a_stream_and_the_stream_share_one_limit():
+    """The head's budget is one: a stream gets what the wait for it left, and a
+    wait that leaves too little is ours (LocalBusy), never the peer's failure."""
+    assert _budgeted(0.0, 10.0)[0] == 10.0
+    assert _budgeted(4.0, 10.0)[0] == pytest.approx(6.0)
+    assert _budgeted(0.0, 0.01)[0] == pytest.approx(0.01)  # a short limit with no wait still runs
+    for wait in (9.99, 10.0):
+        err, counters = _budgeted(wait, 10.0)
+        assert isinstance(err, LocalBusy) and counters["local_busy"] == 1
+
+
+def test_a_request_body_is_hashed_once_for_its_credential_and_its_hello(monkeypatch):
+    from kvmesh.mesh import client as client_mod
+
+    s = Served(auth=FleetAuth(KEY, "srv"))
+    hashed: list[str] = []
+    real = client_mod.body_digest
+
+    def counting(where):
+        def digest(raw: bytes) -> bytes:
+            hashed.append(where)
+            return real(raw)
+
+        return digest
+
+    monkeypatch.setattr(client_mod, "body_digest", counting("client"))
+    monkeypatch.setattr(bulk, "body_digest", counting("bulk"))
+    hit = PeerHit("srv", "srv", s.address, "loopback", s.store.epoch, tuple(infos(CHAIN)),
+                  None, 41, data_address=s.address)  # fmt: skip
+
+    async def run():
+        client = MeshClient(Membership("cli", pb.CapabilityCard), FleetAuth(KEY, "cli"))
+        try:
+            return await client.fetch(LAYOUT, hit)
+        finally:
+            await client.close()
+
+    try:
+        assert len(asyncio.run(run())) == len(CHAIN)
+        assert hashed == ["client", "bulk"]  # the client once; the server checks the body
+        assert s.counters["fetches"] == 1 and s.counters["unauthenticated"] == 0
+    finally:
+        s.close()
+
+
+def test_a_node_id_too_long_for_a_bulk_credential_is_refused_at_setup(served):
+    long_id = "n" * 400
+    with pytest.raises(ConfigError, match="node id"):
+        MeshClient(Membership(long_id, pb.CapabilityCard), FleetAuth(KEY, long_id))
+    MeshClient(Membership(long_id, pb.CapabilityCard), FleetAuth(KEY, long_id), use_bulk=False)
+    MeshClient(Membership(long_id, pb.CapabilityCard))  # no key: no credential at all
+
+    # a peer whose id is too long for ours is that peer's problem, found before any stream
+    hit = PeerHit("p" * 500, "p", served.address, "loopback", served.store.epoch,
+                  tuple(infos(CHAIN)), None, 41, data_address=served.address)  # fmt: skip
+
+    async def run():
+        client = MeshClient(Membership("cli", pb.CapabilityCard), FleetAuth(KEY, "cli"))
+        try:
+            with pytest.raises(MalformedPayload, match="node id"):
+                await client.fetch(LAYOUT, hit)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert served.counters["fetches"] == 0 and served.counters["bulk_rejected:busy"] == 0
 
 
 # -- hostile servers ------------------------------------------------------------------

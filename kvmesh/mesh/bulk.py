@@ -34,19 +34,25 @@ connection (of that address, else of all) is cut, so a new one always gets its
 turn and slow unauthenticated connections cannot hold the port. Only then does a
 stream take one of ``max_conns`` slots (one more is answered ``busy``, which a
 client raises as :class:`~kvmesh.errors.PeerBusy`: the peer is loaded, not
-failing), read the body, each read or write within the progress timeout.
+failing), read the body, each read or write within the progress timeout. Every
+error answered after the hello is followed by reading (and dropping) what the
+client still sends for up to ``DRAIN_S``, so that closing does not reset the
+connection before the client has read the answer; connections answered ``busy``
+while they drain are at most ``max_conns`` more (any further one is closed at
+once) and are cut with the rest when the server stops.
 
 A server reserves publish bytes against the cache service's in-flight cap before
 allocating them and counts every refusal as ``bulk_rejected:<reason>``; a client
 turns every failure into a typed error. Neither side trusts the other. A client's
-``limit_s`` counts from when its call starts on a stream thread.
+``limit_s`` counts from when its call starts on a stream thread. A credential
+that cannot fit the hello is a configuration error, found when a node is set up
+(:func:`check_credential`), never on a stream.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import logging
 import socket
 import ssl
@@ -75,7 +81,7 @@ from ..errors import (
     Unauthenticated,
 )
 from .proto import kvmesh_pb2 as pb
-from .security import AUTH_HEADER, CallRefused, FleetAuth, TLSConfig
+from .security import AUTH_HEADER, CallRefused, FleetAuth, TLSConfig, body_digest
 
 if TYPE_CHECKING:
     from .server import CacheService
@@ -98,7 +104,7 @@ PER_SOURCE = 8  # ... from one address
 AUTH_S = 3.0  # TLS handshake and hello, in all: an honest peer needs milliseconds
 STREAM_S = 3600.0  # an authenticated stream's total (its reads and writes: PROGRESS_S each)
 PROGRESS_S = 10.0
-DRAIN_S = 1.0  # after refusing a publish, read (and drop) for this long so the answer lands
+DRAIN_S = 1.0  # after an error answered past the hello, read (and drop) this long so it lands
 
 
 _new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
@@ -270,14 +276,28 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
 
 
-def hello(op: int, body: bytes, cred: str) -> bytes:
+def check_credential(auth: FleetAuth | None) -> None:
+    """Raise :class:`~kvmesh.errors.ConfigError` (when a node is set up, not per
+    stream) if a bulk credential of this node to a peer whose node id is as long
+    as its own would not fit the hello."""
+    if auth is None:
+        return
+    cred = auth.call_metadata(METHODS[PUBLISH], auth.node_id, bytes(32))[0][1]
+    if len(cred.encode()) > CRED_SLOT:
+        raise ConfigError(f"node id of {len(auth.node_id.encode())} bytes: its bulk credentials "
+                          f"would be {len(cred.encode())} bytes (at most {CRED_SLOT}); "
+                          "shorten the node id")  # fmt: skip
+
+
+def hello(op: int, body: bytes, cred: str, digest: bytes | None = None) -> bytes:
     """The fixed-size frame a request opens with: everything the server checks
-    before it reads ``body`` (which the caller sends next)."""
+    before it reads ``body`` (which the caller sends next). ``digest`` is
+    ``body_digest(body)`` when the caller has it already (it bound the credential)."""
     raw = cred.encode()
     if len(raw) > CRED_SLOT:
-        raise ConfigError(f"a bulk credential is {len(raw)} bytes (at most {CRED_SLOT}): "
-                          "shorten the node id")  # fmt: skip
-    return HELLO.pack(MAGIC, op, len(body), hashlib.sha256(body).digest(), len(raw), raw)
+        raise MalformedPayload(f"a bulk credential is {len(raw)} bytes (at most {CRED_SLOT})")
+    digest = body_digest(body) if digest is None else digest
+    return HELLO.pack(MAGIC, op, len(body), digest, len(raw), raw)
 
 
 # -- client ----------------------------------------------------------------------
@@ -295,18 +315,20 @@ def fetch(
     progress_s: float,
     limit_s: float,
     cancel: Cancel,
+    digest: bytes | None = None,
 ) -> list[Block]:
-    """Fetch ``infos``' blocks (``request`` is their serialized FetchRequest): each
-    received into a buffer of its announced size (already capped by the caller),
-    verified on ``hashers`` (alternating) while the next arrives, all within
-    ``limit_s`` of this call. Blocking; raises a typed error."""
+    """Fetch ``infos``' blocks (``request`` is their serialized FetchRequest,
+    ``digest`` its :func:`body_digest` if known): each received into a buffer of
+    its announced size (already capped by the caller), verified on ``hashers``
+    (alternating) while the next arrives, all within ``limit_s`` of this call.
+    Blocking; raises a typed error."""
     deadline = time.monotonic() + limit_s  # from now: not while the call waited for a thread
     sock = _connect(address, dialer, progress_s, cancel)
     stream = _Stream(sock, progress_s, deadline)
     pending: list[Future[Block]] = []
     try:
         try:
-            stream.send(hello(FETCH, request, cred) + request)
+            stream.send(hello(FETCH, request, cred, digest) + request)
             for j, info in enumerate(infos):
                 _, n = stream.read_frame(info.nbytes)
                 if n != info.nbytes:
@@ -348,16 +370,17 @@ def publish(
     progress_s: float,
     limit_s: float,
     cancel: Cancel,
+    digest: bytes | None = None,
 ) -> pb.PublishResponse:
-    """Send ``blocks`` (announced by ``body``, a BulkPublish) from their own buffers
-    within ``limit_s`` of this call; the receiver's answer. Blocking; raises a
-    typed error when there is none."""
+    """Send ``blocks`` (announced by ``body``, a BulkPublish; ``digest`` its
+    :func:`body_digest` if known) from their own buffers within ``limit_s`` of this
+    call; the receiver's answer. Blocking; raises a typed error when there is none."""
     deadline = time.monotonic() + limit_s
     sock = _connect(address, dialer, progress_s, cancel)
     stream = _Stream(sock, progress_s, deadline)
     try:
         try:
-            stream.send(hello(PUBLISH, body, cred) + body)
+            stream.send(hello(PUBLISH, body, cred, digest) + body)
             for blk in blocks:
                 stream.send(blk.blob)
         except PeerUnavailable:
@@ -380,6 +403,7 @@ class _Conn:
     source: str
     accepted: float
     evicted: bool = False
+    admitted: bool = False  # authenticated, holding a stream or a refusing place
 
     def cut(self) -> None:
         # socket.socket's own shutdown: SSLSocket's would drop its TLS state under
@@ -392,7 +416,8 @@ class _Gate:
     """Who holds the port. Unauthenticated connections: at most ``per_source`` from
     one address and ``max_pending`` in all, the oldest (of that address, else of
     all) cut to make room for a new one. Authenticated streams: at most
-    ``max_conns``, the next refused. Thread-safe."""
+    ``max_conns``, the next refused ``busy``: up to ``max_conns`` of those are held
+    while their answer drains (``refusing``), any more closed at once. Thread-safe."""
 
     def __init__(self, max_conns: int, max_pending: int, per_source: int) -> None:
         self.max_conns, self.max_pending, self.per_source = max_conns, max_pending, per_source
@@ -400,6 +425,7 @@ class _Gate:
         self._pending: OrderedDict[_Conn, None] = OrderedDict()  # oldest first
         self._by_source: dict[str, int] = {}
         self._streams: set[_Conn] = set()
+        self._refusing: set[_Conn] = set()  # answered busy, draining
 
     def arrive(self, conn: _Conn) -> None:
         """Admit a new unauthenticated connection, cutting whom it displaces."""
@@ -435,18 +461,29 @@ class _Gate:
             conn.sock = wrap(conn.sock)
 
     def authenticated(self, conn: _Conn) -> None:
-        """Move ``conn`` from pending to a stream slot; raise when there is none."""
+        """Move ``conn`` from pending to a stream slot; raise :class:`PeerBusy` when
+        there is none (``conn.admitted`` when it may drain that answer)."""
         with self._lock:
             if not self._leave(conn):
                 raise PeerUnavailable("cut before it authenticated")
             if len(self._streams) >= self.max_conns:
+                if len(self._refusing) < self.max_conns:
+                    self._refusing.add(conn)
+                    conn.admitted = True
                 raise PeerBusy(f"all {self.max_conns} bulk streams in use")
             self._streams.add(conn)
+            conn.admitted = True
 
     def gone(self, conn: _Conn) -> None:
         with self._lock:
             self._leave(conn)
             self._streams.discard(conn)
+            self._refusing.discard(conn)
+
+    def refusing(self) -> int:
+        """Connections answered ``busy`` whose answer is draining now."""
+        with self._lock:
+            return len(self._refusing)
 
     def counts(self) -> tuple[int, int]:
         """(unauthenticated connections, authenticated streams) now."""
@@ -455,7 +492,7 @@ class _Gate:
 
     def cut_all(self) -> None:
         with self._lock:
-            for c in [*self._pending, *self._streams]:
+            for c in [*self._pending, *self._streams, *self._refusing]:
                 c.cut()
 
 
@@ -524,7 +561,14 @@ class BulkServer:
                 return
             conn = _Conn(sock, addr[0], time.monotonic())
             self.gate.arrive(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had now: this one is cut, we go on
+                log.warning("bulk connection cut: %s", e)
+                self._count_reject(conn, "no_thread")
+                self.gate.gone(conn)
+                conn.cut()
+                conn.sock.close()
 
     def _serve(self, conn: _Conn) -> None:
         try:
@@ -553,7 +597,7 @@ class BulkServer:
             self.gate.authenticated(conn)
             stream.progress_s, stream.deadline = self.progress_s, time.monotonic() + STREAM_S
             body = stream.recv(body_len)
-            if hashlib.sha256(body).digest() != digest:
+            if body_digest(body) != digest:
                 raise MalformedPayload("bulk request body differs from its hello's digest")
             if op == FETCH:
                 self._fetch(stream, body)
@@ -561,9 +605,16 @@ class BulkServer:
                 self._publish(stream, body)
         except KVMeshError as e:
             self._count_reject(conn, e.reason)
-            if stream is not None and not conn.evicted:
+            if stream is None or conn.evicted:
+                return
+            answer = f"{e.reason}: {e}"[:MAX_REASON].encode()
+            if conn.admitted:  # past the hello: the client may still be sending
+                stream.progress_s = self.progress_s  # a refused busy one has the pre-auth ones
+                stream.deadline = time.monotonic() + self.progress_s
+                self._answer_refused(stream, ERROR, answer)
+            else:  # not authenticated: answered, then closed at once
                 with contextlib.suppress(KVMeshError):  # the peer may be gone already
-                    stream.frame(ERROR, f"{e.reason}: {e}"[:MAX_REASON].encode())
+                    stream.frame(ERROR, answer)
 
     def _admit(self, stream: _Stream) -> tuple[int, int, bytes]:
         """Read and check the hello: (op, body_len, body digest) once its credential
@@ -643,7 +694,7 @@ class BulkServer:
                 with contextlib.suppress(KVMeshError):
                     verifying.result()
             self.cache.count_rejection(resp, e)
-            self._answer_refused(stream, resp)
+            self._answer_refused(stream, DONE, resp.SerializeToString())
             return
         stream.frame(DONE, resp.SerializeToString())
 
@@ -663,11 +714,11 @@ class BulkServer:
             raise MalformedPayload("block key differs from the one announced")
         self.cache.keep(block, resp)
 
-    def _answer_refused(self, stream: _Stream, resp: pb.PublishResponse) -> None:
-        """Answer, then read (and drop) what the publisher is still sending for a
+    def _answer_refused(self, stream: _Stream, code: int, payload: bytes) -> None:
+        """Answer, then read (and drop) what the client is still sending for a
         moment, so that closing does not reset the connection before it reads."""
-        with contextlib.suppress(KVMeshError):
-            stream.frame(DONE, resp.SerializeToString())
+        with contextlib.suppress(KVMeshError):  # the peer may be gone already
+            stream.frame(code, payload)
         sock, sink = stream.sock, bytearray(1 << 20)
         end = time.monotonic() + DRAIN_S
         with contextlib.suppress(OSError):

@@ -9,9 +9,11 @@ blocks under a lease and hashes them in a worker thread while the next bytes
 arrive: on the peer's bulk data path (:mod:`.bulk`) when it advertises one, else as
 a gRPC stream; it aborts when the total deadline passes or when no bytes arrive for
 ``progress_timeout`` (:class:`FetchStalled`). Publishing takes the bulk path too.
-At most ``STREAMS`` bulk streams run at once; a call waits for one no longer than
-its own deadline (then :class:`LocalBusy`: our failure, not the peer's), and that
-deadline starts when its stream does. A peer that answers ``busy`` raises
+At most ``STREAMS`` bulk streams run at once; a call's deadline covers both the
+wait for one and the stream: the wait is bounded by it (then :class:`LocalBusy`:
+our failure, not the peer's, as when too little of it is left once a stream is
+free), and the stream gets what is left, counted from when it starts. A peer
+that answers ``busy`` raises
 :class:`PeerBusy` (loaded, not failing). Every failure is a typed error whose
 ``reason`` the caller counts before falling back. Publishing goes through a
 bounded queue that drops (and counts) rather than ever blocking.
@@ -35,7 +37,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -65,7 +67,8 @@ from .server import GRPC_OPTIONS
 log = logging.getLogger("kvmesh.client")
 
 ASK_ALL_BELOW = 8  # fleets this small are asked in full: a lookup is ~1 ms and metadata only
-STREAMS = 8  # bulk streams at once (threads); a call waits for one at most its own limit
+STREAMS = 8  # bulk streams at once (threads); a call waits for one within its own limit
+MIN_STREAM_S = 0.05  # a stream given less than this (or half its limit) after the wait: LocalBusy
 MAX_CHANNELS = 512  # addresses come from gossip: a hostile card must not open channels forever
 LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
 FETCH = "/kvmesh.v1.PrefillCache/Fetch"
@@ -119,6 +122,9 @@ class MeshClient:
             ThreadPoolExecutor(1, thread_name_prefix="kvmesh-verify") for _ in range(2)
         ]
         self.use_bulk = use_bulk
+        if use_bulk:
+            bulk.check_credential(auth)  # our own node id fits a bulk hello: ConfigError now
+        self._clock = time.monotonic
         self._dialer = bulk.Dialer(tls)
         self._streams = ThreadPoolExecutor(STREAMS, thread_name_prefix="kvmesh-bulk")
         self._stream_slots = asyncio.Semaphore(STREAMS)  # a thread free for each holder
@@ -143,30 +149,49 @@ class MeshClient:
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
-    def _cred(self, method: str, dest: str, raw: bytes) -> str:
-        """A bulk stream's credential (the call credential's value; "" without a key)."""
-        md = self._md(method, dest, raw)
-        return md[0][1] if md else ""
+    def _cred(self, method: str, dest: str, digest: bytes) -> str:
+        """A bulk stream's credential (the call credential's value; "" without a key)
+        for a body whose :func:`body_digest` is ``digest`` (it goes in the hello too).
+        Our own node id was checked when we were set up: a credential too long for
+        the hello is the peer's node id (:class:`MalformedPayload`)."""
+        self._count_call(method)
+        if self.auth is None:
+            return ""
+        cred = self.auth.call_metadata(method, dest, digest)[0][1]
+        if len(cred.encode()) > bulk.CRED_SLOT:
+            raise MalformedPayload("the peer's node id is too long for a bulk credential")
+        return cred
 
     def _data_address(self, peer: pb.CapabilityCard, address: str) -> str:
         return bulk.data_address(address, peer.data_port) if self.use_bulk else ""
 
-    async def _on_stream(self, fn: Callable[..., Any], *args: Any, limit_s: float) -> Any:
-        """``fn(*args, limit_s, cancel)`` on a stream thread, once one is free: the
-        wait for it is bounded by ``limit_s`` too (:class:`LocalBusy`, our own
-        failure, not the peer's), and ``fn``'s own ``limit_s`` counts from when it
-        starts. Cancelling us aborts its socket and waits for it, so nothing it
-        hands on (``on_block``) runs after we return."""
+    async def _on_stream(
+        self, fn: Callable[..., Any], *args: Any, limit_s: float, **kwargs: Any
+    ) -> Any:
+        """``fn(*args, left, cancel, **kwargs)`` on a stream thread once one is free,
+        all within ``limit_s`` of this call: the wait for a thread is bounded by it
+        and ``fn`` gets the ``left`` of it (its own limit, counted from when it
+        starts). A wait that leaves ``fn`` too little (under ``MIN_STREAM_S`` and
+        under half of ``limit_s``) is :class:`LocalBusy`, our own failure, not the
+        peer's, which is never reached. Cancelling us aborts its socket and waits
+        for it, so nothing it hands on (``on_block``) runs after we return."""
+        deadline = self._clock() + limit_s
         try:
             async with asyncio.timeout(limit_s):
                 await self._stream_slots.acquire()
         except TimeoutError:
-            self.counters["local_busy"] += 1
-            raise LocalBusy(f"all {STREAMS} bulk streams busy for {limit_s:.1f} s") from None
+            self._local_busy(limit_s)
         try:
-            return await self._run_stream(functools.partial(fn, *args, limit_s))
+            left = deadline - self._clock()
+            if left < min(MIN_STREAM_S, limit_s / 2):
+                self._local_busy(limit_s - left)
+            return await self._run_stream(functools.partial(fn, *args, left, **kwargs))
         finally:
             self._stream_slots.release()
+
+    def _local_busy(self, waited_s: float) -> NoReturn:
+        self.counters["local_busy"] += 1
+        raise LocalBusy(f"all {STREAMS} bulk streams busy for {waited_s:.2f} s") from None
 
     async def _run_stream(self, fn: Callable[..., Any]) -> Any:
         cancel = bulk.Cancel()
@@ -184,9 +209,12 @@ class MeshClient:
         except Exception as e:  # anything else a peer's bytes provoke is still typed
             raise PeerUnavailable(f"bulk stream failed: {e!r}") from None
 
+    def _count_call(self, method: str) -> None:
+        self.counters[f"rpc:{method.rsplit('/', 1)[-1]}"] += 1
+
     def _md(self, method: str, dest: str, raw: bytes) -> tuple[tuple[str, str], ...] | None:
         """Call metadata: a credential for ``dest`` bound to the request bytes ``raw``."""
-        self.counters[f"rpc:{method.rsplit('/', 1)[-1]}"] += 1
+        self._count_call(method)
         return self.auth.call_metadata(method, dest, body_digest(raw)) if self.auth else None
 
     async def _unary(
@@ -395,9 +423,9 @@ class MeshClient:
         """Stream ``hit``'s blocks from index ``start`` on, verified, within ``deadline``
         seconds (at most the client's fetch deadline), each wait for bytes within
         ``progress_timeout``. Raises a typed error. On the bulk path the deadline
-        starts once a stream thread takes the fetch; waiting for one is bounded by
-        the same number of seconds and, when it runs out, :class:`LocalBusy` (ours,
-        not the peer's): the whole call may take up to twice ``deadline``.
+        covers the wait for a stream thread too: a wait that runs it out (or leaves
+        the stream too little) is :class:`LocalBusy` (ours, not the peer's); the
+        stream gets the rest, counted from when it starts.
 
         ``on_block`` is called on a worker thread with each block as soon as its
         digest has been checked, so the caller can import while the rest arrives."""
@@ -418,10 +446,11 @@ class MeshClient:
         limit = min(self.fetch_deadline, deadline or self.fetch_deadline)
         t0 = time.perf_counter()
         if hit.data_address:
-            cred = self._cred(bulk.METHODS[bulk.FETCH], hit.node_id, raw)
+            digest = body_digest(raw)  # hashed once: the credential and the hello carry it
+            cred = self._cred(bulk.METHODS[bulk.FETCH], hit.node_id, digest)
             blocks = await self._on_stream(
                 bulk.fetch, hit.data_address, self._dialer, cred, raw, infos, layout,
-                self._hashers, on_block, self.progress_timeout, limit_s=limit,
+                self._hashers, on_block, self.progress_timeout, limit_s=limit, digest=digest,
             )  # fmt: skip
         else:
             blocks = await self._fetch_grpc(layout, hit, infos, raw, on_block, limit)
@@ -593,10 +622,11 @@ class MeshClient:
             for b in blocks
         ]
         body = pb.BulkPublish(card_json=card_json, blocks=infos).SerializeToString()
-        cred = self._cred(bulk.METHODS[bulk.PUBLISH], peer.node_id, body)
+        digest = body_digest(body)  # hashed once: the credential and the hello carry it
+        cred = self._cred(bulk.METHODS[bulk.PUBLISH], peer.node_id, digest)
         return await self._on_stream(
             bulk.publish, bulk.data_address(address, peer.data_port), self._dialer, cred, body,
-            blocks, self.progress_timeout, limit_s=self.fetch_deadline,
+            blocks, self.progress_timeout, limit_s=self.fetch_deadline, digest=digest,
         )  # fmt: skip
 
     async def _publish_grpc(

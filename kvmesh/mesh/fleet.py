@@ -5,9 +5,9 @@ loop. ``Fleet`` is the one place that crosses between them: every call has a
 deadline, and the head never reaches through the node's insides. Lookups return
 validated hits only (a peer's claim is checked against the keys asked; see
 :meth:`MeshClient.lookup`) and tell the caller how each peer answered, so its
-circuit breaker can blame and forgive. A fetch's deadline starts when its stream
-does; waiting for a local stream is bounded by as much again and is our failure
-(:class:`~kvmesh.errors.LocalBusy`), never the peer's.
+circuit breaker can blame and forgive. A fetch's deadline covers the wait for a
+local stream and the stream: a wait that uses it up is our failure
+(:class:`~kvmesh.errors.LocalBusy`), never the peer's; the stream gets the rest.
 """
 
 from __future__ import annotations
@@ -79,13 +79,13 @@ class Fleet:
         timeout: float,
     ) -> list[Block]:
         """Stream ``hit``'s blocks from index ``start``, verified, within ``timeout``
-        seconds of the stream's start (after at most ``timeout`` waiting for a local
-        stream: :class:`~kvmesh.errors.LocalBusy`). Raises a :class:`KVMeshError`
+        seconds in all (the wait for a local stream included: one that uses it up
+        is :class:`~kvmesh.errors.LocalBusy`). Raises a :class:`KVMeshError`
         (:class:`~kvmesh.errors.PeerBusy` and ``LocalBusy`` are no peer failure) or
         ``TimeoutError``."""
         return self._node.call(
             self._client.fetch(layout, hit, start, on_block=on_block, deadline=timeout),
-            timeout=2 * timeout + 1,  # the wait for a stream, then the stream
+            timeout=timeout + 1,
         )
 
     def keep(self, blocks: Sequence[Block]) -> int:

@@ -39,7 +39,7 @@ from ..blocks import BlockKeyer
 from ..codec import Block
 from ..engine import Decoded, Engine, KVState, Sampling
 from ..engine.base import Importer
-from ..errors import CacheMiss, KVMeshError, LocalBusy, PeerBusy
+from ..errors import CacheMiss, KVMeshError
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
@@ -252,9 +252,8 @@ class HeadRuntime:
             return got
         t0 = time.perf_counter()
         hits, errors = self.fleet.lookup(
-            self.card, keys, skip=self._avoided, on_failure=self._lookup_failed,
-            on_success=self.planner.lookup_succeeded,
-        )  # fmt: skip
+            self.card, keys, **self.planner.lookup_hooks(self.telemetry.count)
+        )
         got.lookup_s = time.perf_counter() - t0
         got.fallback = errors[0] if errors else None
         budget = self._cache_budget(len(tokens))
@@ -270,16 +269,6 @@ class HeadRuntime:
                 break
         return got
 
-    def _avoided(self, node_id: str) -> bool:
-        """A peer backed off or quarantined is not waited for at lookup time."""
-        return not self.planner.usable(node_id)
-
-    def _lookup_failed(self, node_id: str, reason: str) -> None:
-        """A peer that did not answer a lookup in time backs off like a failed fetch,
-        so a frozen peer costs one request its lookup deadline, not every request."""
-        self.planner.lookup_failed(node_id)
-        self.telemetry.count(f"lookup_failed:{reason}")
-
     def _cache_budget(self, n_tokens: int) -> float:
         """Seconds all remote fetches of one request may take: the estimated cold
         prefill of the prompt (a fetch slower than that is not worth waiting for),
@@ -288,7 +277,8 @@ class HeadRuntime:
 
     def _fetch(self, hit: PeerHit, local: Match, have: int, left: float, got: _Acquired) -> bool:
         """Fetch ``hit`` after the local blocks into a fresh importer; True when it
-        worked. A failure is counted and backs the peer off (circuit breaker)."""
+        worked. A failure is counted and, when it is the peer's, backs the peer off
+        (circuit breaker: :meth:`Planner.fetch_failed`)."""
         assert self.fleet is not None
         skip = len(local.blocks) if local.tail is None else 0
         nbytes = sum(i.nbytes for i in hit.infos[skip:])
@@ -307,18 +297,11 @@ class HeadRuntime:
             return False
         try:
             blocks = self.fleet.fetch(self.engine.layout, hit, skip, importer.add, left)
-        except CacheMiss as e:
-            got.fallback = e.reason
-            return False
-        except (PeerBusy, LocalBusy) as e:  # loaded, or our own streams: no peer failure
-            got.fallback = e.reason
-            self.telemetry.count(f"fetch_skipped:{e.reason}")
-            return False
         except Exception as e:  # the cache never decides correctness
-            got.fallback = reason = _reason(e)
-            backoff = self.planner.peer_failed(hit.node_id)
-            self.telemetry.count(f"peer_failed:{reason}")
-            log.info("fetch from %s failed (%s); avoided for %.0f s", hit.alias, reason, backoff)
+            # counted; only the peer's own failures back it off (busy or ours do not)
+            got.fallback = self.planner.fetch_failed(
+                hit.node_id, e, self.telemetry.count, hit.alias
+            )
             return False
         got.fetch_s = time.perf_counter() - t0
         self.planner.observe_fetch(hit.node_id, nbytes, got.fetch_s)

@@ -18,17 +18,33 @@ Each kind's backoff is ``backoff_first_s × 2^(score − 1)``, at most
 every ``half_life_s`` of *quiet*: time the peer was usable again without failing
 (time spent backed off is no evidence). So a peer failing on every try reaches
 the maximum, and one isolated failure a day always costs the first backoff only.
+The score stops where the backoff reaches its maximum (a dead peer probed on
+every lookup fails forever without escalating further, or overflowing), so it
+also forgets at most that much. Entries are bounded (``MAX_TRACKED``).
+
 Only a peer's own failures belong here: a busy peer (``PeerBusy``) or our own
-saturation (``LocalBusy``) is not one. Entries are bounded (``MAX_TRACKED``).
+saturation (``LocalBusy``) is not one. :meth:`Planner.fetch_failed` and
+:meth:`Planner.lookup_hooks` are the one policy every caller of the fleet (the
+head, the vLLM connector) applies: which failure blames the peer, what is
+counted (``fetch_skipped:<reason>``, ``peer_failed:<reason>``,
+``lookup_failed:<reason>``) and what is logged.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
+
+from ..errors import CacheMiss, KVMeshError, LocalBusy, PeerBusy
+
+log = logging.getLogger("kvmesh.planner")
 
 ALPHA = 0.3
 BACKOFF_FIRST_S = 1.0
@@ -36,6 +52,26 @@ BACKOFF_MAX_S = 60.0
 HALF_LIFE_S = 60.0  # a failure's weight halves over this much quiet time
 MAX_TRACKED = 4096  # peers with a breaker entry (ids come from gossip: bounded)
 LOOKUP, FETCH = "lookup", "fetch"
+
+Count = Callable[[str], object]  # a telemetry counter: count(name) adds one
+
+
+class LookupHooks(TypedDict):
+    """What a fleet lookup reports to (``Fleet.lookup(card, keys, **hooks)``)."""
+
+    skip: Callable[[str], bool]
+    on_failure: Callable[[str, str], None]
+    on_success: Callable[[str], None]
+
+
+def failure_reason(e: BaseException) -> str:
+    """The reason a failure on the cache path is counted under."""
+    if isinstance(e, KVMeshError):
+        return e.reason
+    if isinstance(e, (TimeoutError, concurrent.futures.TimeoutError)):
+        return "timeout"
+    log.warning("cache path failed unexpectedly: %r", e)
+    return "error"
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -61,7 +97,9 @@ class _Strikes:
 
     def fail(self, now: float, first_s: float, half_life_s: float) -> float:
         quiet = max(0.0, now - self.until)  # usable and not failing: evidence of health
-        self.score = self.score * 0.5 ** (quiet / half_life_s) + 1.0
+        # no higher than where the backoff reaches its maximum: bounded, never overflows
+        top = 1.0 + (math.log2(BACKOFF_MAX_S / first_s) if BACKOFF_MAX_S > first_s > 0 else 0.0)
+        self.score = min(top, self.score * 0.5 ** (quiet / half_life_s) + 1.0)
         backoff = min(BACKOFF_MAX_S, first_s * 2 ** (self.score - 1.0))
         self.until = now + backoff
         return backoff
@@ -142,6 +180,37 @@ class Planner:
         """Record a failed lookup (forgiven by the next answered one); the backoff."""
         return self._fail(peer, LOOKUP)
 
+    def fetch_failed(self, peer: str, error: BaseException, count: Count, alias: str = "") -> str:
+        """A fetch from ``peer`` raised ``error``: the fallback reason, counted.
+
+        A busy peer (``PeerBusy``) or our own saturation (``LocalBusy``) is counted
+        ``fetch_skipped:<reason>`` and blames nobody; a miss (``CacheMiss``: ours)
+        is only returned; anything else is the peer's failure, counted
+        ``peer_failed:<reason>``, backed off (circuit breaker) and logged."""
+        reason = failure_reason(error)
+        if isinstance(error, (PeerBusy, LocalBusy)):  # loaded, or our own streams
+            count(f"fetch_skipped:{reason}")
+        elif not isinstance(error, CacheMiss):
+            backoff = self.peer_failed(peer)
+            count(f"peer_failed:{reason}")
+            log.info(
+                "fetch from %s failed (%s); avoided for %.0f s", alias or peer, reason, backoff
+            )
+        return reason
+
+    def lookup_hooks(self, count: Count) -> LookupHooks:
+        """How a fleet lookup reports to this planner: backed-off peers are not
+        waited for; a peer that fails a lookup backs off (counted
+        ``lookup_failed:<reason>``), so a frozen peer costs one request its lookup
+        deadline, not every request; one that answers is forgiven its lookup
+        failures."""
+
+        def failed(peer: str, reason: str) -> None:
+            self.lookup_failed(peer)
+            count(f"lookup_failed:{reason}")
+
+        return LookupHooks(skip=self.avoided, on_failure=failed, on_success=self.lookup_succeeded)
+
     def _fail(self, peer: str, kind: str) -> float:
         with self._lock:
             breaker = self._breakers.pop(peer, None) or _Breaker()
@@ -174,6 +243,10 @@ class Planner:
                 return False
             breaker = self._breakers.get(peer)
             return breaker is None or self._clock() >= breaker.until()
+
+    def avoided(self, peer: str) -> bool:
+        """A peer backed off or quarantined (not waited for at lookup time)."""
+        return not self.usable(peer)
 
     def quarantine(self, peer: str) -> None:
         """Never plan on ``peer`` again in this process (its KV failed an audit)."""

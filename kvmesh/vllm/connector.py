@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 
 from ..blocks import PrefixKeys
 from ..codec import Block
-from ..errors import CacheMiss, ConfigError, KVMeshError, LocalBusy, PeerBusy
+from ..errors import CacheMiss, ConfigError, KVMeshError
 from ..mesh.hits import PeerHit
 from . import service as services
 from .config import parse_settings
@@ -354,16 +354,10 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _lookup(self, svc: services.MeshService, plan: Plan) -> None:
         """On a lookup thread: ask the fleet, let the planner choose, start the fetch."""
-        try:
-
-            def failed(node_id: str, why: str) -> None:
-                svc.planner.lookup_failed(node_id)  # a peer that fails lookups backs off
-                svc.count(f"lookup_failed:{why}")
-
+        try:  # a peer that fails lookups backs off; one that answers is forgiven
             hits, errors = svc.fleet.lookup(
-                svc.card, plan.keys, skip=lambda n: not svc.planner.usable(n), on_failure=failed,
-                on_success=svc.planner.lookup_succeeded,
-            )  # fmt: skip
+                svc.card, plan.keys, **svc.planner.lookup_hooks(svc.count)
+            )
             b = self.block_size
             have = len(plan.local)
             for hit in hits:
@@ -402,21 +396,9 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         t0 = time.perf_counter()
         try:
             svc.fleet.fetch(svc.layout, hit, start, on_block, budget)
-        except (PeerBusy, LocalBusy) as e:  # loaded, or our own streams: no peer failure
-            plan.fetch_error = e.reason
-            svc.count(f"fetch_skipped:{e.reason}")
         except Exception as e:  # the verified pages before the failure still load
-            plan.fetch_error = e.reason if isinstance(e, KVMeshError) else "error"
-            if isinstance(e, (TimeoutError, concurrent.futures.TimeoutError)):
-                plan.fetch_error = "timeout"
-            backoff = svc.planner.peer_failed(hit.node_id)
-            svc.count(f"peer_failed:{plan.fetch_error}")
-            log.info(
-                "fetch from %s failed (%s); avoided for %.0f s",
-                hit.alias,
-                plan.fetch_error,
-                backoff,
-            )
+            # counted; only the peer's own failures back it off (busy or ours do not)
+            plan.fetch_error = svc.planner.fetch_failed(hit.node_id, e, svc.count, hit.alias)
         else:
             svc.planner.observe_fetch(hit.node_id, nbytes, time.perf_counter() - t0)
             svc.count("fetched_bytes", nbytes)
