@@ -39,14 +39,14 @@ from ..blocks import BlockKeyer
 from ..codec import Block
 from ..engine import Decoded, Engine, KVState, Sampling
 from ..engine.base import Importer
-from ..errors import CacheMiss, KVMeshError
+from ..errors import CacheMiss
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
 from ..store import Match
 from .audit import AuditJob, Auditor
 from .batch import DEFAULT_MAX_BATCH, BatchRunner, Job
-from .planner import Planner
+from .planner import Planner, failure_reason
 from .slots import Slots
 from .telemetry import PrefillReport, Telemetry
 
@@ -292,7 +292,7 @@ class HeadRuntime:
             for blk in local.blocks[:skip]:
                 importer.add(blk)
         except Exception as e:  # e.g. past a sliding window, or a bad local block
-            got.fallback = _reason(e)
+            got.fallback = failure_reason(e)
             self.telemetry.count(f"local_import_failed:{got.fallback}")
             return False
         try:
@@ -328,7 +328,7 @@ class HeadRuntime:
             else:
                 state = self.engine.prefill(tokens, prefix, got.importer, between)
         except Exception as e:  # invariant 1: compute it all
-            fallback, source, prefix = _reason(e), "compute", ()
+            fallback, source, prefix = failure_reason(e), "compute", ()
             state = self.engine.prefill(tokens, between=between)
         dt = time.perf_counter() - t0
         if state.computed_tokens:
@@ -479,16 +479,6 @@ class HeadRuntime:
     def close(self) -> None:
         self.batch.close()
         self._publisher.shutdown(wait=True)
-
-
-def _reason(e: BaseException) -> str:
-    """The fallback reason a failure is counted under."""
-    if isinstance(e, KVMeshError):
-        return e.reason
-    if isinstance(e, (TimeoutError, concurrent.futures.TimeoutError)):
-        return "timeout"
-    log.warning("cache path failed unexpectedly: %r", e)
-    return "error"
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
