@@ -1,8 +1,9 @@
 """``kvmesh store``: look into a disk tier directory, and the ``--disk*`` options.
 
 ``kvmesh store stats DIR`` reads headers only and changes nothing. ``kvmesh store
-verify DIR`` checks every file's SHA-256 against its name, reports bad files
-(and blocks whose parent file is missing), and with ``--delete`` removes them;
+verify DIR`` checks every file's digest (BLAKE3 or SHA-256, as its card says)
+against its name, reports bad files (and blocks whose parent file is missing),
+and with ``--delete`` removes them;
 it exits 1 when anything bad is left. Run it on a directory no node is using.
 
 :func:`disk_options` adds ``--disk``, ``--disk-budget`` and ``--disk-admit`` to a

@@ -51,8 +51,8 @@ EMPTY_BODY = hashlib.sha256(b"").digest()
 def body_digest(raw: bytes) -> bytes:
     """What a credential binds of a request: SHA-256 of its serialized bytes. For
     the streaming ``Publish`` that is its first message (the card, the first
-    block's size and SHA-256 and its first chunk); later blocks are each checked
-    against the SHA-256 announced in their own first chunk, which only TLS
+    block's size and digest and its first chunk); later blocks are each checked
+    against the digest announced in their own first chunk, which only TLS
     protects from an on-path attacker."""
     return hashlib.sha256(raw).digest()
 

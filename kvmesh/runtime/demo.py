@@ -3,8 +3,8 @@
 A real cache peer process and a real head process on the embedded model: a
 ~1000-token prompt is sent cold, published, the head is restarted as a new
 process with an empty store, and the same prompt is sent again: a remote hit,
-fetched and SHA-256 verified, with identical output. Then a two-turn chat in
-which turn 2 reuses turn 1's prompt and answer.
+fetched and digest-verified (BLAKE3), with identical output. Then a two-turn
+chat in which turn 2 reuses turn 1's prompt and answer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The head runtime: one engine, its live sessions, and the fleet behind it.
 
-``generate`` is the path of one request (DESIGN.md, "The path of one request"),
+``generate`` is the path of one request (docs/design.md §3),
 read as plan → fetch → compute:
 
 - *acquire* (no engine lock: network waits never block other requests): every
