@@ -5,8 +5,9 @@ the store's epoch. Publish is idempotent and immutable: each block is validated
 against the card the publisher names (whose SHA-256 must be the namespace) and
 its digest (the card's algorithm, BLAKE3 by default) is checked before it is
 stored. Under a fleet key every call must carry a credential bound to this node
-and to its request (see :mod:`kvmesh.mesh.security`), else UNAUTHENTICATED; request bytes are hashed
-before they are parsed, so nothing an unauthenticated caller sends is parsed.
+and to its request (see :mod:`kvmesh.mesh.security`), else UNAUTHENTICATED;
+request bytes are hashed before they are parsed, so nothing an unauthenticated
+caller sends is parsed.
 
 The receiver sets its own limits, never the publisher's card: a block larger
 than ``max_block_bytes`` (or than the store's budget) is refused when announced,
