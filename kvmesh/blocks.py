@@ -37,6 +37,7 @@ DEFAULT_BLOCK_TOKENS = 32
 KEY_BYTES = 32
 _BLOCK_TAG = b"B"
 _TAIL_TAG = b"T"
+_CALLER_TAG = b"C"  # a caller's own tail: b"TC" + 32-byte caller digest
 _TENANT_DOMAIN = b"kvmesh/tenant-root/v1\x00"
 _ROOT_DOMAIN = b"kvmesh/chain-root/v1\x00"
 MAX_CACHE_SALT_CHARS = 1024  # vLLM sets none; ours keeps a salt a small hash input
@@ -117,6 +118,7 @@ class BlockKeyer:
         block_tokens: int,
         fleet_key: bytes | None = None,
         root: bytes | None = None,
+        caller: bytes | None = None,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError("block_tokens must be positive")
@@ -124,14 +126,18 @@ class BlockKeyer:
             raise ValueError("namespace must be 32 bytes")
         if root is not None and len(root) != KEY_BYTES:
             raise ValueError("root must be 32 bytes")
+        if caller is not None and len(caller) != KEY_BYTES:
+            raise ValueError("caller must be 32 bytes")
         self.namespace = namespace
         self.root = namespace if root is None else root
+        self.caller = caller  # hashed into tail keys only: see tail_key
         self.block_tokens = block_tokens
         self._fleet_key = fleet_key
 
-    def rooted(self, root: bytes) -> BlockKeyer:
-        """This keyer (same namespace, block size and fleet key) from ``root``."""
-        return BlockKeyer(self.namespace, self.block_tokens, self._fleet_key, root)
+    def rooted(self, root: bytes, caller: bytes | None = None) -> BlockKeyer:
+        """This keyer (same namespace, block size and fleet key) from ``root``, its
+        tails ``caller``'s own (see :meth:`tail_key`)."""
+        return BlockKeyer(self.namespace, self.block_tokens, self._fleet_key, root, caller)
 
     def _h(self, parent: bytes, tag: bytes, tokens: Sequence[int]) -> bytes:
         msg = parent + tag + len(tokens).to_bytes(4, "little") + _token_bytes(tokens)
@@ -145,9 +151,13 @@ class BlockKeyer:
         return self._h(parent, _BLOCK_TAG, tokens)
 
     def tail_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+        """A tail is matched token-exactly, so a hit on it says "exactly this prompt
+        was sent". With ``caller`` (whose conversation this is) the key is that
+        caller's own: another caller under the same root reuses whole blocks only."""
         if len(tokens) >= self.block_tokens:
             raise ValueError("a tail is shorter than a block")
-        return self._h(parent, _TAIL_TAG, tokens)
+        tag = _TAIL_TAG if self.caller is None else _TAIL_TAG + _CALLER_TAG + self.caller
+        return self._h(parent, tag, tokens)
 
     def keys(self, tokens: Sequence[int]) -> PrefixKeys:
         b = self.block_tokens

@@ -93,3 +93,16 @@ def test_bad_roots():
         chain_root(NS, b"short")
     with pytest.raises(ValueError):
         chain_root(b"short")
+
+
+def test_a_callers_tail_is_its_own_and_blocks_are_shared():
+    root = chain_root(NS, tenant_root(b"secret", "t"))
+    me, you = hashlib.sha256(b"me").digest(), hashlib.sha256(b"you").digest()
+    a = BlockKeyer(NS, 4, root=root, caller=me).keys(TOKS)
+    b = BlockKeyer(NS, 4, root=root, caller=you).keys(TOKS)
+    plain = BlockKeyer(NS, 4, root=root).keys(TOKS)
+    assert a.blocks == b.blocks == plain.blocks  # whole blocks: shared within the tenant
+    assert len({a.tail, b.tail, plain.tail}) == 3  # the exact tail: the caller's own
+    assert BlockKeyer(NS, 4, root=root).rooted(root, me).keys(TOKS) == a
+    with pytest.raises(ValueError):
+        BlockKeyer(NS, 4, caller=b"short")
