@@ -246,7 +246,7 @@ def test_a_tenant_over_its_budget_evicts_only_its_own(tiny_engine, keyfile):
     "text, why",
     [("k1 a b\n", "fields"), ("k1 tenant with space\n", "fields"), ("k1 ténant\n", "ASCII"),
      ("k1 " + "t" * 129 + "\n", "1 to"), ("k1 a\nk1 b\n", "twice"), ("k\x01 a\n", "printable"),
-     ("k" * 5000 + "\n", "printable")],
+     ("k1 #alice\n", "#"), ("k" * 5000 + "\n", "printable")],
 )  # fmt: skip
 def test_bad_key_files_are_start_up_errors(tmp_path, text, why):
     p = tmp_path / "keys"
@@ -264,3 +264,20 @@ def test_key_file_edge_cases(tmp_path):
     assert read_key_file(p) == []
     p.write_text("  k1   t1  \r\nk2\n#k3 t3\n")
     assert read_key_file(p) == [("k1", "t1"), ("k2", None)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=300) | st.binary(max_size=300))
+def test_fuzzed_key_files_parse_or_fail_cleanly(tmp_path_factory, text):
+    p = tmp_path_factory.mktemp("fuzz") / "keys"
+    if isinstance(text, bytes):
+        p.write_bytes(text)
+    else:
+        p.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        entries = read_key_file(p)
+    except KeyFileError as e:
+        assert str(p) in str(e)
+        return
+    for key, tenant in entries:
+        assert key and key.isprintable() and (tenant is None or tenant.isascii())

@@ -50,11 +50,14 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 
 def check_tenant_name(name: str) -> str:
     """``name`` if it is a tenant name: 1 to ``MAX_TENANT_CHARS`` printable ASCII
-    characters without spaces (it labels metrics and must survive a header)."""
+    characters without spaces, not starting with ``#`` (it labels metrics and
+    must survive a header); else ValueError."""
     if not 0 < len(name) <= MAX_TENANT_CHARS:
         raise ValueError(f"a tenant name has 1 to {MAX_TENANT_CHARS} characters")
     if not all("!" <= ch <= "~" for ch in name):
         raise ValueError("a tenant name is printable ASCII without spaces")
+    if name.startswith("#"):  # in a key file that reads as a comment: refuse the doubt
+        raise ValueError("a tenant name does not start with #")
     return name
 
 
