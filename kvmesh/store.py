@@ -222,9 +222,18 @@ class BlockStore:
         with self._lock:
             return self.owned.get(owner, [0, 0])[tier != "ram"]
 
+    def owners(self) -> dict[str, tuple[int, int]]:
+        """Each owner holding blocks: (RAM bytes, disk bytes)."""
+        with self._lock:
+            return {o: (ram, disk) for o, (ram, disk) in self.owned.items()}
+
     def _own(self, e: _Entry, tier: int, n: int) -> None:
-        if e.owner is not None:
-            self.owned.setdefault(e.owner, [0, 0])[tier] += n
+        if e.owner is None:
+            return
+        held = self.owned.setdefault(e.owner, [0, 0])
+        held[tier] += n
+        if held == [0, 0]:
+            del self.owned[e.owner]  # owners come and go (gateway tenants): keep only holders
 
     def put(self, block: Block, owner: str | None = None) -> bool:
         """Store ``block``. True if stored, False if its key is already held. A key

@@ -208,6 +208,7 @@ def test_a_trusted_header_names_the_tenant(tiny_engine, keyfile):
 
 def test_metrics_show_tenants_only_to_key_holders(head):
     ask(head, "bob-1", "Metrics: " + SECRET)
+    ask(head, "bob-1", "Metrics: " + SECRET)  # a hit
     _, client = head
     public = client.get("/metrics").text
     assert "kvmesh_tenant_" not in public and "alice" not in public and "bob" not in public
@@ -219,7 +220,8 @@ def test_metrics_show_tenants_only_to_key_holders(head):
                      re.M)  # fmt: skip
     assert client.get("/v1/admin/tenants").status_code == 401
     rows = client.get("/v1/admin/tenants", headers=hdr("bob-1")).json()["tenants"]
-    assert rows["alice"]["reused_tokens"] > 0 and rows["bob"]["ram_bytes"] > 0
+    assert rows["bob"]["reused_tokens"] > 0 and rows["bob"]["hits"] >= 1
+    assert rows["bob"]["ram_bytes"] > 0
 
 
 def test_a_tenant_over_its_budget_evicts_only_its_own(tiny_engine, keyfile):

@@ -74,6 +74,15 @@ def test_tenant_at_its_budget_evicts_only_its_own_blocks():
     assert all(b.key in store for b in recent)  # LRU: alice keeps her newest
     assert chain("alice", [0] * (2 * B))[0].key not in store
     assert store.reachable_bytes() == store.stats.used_bytes  # leaf-first: nothing stranded
+    assert set(store.owners()) == {"alice", "bob"}
+
+
+def test_owners_that_hold_nothing_are_forgotten():
+    store = BlockStore(room(2))
+    for i in range(50):  # gateway tenants come and go
+        put_all(store, chain(f"t{i}", [i] * B), f"t{i}")
+    assert len(store.owners()) <= 3
+    assert sum(ram for ram, _ in store.owners().values()) == store.stats.used_bytes
 
 
 def test_chain_longer_than_the_budget_keeps_its_prefix():

@@ -170,11 +170,8 @@ def tenant_rows(runtime: HeadRuntime) -> dict[str, dict[str, int]]:
     """Each tenant's counters and the bytes it holds in the local store (admin only)."""
     rows = runtime.tenant_counters()
     if runtime.fleet is not None:
-        store = runtime.fleet.store
-        for tenant in list(store.owned):
-            row = rows.setdefault(tenant, {})
-            row["ram_bytes"] = store.owned_bytes(tenant, "ram")
-            row["disk_bytes"] = store.owned_bytes(tenant, "disk")
+        for tenant, (ram, disk) in runtime.fleet.store.owners().items():
+            rows.setdefault(tenant, {}).update(ram_bytes=ram, disk_bytes=disk)
     return rows
 
 
