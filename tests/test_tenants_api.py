@@ -202,6 +202,16 @@ def test_a_trusted_header_names_the_tenant(tiny_engine, keyfile):
                 r = client.post("/v1/completions", headers={"x-tenant-id": bad},
                                 json={"model": "demo-tiny", "prompt": "hi", "max_tokens": 1})  # fmt: skip
                 assert r.status_code == 400 and r.json()["error"]["param"] == "x-tenant-id", bad
+
+            @settings(max_examples=30, deadline=None)
+            @given(value=st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF),
+                                 max_size=200))  # fmt: skip
+            def fuzz(value: str) -> None:
+                r = client.post("/v1/completions", headers={"x-tenant-id": value.encode("latin-1")},
+                                json={"model": "demo-tiny", "prompt": "hi", "max_tokens": 1})  # fmt: skip
+                assert r.status_code in (200, 400), (value, r.text)
+
+            fuzz()
     finally:
         close(rt)
 
