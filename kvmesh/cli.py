@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import click
@@ -395,7 +396,30 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
 @click.option(
     "--api-key-file",
     type=click.Path(exists=True, dir_okay=False),
-    help="API keys (one per line) that unlock protected network reads and writes.",
+    help="API keys, one `KEY [TENANT]` per line, that unlock protected network reads and "
+    "writes; a request's key names its tenant (a key without a TENANT is its own tenant).",
+)
+@click.option(
+    "--tenant-header",
+    help="Take a request's tenant from this header (e.g. x-tenant-id), set by a trusted "
+    "gateway in front of the head; only when given. It wins over the key's tenant.",
+)
+@click.option(
+    "--shared-tenant",
+    multiple=True,
+    help="A tenant whose cache is deliberately the shared one (repeatable), e.g. for a "
+    "public system prompt.",
+)
+@click.option(
+    "--tenant-secret-file",
+    type=click.Path(dir_okay=False),
+    help="Secret (hex; made when missing) that tenant roots derive from when there is no "
+    "fleet key, so tenants' caches survive a restart. Default: a fresh one per process.",
+)
+@click.option(
+    "--tenant-budget",
+    help="Most bytes one tenant's blocks may hold in the local store, in RAM and on disk "
+    "each; a tenant at it evicts only its own blocks. Default: no per-tenant cap.",
 )
 @click.option("--no-publish", is_flag=True, help="Never publish new prefixes.")
 @click.option(
@@ -492,6 +516,10 @@ def head(
     alias: str | None,
     advertise: tuple[str, ...],
     api_key_file: str | None,
+    tenant_header: str | None,
+    shared_tenant: tuple[str, ...],
+    tenant_secret_file: str | None,
+    tenant_budget: str | None,
     no_publish: bool,
     served_model_name: tuple[str, ...],
     max_tokens_default: int | None,
@@ -533,6 +561,14 @@ def head(
         kv_cap = parse_size(kv_budget)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--kv-budget") from None
+    tenant_cap = _tenant_options(api_key_file, tenant_header, shared_tenant, tenant_budget)
+    if tenant_secret_file:
+        from .api.credentials import KeyFileError, head_secret
+
+        try:
+            head_secret(tenant_secret_file)  # made now when missing: a bad path fails here
+        except KeyFileError as e:
+            raise click.BadParameter(str(e), param_hint="--tenant-secret-file") from None
     cfg = node_config(
         grpc_listen,
         budget,
@@ -567,9 +603,46 @@ def head(
             api_key_scope=api_key_scope,
             http_tls_cert=http_tls_cert,
             http_tls_key=http_tls_key,
+            tenant_header=tenant_header,
+            shared_tenants=shared_tenant,
+            tenant_secret_file=tenant_secret_file,
+            tenant_budget_bytes=tenant_cap,
         ),
         cfg,
     )
+
+
+def _tenant_options(
+    api_key_file: str | None, header: str | None, shared: tuple[str, ...], budget: str | None
+) -> int | None:
+    """Check the tenant flags and the key file now (a clear error before the model
+    loads); the per-tenant budget in bytes, or None."""
+    from .api.credentials import KeyFileError, check_tenant_name, read_key_file
+    from .units import parse_size
+
+    try:
+        if api_key_file:
+            read_key_file(api_key_file)
+    except KeyFileError as e:
+        raise click.BadParameter(str(e), param_hint="--api-key-file") from None
+    if header is not None and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", header):
+        raise click.BadParameter(
+            "a header name of letters, digits and -", param_hint="--tenant-header"
+        )
+    for name in shared:
+        try:
+            check_tenant_name(name)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--shared-tenant") from None
+    if budget is None:
+        return None
+    try:
+        cap = parse_size(budget)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--tenant-budget") from None
+    if cap <= 0:
+        raise click.BadParameter("must be positive", param_hint="--tenant-budget")
+    return cap
 
 
 @main.command()

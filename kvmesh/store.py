@@ -18,6 +18,13 @@ the store is told (:meth:`BlockStore.expect`, or ``layouts`` at construction)
 has every block checked against it (:func:`~kvmesh.codec.check_header`, the
 codec's one check): indexed disk files that disagree are deleted and counted as
 corrupt, puts that disagree are refused.
+
+Tenant budgets (:meth:`BlockStore.set_tenant_budget`): a put may name its
+``owner`` (a tenant label the head knows; it is never stored in a file or sent,
+so a peer's blocks and blocks reloaded from disk have none). An owner at its
+budget in a tier makes room by evicting only its own leaves there, LRU first; only
+an owner under its budget may push out other blocks (the tier's LRU), so one
+tenant's traffic never evicts more than its share of anyone else's.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class _Entry:
     disk_kids: int = 0  # kids queued for disk or on disk
     leases: int = 0
     hits: int = 0
+    owner: str | None = None  # the tenant that put it (see set_tenant_budget)
 
 
 def _is_root(h: BlockHeader) -> bool:
@@ -193,6 +201,8 @@ class BlockStore:
         self._no_room = False  # a promotion of this lookup found no room
         self._lookup_keys: frozenset[bytes] = frozenset()  # blocks a promotion must not evict
         self._writer: Writer | None = None
+        self.tenant_budget: tuple[int, int] | None = None  # (RAM, disk) bytes per owner
+        self.owned: dict[str, list[int]] = {}  # owner -> [RAM bytes, disk bytes]
         if disk is not None:
             self._files = DiskFiles(disk.path)
             self._load_disk(self._files)
@@ -200,11 +210,37 @@ class BlockStore:
 
     # -- writes -------------------------------------------------------------
 
-    def put(self, block: Block) -> bool:
+    def set_tenant_budget(self, ram_bytes: int, disk_bytes: int | None = None) -> None:
+        """Cap what each owner (tenant) holds: ``ram_bytes`` in RAM and
+        ``disk_bytes`` (default: the same) on the disk tier."""
+        if ram_bytes <= 0 or (disk_bytes is not None and disk_bytes <= 0):
+            raise ValueError("a tenant budget must be positive")
+        with self._lock:
+            self.tenant_budget = (ram_bytes, ram_bytes if disk_bytes is None else disk_bytes)
+
+    def owned_bytes(self, owner: str, tier: str = "ram") -> int:
+        with self._lock:
+            return self.owned.get(owner, [0, 0])[tier != "ram"]
+
+    def owners(self) -> dict[str, tuple[int, int]]:
+        """Each owner holding blocks: (RAM bytes, disk bytes)."""
+        with self._lock:
+            return {o: (ram, disk) for o, (ram, disk) in self.owned.items()}
+
+    def _own(self, e: _Entry, tier: int, n: int) -> None:
+        if e.owner is None:
+            return
+        held = self.owned.setdefault(e.owner, [0, 0])
+        held[tier] += n
+        if held == [0, 0]:
+            del self.owned[e.owner]  # owners come and go (gateway tenants): keep only holders
+
+    def put(self, block: Block, owner: str | None = None) -> bool:
         """Store ``block``. True if stored, False if its key is already held. A key
         held with other bytes keeps the first: two producers may compute the same
         tokens to different bytes (kernels that depend on the pass's length, e.g.
-        bfloat16 on AMX), which is counted as a variant, never as an attack."""
+        bfloat16 on AMX), which is counted as a variant, never as an attack.
+        ``owner``: the tenant it is counted against (see :meth:`set_tenant_budget`)."""
         key, parent = block.header.key, block.header.parent
         with self._lock:
             self._check_put(block)
@@ -218,8 +254,11 @@ class BlockStore:
             if not is_root and parent not in self._entries:
                 self._reject(OrphanBlock.reason)
                 raise OrphanBlock(f"parent of {key.hex()[:12]} is not stored")
+            self._own_room(owner, block.nbytes, keep=parent)
             self._make_room(block.nbytes, keep=parent)
-            self._entries[key] = _Entry(block.header, block.digest, block.nbytes, block)
+            e = _Entry(block.header, block.digest, block.nbytes, block, owner=owner)
+            self._entries[key] = e
+            self._own(e, 0, block.nbytes)
             if not is_root:
                 p = self._entries[parent]
                 p.kids.add(key)
@@ -281,6 +320,24 @@ class BlockStore:
             self._reject(MalformedPayload.reason)
         self._drop_subtree(key)
 
+    def _own_room(self, owner: str | None, nbytes: int, keep: bytes) -> None:
+        """Under the lock: room for ``nbytes`` more of ``owner``'s in RAM within its
+        budget, made from its own LRU leaves only."""
+        if owner is None or self.tenant_budget is None:
+            return
+        budget = self.tenant_budget[0]
+        self._expire_leases()
+        while self.owned.get(owner, [0, 0])[0] + nbytes > budget:
+            victim = next((k for k in self._leaves if k != keep and self._mine(k, owner)), None)
+            if victim is None:
+                self._reject(StoreFull.reason)
+                raise StoreFull(f"tenant budget of {budget} bytes is full")
+            self._evict(victim)
+
+    def _mine(self, key: bytes, owner: str) -> bool:
+        e = self._entries[key]
+        return e.owner == owner and e.leases == 0
+
     def _reject(self, reason: str) -> None:
         self.stats.rejects[reason] = self.stats.rejects.get(reason, 0) + 1
 
@@ -332,6 +389,7 @@ class BlockStore:
         """Take a RAM leaf out of RAM: left on (or bound for) disk, else dropped."""
         e = self._entries[key]
         e.in_ram = False
+        self._own(e, 0, -e.nbytes)
         self.stats.used_bytes -= e.nbytes
         self.stats.entries -= 1
         self.stats.evictions += 1
@@ -370,6 +428,7 @@ class BlockStore:
         self._disk_leaves.pop(key, None)
         on_disk = e.on_disk or e.queued
         if e.in_ram:
+            self._own(e, 0, -e.nbytes)
             self.stats.used_bytes -= e.nbytes
             self.stats.entries -= 1
         if e.on_disk:
@@ -424,15 +483,17 @@ class BlockStore:
             parent = self._entries.get(e.header.parent)
             if not (_is_root(e.header) or (parent is not None and parent.on_disk)):
                 return self._write_failed(key)  # the parent's write failed: keep disk closed
-            if not self._make_disk_room(e.nbytes):
+            if not (self._own_disk_room(e) and self._make_disk_room(e.nbytes)):
                 return self._write_failed(key)
             self.disk_stats.used_bytes += e.nbytes  # reserved before the file exists
+            self._own(e, 1, e.nbytes)
             block = e.block
         try:
             self._files.write(block)
         except OSError:
             with self._lock:
                 self.disk_stats.used_bytes -= e.nbytes
+                self._own(e, 1, -e.nbytes)
                 if self._entries.get(key) is e:
                     self._write_failed(key)
             return
@@ -440,6 +501,7 @@ class BlockStore:
             if self._entries.get(key) is not e:  # dropped while being written
                 self._files.remove(e.digest)
                 self.disk_stats.used_bytes -= e.nbytes
+                self._own(e, 1, -e.nbytes)
                 return
             e.queued, e.on_disk = False, True
             if not e.in_ram:
@@ -476,6 +538,24 @@ class BlockStore:
         else:
             self._drop_subtree(key)  # its only copy was the one being written
 
+    def _own_disk_room(self, e: _Entry) -> bool:
+        """Under the lock: room on disk for ``e`` within its owner's budget, made
+        from the owner's own disk leaves only; False when there is none."""
+        if e.owner is None or self.tenant_budget is None:
+            return True
+        budget = self.tenant_budget[1]
+        self._expire_leases()
+        while self.owned.get(e.owner, [0, 0])[1] + e.nbytes > budget:
+            victim = next(
+                (k for k in self._disk_leaves if self._entries[k].owner == e.owner
+                 and (self._entries[k].in_ram or self._entries[k].leases == 0)),
+                None,
+            )  # fmt: skip
+            if victim is None:
+                return False
+            self._evict_disk(victim)
+        return True
+
     def _make_disk_room(self, nbytes: int) -> bool:
         budget = self.disk_stats.budget_bytes
         if nbytes > budget:
@@ -510,6 +590,7 @@ class BlockStore:
     def _unlink(self, e: _Entry) -> None:
         assert self._files is not None
         self._files.remove(e.digest)
+        self._own(e, 1, -e.nbytes)
         e.on_disk = False
         self.disk_stats.used_bytes -= e.nbytes
         self.disk_stats.entries -= 1
@@ -568,6 +649,7 @@ class BlockStore:
         if not isinstance(block.blob, bytes):  # an mmap view: RAM wants its own bytes
             block = Block(block.header, bytes(block.blob), block.digest, block.payload_offset)
         e.block, e.in_ram = block, True
+        self._own(e, 0, e.nbytes)
         self.stats.used_bytes += e.nbytes
         self.stats.entries += 1
         self.disk_stats.promotions += 1

@@ -5,6 +5,11 @@ counters and snapshots: they never wait on the engine, on a queued generation or
 on a thread pool, so they answer while the request queue is full. Generations
 run on the scheduler's own threads (``scheduler.py``); the guard (``guard.py``)
 checks API keys and body sizes first. Nothing public shows a local path.
+
+Tenants (:class:`TenantOptions`, :mod:`.credentials`): ``/metrics`` shows
+per-tenant series (requests, hits, prompt and reused tokens, stored bytes per
+tier) only to a scrape that presents a valid API key, and
+``/v1/admin/tenants`` only answers one; everyone else sees the aggregates.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..runtime.batch import EngineFailed
 from ..runtime.head import HeadRuntime
 from . import network
-from .guard import Guard
+from .credentials import Tenants, head_secret, presented_key, read_key_file
+from .guard import INVALID_KEY, Guard
 from .network import SOURCES, APIKeys, NetworkState
 from .openai import APIError, OpenAIService, error_response, router
 from .scheduler import QueueFull, Scheduler
@@ -136,6 +142,49 @@ class HeadCollector(Collector):
         return {m.node_id: m.alias for m in node.membership.live()} if node else {}
 
 
+class TenantCollector(Collector):
+    """Per-tenant series: only ever registered in the registry key holders read."""
+
+    def __init__(self, runtime: HeadRuntime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Any:
+        rows = tenant_rows(self.runtime)
+        for name, doc in (("requests", "Requests completed"),
+                          ("hits", "Requests that reused cached prompt tokens"),
+                          ("prompt_tokens", "Prompt tokens received"),
+                          ("reused_tokens", "Prompt tokens reused, not recomputed")):  # fmt: skip
+            fam = CounterMetricFamily(f"kvmesh_tenant_{name}", doc, labels=["tenant"])
+            for tenant, row in rows.items():
+                fam.add_metric([tenant], row.get(name, 0))
+            yield fam
+        stored = GaugeMetricFamily("kvmesh_tenant_stored_bytes", "Bytes a tenant holds",
+                                   labels=["tenant", "tier"])  # fmt: skip
+        for tenant, row in rows.items():
+            for tier in ("ram", "disk"):
+                stored.add_metric([tenant, tier], row.get(f"{tier}_bytes", 0))
+        yield stored
+
+
+def tenant_rows(runtime: HeadRuntime) -> dict[str, dict[str, int]]:
+    """Each tenant's counters and the bytes it holds in the local store (admin only)."""
+    rows = runtime.tenant_counters()
+    if runtime.fleet is not None:
+        for tenant, (ram, disk) in runtime.fleet.store.owners().items():
+            rows.setdefault(tenant, {}).update(ram_bytes=ram, disk_bytes=disk)
+    return rows
+
+
+@dataclass(frozen=True)
+class TenantOptions:
+    """``kvmesh head``'s tenant flags (see :mod:`.credentials`)."""
+
+    header: str | None = None  # --tenant-header: a trusted gateway names the tenant
+    shared: tuple[str, ...] = ()  # --shared-tenant: tenants on the one shared cache
+    secret_file: str | None = None  # --tenant-secret-file: roots' secret without a fleet key
+    budget_bytes: int | None = None  # --tenant-budget: per tenant, RAM and disk tiers each
+
+
 STATIC = Path(__file__).parent / "static"
 OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 
@@ -159,16 +208,19 @@ def create_app(
     aliases: tuple[str, ...] = (),
     max_tokens_default: int | None = None,
     limits: Limits | None = None,
+    tenant_options: TenantOptions | None = None,
 ) -> FastAPI:
     limits = limits or Limits()
     keys = APIKeys.from_file(api_key_file)
     if limits.api_key_scope == "all" and not keys:
         raise ValueError("--api-key-scope all needs --api-key-file")
+    tenants = _tenants(runtime, api_key_file, fleet_key, tenant_options or TenantOptions())
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
     scheduler = Scheduler(runtime, limits.max_queue)
     service = OpenAIService(
-        runtime, scheduler, model_name, max_context, aliases, max_tokens_default, keys.check
-    )
+        runtime, scheduler, model_name, max_context, aliases, max_tokens_default, keys.check,
+        tenants,
+    )  # fmt: skip
     app.state.runtime = runtime
     app.state.openai = service
     app.state.scheduler = scheduler
@@ -216,12 +268,14 @@ def create_app(
         log.exception("request failed")
         return error_response(500, "internal error", "server_error")
 
-    registry = CollectorRegistry()
-    registry.register(HeadCollector(runtime, scheduler))
-    if runtime.node is not None:
-        from ..mesh.metrics import NodeCollector
+    registry, private = CollectorRegistry(), CollectorRegistry()
+    for reg in (registry, private):
+        reg.register(HeadCollector(runtime, scheduler))
+        if runtime.node is not None:
+            from ..mesh.metrics import NodeCollector
 
-        registry.register(NodeCollector(lambda: runtime.node.node if runtime.node else None))
+            reg.register(NodeCollector(lambda: runtime.node.node if runtime.node else None))
+    private.register(TenantCollector(runtime))
 
     @app.get("/healthz")
     async def healthz() -> Any:
@@ -244,10 +298,19 @@ def create_app(
         return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> PlainTextResponse:
+        admin = keys.check(presented_key(request.headers))  # per-tenant series: key holders
         return PlainTextResponse(
-            generate_latest(registry).decode(), media_type="text/plain; version=0.0.4"
+            generate_latest(private if admin else registry).decode(),
+            media_type="text/plain; version=0.0.4",
         )
+
+    @app.get("/v1/admin/tenants")
+    async def tenant_stats(request: Request) -> Any:
+        if not keys.check(presented_key(request.headers)):
+            return error_response(401, INVALID_KEY, "authentication_error", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        return {"tenants": tenant_rows(runtime)}
 
     app.include_router(router(service))
     app.include_router(network.router(runtime, keys, NetworkState(state_file), fleet_key))
@@ -258,3 +321,14 @@ def create_app(
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+def _tenants(
+    runtime: HeadRuntime, api_key_file: str | None, fleet_key: bytes | None, opts: TenantOptions
+) -> Tenants:
+    """The head's tenants; raises KeyFileError (a start-up error) on a bad file."""
+    entries = dict(read_key_file(api_key_file)) if api_key_file else {}
+    secret = fleet_key or head_secret(opts.secret_file)
+    if opts.budget_bytes is not None and runtime.fleet is not None:
+        runtime.fleet.store.set_tenant_budget(opts.budget_bytes)
+    return Tenants(runtime.card.namespace, secret, entries, opts.header, frozenset(opts.shared))

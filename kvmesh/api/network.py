@@ -25,7 +25,7 @@ from pydantic import ConfigDict, Field
 
 from ..runtime.head import HeadRuntime
 from ..units import is_loopback
-from .credentials import presented_key
+from .credentials import presented_key, read_key_file
 from .openai import APIError, Body
 
 PAIRING_TTL_S = 600.0
@@ -40,9 +40,8 @@ class APIKeys:
     def from_file(cls, path: str | Path | None) -> APIKeys:
         if not path:
             return cls([])
-        keys = [line.strip() for line in Path(path).read_text().splitlines()]
-        keys = [k for k in keys if k and not k.startswith("#")]
-        return cls([hashlib.sha256(k.encode()).digest() for k in keys])
+        # one ``KEY [TENANT]`` per line (credentials.read_key_file; tenants: credentials.Tenants)
+        return cls([hashlib.sha256(k.encode()).digest() for k, _ in read_key_file(path)])
 
     def __bool__(self) -> bool:
         return bool(self._hashes)

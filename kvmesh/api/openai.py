@@ -28,6 +28,12 @@ Contracts:
 - A stream that fails after its headers are sent ends with an OpenAI-style
   ``data: {"error": {...}}`` event and then ``data: [DONE]``, never a cut stream.
 - Logprobs are finite: one that is not (-inf) is reported as ``LOGPROB_FLOOR``.
+- Tenants (:class:`~kvmesh.api.credentials.Tenants`): a request uses its tenant's
+  cache only, and ``cache_salt`` (vLLM's field, both routes; ``null`` is none)
+  separates further within it; a bad salt (not a string, empty, longer than
+  ``MAX_CACHE_SALT_CHARS``) or a bad trusted tenant header is a 400 naming it.
+  ``cached_tokens`` and the ``kvmesh`` field describe only that cache, and across
+  callers only whole blocks (see :mod:`kvmesh.runtime.head`).
 """
 
 from __future__ import annotations
@@ -47,11 +53,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from ..blocks import chain_root, check_cache_salt
 from ..engine import Decoded, Sampling
 from ..errors import NoChatTemplate
 from ..runtime.batch import EngineFailed, OverBudget
-from ..runtime.head import Generation, HeadRuntime
-from .credentials import presented_key
+from ..runtime.head import Generation, HeadRuntime, Scope
+from .credentials import BadTenant, Tenants, presented_key
 from .scheduler import Job, Scheduler, TokenStream
 
 log = logging.getLogger("kvmesh.api")
@@ -155,6 +162,7 @@ class _Common(Body):
     stop: str | list[str] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    cache_salt: Any = None  # checked in OpenAIService.scope: one 400 message for every bad value
 
     @model_validator(mode="before")
     @classmethod
@@ -256,12 +264,14 @@ class OpenAIService:
         aliases: tuple[str, ...] = (),
         max_tokens_default: int | None = None,
         key_is_valid: Callable[[str | None], bool] = lambda key: False,
+        tenants: Tenants | None = None,
     ) -> None:
         self.runtime = runtime
         self.scheduler = scheduler
         self.model_name = model_name
         self.aliases = aliases
         self.key_is_valid = key_is_valid  # fair shares follow only keys the head issued
+        self.tenants = tenants
         self.max_context = max_context
         self.max_tokens_default = max_tokens_default
         self.created = int(time.time())
@@ -269,6 +279,24 @@ class OpenAIService:
 
     def names(self) -> set[str]:
         return {self.model_name, *self.aliases, self.runtime.card.model_id}
+
+    def scope(self, request: Request, req: _Common) -> Scope:
+        """Whose cache ``req`` uses: its tenant (from what the server authenticated)
+        and ``cache_salt``. A 400 for a bad salt or a bad trusted tenant header."""
+        salt = req.cache_salt
+        try:
+            if salt is not None:
+                check_cache_salt(salt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="cache_salt", code="invalid_cache_salt") from None
+        if self.tenants is None:
+            root = None if salt is None else chain_root(self.runtime.card.namespace, None, salt)
+            return Scope(root)
+        try:
+            tenant = self.tenants.tenant_of(request.headers)
+        except BadTenant as e:
+            raise APIError(400, str(e), param=self.tenants.header, code="invalid_tenant") from None
+        return Scope(self.tenants.root(tenant, salt), tenant)
 
     def _check(self, req: _Common, n_prompt: int) -> Sampling:
         if req.model not in self.names():
@@ -344,10 +372,11 @@ class OpenAIService:
             raise APIError(400, str(e), param="messages", code="no_chat_template") from None
 
     def start(
-        self, req: _Common, tokens: list[int], job: Job, client: str = ""
-    ) -> tuple[Generation, TokenStream]:
+        self, req: _Common, tokens: list[int], job: Job, client: str = "",
+        scope: Scope | None = None,
+    ) -> tuple[Generation, TokenStream]:  # fmt: skip
         """Check ``req`` (4xx before anything runs) and start its generation as
-        ``client``'s (see :func:`client_of`)."""
+        ``client``'s (see :func:`client_of`) in ``scope``'s cache."""
         sampling = self._check(req, len(tokens))
         try:  # before a stream's 200: a request this head could never run is the client's 400
             self.runtime.check_request(len(tokens), sampling)
@@ -356,7 +385,7 @@ class OpenAIService:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         out = Generation(choices=[Decoded() for _ in range(sampling.n)])  # read while it runs
-        return out, self.scheduler.start(job, tokens, sampling, out, client)
+        return out, self.scheduler.start(job, tokens, sampling, out, client, scope)
 
     def body(
         self, req: _Common, rid: str, chat: bool, n_prompt: int, out: Generation
@@ -538,10 +567,12 @@ def router(service: OpenAIService) -> APIRouter:
         }
 
     async def respond(request: Request, req: _Common, chat: bool) -> Any:
+        scope = service.scope(request, req)  # a bad salt or tenant: 400 before any work
         job = service.scheduler.admit()  # QueueFull: 503 before any work
         try:
             tokens = await run_in_threadpool(service.tokens, req)  # templating is CPU work
-            out, stream = service.start(req, tokens, job, client_of(request, service.key_is_valid))
+            client = client_of(request, service.key_is_valid)
+            out, stream = service.start(req, tokens, job, client, scope)
         except BaseException:
             service.scheduler.release(job)
             raise

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from ..engine import Sampling
-from ..runtime.head import Generation, HeadRuntime
+from ..runtime.head import Generation, HeadRuntime, Scope
 
 RETRY_AFTER_S = 1  # a queue slot frees when one request ends: seconds, not minutes
 
@@ -88,7 +88,7 @@ class Scheduler:
 
     def start(
         self, job: Job, tokens: Sequence[int], sampling: Sampling, out: Generation,
-        client: str = "",
+        client: str = "", scope: Scope | None = None,
     ) -> TokenStream:  # fmt: skip
         """Run ``job`` now (it owns its slot until it ends); read its tokens from
         the returned stream. The caller must not ``release`` it afterwards.
@@ -107,7 +107,7 @@ class Scheduler:
             try:
                 gen = self.runtime.generate(
                     tokens, sampling, out, cancel=job.cancel,
-                    on_start=lambda: self._started(job), client=client,
+                    on_start=lambda: self._started(job), client=client, scope=scope,
                 )  # fmt: skip
                 for tok in gen:
                     put(tok)

@@ -47,6 +47,10 @@ class HeadOptions:
     block_digest: str = "blake3"  # blake3 | sha256: part of the card
     max_batch: int = 8  # sequences decoded together
     kv_budget_bytes: int | None = None  # KV the running sequences may hold (None: no cap)
+    tenant_header: str | None = None  # tenants: see kvmesh.api.credentials
+    shared_tenants: tuple[str, ...] = ()
+    tenant_secret_file: str | None = None
+    tenant_budget_bytes: int | None = None
 
     def model_names(self) -> tuple[str, tuple[str, ...]]:
         """(canonical name, accepted aliases): the first ``--served-model-name``,
@@ -81,7 +85,7 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
     from ..mesh.node import NodeThread
     from ..runtime.head import HeadRuntime
     from ..units import is_loopback
-    from .app import Limits, create_app
+    from .app import Limits, TenantOptions, create_app
 
     engine = load_engine(
         opts.model,
@@ -122,7 +126,9 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
         aliases=aliases,
         max_tokens_default=opts.max_tokens_default,
         limits=Limits(opts.max_queue, opts.max_body_bytes, opts.api_key_scope),
-    )
+        tenant_options=TenantOptions(opts.tenant_header, opts.shared_tenants,
+                                     opts.tenant_secret_file, opts.tenant_budget_bytes),
+    )  # fmt: skip
     sock = bind(opts.listen)
     host, port = sock.getsockname()[:2]
     tls = bool(opts.http_tls_cert)

@@ -88,12 +88,13 @@ class Fleet:
             timeout=timeout + 1,
         )
 
-    def keep(self, blocks: Sequence[Block]) -> int:
+    def keep(self, blocks: Sequence[Block], owner: str | None = None) -> int:
         """Store ``blocks`` (a chain from the root) locally; stop at the first refusal
-        (budget or orphan: a local copy is optional). Returns how many were kept."""
+        (budget or orphan: a local copy is optional). Returns how many were kept.
+        ``owner``: the tenant whose budget they count against (see the store)."""
         for i, blk in enumerate(blocks):
             try:
-                self.store.put(blk)
+                self.store.put(blk, owner=owner)
             except KVMeshError:
                 return i
         return len(blocks)

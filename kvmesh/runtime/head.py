@@ -21,11 +21,19 @@ thread. A request can be cancelled (its client left): while queued it never
 takes the engine; while decoding it stops after the current token.
 ``max_batch`` sequences run at once and ``kv_budget_bytes`` bounds the KV they
 may hold; beyond either, requests wait in order.
+
+Tenants (:class:`Scope`, resolved by the API from what it authenticated): a
+request's key chain starts from its scope's root, so it reads and fills only its
+tenant's cache, in every tier and on every peer; blocks it keeps count against its
+tenant's budget. Whole blocks are shared within a root; token-exact reuse (a live
+session beyond whole blocks, an exact tail) only within one caller's own requests
+(``client``), so no request learns another's prompt finer than a block.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import threading
 import time
@@ -53,6 +61,24 @@ from .telemetry import PrefillReport, Telemetry
 log = logging.getLogger("kvmesh.head")
 
 MIN_CACHE_BUDGET_S = 0.2
+MAX_TENANT_STATS = 1024  # tenants counted by name; the rest are counted together
+OTHER_TENANTS = "_other"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whose cache a request reads and fills, as the server decided it (never the
+    client's claim). ``root``: the chain root (:func:`kvmesh.blocks.chain_root`;
+    None: the namespace, the one shared cache). ``tenant``: the name its blocks and
+    counters go under on this head; it never leaves the head."""
+
+    root: bytes | None = None
+    tenant: str | None = None
+
+
+def _caller(client: str) -> bytes | None:
+    """The key a caller's own exact tails are made under (None: no caller known)."""
+    return hashlib.sha256(b"kvmesh/caller/v1\x00" + client.encode()).digest() if client else None
 
 
 @dataclass
@@ -89,6 +115,7 @@ class _Acquired:
     lookup_s: float = 0.0
     fetch_s: float = 0.0
     fallback: str | None = None
+    owner: str | None = None  # the tenant whose budget blocks kept for it count against
 
     @property
     def session_tokens(self) -> int:
@@ -138,6 +165,9 @@ class HeadRuntime:
         )
         self._sessions_lock = threading.Lock()
         self._sessions: OrderedDict[int, tuple[KVState, int]] = OrderedDict()  # (state, bytes)
+        self._session_scope: dict[int, tuple[bytes, str]] = {}  # id -> (chain root, client)
+        self._tenant_lock = threading.Lock()
+        self.tenant_stats: dict[str, dict[str, int]] = {}  # tenant -> counters (admin reads)
         self._next_session = 0
         self._publisher = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvmesh-publish"
@@ -156,20 +186,25 @@ class HeadRuntime:
         cancel: threading.Event | None = None,
         on_start: Callable[[], None] | None = None,
         client: str = "",
+        scope: Scope | None = None,
     ) -> Iterator[int]:
         """Prefill (planned) then decode locally, yielding tokens; publish after.
 
         ``cancel`` (the client went away): a request still queued never runs, a
         running one stops after the token being decoded. ``on_start`` is called
         once the engine is this request's (it has left the queue). ``client`` names
-        whose fair share of the batch it takes (see :mod:`.batch`)."""
+        whose fair share of the batch it takes (see :mod:`.batch`) and whose own
+        conversation it continues; ``scope`` whose cache it uses (:class:`Scope`)."""
         tokens = list(tokens)
         self.check_request(len(tokens), sampling)  # before any network work
         t0 = time.perf_counter()
         if cancel is not None and cancel.is_set():
             self._cancelled(out, "queued")
             return
-        got = self._acquire(tokens)  # network waits happen here, never on the engine thread
+        scope = scope or Scope()
+        keyer = self.keyer_for(scope, client)
+        # network waits happen here, never on the engine thread
+        got = self._acquire(tokens, keyer, client, scope.tenant)
         done = _Prefilled()
 
         def prefill(between: Callable[[], None]) -> KVState:  # on the engine thread
@@ -195,13 +230,35 @@ class HeadRuntime:
         report, prompt = done.report, done.prompt
         assert report is not None and prompt is not None  # the job ran: it was prefilled
         self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
-        self._keep_session(state)
+        self._count_tenant(scope.tenant, report)
+        self._keep_session(state, keyer.root, client)
         if self.publish_enabled:
-            self._publish_later(prompt, state, done.chain)
+            self._publish_later(prompt, state, done.chain, keyer, scope.tenant)
         if self.auditor is not None and report.source == "remote" and got.peer_id:
             audit = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
             if audit is not None:
-                self._publisher.submit(self._audit, audit)
+                self._publisher.submit(self._audit, audit, keyer)
+
+    def keyer_for(self, scope: Scope, client: str = "") -> BlockKeyer:
+        """The keyer of ``scope``'s chains, its exact tails ``client``'s own."""
+        return self.keyer.rooted(scope.root or self.card.namespace, _caller(client))
+
+    def _count_tenant(self, tenant: str | None, report: PrefillReport) -> None:
+        if tenant is None:
+            return
+        with self._tenant_lock:
+            if tenant not in self.tenant_stats and len(self.tenant_stats) >= MAX_TENANT_STATS:
+                tenant = OTHER_TENANTS
+            c = self.tenant_stats.setdefault(tenant, {})
+            for name, n in (("requests", 1), ("hits", int(report.reused_tokens > 0)),
+                            ("prompt_tokens", report.prompt_tokens),
+                            ("reused_tokens", report.reused_tokens)):  # fmt: skip
+                c[name] = c.get(name, 0) + n
+
+    def tenant_counters(self) -> dict[str, dict[str, int]]:
+        """A copy of each tenant's counters (for admin reads only)."""
+        with self._tenant_lock:
+            return {t: dict(c) for t, c in self.tenant_stats.items()}
 
     def check_request(self, prompt_tokens: int, sampling: Sampling) -> None:
         """Raise ValueError (a 400) for a request this head could never run: ``n``
@@ -231,17 +288,19 @@ class HeadRuntime:
 
     def prefill(self, tokens: list[int]) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
         """State for ``tokens`` and how it was obtained; also the reused block chain."""
-        got = self._acquire(list(tokens))
+        got = self._acquire(list(tokens), self.keyer)
         with self._lock:
             return self._compute(list(tokens), got)
 
-    def _acquire(self, tokens: list[int]) -> _Acquired:
+    def _acquire(
+        self, tokens: list[int], keyer: BlockKeyer, client: str = "", tenant: str | None = None
+    ) -> _Acquired:
         """Gather the best prefix. Sources: a live session, the local store and,
         when the prompt is longer than both, the fleet (never skipped because a
         session holds a shorter prefix). Failed remote candidates give way to the
         next within one cache-time budget."""
-        keys = self.keyer.keys(tokens)
-        got = _Acquired(session=self._best_session(tokens))
+        keys = keyer.keys(tokens)
+        got = _Acquired(session=self._best_session(tokens, keyer.root, client), owner=tenant)
         local = self.fleet.local_prefix(keys) if self.fleet else Match((), None)
         if got.session_tokens >= local.tokens and got.session_tokens:
             got.source = "session"  # resuming is a crop, importing a copy: sessions win ties
@@ -311,7 +370,7 @@ class HeadRuntime:
         got.fetched = tuple(enumerate(blocks, start=skip))
         got.prefix = tuple(local.blocks[:skip]) + tuple(blocks)
         if skip == len(local.blocks):  # the fetched blocks continue the stored chain
-            self.fleet.keep(blocks)
+            self.fleet.keep(blocks, got.owner)
         return True
 
     def _compute(
@@ -363,22 +422,33 @@ class HeadRuntime:
 
     # -- sessions --------------------------------------------------------------
 
-    def _best_session(self, tokens: list[int]) -> tuple[int, int] | None:
+    def _best_session(
+        self, tokens: list[int], root: bytes | None = None, client: str = ""
+    ) -> tuple[int, int] | None:
         """(id, tokens it can keep) of the live session sharing the longest prefix
-        with ``tokens``, when that is at least one block. Not taken yet."""
+        with ``tokens``, when that is at least one block. Not taken yet. Only
+        sessions under ``root``; another caller's only in whole blocks."""
         best, best_len = None, 0
+        root = root or self.card.namespace
+        b = self.card.block_tokens
         with self._sessions_lock:
             for sid, (st, _) in self._sessions.items():
+                owner = self._session_scope.get(sid, (self.card.namespace, ""))
+                if owner[0] != root:
+                    continue
                 n = _common_prefix(st.tokens[: st.cached], tokens)
+                if owner[1] != client:  # not the caller's own conversation
+                    n -= n % b
                 if n > best_len:
                     best, best_len = sid, n
         if best is None or best_len < self.card.block_tokens:
             return None
         return best, min(best_len, len(tokens) - 1)
 
-    def _keep_session(self, state: KVState) -> None:
+    def _keep_session(self, state: KVState, root: bytes | None = None, client: str = "") -> None:
         """Keep ``state`` as a session, its KV reserved in the batch's budget (older
-        sessions give way; a session that cannot fit is not kept)."""
+        sessions give way; a session that cannot fit is not kept), as ``client``'s
+        under ``root``."""
         nbytes = self.card.kv_bytes_per_token * state.cached
         if self.max_sessions < 1:
             return
@@ -390,6 +460,9 @@ class HeadRuntime:
                     return
                 self._forget_oldest()
             self._sessions[self._next_session] = (state, nbytes)
+            self._session_scope[self._next_session] = (root or self.card.namespace, client)
+            for sid in [s for s in self._session_scope if s not in self._sessions]:
+                del self._session_scope[sid]  # taken or forgotten
             self._next_session += 1
 
     def _take_session(self, sid: int) -> KVState | None:
@@ -415,12 +488,12 @@ class HeadRuntime:
 
     # -- audit -----------------------------------------------------------------
 
-    def _audit(self, job: AuditJob) -> None:
+    def _audit(self, job: AuditJob, keyer: BlockKeyer | None = None) -> None:
         """Recompute one imported block (background thread, engine lock held
         briefly as for any request); quarantine the peer on a disagreement."""
         try:
             with self._lock:
-                agrees = Auditor.agrees(self.engine, self.keyer, job)
+                agrees = Auditor.agrees(self.engine, keyer or self.keyer, job)
         except Exception as e:  # an audit never fails anything else
             log.warning("audit failed: %r", e)
             return
@@ -434,27 +507,33 @@ class HeadRuntime:
 
     # -- publishing ------------------------------------------------------------
 
-    def _publish_later(self, prompt: KVState, final: KVState, reused: tuple[Block, ...]) -> None:
+    def _publish_later(
+        self, prompt: KVState, final: KVState, reused: tuple[Block, ...],
+        keyer: BlockKeyer | None = None, owner: str | None = None,
+    ) -> None:  # fmt: skip
         if not self._publishes.take():
             self.telemetry.count("publish_dropped")
             return
-        self._publisher.submit(self._publish, prompt, final, reused)
+        self._publisher.submit(self._publish, prompt, final, reused, keyer or self.keyer, owner)
 
-    def _publish(self, prompt: KVState, final: KVState, reused: tuple[Block, ...]) -> None:
+    def _publish(
+        self, prompt: KVState, final: KVState, reused: tuple[Block, ...], keyer: BlockKeyer,
+        owner: str | None = None,
+    ) -> None:  # fmt: skip
         try:
             n_reused = len(reused)
-            blocks = list(reused) + self.engine.export(prompt, self.keyer, first_block=n_reused)
+            blocks = list(reused) + self.engine.export(prompt, keyer, first_block=n_reused)
             prompt_full = [b for b in blocks if b.header.kind == "block"]
             more = self.engine.export(
                 KVState(final.tokens[: final.cached], final.cache, None, final.cached),
-                self.keyer,
+                keyer,
                 first_block=len(prompt_full),
             )
             chains = [blocks, prompt_full + more] if more else [blocks]
             if self.fleet is None:
                 return
             for chain in chains:
-                self.fleet.keep(chain)
+                self.fleet.keep(chain, owner)
                 self.fleet.publish(self.card, chain)
             self.telemetry.count("published_blocks", len(blocks) + len(more))
         except Exception as e:
