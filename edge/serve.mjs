@@ -28,7 +28,7 @@ export async function bundle() {
 
 /**
  * A Miniflare (workerd) instance running the Worker.
- * @param {{origin: string, port?: number, host?: string, cacheTtl?: string, staleTtl?: string, timeoutMs?: string, openaiPassthrough?: boolean}} o
+ * @param {{origin: string, port?: number, host?: string, cacheTtl?: string, staleTtl?: string, timeoutMs?: string, openaiPassthrough?: boolean, scriptPath?: string}} o
  */
 export async function startEdge(o) {
   const origin = new URL(o.origin); // a bad origin fails here, not on the first request
@@ -39,7 +39,7 @@ export async function startEdge(o) {
   if (o.timeoutMs !== undefined) bindings.ORIGIN_TIMEOUT_MS = String(o.timeoutMs);
   if (o.openaiPassthrough) bindings.OPENAI_PASSTHROUGH = "true";
   const mf = new Miniflare({
-    scriptPath: await bundle(),
+    scriptPath: o.scriptPath ?? (await bundle()),
     modules: true,
     compatibilityDate: COMPATIBILITY_DATE,
     bindings,

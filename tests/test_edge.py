@@ -18,7 +18,7 @@ import pytest
 from .procs import Peer, free_port
 from .test_api import Head
 from .test_dashboard import ARGS, CHROMIUM
-from .test_sdk_typescript import npm
+from .test_sdk_typescript import line_coverage, npm
 
 ROOT = Path(__file__).resolve().parent.parent
 EDGE = ROOT / "edge"
@@ -58,6 +58,8 @@ def test_edge_suite_in_workerd_and_wrangler_dry_run():
     out = npm(EDGE, "test")
     assert "--dry-run: exiting now" in out and 'env.ORIGIN ("https://' in out
     assert re.search(r"Tests\s+\d+ passed \(\d+\)", out), out[-3000:]
+    # the Worker's coverage as it ran in workerd (test/coverage.mjs fails below 95 %)
+    assert line_coverage(out) >= 95.0 and re.search(r"worker\.ts\s*\|", out)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import { createServer } from "node:http";
 import type { AddressInfo } from "node:net";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import type { Miniflare } from "miniflare";
-import { startEdge } from "../serve.mjs";
+import { startEdge as start } from "../serve.mjs";
+import { collect, instrumentedBundle, save } from "./coverage.mjs";
 import { KEY, startHead, stopHead } from "./head.mjs";
 
 type Edge = { mf: Miniflare; url: string };
@@ -17,17 +18,32 @@ const IP = /\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b/;
 const READS = ["summary", "nodes", "groups", "tokens", "prefill"].map((p) => `/v1/network/${p}`);
 let head: Awaited<ReturnType<typeof startHead>>;
 let edge: Edge;
+let script: string; // the Worker bundle, instrumented for coverage
 const stop: (() => Promise<unknown>)[] = [];
 
+/** An edge in workerd, disposed (after its coverage is collected) in afterAll. */
+async function startEdge(o: Parameters<typeof start>[0]): Promise<Edge> {
+  const e = (await start({ ...o, scriptPath: script })) as Edge;
+  stop.push(async () => {
+    await collect(e.mf);
+    await e.mf.dispose();
+  });
+  return e;
+}
+
 beforeAll(async () => {
+  script = await instrumentedBundle();
   head = await startHead();
-  edge = (await startEdge({ origin: head.url, cacheTtl: "1", timeoutMs: "2000" })) as Edge;
-  stop.push(() => edge.mf.dispose());
+  edge = await startEdge({ origin: head.url, cacheTtl: "1", timeoutMs: "2000" });
 }, 150_000);
 
 afterAll(async () => {
-  for (const s of stop) await s().catch(() => undefined);
-  await stopHead(head.proc);
+  try {
+    for (const s of stop) await s();
+    save();
+  } finally {
+    await stopHead(head.proc);
+  }
 }, 60_000);
 
 const get = (path: string, init?: RequestInit) => fetch(edge.url + path, init);
@@ -117,8 +133,7 @@ describe("refusals", () => {
   });
 
   it("with OpenAI pass-through, completions stream through the edge and other methods are 405", async () => {
-    const open = (await startEdge({ origin: head.url, openaiPassthrough: true })) as Edge;
-    stop.push(() => open.mf.dispose());
+    const open = await startEdge({ origin: head.url, openaiPassthrough: true });
     const models = await fetch(open.url + "/v1/models");
     expect((await models.json()).data[0].id).toBe("demo-tiny");
     const r = await fetch(open.url + "/v1/chat/completions", {
@@ -137,9 +152,12 @@ describe("refusals", () => {
 
   it("an edge without an origin says so", async () => {
     const { Miniflare } = await import("miniflare");
-    const { bundle, COMPATIBILITY_DATE } = await import("../serve.mjs");
-    const mf = new Miniflare({ scriptPath: await bundle(), modules: true, compatibilityDate: COMPATIBILITY_DATE });
-    stop.push(() => mf.dispose());
+    const { COMPATIBILITY_DATE } = await import("../serve.mjs");
+    const mf = new Miniflare({ scriptPath: script, modules: true, compatibilityDate: COMPATIBILITY_DATE });
+    stop.push(async () => {
+      await collect(mf);
+      await mf.dispose();
+    });
     const r = await mf.dispatchFetch("http://edge/v1/network/summary");
     expect([r.status, ((await r.json()) as { error: { code: string } }).error.code]).toEqual([500, "edge_misconfigured"]);
   });
@@ -156,8 +174,7 @@ describe("origin failures", () => {
     await new Promise<void>((r) => slow.listen(0, "127.0.0.1", r));
     stop.push(() => new Promise((r) => (slow.closeAllConnections(), slow.close(r))));
     const port = (slow.address() as AddressInfo).port;
-    const e = (await startEdge({ origin: `http://127.0.0.1:${port}`, cacheTtl: "0", timeoutMs: "300" })) as Edge;
-    stop.push(() => e.mf.dispose());
+    const e = await startEdge({ origin: `http://127.0.0.1:${port}`, cacheTtl: "0", timeoutMs: "300" });
     const fresh = await fetch(e.url + "/v1/network/nodes?bust=1");
     expect([fresh.status, fresh.headers.get("x-kvmesh-edge"), fresh.headers.get("set-cookie")]).toEqual([200, "fresh", null]);
     expect((await fresh.json()).path).toBe("/v1/network/nodes"); // the client's query never reaches the origin
@@ -189,6 +206,9 @@ describe("origin failures", () => {
     expect((await stale.json()).nodes).toBe(first.nodes);
     expect((await get("/")).headers.get("x-kvmesh-edge")).toBe("stale");
     expect((await get("/healthz")).status).toBe(502); // health is never a stale copy
+    const open = await startEdge({ origin: head.url, openaiPassthrough: true });
+    const passed = await fetch(open.url + "/v1/models");
+    expect([passed.status, (await passed.json()).error.code]).toEqual([502, "origin_unavailable"]);
     head = await startHead(listen);
     await until("the summary fresh again", async () => (await get("/v1/network/summary")).headers.get("x-kvmesh-edge") === "fresh");
     const back = await (await get("/v1/network/summary")).json();
