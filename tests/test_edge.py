@@ -119,6 +119,46 @@ def test_dashboard_through_the_edge_shows_the_live_fleet(fleet):
             browser.close()
 
 
+SDK_IN_PAGE = """async (edge) => {
+  const client = new kvmesh.KvmeshClient({ baseUrl: edge, maxRetries: 0 });
+  const summary = await client.network.summary();
+  const nodes = await client.network.nodes();
+  const mark = (await fetch(edge + "/v1/network/groups")).headers.get("x-kvmesh-edge");
+  let write = "accepted";
+  try { await client.network.createGroup({ name: "from-a-browser" }); }
+  catch (e) { write = e.name; }
+  return { summary, aliases: nodes.map((n) => n.alias), mark, write };
+}"""
+
+
+def test_the_sdk_in_a_browser_reads_through_the_edge_cross_origin(fleet, tmp_path):
+    """The SDK bundled for browsers, on a page of another origin (the head's own),
+    reads the fleet through the edge's CORS; a write is refused."""
+    from playwright.sync_api import sync_playwright
+
+    head, _, edge = fleet
+    bundle = tmp_path / "kvmesh-sdk.js"
+    esbuild = EDGE / "node_modules" / ".bin" / "esbuild"
+    subprocess.run([str(esbuild), str(ROOT / "sdk/typescript/src/index.ts"), "--bundle",
+                    "--format=iife", "--global-name=kvmesh", f"--outfile={bundle}"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    before = head.http.get("/v1/network/groups").json()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(head.url + "/healthz")  # another origin than the edge's (another port)
+            page.add_script_tag(content=bundle.read_text())
+            got = page.evaluate(SDK_IN_PAGE, edge.url)
+        finally:
+            browser.close()
+    assert got["summary"]["private"] is False and got["summary"]["nodes"] >= 2
+    assert {"edge-head", "edge-peer"} <= set(got["aliases"])
+    assert got["mark"] in ("fresh", "cache")  # exposed to cross-origin scripts
+    assert got["write"] == "ConnectionError"  # the preflight allows no POST: the browser blocks it
+    assert head.http.get("/v1/network/groups").json() == before
+
+
 def test_reads_pass_writes_refused_and_a_killed_origin_leaves_a_stale_copy(fleet):
     head, _, edge = fleet
     auth = {"X-API-Key": KEY, "Authorization": f"Bearer {KEY}"}

@@ -55,6 +55,7 @@ const CORS: Record<string, string> = {
   "Access-Control-Allow-Origin": "*",
   "Access-Control-Allow-Methods": "GET, HEAD, OPTIONS",
   "Access-Control-Allow-Headers": "Accept, Content-Type",
+  "Access-Control-Expose-Headers": "X-Kvmesh-Edge, X-Kvmesh-Fetched-At, Warning",
   "Access-Control-Max-Age": "600",
 };
 

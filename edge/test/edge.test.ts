@@ -69,6 +69,7 @@ describe("public reads", () => {
         expect(text, path).not.toMatch(IP);
         expect(text).not.toMatch(/node_id|endpoints|"epoch"/);
         expect(r.headers.get("access-control-allow-origin")).toBe("*");
+        expect(r.headers.get("access-control-expose-headers")).toContain("X-Kvmesh-Edge");
         expect(r.headers.get("x-content-type-options")).toBe("nosniff");
         expect(r.headers.get("content-security-policy")).toContain("default-src 'none'");
         expect(r.headers.get("referrer-policy")).toBe("no-referrer");
