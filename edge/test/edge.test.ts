@@ -164,6 +164,30 @@ describe("refusals", () => {
   });
 });
 
+describe("the SDK in workerd", () => {
+  it("runs inside a Worker: reads the head and streams a completion", async () => {
+    const { build } = await import("esbuild");
+    const { Miniflare } = await import("miniflare");
+    const { COMPATIBILITY_DATE } = await import("../serve.mjs");
+    const sdk = new URL("../../sdk/typescript/src/index.ts", import.meta.url).pathname;
+    const code = `import { KvmeshClient } from ${JSON.stringify(sdk)};
+      export default { async fetch(req, env) {
+        const c = new KvmeshClient({ baseUrl: env.HEAD });
+        const summary = await c.network.summary();
+        let text = "";
+        const stream = await c.completions.create({ model: "demo-tiny", prompt: "in a worker", max_tokens: 4, temperature: 0, stream: true });
+        for await (const chunk of stream) text += chunk.choices[0]?.text ?? "";
+        return Response.json({ nodes: summary.nodes, text, chunks: text.length > 0 });
+      } };`;
+    const out = await build({ stdin: { contents: code, resolveDir: ".", loader: "js" }, bundle: true, format: "esm", write: false, target: "es2022" });
+    const mf = new Miniflare({ script: out.outputFiles[0]!.text, modules: true, compatibilityDate: COMPATIBILITY_DATE, bindings: { HEAD: head.url } });
+    stop.push(() => mf.dispose());
+    const r = await mf.dispatchFetch("http://worker/");
+    const got = (await r.json()) as { nodes: number; chunks: boolean };
+    expect([r.status, got.nodes >= 1, got.chunks]).toEqual([200, true, true]);
+  });
+});
+
 describe("origin failures", () => {
   it("a slow origin: the last good copy is served, marked stale", async () => {
     let hang = false;
