@@ -4,6 +4,7 @@ and its quickstart example, which uses only the public API, against the same hea
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -68,3 +69,15 @@ def test_quickstart_streams_and_sees_the_cache(head):
     assert warm, r.stdout
     chunks, cached, prompt = map(int, warm.groups())
     assert chunks >= 2 and prompt > 100 and cached >= 0.9 * prompt
+
+
+def test_sdk_and_edge_ship_no_runtime_dependencies():
+    """``npm audit --omit=dev`` stays at 0 by construction: neither package has a
+    runtime dependency (the lockfiles agree), only dev tools."""
+    for pkg in (SDK, ROOT / "edge"):
+        manifest = json.loads((pkg / "package.json").read_text())
+        lock = json.loads((pkg / "package-lock.json").read_text())
+        assert not manifest.get("dependencies") and manifest["devDependencies"], pkg
+        assert not lock["packages"][""].get("dependencies"), pkg
+        assert all(v.get("dev") or v.get("devOptional")
+                   for k, v in lock["packages"].items() if k), pkg  # fmt: skip
