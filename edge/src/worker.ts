@@ -12,7 +12,7 @@
  *   string, so the origin answers its public view: no addresses, ids or epochs.
  * - Network reads and the dashboard are cached `CACHE_TTL_S` seconds (Cache API).
  *   Each good answer is also kept `STALE_TTL_S` seconds as a fallback: when the
- *   origin fails (unreachable, slower than `ORIGIN_TIMEOUT_MS`, 5xx) that copy is
+ *   origin fails (unreachable, slower than `ORIGIN_TIMEOUT_MS`, 5xx, a redirect) that copy is
  *   served with `X-Kvmesh-Edge: stale` instead of an error. `/healthz` is never
  *   cached: it tells the origin's truth.
  * - Every answer carries the security headers (CSP fitting the dashboard, nosniff,
@@ -106,7 +106,8 @@ async function fromOrigin(env: Env, path: string, timeoutMs: number): Promise<Re
       signal: AbortSignal.timeout(timeoutMs),
       redirect: "manual",
     });
-    return r.status >= 500 ? undefined : r;
+    // a 5xx is a failure; so is a redirect, which would hand the client the origin's address
+    return r.status >= 500 || (r.status >= 300 && r.status < 400) ? undefined : r;
   } catch {
     return undefined; // unreachable or too slow: the caller falls back to the stale copy
   }

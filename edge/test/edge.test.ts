@@ -192,6 +192,10 @@ describe("origin failures", () => {
   it("a slow origin: the last good copy is served, marked stale", async () => {
     let hang = false;
     const slow = createServer((req, res) => {
+      if (req.url === "/v1/network/prefill") {
+        res.writeHead(302, { Location: "http://10.1.2.3:8000/v1/network/prefill" });
+        return void res.end();
+      }
       if (hang) return; // never answers
       res.writeHead(200, { "Content-Type": "application/json", "Set-Cookie": "origin=1" });
       res.end(JSON.stringify({ nodes: [], path: req.url }));
@@ -209,6 +213,8 @@ describe("origin failures", () => {
     expect((await stale.json()).path).toBe("/v1/network/nodes");
     const never = await fetch(e.url + "/v1/network/tokens");
     expect([never.status, (await never.json()).error.code]).toEqual([502, "origin_unavailable"]);
+    const moved = await fetch(e.url + "/v1/network/prefill", { redirect: "manual" });
+    expect([moved.status, moved.headers.get("location")]).toEqual([502, null]); // the origin's address stays hidden
   });
 
   it("the origin killed: reads answer stale; the origin back: fresh again", async () => {
