@@ -351,6 +351,7 @@ export class CompletionsAPI {
 
   create(params: CompletionCreateParams & { stream: true }, o?: RequestOptions): Promise<Stream<CompletionChunk>>;
   create(params: CompletionCreateParams & { stream?: false | null }, o?: RequestOptions): Promise<Completion>;
+  create(params: CompletionCreateParams, o?: RequestOptions): Promise<Completion | Stream<CompletionChunk>>;
   create(params: CompletionCreateParams, o?: RequestOptions): Promise<Completion | Stream<CompletionChunk>> {
     return params.stream ? this.client.stream(ROUTES.completions.path, params, o) : this.client.json(ROUTES.completions.path, "POST", params, o);
   }
@@ -361,6 +362,7 @@ export class ChatCompletionsAPI {
 
   create(params: ChatCompletionCreateParams & { stream: true }, o?: RequestOptions): Promise<Stream<ChatCompletionChunk>>;
   create(params: ChatCompletionCreateParams & { stream?: false | null }, o?: RequestOptions): Promise<ChatCompletion>;
+  create(params: ChatCompletionCreateParams, o?: RequestOptions): Promise<ChatCompletion | Stream<ChatCompletionChunk>>;
   create(params: ChatCompletionCreateParams, o?: RequestOptions): Promise<ChatCompletion | Stream<ChatCompletionChunk>> {
     return params.stream ? this.client.stream(ROUTES.chat.path, params, o) : this.client.json(ROUTES.chat.path, "POST", params, o);
   }

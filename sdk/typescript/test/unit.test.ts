@@ -15,6 +15,8 @@ import {
   StreamError,
   TimeoutError,
   retryAfterMs,
+  Stream,
+  type ChatCompletionChunk,
   type RetryInfo,
 } from "../src/index.js";
 import { sseData } from "../src/sse.js";
@@ -215,6 +217,21 @@ describe("streams", () => {
     expect(texts).toEqual(["hel", "lo"]);
     expect(s.seen[0]!.headers.accept).toBe("text/event-stream");
     expect(JSON.parse(s.seen[0]!.body).stream).toBe(true);
+  });
+
+  it("a stream left early closes its connection; a runtime stream flag picks the shape", async () => {
+    let closed = false;
+    const s = await serve((req, res) => {
+      req.socket.on("close", () => (closed = true));
+      sse([CHUNK("a"), CHUNK("b")], true)(req, res, "");
+    });
+    const { c } = client(s.url);
+    const flag: boolean = s.url.length > 0; // known only at run time
+    const result = await c.chat.completions.create({ ...CHAT, stream: flag });
+    expect(result).toBeInstanceOf(Stream);
+    for await (const _ of result as Stream<ChatCompletionChunk>) break;
+    while (!closed) await new Promise((r) => setTimeout(r, 5));
+    expect(closed).toBe(true);
   });
 
   it("raises the server's error event as a StreamError", async () => {
