@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_keys", "tail_keys")
+    __slots__ = ("namespace", "block_keys", "tail_keys", "quiet")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     TAIL_KEYS_FIELD_NUMBER: _ClassVar[int]
+    QUIET_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     tail_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., tail_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    quiet: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., tail_keys: _Optional[_Iterable[bytes]] = ..., quiet: _Optional[bool] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("key", "nbytes", "digest", "tokens")
@@ -29,16 +31,18 @@ class BlockInfo(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., digest: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("epoch", "blocks", "tail", "matched_tokens")
+    __slots__ = ("epoch", "blocks", "tail", "matched_tokens", "replicas")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
     tail: BlockInfo
     matched_tokens: int
-    def __init__(self, epoch: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., tail: _Optional[_Union[BlockInfo, _Mapping]] = ..., matched_tokens: _Optional[int] = ...) -> None: ...
+    replicas: int
+    def __init__(self, epoch: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., tail: _Optional[_Union[BlockInfo, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("namespace", "keys", "epoch", "chunk_bytes", "lease_ttl_s")
