@@ -71,7 +71,7 @@ def scrape(peer: Peer, name: str) -> float:
 
 
 def served(peer: Peer) -> float:
-    return scrape(peer, 'kvmesh_events_total{kind="fetches",side="server"}')
+    return scrape(peer, "kvmesh_fetches_served_total")
 
 
 def make_head(engine, peers, alias, budget=2 << 30, sessions=8) -> HeadRuntime:

@@ -37,7 +37,7 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -63,7 +63,18 @@ from . import bulk
 from .bulk import FetchStalled
 from .hits import PeerHit, Transfer, validated
 from .membership import Membership
-from .placement import DEFAULT, MAX_REPLICAS, Policy, by_load, place_index, probe_rank, rendezvous
+from .placement import (
+    DEFAULT,
+    MAX_REPLICAS,
+    REPAIR_FANOUT,
+    Policy,
+    by_load,
+    place_index,
+    probe_rank,
+    rendezvous,
+    repair_ranks,
+    replica_ranks,
+)
 from .proto import kvmesh_pb2 as pb
 from .security import ANY_DEST, FleetAuth, TLSConfig, body_digest, open_channel
 from .server import GRPC_OPTIONS
@@ -333,9 +344,10 @@ class MeshClient:
         if deep is not None:  # the chain lives with the first block the root's owners lack
             rest = [p for p in self._ranked(chain[deep]) if p.node_id not in asked]
             asked += await self._round(rest, self.replicas, ask, hits, errors)
+        shed: set[str] = set()
         if self.policy.replicate and hits:
-            await self._probe_replica(hits, asked, ask, errors)
-        return self._ordered(hits), errors
+            shed = await self._probe_replica(hits, asked, ask, errors)
+        return self._ordered(hits, shed), errors
 
     async def _round(
         self,
@@ -362,46 +374,51 @@ class MeshClient:
 
     async def _probe_replica(
         self, hits: list[PeerHit], asked: list[str], ask: _Ask, errors: list[str]
-    ) -> None:
+    ) -> set[str]:
         """When the longest hit's prefix is hot, ask one of its replica ranks too (a
         second holder to choose from by load). A rank that lacks the prefix is
-        named in the hits' ``repair``: whoever fetches one gives it a copy."""
+        named in the hits' ``repair``: whoever fetches one gives copies. Returns
+        the owners to try last (:func:`~.placement.by_load`): all asked before
+        the probe, when the probed replica holds the prefix."""
         best = max(h.tokens for h in hits)
         top = [h for h in hits if h.tokens == best and h.blocks]
         replicas = min(max((h.replicas for h in top), default=0), MAX_REPLICAS)
         if not replicas:
-            return
+            return set()
         key = top[0].blocks[-1].key  # the prefix its holders counted
         caches = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
-        node = probe_rank(key, list(caches), replicas, asked, self._rng)
+        ranks = replica_ranks(key, list(caches), replicas)
+        node = probe_rank(ranks, asked, self._rng)
         if node is None or (ask.skip is not None and ask.skip(node)):
-            return
+            return set()
         self.counters["lookup_replica_probes"] += 1
         found: list[PeerHit] = []
         await self._ask([caches[node]], ask, found, errors)
         hits.extend(found)
         n_blocks = len(top[0].blocks)
-        if not any(len(h.blocks) >= n_blocks for h in found):
-            lack = {id(h) for h in top}
-            hits[:] = [dataclasses.replace(h, repair=(node,)) if id(h) in lack else h for h in hits]
+        if any(len(h.blocks) >= n_blocks for h in found):
+            return set(asked)
+        fill = tuple(repair_ranks(ranks, node, self._rng))
+        lack = {id(h) for h in top}
+        hits[:] = [dataclasses.replace(h, repair=fill) if id(h) in lack else h for h in hits]
+        return set()
 
     def _ranked(self, key: bytes) -> list[pb.CapabilityCard]:
         """Live cache peers in rendezvous order of ``key``."""
         by_id = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
         return [by_id[n] for n in rendezvous(key, list(by_id), len(by_id))]
 
-    def _ordered(self, hits: list[PeerHit]) -> list[PeerHit]:
+    def _ordered(self, hits: list[PeerHit], shed: Collection[str] = ()) -> list[PeerHit]:
         """Longest first; among holders of one length the least loaded (measured
         fetch rate gossiped by each, plus our own fetches in flight to it), then
-        the best endpoint."""
+        the best endpoint; ``shed`` (a hot prefix's owners) after the others."""
         hits = sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h)))
         out: list[PeerHit] = []
         for _, group in itertools.groupby(hits, key=lambda h: h.tokens):
             same = {h.node_id: h for h in group}
             rtt = {n: self._endpoint_rank(h)[1] for n, h in same.items()}
-            out += [
-                same[n] for n in by_load(list(same), self.load_of, rtt.__getitem__, self.policy)
-            ]
+            order = by_load(list(same), self.load_of, rtt.__getitem__, self.policy, self._rng, shed)
+            out += [same[n] for n in order]
         return out
 
     def load_of(self, node_id: str) -> float:
@@ -679,10 +696,10 @@ class MeshClient:
             try:
                 if to is None:
                     await self._place(card, blocks)
-                else:
+                else:  # a hot prefix's replica ranks (placement.repair_ranks' order)
                     peers = {c.node_id: c for c in self.membership.live()}
                     targets = [peers[n] for n in to if n in peers]
-                    await self._publish_to(targets, card, blocks, len(targets), {})
+                    await self._publish_to(targets, card, blocks, REPAIR_FANOUT, {}, missing=True)
             except Exception as e:  # a publish never kills the loop
                 log.warning("publish failed: %r", e)
                 self.counters["publish_failed:error"] += 1
@@ -717,9 +734,11 @@ class MeshClient:
         blocks: list[Block],
         n: int,
         held: dict[str, int],
+        missing: bool = False,
     ) -> None:
-        """Give ``blocks`` to the first ``n`` of ``targets`` that answer, each only
-        the part it lacks (``held`` says what some of them hold already)."""
+        """Give ``blocks`` to the first ``n`` of ``targets`` that answer (``missing``:
+        that lacked some of them), each only the part it lacks (``held`` says what
+        some of them hold already)."""
         done = 0
         for peer in targets:
             if done >= n:
@@ -730,6 +749,8 @@ class MeshClient:
                     have = await self._held(peer, card, blocks)
                 if have < len(blocks):
                     await self.publish(peer, card, blocks[have:])
+                elif missing:
+                    continue
                 done += 1
             except KVMeshError as e:
                 self.counters[f"publish_failed:{e.reason}"] += 1

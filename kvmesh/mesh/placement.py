@@ -18,13 +18,15 @@ simulation (``bench/scale_sim.py``) all call these functions; none keeps a copy.
   a prefix above ``Policy.hot_rate`` is asked to be held by ``r`` more peers, ``r``
   growing with its rate, at the first ``r`` rendezvous ranks of its deepest block
   (:func:`replica_ranks`). A lookup that meets a hot answer probes one of those
-  ranks (:func:`probe_rank`); a probed rank that lacks the prefix is given a
-  copy by the head that fetched it (ordinary verified blocks: nothing about trust
-  changes). When the prefix cools, ``r`` falls, nobody probes the extra ranks,
+  ranks (:func:`probe_rank`); when the probed rank lacks the prefix, the head
+  that fetched it gives a copy to it and to more ranks that lack it (:func:`repair_ranks`;
+  ordinary verified blocks: nothing about trust changes). When the prefix cools, ``r`` falls, nobody probes the extra ranks,
   and their copies age out of the LRU like any block.
 - **Load-aware choice** (:func:`by_load`): among holders of the longest prefix
-  the fetch goes to the least loaded (measured fetch rate, then RTT): with the
-  owner and one probed rank that is the power of two choices.
+  the fetch goes to the least loaded (measured fetch rate, then RTT). A hot
+  prefix's owners go last when the probed replica holds it: they answer every
+  lookup for it and would otherwise win most choices; the replicas, one probed
+  at random per lookup, share its fetches evenly.
 
 A lookup therefore costs at most ``2k + 2`` messages at any fleet size.
 """
@@ -34,11 +36,15 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-MAX_REPLICAS = 128  # the most extra holders a hot answer may ask for (a claim is capped here)
+MAX_REPLICAS = 256  # the most extra holders a hot answer may ask for (a claim is capped here)
+REPAIR_FANOUT = 16  # copies a fetcher sends after a probe that missed
+REPAIR_CHECKS = 4 * REPAIR_FANOUT  # ranks it may ask (quiet lookups) to find that many
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class Policy:
     by_load: bool = True  # fetch from the least loaded holder (else the first that answered)
     window_s: float = 2.0  # the popularity window
     hot_rate: float = 2.0  # lookups/s over the window before a prefix gets a replica
-    per_replica_rate: float = 2.0  # one more holder for every this many lookups/s
+    per_replica_rate: float = 1.0  # one more holder for every this many lookups/s
     max_replicas: int = MAX_REPLICAS
 
 
@@ -85,16 +91,21 @@ def replica_ranks(key: bytes, node_ids: Sequence[str], replicas: int) -> list[st
     return rendezvous(key, node_ids, min(replicas, MAX_REPLICAS))
 
 
-def probe_rank(
-    key: bytes,
-    node_ids: Sequence[str],
-    replicas: int,
-    asked: Sequence[str],
-    rng: random.Random | None = None,
-) -> str | None:
-    """One of a hot prefix's replica ranks not asked yet, at random (None: none)."""
-    ranks = [n for n in replica_ranks(key, node_ids, replicas) if n not in set(asked)]
-    return (rng or random).choice(ranks) if ranks else None
+def probe_rank(ranks: Sequence[str], asked: Sequence[str], rng: random.Random) -> str | None:
+    """One of a hot prefix's replica ``ranks`` not asked yet, at random (None: none)."""
+    seen = set(asked)
+    left = [n for n in ranks if n not in seen]
+    return rng.choice(left) if left else None
+
+
+def repair_ranks(ranks: Sequence[str], probed: str, rng: random.Random) -> list[str]:
+    """The replica ranks a fetcher offers a copy when the probed rank lacked the
+    prefix, in the order it offers them: that rank, then the others at random (at
+    most ``REPAIR_CHECKS``). Each is asked first what it holds; the fetcher stops
+    once ``REPAIR_FANOUT`` lacked it and got a copy, so the owner serves about
+    ``r / REPAIR_FANOUT`` fetches while ``r`` ranks fill, not one per rank."""
+    others = [n for n in ranks if n != probed]
+    return [probed, *rng.sample(others, min(REPAIR_CHECKS - 1, len(others)))]
 
 
 def by_load(
@@ -102,22 +113,36 @@ def by_load(
     load: Callable[[str], float],
     rtt: Callable[[str], float] | None = None,
     policy: Policy = DEFAULT,
+    rng: random.Random | None = None,
+    shed: Collection[str] = (),
 ) -> list[str]:
-    """Holders of one prefix, least loaded first (then lowest RTT). Stable: holders
-    the policy does not rank keep the order they answered in."""
+    """Holders of one prefix, least loaded first, then lowest RTT, then at random
+    (ties must not all go to one). ``shed`` go last: the owners of a hot prefix a
+    replica also holds. An owner answers every lookup for its prefix, so if it
+    also took every fetch it looked least loaded by (the probed replica is one
+    random rank of many, seldom busier than the owner), it would serve several
+    times what any replica does. Without ``policy.by_load``: the order they
+    answered in."""
     if not policy.by_load:
         return list(holders)
-    return sorted(holders, key=lambda n: (load(n), rtt(n) if rtt is not None else 0.0))
+    r = rng or random
+    ranked = [
+        (n in shed, load(n), rtt(n) if rtt is not None else 0.0, r.random(), n) for n in holders
+    ]
+    return [n for *_, n in sorted(ranked)]
 
 
 class Rate:
-    """Events per second over a sliding window (two buckets, interpolated: O(1))."""
+    """Events per second over a sliding window (two buckets, interpolated: O(1)).
+    Within its first window a rate is measured over the time since it began (at
+    least a quarter window), so a prefix that turns hot at once is seen at once."""
 
-    __slots__ = ("window", "_start", "_now", "_prev")
+    __slots__ = ("window", "_born", "_start", "_now", "_prev")
 
     def __init__(self, window_s: float, now: float) -> None:
         self.window = window_s
-        self._start, self._now, self._prev = now, 0, 0
+        self._born = self._start = now
+        self._now = self._prev = 0
 
     def _roll(self, now: float) -> None:
         passed = int((now - self._start) // self.window)
@@ -132,13 +157,16 @@ class Rate:
 
     def per_s(self, now: float) -> float:
         self._roll(now)
+        if self._start == self._born:  # the first window: no earlier bucket to weigh
+            return self._now / max(now - self._born, self.window / 4)
         frac = (now - self._start) / self.window
         return (self._prev * (1.0 - frac) + self._now) / self.window
 
 
 class Popularity:
     """Lookups answered per prefix (its deepest matched block's key), over a sliding
-    window, for at most ``max_keys`` prefixes (the least recently seen forgotten)."""
+    window, for at most ``max_keys`` prefixes (the least recently seen forgotten).
+    Thread-safe: a server counts on its loop while metrics read from another thread."""
 
     def __init__(
         self,
@@ -146,8 +174,7 @@ class Popularity:
         clock: Callable[[], float] | None = None,
         max_keys: int = 4096,
     ) -> None:
-        import time
-
+        self._lock = threading.Lock()
         self.policy = policy
         self._clock = clock or time.monotonic
         self.max_keys = max_keys
@@ -157,21 +184,25 @@ class Popularity:
         """Count one lookup answered with the prefix ending at ``key``; the extra
         holders it should now have."""
         t = self._clock() if now is None else now
-        r = self._rates.get(key)
-        if r is None:
-            r = self._rates[key] = Rate(self.policy.window_s, t)
-            while len(self._rates) > self.max_keys:
-                self._rates.popitem(last=False)
-        self._rates.move_to_end(key)
-        r.add(t)
-        return replicas_for(r.per_s(t), self.policy)
+        with self._lock:
+            r = self._rates.get(key)
+            if r is None:
+                r = self._rates[key] = Rate(self.policy.window_s, t)
+                while len(self._rates) > self.max_keys:
+                    self._rates.popitem(last=False)
+            self._rates.move_to_end(key)
+            r.add(t)
+            return replicas_for(r.per_s(t), self.policy)
 
     def rate(self, key: bytes, now: float | None = None) -> float:
-        r = self._rates.get(key)
-        return 0.0 if r is None else r.per_s(self._clock() if now is None else now)
+        t = self._clock() if now is None else now
+        with self._lock:
+            r = self._rates.get(key)
+            return 0.0 if r is None else r.per_s(t)
 
     def hot(self, now: float | None = None) -> Mapping[bytes, int]:
         """Every tracked prefix with extra holders, and how many."""
         t = self._clock() if now is None else now
-        out = {k: replicas_for(r.per_s(t), self.policy) for k, r in self._rates.items()}
+        with self._lock:
+            out = {k: replicas_for(r.per_s(t), self.policy) for k, r in self._rates.items()}
         return {k: n for k, n in out.items() if n}
