@@ -83,7 +83,7 @@ def test_rate_is_a_sliding_window_seen_at_once():
     assert r.per_s(2.0) == 0 and r.per_s(5.0) == 0
     burst = Rate(2.0, 0.0)
     burst.add(0.01, 3)
-    assert burst.per_s(0.01) == 6  # 3 at once: over a quarter window, not over 0.01 s
+    assert burst.per_s(0.01) == 3  # 3 at once: over half a window, not over 0.01 s
 
 
 def test_probe_repair_and_choice():

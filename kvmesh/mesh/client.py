@@ -84,6 +84,7 @@ log = logging.getLogger("kvmesh.client")
 ASK_ALL_BELOW = 8  # fleets this small are asked in full: a lookup is ~1 ms and metadata only
 STREAMS = 8  # bulk streams at once (threads); a call waits for one within its own limit
 MIN_STREAM_S = 0.05  # a stream given less than this (or half its limit) after the wait: LocalBusy
+MAX_REPAIRED = 1024  # hot prefixes whose last repair time is remembered
 MAX_CHANNELS = 512  # addresses come from gossip: a hostile card must not open channels forever
 LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
 FETCH = "/kvmesh.v1.PrefillCache/Fetch"
@@ -123,6 +124,7 @@ class MeshClient:
         self.policy = policy
         self._rng = random.Random()
         self._fetching: Counter[str] = Counter()  # our fetches in flight, per peer
+        self._repaired: OrderedDict[bytes, float] = OrderedDict()  # prefix -> last repair
         self.auth = auth
         self.tls = tls
         self.lookup_deadline = lookup_deadline
@@ -564,10 +566,23 @@ class MeshClient:
         total = sum(b.nbytes for b in blocks)
         self.counters["bytes_fetched"] += total
         self.transfers.append(Transfer(hit.alias, total, dt, len(blocks), time.time()))
-        if hit.repair and start == 0:  # a replica rank that lacked this hot prefix gets it
-            self.counters["replica_repairs"] += 1
+        if hit.repair and start == 0 and self._may_repair(blocks[-1].key):
+            self.counters["replica_repairs"] += 1  # replica ranks that lacked it get copies
             self._enqueue(layout.card, blocks, hit.repair)
         return blocks
+
+    def _may_repair(self, key: bytes) -> bool:
+        """At most one repair per prefix per popularity window from this node: a hot
+        claim (a peer's word) never turns each of our fetches into many publishes."""
+        now = self._clock()
+        last = self._repaired.get(key)
+        if last is not None and now - last < self.policy.window_s:
+            return False
+        self._repaired[key] = now
+        self._repaired.move_to_end(key)
+        while len(self._repaired) > MAX_REPAIRED:
+            self._repaired.popitem(last=False)
+        return True
 
     async def _fetch_from(
         self,
@@ -776,7 +791,7 @@ class MeshClient:
             )
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
-        return len(resp.blocks) + (1 if resp.HasField("tail") else 0)
+        return min(len(blocks), len(resp.blocks) + (1 if resp.HasField("tail") else 0))
 
     async def publish(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> Any:
         eps = self.membership.ranked_endpoints(peer)

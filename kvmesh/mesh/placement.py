@@ -55,7 +55,7 @@ class Policy:
     replicate: bool = True  # popularity-driven replicas and the probe of one of them
     by_load: bool = True  # fetch from the least loaded holder (else the first that answered)
     window_s: float = 2.0  # the popularity window
-    hot_rate: float = 2.0  # lookups/s over the window before a prefix gets a replica
+    hot_rate: float = 4.0  # lookups/s over the window before a prefix gets a replica
     per_replica_rate: float = 1.0  # one more holder for every this many lookups/s
     max_replicas: int = MAX_REPLICAS
 
@@ -135,7 +135,7 @@ def by_load(
 class Rate:
     """Events per second over a sliding window (two buckets, interpolated: O(1)).
     Within its first window a rate is measured over the time since it began (at
-    least a quarter window), so a prefix that turns hot at once is seen at once."""
+    least half a window), so a prefix that turns hot at once is seen at once."""
 
     __slots__ = ("window", "_born", "_start", "_now", "_prev")
 
@@ -158,7 +158,7 @@ class Rate:
     def per_s(self, now: float) -> float:
         self._roll(now)
         if self._start == self._born:  # the first window: no earlier bucket to weigh
-            return self._now / max(now - self._born, self.window / 4)
+            return self._now / max(now - self._born, self.window / 2)
         frac = (now - self._start) / self.window
         return (self._prev * (1.0 - frac) + self._now) / self.window
 
