@@ -12,7 +12,8 @@ the least loaded holder. "before" runs the same functions under the policy as
 it was: placement by the root block, no replicas, the first holder.
 
 Workload: every node sends one request per simulated second. Every prompt starts
-with one chat-template block shared by all prompts. 30% of requests are one hot
+with one chat-template block shared by all prompts (``--distinct-roots``: none,
+the workload this simulation had before). 30% of requests are one hot
 system prompt (8 blocks, the template included); the rest come from 200
 conversation openings, each new prompt with its own 31 blocks after the
 template, and a request repeats an earlier prompt with probability 0.7. A node
@@ -86,11 +87,12 @@ class Node:
         self.rate.add(now)
 
 
-def chain_of(*parts: bytes, blocks: int) -> list[bytes]:
-    """Chained block keys: the template block, then ``parts``' own blocks."""
+def chain_of(own: bytes, blocks: int, template: bool = True) -> list[bytes]:
+    """Chained block keys: the shared template block (unless ``template`` is
+    false: the workload the simulation had before), then ``own`` blocks."""
     keys, parent = [], b"namespace"
     for i in range(blocks):
-        token = b"template" if i == 0 else parts[0] + i.to_bytes(4, "little")
+        token = b"template" if i == 0 and template else own + i.to_bytes(4, "little")
         parent = hashlib.sha256(parent + token).digest()
         keys.append(parent)
     return keys
@@ -175,10 +177,12 @@ class Fleet:
             self.nodes[n].put(chain)
 
 
-def simulate(n_nodes: int, k: int, policy: Policy, requests: int, seed: int) -> dict[str, object]:
+def simulate(
+    n_nodes: int, k: int, policy: Policy, requests: int, seed: int, template: bool = True
+) -> dict[str, object]:
     rng = random.Random(seed)
     fleet = Fleet(n_nodes, k, policy, seed)
-    hot = chain_of(b"hot system prompt", blocks=8)
+    hot = chain_of(b"hot system prompt", 8, template)
     seen: list[list[bytes]] = []
     hits = 0
     for i in range(requests):
@@ -189,7 +193,7 @@ def simulate(n_nodes: int, k: int, policy: Policy, requests: int, seed: int) -> 
             chain = rng.choice(seen)
         else:
             conv = f"conv-{rng.randrange(200)}".encode() + rng.randbytes(4)
-            chain = chain_of(conv, blocks=32)
+            chain = chain_of(conv, 32, template)
             seen.append(chain)
         hits += fleet.request(chain, now)
     served = sorted((nd.served for nd in fleet.nodes.values()), reverse=True)
@@ -215,6 +219,8 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/scale_sim.json")
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--smoke", action="store_true", help="10 and 100 nodes, 3,000 requests")
+    ap.add_argument("--distinct-roots", action="store_true",
+                    help="no shared template block (each conversation its own root)")  # fmt: skip
     args = ap.parse_args()
     sizes = (10, 100) if args.smoke else (10, 30, 100, 300, 1000)
     requests = 3000 if args.smoke else args.requests
@@ -222,7 +228,7 @@ def main() -> None:
     for n in sizes:
         for policy in (BEFORE, AFTER):
             for k in (1, 2, 3):
-                r = simulate(n, k, policy, requests, seed=n)
+                r = simulate(n, k, policy, requests, n, not args.distinct_roots)
                 rows.append(r)
                 print(f"{n:5d} nodes  {r['policy']:6s} k={k}: busiest/mean "
                       f"{r['max_over_mean_served']:6.1f}  hit {r['hit_rate']:.3f}  fan-out "
@@ -231,7 +237,10 @@ def main() -> None:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = [{k: v for k, v in r.items() if k != "served_sorted"} for r in rows]
-    out.write_text(json.dumps({"requests": requests, "results": summary}, indent=1))
+    workload = "distinct roots" if args.distinct_roots else "shared chat template"
+    out.write_text(
+        json.dumps({"requests": requests, "workload": workload, "results": summary}, indent=1)
+    )
     plot(rows, out.with_suffix(".png"))
 
 
@@ -251,7 +260,8 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
             served = r["served_sorted"]
             axes[0].plot(range(1, len(served) + 1), served,  # type: ignore[arg-type]
                          label=f"{r['policy']} k={r['k']}")  # fmt: skip
-    axes[0].set(xscale="log", yscale="symlog", xlabel=f"node (busiest first, {n} nodes)",
+    axes[0].set_yscale("symlog", linthresh=1)
+    axes[0].set(xscale="log", ylim=(0, None), xlabel=f"node (busiest first, {n} nodes)",
                 ylabel="fetches served")  # fmt: skip
     for policy in ("before", "after"):
         sel = [r for r in rows if r["policy"] == policy and r["k"] == 1]

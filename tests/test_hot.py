@@ -18,10 +18,12 @@ import re
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 import httpx
 import pytest
 
+from kvmesh.api.network import NetworkState, _node_rows
 from kvmesh.engine import Sampling, load_engine
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.runtime.head import HeadRuntime
@@ -159,7 +161,7 @@ def test_one_hot_prefix_spreads_over_holders_and_survives_its_busiest(tiny_engin
         heads[0].flush()
         assert first.report.source == "compute" and first.tokens == cold[0]
         answers: dict[int, list[int]] = {0: first.tokens}
-        reports: dict[int, object] = {}
+        reports: dict[int, Any] = {}
 
         def run(h: int, idx: list[int]) -> None:
             for i in idx:
@@ -188,22 +190,31 @@ def test_one_hot_prefix_spreads_over_holders_and_survives_its_busiest(tiny_engin
         phase(list(range(120, 200)), kill_busiest)
         final = [killed["served"] if i == busiest else served(p) - base[i]
                  for i, p in enumerate(peers)]  # fmt: skip
-        sources = Counter(r.source for r in reports.values())  # type: ignore[attr-defined]
+        sources = Counter(r.source for r in reports.values())
         print(f"sources {dict(sources)}, fallbacks {[h.telemetry.fallbacks for h in heads]}")
         mean = sum(final) / N_PEERS
         ratio = max(final) / mean
         print(f"fetches served per peer max/mean {ratio:.2f}: {sorted(final, reverse=True)}")
         assert answers.keys() == set(range(200))
         assert all(answers[i] == cold[i] for i in range(200))
-        remote = sum(r.source == "remote" for r in reports.values())  # type: ignore[attr-defined]
+        remote = sum(r.source == "remote" for r in reports.values())
         assert remote >= 190
         assert ratio <= 3
         after = [r for i, r in reports.items() if i >= 120]
         for h in range(3):
             fell_back = [r for i, r in reports.items() if i >= 120 and i % 3 == (120 + h) % 3
-                         and r.fallback]  # type: ignore[attr-defined]  # fmt: skip
+                         and r.fallback]  # fmt: skip
             assert len(fell_back) <= 1, fell_back
         assert len(after) == 80
+
+        # the dashboard's node rows show who served what (gossiped in each card)
+        def shown() -> dict[str, dict[str, float]]:
+            rows = _node_rows(heads[0], NetworkState(), private=False)
+            return {r["alias"]: r["served"] for r in rows if r["alias"].startswith("hp")}
+
+        top = max(range(N_PEERS), key=lambda i: final[i] if i != busiest else -1)
+        wait_for(lambda: shown()[peers[top].alias]["fetches"] >= final[top], what="served shown")
+        assert shown()[peers[top].alias]["bytes"] > 0
     finally:
         for h in heads:
             close(h)

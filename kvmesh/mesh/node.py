@@ -129,6 +129,8 @@ class MeshNode:
             hits=s.hits,
             misses=s.misses,
             data_port=self.data_port,
+            fetches_served=self.cache.counters["fetches"],
+            bytes_served=self.cache.counters["bytes_served"],
         )
 
     async def start(self) -> None:
