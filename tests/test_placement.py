@@ -149,6 +149,11 @@ def test_peers_place_deep_count_demand_and_spread_a_hot_prefix():
             for _ in range(40):
                 found, _ = await client.lookup(CARD, keys[0])
             assert found[0].replicas >= 1 and client.counters["lookup_replica_probes"] >= 1
+            assert client.load_of(root) >= 0  # a card's rate; a claim that is none is the busiest
+            for bad in (-1.0, float("nan"), float("inf")):
+                head.membership._members[root].card.load = bad
+                assert client.load_of(root) == float("inf")
+            head.membership._members[root].card.load = 0.0
             before = _asked(nodes)
             found, _ = await client.lookup(CARD, keys[0])
             assert _asked(nodes) - before <= 2 * client.replicas + 2

@@ -18,6 +18,12 @@ that answers ``busy`` raises
 ``reason`` the caller counts before falling back. Publishing goes through a
 bounded queue that drops (and counts) rather than ever blocking.
 
+Beyond ``ASK_ALL_BELOW`` cache peers, where lookups go and where publishes land
+follow one policy (:mod:`.placement`): the root's owners, then the owners of the
+first block they lack, then one replica rank of a hot prefix (at most
+``2 * replicas + 2`` peers); the fetch goes to the least loaded holder; a replica
+rank found lacking a hot prefix gets copies from the head that fetched it.
+
 ``lookup`` reports each peer's outcome to the caller (``on_failure``,
 ``on_success``), background probes included, so a circuit breaker can both back
 off from a failing peer and forgive one that answers again.
@@ -34,6 +40,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import random
 import time
 from collections import Counter, OrderedDict, deque
@@ -425,9 +432,12 @@ class MeshClient:
 
     def load_of(self, node_id: str) -> float:
         """How busy a peer looks from here: the fetch rate its card reports plus our
-        own fetches in flight to it."""
+        own fetches in flight to it. A rate that is no rate (negative, NaN,
+        infinite: a claim that would always win) counts as the busiest."""
         card = next((c for c in self.membership.live() if c.node_id == node_id), None)
-        return (card.load if card is not None else 0.0) + self._fetching[node_id]
+        claimed = card.load if card is not None else 0.0
+        rate = claimed if math.isfinite(claimed) and claimed >= 0 else math.inf
+        return rate + self._fetching[node_id]
 
     async def _ask(
         self, peers: list[pb.CapabilityCard], ask: _Ask, hits: list[PeerHit], errors: list[str]
