@@ -1,82 +1,214 @@
-"""Scale simulation (no processes): lookup fan-out, hit rate and load balance for
-10-1,000 nodes, rendezvous placement with k replicas against asking every peer.
+"""Scale simulation (no processes) of the placement policy the peers run: lookup
+fan-out, hit rate and load per node for 10-1,000 nodes.
 
     python bench/scale_sim.py --json bench/results/scale_sim.json
+    python bench/scale_sim.py --smoke --json /tmp/scale_sim.json   # CI: small, same checks
 
-Workload: requests arrive at random nodes; 30% share one hot system prompt
-(8 blocks), the rest come from 200 conversations with their own prefixes, and a
-request repeats an earlier prompt of its conversation with probability 0.7. A
-computed prefix is published to the k rendezvous owners of its root block
-(kvmesh's `rendezvous`), each with a byte budget (LRU). "Ask all" sends every
-lookup to every node; "rendezvous" asks the k owners only.
+It drives kvmesh's own functions (:mod:`kvmesh.mesh.placement`): rendezvous owners,
+placement by the first block the root's owners lack, popularity-driven replicas
+(:class:`Popularity` counted by every holder that answers), the probe of one
+replica rank, the repair of ranks that lacked a hot prefix, and the choice of
+the least loaded holder. "before" runs the same functions under the policy as
+it was: placement by the root block, no replicas, the first holder.
+
+Workload: every node sends one request per simulated second. Every prompt starts
+with one chat-template block shared by all prompts (``--distinct-roots``: none,
+the workload this simulation had before). 30% of requests are one hot
+system prompt (8 blocks, the template included); the rest come from 200
+conversation openings, each new prompt with its own 31 blocks after the
+template, and a request repeats an earlier prompt with probability 0.7. A node
+holds 400 blocks (LRU by block, leaves first, as the store evicts). A request is a hit when more than the template
+is found (then it is fetched from one holder, whose load this is); otherwise it
+is computed and published where the policy places it. Lookups ask the root's
+``k + 1`` owners, the owners of the first block they lack (``k``), and one replica
+rank when an answer says the prefix is hot; the load a holder is chosen by is its
+fetches served per second over the policy's window (the peers use the rate each
+card gossips, plus their own fetches in flight). Prints busiest/mean, hit rate
+and fan-out per row; writes JSON and a PNG of load per node before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import random
+import sys
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
-from kvmesh.mesh.hits import rendezvous
+from kvmesh.mesh.placement import (
+    REPAIR_FANOUT,
+    Policy,
+    Popularity,
+    Rate,
+    by_load,
+    place_index,
+    probe_rank,
+    rendezvous,
+    repair_ranks,
+    replica_ranks,
+)
+
+BEFORE = Policy(deep=False, replicate=False, by_load=False)
+AFTER = Policy()
+BUDGET_BLOCKS = 400
 
 
 class Node:
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.roots: OrderedDict[bytes, int] = OrderedDict()  # prefix root -> blocks held
+    """A peer's store as blocks (LRU), its popularity counts and its served load."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.popularity = Popularity(policy, clock=lambda: 0.0)
+        self.rate = Rate(policy.window_s, 0.0)
         self.served = 0
 
-    def holds(self, root: bytes) -> bool:
-        if root in self.roots:
-            self.roots.move_to_end(root)
-            return True
-        return False
+    def held(self, chain: Sequence[bytes]) -> int:
+        """Leading blocks of ``chain`` held (a lookup: the index only)."""
+        n = 0
+        while n < len(chain) and chain[n] in self.blocks:
+            n += 1
+        return n
 
-    def put(self, root: bytes, blocks: int) -> None:
-        self.roots[root] = blocks
-        self.roots.move_to_end(root)
-        while sum(self.roots.values()) > self.budget:
-            self.roots.popitem(last=False)
+    def put(self, chain: Sequence[bytes]) -> None:
+        for key in reversed(chain):  # leaves older than their parents: evicted first
+            self.blocks[key] = None
+            self.blocks.move_to_end(key)
+        while len(self.blocks) > BUDGET_BLOCKS:
+            self.blocks.popitem(last=False)
+
+    def serve(self, chain: Sequence[bytes], now: float) -> None:
+        for key in reversed(chain):
+            self.blocks.move_to_end(key)
+        self.served += 1
+        self.rate.add(now)
 
 
-def simulate(n_nodes: int, k: int, mode: str, requests: int, seed: int) -> dict[str, float]:
+def chain_of(own: bytes, blocks: int, template: bool = True) -> list[bytes]:
+    """Chained block keys: the shared template block (unless ``template`` is
+    false: the workload the simulation had before), then ``own`` blocks."""
+    keys, parent = [], b"namespace"
+    for i in range(blocks):
+        token = b"template" if i == 0 and template else own + i.to_bytes(4, "little")
+        parent = hashlib.sha256(parent + token).digest()
+        keys.append(parent)
+    return keys
+
+
+class Fleet:
+    def __init__(self, n_nodes: int, k: int, policy: Policy, seed: int) -> None:
+        self.ids = [f"node-{i}" for i in range(n_nodes)]
+        self.nodes = {i: Node(policy) for i in self.ids}
+        self.k, self.policy = k, policy
+        self.rng = random.Random(seed)
+        self.messages = self.max_messages = 0
+        # memoized calls of the peers' functions (pure: same key, same answer)
+        self.ranked = functools.lru_cache(maxsize=1 << 16)(self._ranked)
+        self.replicas = functools.lru_cache(maxsize=1 << 12)(self._replicas)
+
+    def _ranked(self, key: bytes) -> tuple[str, ...]:
+        return tuple(rendezvous(key, self.ids, len(self.ids)))
+
+    def _replicas(self, key: bytes, r: int) -> tuple[str, ...]:
+        return tuple(replica_ranks(key, self.ids, r))
+
+    def ask(
+        self, who: Sequence[str], chain: list[bytes], now: float, hits: dict[str, tuple[int, int]]
+    ) -> None:
+        """Lookups on ``who``: (blocks held, extra holders asked for) per node; each
+        holder counts the prefix it answers as demand."""
+        for n in who:
+            held = self.nodes[n].held(chain)
+            hot = self.nodes[n].popularity.hit(chain[held - 1], now) if held else 0
+            hits[n] = (held, hot)
+
+    def request(self, chain: list[bytes], now: float) -> bool:
+        k, hits = self.k, {}
+        asked = list(self.ranked(chain[0])[: k + 1])  # the root's owners and a spare
+        self.ask(asked, chain, now, hits)
+        deep = place_index(len(chain), max(h for h, _ in hits.values()), self.policy)
+        if deep is not None:
+            more = [n for n in self.ranked(chain[deep]) if n not in asked][:k]
+            self.ask(more, chain, now, hits)
+            asked += more
+        best = max(h for h, _ in hits.values())
+        replicas = max(r for h, r in hits.values() if h == best)  # as the client: the longest
+        repair: list[str] = []
+        shed: list[str] = []
+        if self.policy.replicate and replicas and best:
+            ranks = self.replicas(chain[best - 1], replicas)
+            probe = probe_rank(ranks, asked, self.rng)
+            if probe is not None:
+                asked.append(probe)
+                self.ask([probe], chain, now, hits)
+                if hits[probe][0] < best:
+                    repair = repair_ranks(ranks, probe, self.rng)
+                else:
+                    shed = asked[:-1]  # the owners: a replica holds it
+        self.messages += len(asked)
+        self.max_messages = max(self.max_messages, len(asked))
+        if best > 1:  # more than the template: fetched from the least loaded holder
+            holders = [n for n in asked if hits[n][0] == best]
+            load = {n: self.nodes[n].rate.per_s(now) for n in holders}
+            chosen = by_load(holders, load.__getitem__, None, self.policy, self.rng, shed)[0]
+            self.nodes[chosen].serve(chain[:best], now)
+            sent = 0
+            for n in repair:  # as the peers' fetcher: copies only where one is missing
+                if sent == REPAIR_FANOUT:
+                    break
+                if self.nodes[n].held(chain) < best:
+                    self.nodes[n].put(chain[:best])
+                    sent += 1
+        if best < len(chain):
+            self.publish(chain)
+        return best > 1
+
+    def publish(self, chain: list[bytes]) -> None:
+        """Where the peers' publisher puts a computed chain (placement by what the
+        root's first owner holds)."""
+        owners = self.ranked(chain[0])
+        held = self.nodes[owners[0]].held(chain)
+        i = place_index(len(chain), held, self.policy)
+        targets = owners if i is None else self.ranked(chain[i])
+        for n in targets[: self.k]:
+            self.nodes[n].put(chain)
+
+
+def simulate(
+    n_nodes: int, k: int, policy: Policy, requests: int, seed: int, template: bool = True
+) -> dict[str, object]:
     rng = random.Random(seed)
-    ids = [f"node-{i}" for i in range(n_nodes)]
-    nodes = {i: Node(budget=400) for i in ids}
-    hot = hashlib.sha256(b"hot system prompt").digest()
-    convs = [hashlib.sha256(f"conv-{c}".encode()).digest() for c in range(200)]
-    seen: list[bytes] = []
-    hits = messages = 0
-    for _ in range(requests):
+    fleet = Fleet(n_nodes, k, policy, seed)
+    hot = chain_of(b"hot system prompt", 8, template)
+    seen: list[list[bytes]] = []
+    hits = 0
+    for i in range(requests):
+        now = i / n_nodes  # each node sends one request per second
         if rng.random() < 0.3:
-            root, blocks = hot, 8
+            chain = hot
         elif seen and rng.random() < 0.7:
-            root, blocks = rng.choice(seen), 32
+            chain = rng.choice(seen)
         else:
-            root, blocks = rng.choice(convs) + rng.randbytes(4), 32
-            seen.append(root)
-        asked = ids if mode == "all" else rendezvous(root, ids, k)
-        messages += len(asked)
-        holders = [n for n in asked if nodes[n].holds(root)]
-        if holders:
-            hits += 1
-            nodes[rng.choice(holders)].served += 1
-        else:
-            for n in rendezvous(root, ids, k):
-                nodes[n].put(root, blocks)
-    served = [nd.served for nd in nodes.values()]
+            conv = f"conv-{rng.randrange(200)}".encode() + rng.randbytes(4)
+            chain = chain_of(conv, 32, template)
+            seen.append(chain)
+        hits += fleet.request(chain, now)
+    served = sorted((nd.served for nd in fleet.nodes.values()), reverse=True)
     mean = sum(served) / len(served)
     return {
         "nodes": n_nodes,
         "k": k,
-        "mode": mode,
-        "fanout_per_lookup": messages / requests,
+        "policy": "after" if policy.deep else "before",
+        "fanout_per_lookup": fleet.messages / requests,
+        "max_fanout": fleet.max_messages,
+        "fanout_bound": 2 * k + 2,
         "hit_rate": hits / requests,
-        "max_over_mean_served": (max(served) / mean) if mean else 0.0,
-        "busiest_share": max(served) / max(1, sum(served)),
+        "max_over_mean_served": (served[0] / mean) if mean else 0.0,
+        "busiest_share": served[0] / max(1, sum(served)),
+        "served_sorted": served,
     }
 
 
@@ -86,50 +218,61 @@ def main() -> None:
     )
     ap.add_argument("--json", default="bench/results/scale_sim.json")
     ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--smoke", action="store_true", help="10 and 100 nodes, 3,000 requests")
+    ap.add_argument("--distinct-roots", action="store_true",
+                    help="no shared template block (each conversation its own root)")  # fmt: skip
     args = ap.parse_args()
+    sizes = (10, 100) if args.smoke else (10, 30, 100, 300, 1000)
+    requests = 3000 if args.smoke else args.requests
     rows = []
-    for n in (10, 30, 100, 300, 1000):
-        for mode, k in (("all", 1), ("rendezvous", 1), ("rendezvous", 2), ("rendezvous", 3)):
-            r = simulate(n, k, mode, args.requests, seed=n)
-            rows.append(r)
-            print(f"{n:5d} nodes  {mode:10s} k={k}: fan-out {r['fanout_per_lookup']:7.1f}  "
-                  f"hit {r['hit_rate']:.3f}  busiest node serves {r['busiest_share']:.1%} "
-                  f"(max/mean {r['max_over_mean_served']:.1f})", flush=True)  # fmt: skip
+    for n in sizes:
+        for policy in (BEFORE, AFTER):
+            for k in (1, 2, 3):
+                r = simulate(n, k, policy, requests, n, not args.distinct_roots)
+                rows.append(r)
+                print(f"{n:5d} nodes  {r['policy']:6s} k={k}: busiest/mean "
+                      f"{r['max_over_mean_served']:6.1f}  hit {r['hit_rate']:.3f}  fan-out "
+                      f"{r['fanout_per_lookup']:4.2f} (max {r['max_fanout']}, bound "
+                      f"{r['fanout_bound']})", flush=True)  # fmt: skip
     out = Path(args.json)
-    out.write_text(json.dumps({"requests": args.requests, "results": rows}, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = [{k: v for k, v in r.items() if k != "served_sorted"} for r in rows]
+    workload = "distinct roots" if args.distinct_roots else "shared chat template"
+    out.write_text(
+        json.dumps({"requests": requests, "workload": workload, "results": summary}, indent=1)
+    )
+    plot(rows, out.with_suffix(".png"))
+
+
+def plot(rows: list[dict[str, object]], path: Path) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for mode, k in (("all", 1), ("rendezvous", 1), ("rendezvous", 3)):
-            sel = [r for r in rows if r["mode"] == mode and r["k"] == k]
-            label = "ask every peer" if mode == "all" else f"rendezvous k={k}"
-            axes[0].plot(
-                [r["nodes"] for r in sel],
-                [r["fanout_per_lookup"] for r in sel],
-                marker="o",
-                label=label,
-            )
-            axes[1].plot(
-                [r["nodes"] for r in sel],
-                [r["busiest_share"] for r in sel],
-                marker="o",
-                label=label,
-            )
-        axes[0].set(
-            xscale="log", yscale="log", xlabel="nodes", ylabel="lookup messages per request"
-        )
-        axes[1].set(xscale="log", xlabel="nodes", ylabel="share of hits served by the busiest node")
-        for ax in axes:
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=120)
     except ImportError:
-        pass
+        print("no PNG: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return
+    n = max(int(r["nodes"]) for r in rows)  # type: ignore[call-overload]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        if r["nodes"] == n and r["k"] in (1, 3):
+            served = r["served_sorted"]
+            axes[0].plot(range(1, len(served) + 1), served,  # type: ignore[arg-type]
+                         label=f"{r['policy']} k={r['k']}")  # fmt: skip
+    axes[0].set_yscale("symlog", linthresh=1)
+    axes[0].set(xscale="log", ylim=(0, None), xlabel=f"node (busiest first, {n} nodes)",
+                ylabel="fetches served")  # fmt: skip
+    for policy in ("before", "after"):
+        sel = [r for r in rows if r["policy"] == policy and r["k"] == 1]
+        axes[1].plot([r["nodes"] for r in sel], [r["max_over_mean_served"] for r in sel],
+                     marker="o", label=f"{policy} k=1")  # fmt: skip
+    axes[1].set(xscale="log", yscale="log", xlabel="nodes", ylabel="busiest node / mean")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

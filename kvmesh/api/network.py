@@ -161,6 +161,11 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
                 "used_bytes": card.used_bytes,
                 "entries": card.entries,
             },  # fmt: skip
+            "served": {
+                "fetches": card.fetches_served,
+                "bytes": card.bytes_served,
+                "per_s": round(card.load, 2),
+            },  # fmt: skip
             "hit_ratio": round(card.hits / (card.hits + card.misses), 3)
             if card.hits + card.misses
             else None,

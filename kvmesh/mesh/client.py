@@ -18,6 +18,12 @@ that answers ``busy`` raises
 ``reason`` the caller counts before falling back. Publishing goes through a
 bounded queue that drops (and counts) rather than ever blocking.
 
+Beyond ``ASK_ALL_BELOW`` cache peers, where lookups go and where publishes land
+follow one policy (:mod:`.placement`): the root's owners, then the owners of the
+first block they lack, then one replica rank of a hot prefix (at most
+``2 * replicas + 2`` peers); the fetch goes to the least loaded holder; a replica
+rank found lacking a hot prefix gets copies from the head that fetched it.
+
 ``lookup`` reports each peer's outcome to the caller (``on_failure``,
 ``on_success``), background probes included, so a circuit breaker can both back
 off from a failing peer and forgive one that answers again.
@@ -29,12 +35,16 @@ and to the exact request bytes sent (requests are serialized once, here).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import itertools
 import json
 import logging
+import math
+import random
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -58,8 +68,20 @@ from ..errors import (
 )
 from . import bulk
 from .bulk import FetchStalled
-from .hits import PeerHit, Transfer, rendezvous, validated
+from .hits import PeerHit, Transfer, validated
 from .membership import Membership
+from .placement import (
+    DEFAULT,
+    MAX_REPLICAS,
+    REPAIR_FANOUT,
+    Policy,
+    by_load,
+    place_index,
+    probe_rank,
+    rendezvous,
+    repair_ranks,
+    replica_ranks,
+)
 from .proto import kvmesh_pb2 as pb
 from .security import ANY_DEST, FleetAuth, TLSConfig, body_digest, open_channel
 from .server import GRPC_OPTIONS
@@ -69,6 +91,7 @@ log = logging.getLogger("kvmesh.client")
 ASK_ALL_BELOW = 8  # fleets this small are asked in full: a lookup is ~1 ms and metadata only
 STREAMS = 8  # bulk streams at once (threads); a call waits for one within its own limit
 MIN_STREAM_S = 0.05  # a stream given less than this (or half its limit) after the wait: LocalBusy
+MAX_REPAIRED = 1024  # hot prefixes whose last repair time is remembered
 MAX_CHANNELS = 512  # addresses come from gossip: a hostile card must not open channels forever
 LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
 FETCH = "/kvmesh.v1.PrefillCache/Fetch"
@@ -102,8 +125,13 @@ class MeshClient:
         replicas: int = 1,
         progress_timeout: float = 2.0,
         use_bulk: bool = True,
+        policy: Policy = DEFAULT,
     ) -> None:
         self.membership = membership
+        self.policy = policy
+        self._rng = random.Random()
+        self._fetching: Counter[str] = Counter()  # our fetches in flight, per peer
+        self._repaired: OrderedDict[bytes, float] = OrderedDict()  # prefix -> last repair
         self.auth = auth
         self.tls = tls
         self.lookup_deadline = lookup_deadline
@@ -128,7 +156,9 @@ class MeshClient:
         self._dialer = bulk.Dialer(tls)
         self._streams = ThreadPoolExecutor(STREAMS, thread_name_prefix="kvmesh-bulk")
         self._stream_slots = asyncio.Semaphore(STREAMS)  # a thread free for each holder
-        self._queue: asyncio.Queue[tuple[CompatCard, list[Block]]] = asyncio.Queue(publish_queue)
+        self._queue: asyncio.Queue[tuple[CompatCard, list[Block], tuple[str, ...] | None]] = (
+            asyncio.Queue(publish_queue)
+        )
         self._publisher: asyncio.Task[None] | None = None
         self._inflight = 0
 
@@ -290,8 +320,15 @@ class MeshClient:
         on_failure: Callable[[str, str], None] | None = None,
         on_success: Callable[[str], None] | None = None,
     ) -> tuple[list[PeerHit], list[str]]:
-        """Concurrent lookup on every compatible live peer: (hits longest first,
-        the failure reasons of peers that did not answer).
+        """Lookup on the peers that may hold the prompt: (hits longest first, the
+        least loaded holder first among equals; the failure reasons of peers that
+        did not answer).
+
+        A small fleet is asked in full. Beyond that (:mod:`.placement`): the
+        root's owners (``replicas`` + 1), then the owners of the first block they
+        lack (``replicas``), then, when an answer says its prefix is hot, one of
+        that prefix's replica ranks: at most ``2 * replicas + 2`` peers, one more
+        for each skipped or failing owner.
 
         ``skip(node_id)`` true: that peer (e.g. one backed off by a circuit
         breaker) is not waited for; it is asked in the background instead (one
@@ -299,26 +336,108 @@ class MeshClient:
         (node_id, reason)`` is called, on this loop, for every peer whose lookup
         failed or whose answer did not add up, and ``on_success(node_id)`` for
         every peer whose answer (hit or miss) checked out, probes included."""
-        peers = self.compatible_peers(card, (keys.blocks or (keys.tail,))[0])
+        chain = _chain(keys)
+        peers = self.compatible_peers(card, chain[0])
         req = pb.LookupRequest(
             namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail]
         )
-        ask = _Ask(card, keys, req, req.SerializeToString(), on_failure, on_success)
-        want = len(peers) if len(peers) <= ASK_ALL_BELOW else self.replicas + 1
+        ask = _Ask(card, keys, req, req.SerializeToString(), on_failure, on_success, skip)
         hits: list[PeerHit] = []
         errors: list[str] = []
+        if len(peers) <= ASK_ALL_BELOW:
+            await self._round(peers, len(peers), ask, hits, errors)
+            return self._ordered(hits), errors
+        asked = await self._round(peers, self.replicas + 1, ask, hits, errors)
+        root_held = max((_held_of(h) for h in hits), default=0)
+        deep = place_index(len(chain), root_held, self.policy)
+        if deep is not None:  # the chain lives with the first block the root's owners lack
+            rest = [p for p in self._ranked(chain[deep]) if p.node_id not in asked]
+            asked += await self._round(rest, self.replicas, ask, hits, errors)
+        shed: set[str] = set()
+        if self.policy.replicate and hits:
+            shed = await self._probe_replica(hits, asked, ask, errors)
+        return self._ordered(hits, shed), errors
+
+    async def _round(
+        self,
+        peers: list[pb.CapabilityCard],
+        want: int,
+        ask: _Ask,
+        hits: list[PeerHit],
+        errors: list[str],
+    ) -> list[str]:
+        """Ask the first ``want`` of ``peers`` (in order), one more for each skipped or
+        failing; the node ids asked (skipped ones included)."""
         asked = 0
-        while want > 0 and asked < len(peers):  # a later round only when an owner is out
+        while want > 0 and asked < len(peers):  # a later batch only when an owner is out
             batch = peers[asked : asked + want]
             asked += len(batch)
-            waited = [p for p in batch if not (skip is not None and skip(p.node_id))]
+            waited = [p for p in batch if not (ask.skip is not None and ask.skip(p.node_id))]
             for p in batch:
                 if p not in waited:
                     self.counters["lookup_skipped"] += 1
                     self._probe(p, ask)
             failed = await self._ask(waited, ask, hits, errors)
             want = len(batch) - len(waited) + failed
-        return sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h))), errors
+        return [p.node_id for p in peers[:asked]]
+
+    async def _probe_replica(
+        self, hits: list[PeerHit], asked: list[str], ask: _Ask, errors: list[str]
+    ) -> set[str]:
+        """When the longest hit's prefix is hot, ask one of its replica ranks too (a
+        second holder to choose from by load). A rank that lacks the prefix is
+        named in the hits' ``repair``: whoever fetches one gives copies. Returns
+        the owners to try last (:func:`~.placement.by_load`): all asked before
+        the probe, when the probed replica holds the prefix."""
+        best = max(h.tokens for h in hits)
+        top = [h for h in hits if h.tokens == best and h.blocks]
+        replicas = min(max((h.replicas for h in top), default=0), MAX_REPLICAS)
+        if not replicas:
+            return set()
+        key = top[0].blocks[-1].key  # the prefix its holders counted
+        caches = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
+        ranks = replica_ranks(key, list(caches), replicas)
+        node = probe_rank(ranks, asked, self._rng)
+        if node is None or (ask.skip is not None and ask.skip(node)):
+            return set()
+        self.counters["lookup_replica_probes"] += 1
+        found: list[PeerHit] = []
+        await self._ask([caches[node]], ask, found, errors)
+        hits.extend(found)
+        n_blocks = len(top[0].blocks)
+        if any(len(h.blocks) >= n_blocks for h in found):
+            return set(asked)
+        fill = tuple(repair_ranks(ranks, node, self._rng))
+        lack = {id(h) for h in top}
+        hits[:] = [dataclasses.replace(h, repair=fill) if id(h) in lack else h for h in hits]
+        return set()
+
+    def _ranked(self, key: bytes) -> list[pb.CapabilityCard]:
+        """Live cache peers in rendezvous order of ``key``."""
+        by_id = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
+        return [by_id[n] for n in rendezvous(key, list(by_id), len(by_id))]
+
+    def _ordered(self, hits: list[PeerHit], shed: Collection[str] = ()) -> list[PeerHit]:
+        """Longest first; among holders of one length the least loaded (measured
+        fetch rate gossiped by each, plus our own fetches in flight to it), then
+        the best endpoint; ``shed`` (a hot prefix's owners) after the others."""
+        hits = sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h)))
+        out: list[PeerHit] = []
+        for _, group in itertools.groupby(hits, key=lambda h: h.tokens):
+            same = {h.node_id: h for h in group}
+            rtt = {n: self._endpoint_rank(h)[1] for n, h in same.items()}
+            order = by_load(list(same), self.load_of, rtt.__getitem__, self.policy, self._rng, shed)
+            out += [same[n] for n in order]
+        return out
+
+    def load_of(self, node_id: str) -> float:
+        """How busy a peer looks from here: the fetch rate its card reports plus our
+        own fetches in flight to it. A rate that is no rate (negative, NaN,
+        infinite: a claim that would always win) counts as the busiest."""
+        card = next((c for c in self.membership.live() if c.node_id == node_id), None)
+        claimed = card.load if card is not None else 0.0
+        rate = claimed if math.isfinite(claimed) and claimed >= 0 else math.inf
+        return rate + self._fetching[node_id]
 
     async def _ask(
         self, peers: list[pb.CapabilityCard], ask: _Ask, hits: list[PeerHit], errors: list[str]
@@ -407,6 +526,7 @@ class MeshClient:
             tail=tail,
             tokens=resp.matched_tokens,
             data_address=self._data_address(peer, ep.address),
+            replicas=min(resp.replicas, MAX_REPLICAS) if n_blocks else 0,
         )
 
     # -- fetch -------------------------------------------------------------------
@@ -445,20 +565,54 @@ class MeshClient:
         raw = req.SerializeToString()
         limit = min(self.fetch_deadline, deadline or self.fetch_deadline)
         t0 = time.perf_counter()
-        if hit.data_address:
-            digest = body_digest(raw)  # hashed once: the credential and the hello carry it
-            cred = self._cred(bulk.METHODS[bulk.FETCH], hit.node_id, digest)
-            blocks = await self._on_stream(
-                bulk.fetch, hit.data_address, self._dialer, cred, raw, infos, layout,
-                self._hashers, on_block, self.progress_timeout, limit_s=limit, digest=digest,
-            )  # fmt: skip
-        else:
-            blocks = await self._fetch_grpc(layout, hit, infos, raw, on_block, limit)
+        self._fetching[hit.node_id] += 1
+        try:
+            blocks = await self._fetch_from(layout, hit, infos, raw, on_block, limit)
+        finally:
+            self._fetching[hit.node_id] -= 1
+            if not self._fetching[hit.node_id]:
+                del self._fetching[hit.node_id]
         dt = time.perf_counter() - t0
         total = sum(b.nbytes for b in blocks)
         self.counters["bytes_fetched"] += total
         self.transfers.append(Transfer(hit.alias, total, dt, len(blocks), time.time()))
+        if hit.repair and start == 0 and self._may_repair(blocks[-1].key):
+            self.counters["replica_repairs"] += 1  # replica ranks that lacked it get copies
+            self._enqueue(layout.card, blocks, hit.repair)
         return blocks
+
+    def _may_repair(self, key: bytes) -> bool:
+        """At most one repair per prefix per popularity window from this node: a hot
+        claim (a peer's word) never turns each of our fetches into many publishes."""
+        now = self._clock()
+        last = self._repaired.get(key)
+        if last is not None and now - last < self.policy.window_s:
+            return False
+        self._repaired[key] = now
+        self._repaired.move_to_end(key)
+        while len(self._repaired) > MAX_REPAIRED:
+            self._repaired.popitem(last=False)
+        return True
+
+    async def _fetch_from(
+        self,
+        layout: Layout,
+        hit: PeerHit,
+        infos: tuple[pb.BlockInfo, ...],
+        raw: bytes,
+        on_block: Callable[[Block], None] | None,
+        limit: float,
+    ) -> list[Block]:
+        """The stream itself: the bulk data path when the peer has one, else gRPC."""
+        if hit.data_address:
+            digest = body_digest(raw)  # hashed once: the credential and the hello carry it
+            cred = self._cred(bulk.METHODS[bulk.FETCH], hit.node_id, digest)
+            blocks: list[Block] = await self._on_stream(
+                bulk.fetch, hit.data_address, self._dialer, cred, raw, infos, layout,
+                self._hashers, on_block, self.progress_timeout, limit_s=limit, digest=digest,
+            )  # fmt: skip
+            return blocks
+        return await self._fetch_grpc(layout, hit, infos, raw, on_block, limit)
 
     async def _fetch_grpc(
         self,
@@ -533,16 +687,19 @@ class MeshClient:
     # -- publish -----------------------------------------------------------------
 
     def publish_targets(self, root: bytes) -> list[pb.CapabilityCard]:
-        """Every live cache peer, in rendezvous order for this prefix root."""
-        peers = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
-        return [peers[n] for n in rendezvous(root, list(peers), len(peers))]
+        """Every live cache peer, in rendezvous order for this key."""
+        return self._ranked(root)
 
     def enqueue_publish(self, card: CompatCard, blocks: list[Block]) -> bool:
         """Non-blocking; call on the client's loop. Drops (and counts) when full."""
+        return self._enqueue(card, blocks, None)
+
+    def _enqueue(self, card: CompatCard, blocks: list[Block], to: tuple[str, ...] | None) -> bool:
+        """Queue ``blocks`` for placement (``to`` None) or for the peers ``to`` names."""
         if not blocks:
             return True
         try:
-            self._queue.put_nowait((card, blocks))
+            self._queue.put_nowait((card, blocks, to))
         except asyncio.QueueFull:
             self.counters["publish_dropped"] += 1
             return False
@@ -559,23 +716,69 @@ class MeshClient:
 
     async def _publish_loop(self) -> None:
         while True:
-            card, blocks = await self._queue.get()
+            card, blocks, to = await self._queue.get()
             self._inflight += 1
             try:
-                done = 0  # replicate to the first `replicas` owners that answer
-                for peer in self.publish_targets(blocks[0].key):
-                    if done >= self.replicas:
-                        break
-                    try:
-                        held = await self._held(peer, card, blocks)
-                        if held < len(blocks):
-                            await self.publish(peer, card, blocks[held:])
-                        done += 1
-                    except KVMeshError as e:
-                        self.counters[f"publish_failed:{e.reason}"] += 1
+                if to is None:
+                    await self._place(card, blocks)
+                else:  # a hot prefix's replica ranks (placement.repair_ranks' order)
+                    peers = {c.node_id: c for c in self.membership.live()}
+                    targets = [peers[n] for n in to if n in peers]
+                    await self._publish_to(targets, card, blocks, REPAIR_FANOUT, {}, missing=True)
+            except Exception as e:  # a publish never kills the loop
+                log.warning("publish failed: %r", e)
+                self.counters["publish_failed:error"] += 1
             finally:
                 self._inflight -= 1
                 self._queue.task_done()
+
+    async def _place(self, card: CompatCard, blocks: list[Block]) -> None:
+        """Publish a chain where :func:`~.placement.place_index` puts it: the first
+        root owner that answers says how much of it the root holds; the chain goes
+        to the owners of the first block it lacks (or to the root's owners)."""
+        owners = self.publish_targets(blocks[0].key)
+        for peer in owners:
+            try:
+                held = await self._held(peer, card, blocks)
+            except KVMeshError as e:
+                self.counters[f"publish_failed:{e.reason}"] += 1
+                continue
+            i = place_index(len(blocks), held, self.policy)
+            if i is None:  # from the one that answered: those before it failed just now
+                rest = owners[owners.index(peer) :]
+                await self._publish_to(rest, card, blocks, self.replicas, {peer.node_id: held})
+            else:
+                self.counters["publish_placed_deep"] += 1
+                await self._publish_to(self._ranked(blocks[i].key), card, blocks, self.replicas, {})
+            return
+
+    async def _publish_to(
+        self,
+        targets: list[pb.CapabilityCard],
+        card: CompatCard,
+        blocks: list[Block],
+        n: int,
+        held: dict[str, int],
+        missing: bool = False,
+    ) -> None:
+        """Give ``blocks`` to the first ``n`` of ``targets`` that answer (``missing``:
+        that lacked some of them), each only the part it lacks (``held`` says what
+        some of them hold already)."""
+        done = 0
+        for peer in targets:
+            if done >= n:
+                break
+            try:
+                have = held.get(peer.node_id)
+                if have is None:
+                    have = await self._held(peer, card, blocks)
+                if have < len(blocks):
+                    await self.publish(peer, card, blocks[have:])
+                elif missing:
+                    continue
+                done += 1
+            except KVMeshError as e:
+                self.counters[f"publish_failed:{e.reason}"] += 1
 
     async def _held(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> int:
         """How many leading blocks of a chain ``peer`` already stores (one Lookup)."""
@@ -584,7 +787,9 @@ class MeshClient:
         tails = [b.key for b in blocks if b.header.kind == "tail"]
         if not eps or blocks[0].header.start != 0:
             return 0
-        req = pb.LookupRequest(namespace=card.namespace, block_keys=full, tail_keys=tails)
+        req = pb.LookupRequest(
+            namespace=card.namespace, block_keys=full, tail_keys=tails, quiet=True
+        )
         try:
             resp = await self._unary(
                 eps[0].address,
@@ -596,7 +801,7 @@ class MeshClient:
             )
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
-        return len(resp.blocks) + (1 if resp.HasField("tail") else 0)
+        return min(len(blocks), len(resp.blocks) + (1 if resp.HasField("tail") else 0))
 
     async def publish(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> Any:
         eps = self.membership.ranked_endpoints(peer)
@@ -673,6 +878,17 @@ class _Ask:
     raw: bytes
     on_failure: Callable[[str, str], None] | None
     on_success: Callable[[str], None] | None
+    skip: Callable[[str], bool] | None = None
+
+
+def _chain(keys: PrefixKeys) -> list[bytes]:
+    """A prompt's chain as placement sees it: its full blocks, then its tail."""
+    return [*keys.blocks, keys.tail] if keys.tail_tokens or not keys.blocks else list(keys.blocks)
+
+
+def _held_of(hit: PeerHit) -> int:
+    """How many elements of the asked chain (blocks, then the tail) a hit holds."""
+    return len(hit.blocks) + (hit.tail is not None)
 
 
 def _report(listener: Callable[..., None] | None, *args: str) -> None:

@@ -3,18 +3,19 @@
 A :class:`PeerHit` is a validated claim: :func:`validated` checks that its token
 count is exactly what its blocks hold and that every announced size is one the
 card allows, before anything ranks it or allocates for it (invariant 10).
-:func:`rendezvous` names the owners of a prefix root for placement.
+:func:`rendezvous` (from :mod:`.placement`) names the owners of a key.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..codec import Layout
 from ..errors import MalformedPayload, OversizePayload
+from .placement import rendezvous
 from .proto import kvmesh_pb2 as pb
+
+__all__ = ["PeerHit", "Transfer", "rendezvous", "validated"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class PeerHit:
     tail: pb.BlockInfo | None
     tokens: int
     data_address: str = ""  # the peer's bulk data path; "" = fetch over gRPC
+    replicas: int = 0  # extra holders the peer says this prefix should have (capped)
+    repair: tuple[str, ...] = ()  # replica ranks found lacking it: given a copy once fetched
 
     @property
     def infos(self) -> tuple[pb.BlockInfo, ...]:
@@ -67,9 +70,3 @@ def validated(hit: PeerHit, layout: Layout, tail_tokens: int) -> PeerHit:
     if held != hit.tokens:
         raise MalformedPayload(f"a peer claimed {hit.tokens} tokens for blocks holding {held}")
     return hit
-
-
-def rendezvous(root: bytes, node_ids: Sequence[str], k: int) -> list[str]:
-    """The ``k`` owners of a prefix root: highest SHA-256(root || node id)."""
-    score = {n: hashlib.sha256(root + n.encode()).digest() for n in node_ids}
-    return sorted(node_ids, key=lambda n: score[n], reverse=True)[:k]

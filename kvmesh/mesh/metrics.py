@@ -1,6 +1,9 @@
 """Prometheus metrics of a mesh node, collected on scrape (no hot-path cost).
 
-Besides store gauges, per-tier figures (``kvmesh_tier_*{tier="ram"|"disk"}``:
+Besides store gauges, what this node serves (``kvmesh_fetches_served_total``,
+``kvmesh_bytes_served_total``, ``kvmesh_fetch_rate``: the recent fetches per
+second its card gossips as ``load``, and ``kvmesh_hot_prefixes``: prefixes it
+answers that are asking for replicas), so an operator sees a hot spot; per-tier figures (``kvmesh_tier_*{tier="ram"|"disk"}``:
 bytes, blocks, hits, admissions, evictions, promotions, corrupt files found)
 and ``kvmesh_events{kind, side}`` (every counter of the
 node's server and client, ``side`` telling which), two families let an operator
@@ -64,6 +67,7 @@ class NodeCollector(Collector):
         if node is None:
             return
         yield from self._store(node)
+        yield from self._served(node)
         yield from self._tiers(node)
         yield from self._events(node)
         yield from self._failures(node)
@@ -96,6 +100,26 @@ class NodeCollector(Collector):
             ("kvmesh_store_inserts", s.inserts, "Blocks stored"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+
+    def _served(self, node: Any) -> Iterator[Any]:
+        """What this node serves to others: a hot spot shows here first."""
+        c = node.cache
+        yield CounterMetricFamily(
+            "kvmesh_fetches_served", "Fetches this node served", value=c.counters["fetches"]
+        )
+        yield CounterMetricFamily(
+            "kvmesh_bytes_served", "Block bytes this node served", value=c.counters["bytes_served"]
+        )
+        yield GaugeMetricFamily(
+            "kvmesh_fetch_rate",
+            "Fetches served per second, recently (gossiped load)",
+            value=c.load(),
+        )
+        yield GaugeMetricFamily(
+            "kvmesh_hot_prefixes",
+            "Prefixes this node answers that are hot enough to ask for replicas",
+            value=len(c.popularity.hot()),
+        )
 
     def _tiers(self, node: Any) -> Iterator[Any]:
         """Per tier (``ram``, and ``disk`` with a disk tier): bytes, blocks, hits,

@@ -102,7 +102,6 @@ class MeshNode:
         self.port = 0
         self.bulk: BulkServer | None = None
         self.data_port = 0
-        self.load = 0.0
         self.started = time.time()
         self._server: Any = None
         self._gossip: asyncio.Task[None] | None = None
@@ -125,11 +124,13 @@ class MeshNode:
             budget_bytes=s.budget_bytes,
             used_bytes=s.used_bytes,
             entries=s.entries,
-            load=self.load,
+            load=self.cache.load(),
             region=self.config.region,
             hits=s.hits,
             misses=s.misses,
             data_port=self.data_port,
+            fetches_served=self.cache.counters["fetches"],
+            bytes_served=self.cache.counters["bytes_served"],
         )
 
     async def start(self) -> None:

@@ -17,6 +17,11 @@ A publisher that sends nothing for ``publish_progress_s`` is cut off (its
 reservation released). A fetch naming a key twice is refused. Every refusal is
 counted by reason (``publish_rejected:*``, ``fetch_rejected:*``,
 ``lookup_rejected:*``, ``unauthenticated:*``).
+
+A lookup that finds a prefix counts it as demand (:class:`~.placement.Popularity`;
+a publisher's ``quiet`` lookup does not) and answers how many extra holders it
+should have (``replicas``, see :mod:`.placement`). Fetches served and bytes out
+are counted, and the recent fetch rate is this node's gossiped ``load``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import gc
 import json
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any
@@ -47,6 +53,7 @@ from ..errors import (
 )
 from ..store import BlockStore
 from .membership import Membership
+from .placement import Popularity, Rate
 from .proto import kvmesh_pb2 as pb
 from .proto import kvmesh_pb2_grpc as pbg
 from .security import CallRefused, FleetAuth, TLSConfig, body_digest
@@ -93,6 +100,14 @@ class CacheService:
         self.layouts: dict[bytes, Layout] = {}
         self.summaries: dict[bytes, str] = {}
         self.counters: Counter[str] = Counter()
+        self.popularity = Popularity()
+        self._served = Rate(self.popularity.policy.window_s, time.monotonic())
+        self._served_lock = threading.Lock()  # fetches are served from bulk threads too
+
+    def load(self) -> float:
+        """Fetches served per second, recently (what a card gossips as ``load``)."""
+        with self._served_lock:
+            return self._served.per_s(time.monotonic())
 
     def reserve(self, nbytes: int) -> int:
         """Reserve room to buffer one announced block, or refuse it (typed)."""
@@ -145,6 +160,8 @@ class CacheService:
             self.counters["fetch_rejected:not_found"] += 1
             raise
         self.counters["fetches"] += 1
+        with self._served_lock:
+            self._served.add(time.monotonic())
         try:
             for key in request.keys:
                 try:
@@ -186,6 +203,8 @@ class CacheService:
         )
         if m.tail is not None:
             resp.tail.CopyFrom(_info(m.tail))
+        if m.blocks and not request.quiet:  # demand for the prefix ending at its last block
+            resp.replicas = self.popularity.hit(m.blocks[-1].key)
         return resp
 
     async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[bytes]:

@@ -84,7 +84,8 @@ function renderNodes(nodes) {
     const health = n.health || "ok";  // ok | backed off | quarantined (the head's circuit breaker)
     return [n.alias, n.roles.join(", "), n.region || "–", el("span", n.status, n.status),
       el("span", health, "health-" + health.replace(/[^a-z]+/g, "-")), fmtAge(n.card_age_s),
-      fmtAge(n.epoch_age_s), n.interfaces.join(", "), bar, n.capacity.entries, n.hit_ratio === null ? "–" : (n.hit_ratio * 100).toFixed(0) + "%"];
+      fmtAge(n.epoch_age_s), n.interfaces.join(", "), bar, n.capacity.entries, n.hit_ratio === null ? "–" : (n.hit_ratio * 100).toFixed(0) + "%",
+      n.served ? n.served.fetches + " · " + fmtBytes(n.served.bytes) + " · " + n.served.per_s + "/s" : "–"];
   });
 }
 

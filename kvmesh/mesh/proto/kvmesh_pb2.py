@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvmesh.proto\x12\tkvmesh.v1\"I\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x12\n\nblock_keys\x18\x02 \x03(\x0c\x12\x11\n\ttail_keys\x18\x03 \x03(\x0c\"H\n\tBlockInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"\x81\x01\n\x0eLookupResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.BlockInfo\x12\"\n\x04tail\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.BlockInfo\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\"h\n\x0c\x46\x65tchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x02\";\n\nFetchChunk\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08lease_id\x18\x03 \x01(\t\"^\n\x0cPublishChunk\x12\x11\n\tcard_json\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"W\n\x0fPublishResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"F\n\x0b\x42ulkPublish\x12\x11\n\tcard_json\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.BlockInfo\"@\n\x08\x45ndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tinterface\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\"\xdd\x02\n\x0e\x43\x61pabilityCard\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x61lias\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\r\n\x05roles\x18\x04 \x03(\t\x12&\n\tendpoints\x18\x05 \x03(\x0b\x32\x13.kvmesh.v1.Endpoint\x12\x12\n\nnamespaces\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61rd_summaries\x18\x07 \x03(\t\x12\x14\n\x0c\x62udget_bytes\x18\x08 \x01(\x04\x12\x12\n\nused_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x65ntries\x18\n \x01(\x04\x12\x0c\n\x04load\x18\x0b \x01(\x02\x12\x0f\n\x07version\x18\x0c \x01(\x04\x12\x11\n\theartbeat\x18\r \x01(\x01\x12\x0e\n\x06region\x18\x0e \x01(\t\x12\x0c\n\x04hits\x18\x0f \x01(\x04\x12\x0e\n\x06misses\x18\x10 \x01(\x04\x12\x0b\n\x03mac\x18\x11 \x01(\x0c\x12\x11\n\tdata_port\x18\x12 \x01(\r\";\n\x0f\x45xchangeRequest\x12(\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.CapabilityCard\"<\n\x10\x45xchangeResponse\x12(\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.CapabilityCard2\xca\x01\n\x0cPrefillCache\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x39\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x15.kvmesh.v1.FetchChunk0\x01\x12@\n\x07Publish\x12\x17.kvmesh.v1.PublishChunk\x1a\x1a.kvmesh.v1.PublishResponse(\x01\x32Q\n\nMembership\x12\x43\n\x08\x45xchange\x12\x1a.kvmesh.v1.ExchangeRequest\x1a\x1b.kvmesh.v1.ExchangeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvmesh.proto\x12\tkvmesh.v1\"X\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x12\n\nblock_keys\x18\x02 \x03(\x0c\x12\x11\n\ttail_keys\x18\x03 \x03(\x0c\x12\r\n\x05quiet\x18\x04 \x01(\x08\"H\n\tBlockInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"\x93\x01\n\x0eLookupResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.BlockInfo\x12\"\n\x04tail\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.BlockInfo\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\x12\x10\n\x08replicas\x18\x05 \x01(\r\"h\n\x0c\x46\x65tchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x02\";\n\nFetchChunk\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08lease_id\x18\x03 \x01(\t\"^\n\x0cPublishChunk\x12\x11\n\tcard_json\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"W\n\x0fPublishResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"F\n\x0b\x42ulkPublish\x12\x11\n\tcard_json\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.BlockInfo\"@\n\x08\x45ndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tinterface\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\"\x8b\x03\n\x0e\x43\x61pabilityCard\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x61lias\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\r\n\x05roles\x18\x04 \x03(\t\x12&\n\tendpoints\x18\x05 \x03(\x0b\x32\x13.kvmesh.v1.Endpoint\x12\x12\n\nnamespaces\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61rd_summaries\x18\x07 \x03(\t\x12\x14\n\x0c\x62udget_bytes\x18\x08 \x01(\x04\x12\x12\n\nused_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x65ntries\x18\n \x01(\x04\x12\x0c\n\x04load\x18\x0b \x01(\x02\x12\x0f\n\x07version\x18\x0c \x01(\x04\x12\x11\n\theartbeat\x18\r \x01(\x01\x12\x0e\n\x06region\x18\x0e \x01(\t\x12\x0c\n\x04hits\x18\x0f \x01(\x04\x12\x0e\n\x06misses\x18\x10 \x01(\x04\x12\x0b\n\x03mac\x18\x11 \x01(\x0c\x12\x11\n\tdata_port\x18\x12 \x01(\r\x12\x16\n\x0e\x66\x65tches_served\x18\x13 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x14 \x01(\x04\";\n\x0f\x45xchangeRequest\x12(\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.CapabilityCard\"<\n\x10\x45xchangeResponse\x12(\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.CapabilityCard2\xca\x01\n\x0cPrefillCache\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x39\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x15.kvmesh.v1.FetchChunk0\x01\x12@\n\x07Publish\x12\x17.kvmesh.v1.PublishChunk\x1a\x1a.kvmesh.v1.PublishResponse(\x01\x32Q\n\nMembership\x12\x43\n\x08\x45xchange\x12\x1a.kvmesh.v1.ExchangeRequest\x1a\x1b.kvmesh.v1.ExchangeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOOKUPREQUEST']._serialized_start=27
-  _globals['_LOOKUPREQUEST']._serialized_end=100
-  _globals['_BLOCKINFO']._serialized_start=102
-  _globals['_BLOCKINFO']._serialized_end=174
-  _globals['_LOOKUPRESPONSE']._serialized_start=177
-  _globals['_LOOKUPRESPONSE']._serialized_end=306
-  _globals['_FETCHREQUEST']._serialized_start=308
-  _globals['_FETCHREQUEST']._serialized_end=412
-  _globals['_FETCHCHUNK']._serialized_start=414
-  _globals['_FETCHCHUNK']._serialized_end=473
-  _globals['_PUBLISHCHUNK']._serialized_start=475
-  _globals['_PUBLISHCHUNK']._serialized_end=569
-  _globals['_PUBLISHRESPONSE']._serialized_start=571
-  _globals['_PUBLISHRESPONSE']._serialized_end=658
-  _globals['_BULKPUBLISH']._serialized_start=660
-  _globals['_BULKPUBLISH']._serialized_end=730
-  _globals['_ENDPOINT']._serialized_start=732
-  _globals['_ENDPOINT']._serialized_end=796
-  _globals['_CAPABILITYCARD']._serialized_start=799
-  _globals['_CAPABILITYCARD']._serialized_end=1148
-  _globals['_EXCHANGEREQUEST']._serialized_start=1150
-  _globals['_EXCHANGEREQUEST']._serialized_end=1209
-  _globals['_EXCHANGERESPONSE']._serialized_start=1211
-  _globals['_EXCHANGERESPONSE']._serialized_end=1271
-  _globals['_PREFILLCACHE']._serialized_start=1274
-  _globals['_PREFILLCACHE']._serialized_end=1476
-  _globals['_MEMBERSHIP']._serialized_start=1478
-  _globals['_MEMBERSHIP']._serialized_end=1559
+  _globals['_LOOKUPREQUEST']._serialized_end=115
+  _globals['_BLOCKINFO']._serialized_start=117
+  _globals['_BLOCKINFO']._serialized_end=189
+  _globals['_LOOKUPRESPONSE']._serialized_start=192
+  _globals['_LOOKUPRESPONSE']._serialized_end=339
+  _globals['_FETCHREQUEST']._serialized_start=341
+  _globals['_FETCHREQUEST']._serialized_end=445
+  _globals['_FETCHCHUNK']._serialized_start=447
+  _globals['_FETCHCHUNK']._serialized_end=506
+  _globals['_PUBLISHCHUNK']._serialized_start=508
+  _globals['_PUBLISHCHUNK']._serialized_end=602
+  _globals['_PUBLISHRESPONSE']._serialized_start=604
+  _globals['_PUBLISHRESPONSE']._serialized_end=691
+  _globals['_BULKPUBLISH']._serialized_start=693
+  _globals['_BULKPUBLISH']._serialized_end=763
+  _globals['_ENDPOINT']._serialized_start=765
+  _globals['_ENDPOINT']._serialized_end=829
+  _globals['_CAPABILITYCARD']._serialized_start=832
+  _globals['_CAPABILITYCARD']._serialized_end=1227
+  _globals['_EXCHANGEREQUEST']._serialized_start=1229
+  _globals['_EXCHANGEREQUEST']._serialized_end=1288
+  _globals['_EXCHANGERESPONSE']._serialized_start=1290
+  _globals['_EXCHANGERESPONSE']._serialized_end=1350
+  _globals['_PREFILLCACHE']._serialized_start=1353
+  _globals['_PREFILLCACHE']._serialized_end=1555
+  _globals['_MEMBERSHIP']._serialized_start=1557
+  _globals['_MEMBERSHIP']._serialized_end=1638
 # @@protoc_insertion_point(module_scope)

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_keys", "tail_keys")
+    __slots__ = ("namespace", "block_keys", "tail_keys", "quiet")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     TAIL_KEYS_FIELD_NUMBER: _ClassVar[int]
+    QUIET_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     tail_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., tail_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    quiet: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., tail_keys: _Optional[_Iterable[bytes]] = ..., quiet: _Optional[bool] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("key", "nbytes", "digest", "tokens")
@@ -29,16 +31,18 @@ class BlockInfo(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., digest: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("epoch", "blocks", "tail", "matched_tokens")
+    __slots__ = ("epoch", "blocks", "tail", "matched_tokens", "replicas")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
     tail: BlockInfo
     matched_tokens: int
-    def __init__(self, epoch: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., tail: _Optional[_Union[BlockInfo, _Mapping]] = ..., matched_tokens: _Optional[int] = ...) -> None: ...
+    replicas: int
+    def __init__(self, epoch: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., tail: _Optional[_Union[BlockInfo, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("namespace", "keys", "epoch", "chunk_bytes", "lease_ttl_s")
@@ -109,7 +113,7 @@ class Endpoint(_message.Message):
     def __init__(self, address: _Optional[str] = ..., interface: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CapabilityCard(_message.Message):
-    __slots__ = ("node_id", "alias", "epoch", "roles", "endpoints", "namespaces", "card_summaries", "budget_bytes", "used_bytes", "entries", "load", "version", "heartbeat", "region", "hits", "misses", "mac", "data_port")
+    __slots__ = ("node_id", "alias", "epoch", "roles", "endpoints", "namespaces", "card_summaries", "budget_bytes", "used_bytes", "entries", "load", "version", "heartbeat", "region", "hits", "misses", "mac", "data_port", "fetches_served", "bytes_served")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ALIAS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +132,8 @@ class CapabilityCard(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     alias: str
     epoch: str
@@ -146,7 +152,9 @@ class CapabilityCard(_message.Message):
     misses: int
     mac: bytes
     data_port: int
-    def __init__(self, node_id: _Optional[str] = ..., alias: _Optional[str] = ..., epoch: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., card_summaries: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., load: _Optional[float] = ..., version: _Optional[int] = ..., heartbeat: _Optional[float] = ..., region: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., mac: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
+    fetches_served: int
+    bytes_served: int
+    def __init__(self, node_id: _Optional[str] = ..., alias: _Optional[str] = ..., epoch: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., card_summaries: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., load: _Optional[float] = ..., version: _Optional[int] = ..., heartbeat: _Optional[float] = ..., region: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., mac: _Optional[bytes] = ..., data_port: _Optional[int] = ..., fetches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("cards",)
