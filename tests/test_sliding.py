@@ -176,3 +176,22 @@ def test_a_session_reuses_turn_one_past_the_window(kind, case, dtype):
 def test_mlx_lm_attends_fully_for_gemma2_and_mistral_and_the_card_says_so(arch):
     path = zoo.windowed(zoo.mlx_model(arch, "float32"), W)
     assert load_engine(str(path), "mlx").card.sliding_windows == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "case", "dtype"), [("torch", "gemma3", "float32"), ("mlx", "gemma3", "float32")]
+)
+def test_a_chunked_prefill_records_every_position(kind, case, dtype):
+    """A prompt prefilled a chunk at a time (the head's path while others decode):
+    each chunk's positions are recorded before the window trims them."""
+    producer, consumer, toks = engines(kind, case, dtype)
+    n, chunk = LENGTHS[-1], W + 7
+    calls: list[int] = []
+    state = producer.prefill(toks[:n], between=lambda: calls.append(1), chunk=chunk)
+    assert len(calls) == -(-n // chunk) - 1  # it did run in chunks
+    blocks = wire(export(producer, state), consumer)
+    assert sum(b.header.tokens for b in blocks) == n
+    longer = toks[: n + SUFFIX]
+    ext = consumer.prefill(longer, blocks)
+    assert ext.imported_tokens == n
+    assert same(ext.logits, producer.extend(state, longer[n:]).logits)
