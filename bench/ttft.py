@@ -2,6 +2,7 @@
 
     python bench/ttft.py --json bench/results/ttft.json [--lengths 128,512,1024,2048,4096]
                          [--model demo] [--device cpu|cuda] [--dtype bfloat16]
+                         [--sliding-window 128]
     GPU: python bench/ttft.py --device cuda --model demo-8b --lengths 1024,4096,16384
 
 For each prompt length, on the ~0.5B-shaped demo model:
@@ -21,6 +22,12 @@ For each prompt length, on the ~0.5B-shaped demo model:
   *_extend_s        the same for the cached prompt plus 64 new tokens
 Prompt lengths are multiples of the 32-token block, so the extension reuses the
 whole prompt; other lengths recompute up to 31 more tokens.
+
+``--sliding-window W`` runs on a copy of ``--model`` whose config gives its layers
+Gemma-3's pattern (five sliding-window layers of W tokens per full-attention
+layer), the same weights: a sliding-window model of exactly the full model's size,
+to compare the two JSON files side by side. Its file-cache baseline is left out
+(``_filecache.py`` restores full-attention caches only).
 """
 
 from __future__ import annotations
@@ -55,6 +62,32 @@ def tokens(engine, n: int, salt: str) -> list[int]:  # type: ignore[no-untyped-d
     out = engine.encode(text)[:n]
     assert len(out) == n
     return out
+
+
+def sliding_variant(model: str, window: int) -> str:
+    """A copy of ``model``'s directory with five sliding layers of ``window`` tokens
+    per full one (``layer_types``), the same weight files (hard links where possible)."""
+    import shutil
+
+    from kvmesh.engine.demo import resolve_model
+
+    src = resolve_model(model)
+    dst = Path(tempfile.gettempdir()) / f"kvmesh-bench-{src.name}-swa{window}"
+    cfg = json.loads((src / "config.json").read_text())
+    layers = int(cfg["num_hidden_layers"])
+    types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
+    dst.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not (dst / f.name).exists():
+            try:
+                os.link(f, dst / f.name)
+            except OSError:
+                shutil.copy2(f, dst / f.name)
+    cfg.update(sliding_window=window, use_sliding_window=True, max_window_layers=layers,
+               layer_types=types, _name_or_path=dst.name)  # fmt: skip
+    (dst / "config.json").unlink(missing_ok=True)  # a link to the source's: never write through it
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return str(dst)
 
 
 def sync(device: str) -> None:
@@ -131,6 +164,27 @@ class NetnsPeer:
         subprocess.run(["ip", "link", "del", "kvmttft0"], capture_output=True)
 
 
+def file_cache(args: argparse.Namespace, live: KVState, n: int, ext: list[int]) -> dict:  # type: ignore[type-arg]
+    """The file prompt cache: this process saves the prompt's KV, a fresh one loads it."""
+    row = {}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "prompt.safetensors")
+        save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous().cpu() for i, lay in enumerate(live.cache.layers)},
+                   **{f"v{i}": lay.values[:, :, :n].contiguous().cpu() for i, lay in enumerate(live.cache.layers)},
+                   "logits": live.logits.cpu()}, path)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, str(HERE / "_filecache.py"), args.model, args.device, path, str(n), json.dumps(ext),
+             args.dtype or ""],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        fc = json.loads(out.stdout.strip().splitlines()[-1])
+    row["file_cache_s"], row["file_cache_extend_s"] = fc["read"], fc["read_extend"]
+    row["file_cache_mmap_s"], row["file_cache_mmap_extend_s"] = fc["lazy"], fc["lazy_extend"]
+    if "cold" in fc:
+        row["file_cache_cold_s"] = fc["cold"]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -144,9 +198,13 @@ def main() -> None:
         default=None,
         help="float32 | float16 | bfloat16 (default: the model's on GPU, float32 on CPU)",
     )
+    ap.add_argument("--sliding-window", type=int, default=0,
+                    help="run on --model's weights with Gemma-3's sliding/full layer pattern")  # fmt: skip
     ap.add_argument("--netns", action=argparse.BooleanOptionalAction, default=os.geteuid() == 0,
                     help="also measure a peer in another network namespace (needs root)")  # fmt: skip
     args = ap.parse_args()
+    if args.sliding_window:
+        args.model = sliding_variant(args.model, args.sliding_window)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     engine.prefill(list(range(16)))
     card = engine.card
@@ -195,25 +253,8 @@ def main() -> None:
             # publish the prompt's blocks to the peer, as a head would after answering
             blocks = engine.export(live, HeadRuntime(engine, None).keyer)
             publish_to(peer, blocks)
-            # file cache: one process saves, a fresh one loads
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "prompt.safetensors")
-                save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous().cpu() for i, lay in enumerate(live.cache.layers)},
-                           **{f"v{i}": lay.values[:, :, :n].contiguous().cpu() for i, lay in enumerate(live.cache.layers)},
-                           "logits": live.logits.cpu()}, path)  # fmt: skip
-                out = subprocess.run(
-                    [sys.executable, str(HERE / "_filecache.py"), args.model, args.device, path, str(n), json.dumps(ext),
-                     args.dtype or ""],
-                    capture_output=True, text=True, check=True,
-                )  # fmt: skip
-                fc = json.loads(out.stdout.strip().splitlines()[-1])
-                row["file_cache_s"], row["file_cache_extend_s"] = fc["read"], fc["read_extend"]
-                row["file_cache_mmap_s"], row["file_cache_mmap_extend_s"] = (
-                    fc["lazy"],
-                    fc["lazy_extend"],
-                )
-                if "cold" in fc:
-                    row["file_cache_cold_s"] = fc["cold"]
+            if not any(card.sliding_windows):  # _filecache.py restores full caches only
+                row.update(file_cache(args, live, n, ext))
             # kvmesh: heads with empty stores, remote hits over loopback
             for key, prompt in (("kvmesh_remote_s", toks), ("kvmesh_extend_s", toks + ext)):
                 head = fresh_head(engine, peer, card.namespace_hex)
@@ -237,13 +278,15 @@ def main() -> None:
                     finally:
                         close(head)
             row["speedup_remote"] = row["cold_s"] / row["kvmesh_remote_s"]
-            row["remote_vs_file"] = row["file_cache_s"] / row["kvmesh_remote_s"]
+            if "file_cache_s" in row:
+                row["remote_vs_file"] = row["file_cache_s"] / row["kvmesh_remote_s"]
             row["extend_vs_floor"] = row["kvmesh_extend_s"] / row["inprocess_extend_s"]
             rows.append(row)
             print(
                 f"{n:5d} tok  cold {row['cold_s']:.3f}s  in-proc {row['inprocess_s'] * 1e3:.2f}ms  "
-                f"file {row['file_cache_s'] * 1e3:.1f}ms  kvmesh {row['kvmesh_remote_s'] * 1e3:.1f}ms "
-                f"({row['speedup_remote']:.0f}x cold, {row['remote_vs_file']:.2f}x file)  "
+                f"file {row.get('file_cache_s', float('nan')) * 1e3:.1f}ms  "
+                f"kvmesh {row['kvmesh_remote_s'] * 1e3:.1f}ms ({row['speedup_remote']:.0f}x cold, "
+                f"{row.get('remote_vs_file', float('nan')):.2f}x file)  "
                 f"extend: kvmesh {row['kvmesh_extend_s'] * 1e3:.0f}ms vs floor "
                 f"{row['inprocess_extend_s'] * 1e3:.0f}ms ({row['extend_vs_floor']:.2f}x)"
                 + "".join(
@@ -261,6 +304,7 @@ def main() -> None:
             netns.destroy()
     with open(args.json, "w") as fh:
         json.dump({"machine": machine(), "model": args.model, "device": args.device, "card": card.summary(),
+                   "sliding_windows": list(card.sliding_windows),
                    "extension_tokens": EXT, "results": rows}, fh, indent=1)  # fmt: skip
     plot(rows, Path(args.json).with_suffix(".png"))
 

@@ -6,7 +6,10 @@ Wire form of one block::
 
 The payload is, for each layer, K then V, each a C-contiguous
 ``[kv_heads, tokens, head_dim]`` array, followed by the optional float32 logits
-of a tail. The block *digest* is the hash of the whole encoded blob under the
+of a tail. Every layer, sliding-window layers included, holds all of the block's
+positions: an importer of a prefix ``[0, P)`` keeps of a sliding layer only what
+its window needs (the card's ``sliding_windows``; engine/base.py), and nothing is
+ever approximated. The block *digest* is the hash of the whole encoded blob under the
 card's ``block_digest`` algorithm: BLAKE3 (default) or SHA-256, both 256-bit and
 cryptographic. The algorithm is part of the card, hence of the namespace, so two
 nodes never compare digests made by different algorithms.

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2  # 2: block_digest joined the card
+# 2: block_digest joined the card; 3: a block's sliding-window layers carry all of
+# its positions and a prefix of any length imports (the last window of them)
+SCHEMA_VERSION = 3
 BLOCK_DIGESTS = ("blake3", "sha256")  # 256-bit cryptographic; blake3 is ~3.5x faster here
 
 # Weight and tokenizer files whose bytes define a model for caching purposes.

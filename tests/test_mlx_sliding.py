@@ -1,4 +1,5 @@
-"""mlx-lm sliding-window layers (RotatingKVCache): exact within the window, a miss beyond."""
+"""mlx-lm sliding-window layers (RotatingKVCache): prefixes of any length export and
+import exactly, before and after decode steps rotate the layers in place."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import numpy as np
 import pytest
 
 from kvmesh.blocks import BlockKeyer
-from kvmesh.errors import CacheMiss
 
 WINDOW = 64
 
@@ -59,31 +59,42 @@ def test_prefix_within_the_window_is_exact(swa_engine):
     assert imported.imported_tokens == 32 and _same(imported.logits, local.logits)
 
 
-def test_beyond_the_window_is_never_exported_nor_imported(swa_engine):
+def test_beyond_the_window_the_whole_prompt_travels_and_continues_exactly(swa_engine):
     keyer = BlockKeyer(swa_engine.card.namespace, swa_engine.card.block_tokens)
-    toks = swa_engine.encode("x" * 200)[:150]
-    blocks = swa_engine.export(swa_engine.prefill(toks), keyer)
-    assert sum(b.header.tokens for b in blocks) == WINDOW and all(
-        b.header.kind == "block" for b in blocks
-    )
-    with pytest.raises(CacheMiss):
-        swa_engine.importer(96)
+    toks = swa_engine.encode("x y z " * 200)[:150]
+    assert len(toks) == 150 > 2 * WINDOW
+    state = swa_engine.prefill(toks)
+    blocks = swa_engine.export(state, keyer)
+    assert sum(b.header.tokens for b in blocks) == 150 and blocks[-1].header.kind == "tail"
+    again = swa_engine.prefill(toks, blocks)
+    assert again.used_stored_logits and _same(again.logits, state.logits)
+    more = swa_engine.encode(" and then some more text")
+    for extra in (more[:1], more):  # one token (mlx-lm writes in place), several (concatenates)
+        imported = swa_engine.prefill(toks + extra, blocks)
+        local = swa_engine.extend(swa_engine.prefill(toks), extra)
+        assert imported.imported_tokens == 150 and _same(imported.logits, local.logits)
 
 
-def test_a_rotated_cache_exports_nothing_rather_than_wrong_bytes(swa_engine):
+def test_after_rotating_decode_steps_every_position_is_still_exported(swa_engine):
     from kvmesh.engine import Sampling
 
     keyer = BlockKeyer(swa_engine.card.namespace, swa_engine.card.block_tokens)
     toks = swa_engine.encode("rotate me " * 10)[:40]
     state = swa_engine.prefill(toks)
-    list(swa_engine.generate(state, Sampling(max_tokens=40, stop_on_eos=False)))  # past the window
-    exported = swa_engine.export(state, keyer)
-    fresh = swa_engine.export(swa_engine.prefill(state.tokens[: state.cached]), keyer)
-    assert [bytes(b.blob) for b in exported] == [bytes(b.blob) for b in fresh[: len(exported)]]
-    assert exported == []  # decode steps trimmed the sliding layers
+    list(swa_engine.generate(state, Sampling(max_tokens=60, stop_on_eos=False)))  # past the window
+    assert any(getattr(c, "_idx", 0) < c.offset for c in state.cache)  # rotated in place
+    full = type(state)(state.tokens[: state.cached], state.cache, None, state.cached)
+    exported = swa_engine.export(full, keyer)
+    n = sum(b.header.tokens for b in exported)
+    assert n == state.cached // 32 * 32 == 96
+    fresh = swa_engine.export(swa_engine.prefill(toks), keyer)
+    assert exported[0].blob == fresh[0].blob  # the prompt's block: the prefill's bytes
+    longer = state.tokens[: n + 5]
+    imported = swa_engine.prefill(longer, exported)
+    assert _same(imported.logits, swa_engine.resume(state, n, longer).logits)
 
 
-def test_a_session_past_the_window_falls_back_to_prefill(swa_engine):
+def test_a_session_past_the_window_is_resumed(swa_engine):
     from kvmesh.engine import Sampling
     from kvmesh.runtime.head import HeadRuntime
 
@@ -93,9 +104,13 @@ def test_a_session_past_the_window_falls_back_to_prefill(swa_engine):
     out = head.complete(first, sampling)
     follow = first + out.tokens[:-1] + swa_engine.encode(" and then?")
     again = head.complete(follow, Sampling(max_tokens=5, stop_on_eos=False))
-    assert again.report is not None and again.report.source == "compute"
+    assert again.report is not None and again.report.source == "session"
+    assert again.report.reused_tokens == len(first) + len(out.tokens) - 1
+    own = swa_engine.prefill(first)  # the session's state, as the engine alone makes it
+    list(swa_engine.generate(own, sampling))
+    resumed = swa_engine.resume(own, again.report.reused_tokens, follow)
     assert again.tokens == list(
-        swa_engine.generate(swa_engine.prefill(follow), Sampling(max_tokens=5, stop_on_eos=False))
+        swa_engine.generate(resumed, Sampling(max_tokens=5, stop_on_eos=False))
     )
     head.close()
 

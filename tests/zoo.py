@@ -11,6 +11,8 @@ Contract (other tests rely on it, keep it stable):
   in ``MLX_VARIANTS``: ``float32``, ``bfloat16``, ``q4`` (4-bit, group 64, float16 scales and
   non-quantized params, like mlx-community models) and ``q8`` (8-bit, group 64, bfloat16).
 - ``convert_mlx(src, dst, variant) -> Path``: the same conversion for any HF directory.
+- ``windowed(src, window, layer_types=None) -> Path``: ``src`` (any of the above) with another
+  ``sliding_window`` (and ``layer_types``), the same weights.
 - ``prompt_tokens(path, n, seed=0) -> list[int]``: ``n`` ids the model's tokenizer produces for
   deterministic generated text (ordinary vocabulary entries, never special tokens).
 
@@ -443,6 +445,27 @@ def convert_mlx(src: Path, dst: Path, variant: str) -> Path:
     """Convert the HF directory ``src`` into an mlx-lm directory ``dst`` (idempotent, atomic)."""
     _check(variant, MLX_VARIANTS)
     return _atomic(Path(dst), lambda tmp: _convert(Path(src), tmp, variant))
+
+
+def windowed(src: Path, window: int, layer_types: tuple[str, ...] | None = None) -> Path:
+    """A copy of the model directory ``src`` (HF or mlx) whose ``sliding_window`` is
+    ``window`` (and ``layer_types`` set, when given): the same weights under a small
+    window, so prompts of several windows stay short. Cached beside ``src``."""
+    tag = f"w{window}" + (f"-{''.join(t[0] for t in layer_types)}" if layer_types else "")
+    dst = Path(src).parent / f"{Path(src).name}-{tag}"
+
+    def build(tmp: Path) -> None:
+        for f in Path(src).iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg["sliding_window"] = window
+        if layer_types is not None:
+            cfg["layer_types"] = list(layer_types)
+        cfg["_name_or_path"] = dst.name
+        _write_json(tmp / "config.json", cfg)
+
+    return _atomic(dst, build)
 
 
 def prompt_tokens(path: Path, n: int, seed: int = 0) -> list[int]:

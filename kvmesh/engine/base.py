@@ -7,13 +7,20 @@ for every token but possibly the last, and the next-token logits.
 Prefill from imported blocks (``prefix``) is exact: the blocks' bytes become the
 cache's tensors unchanged, so the continuation is bitwise identical to continuing
 from the local cache that produced them (invariant 2).
+
+Sliding-window layers: a block carries its positions' KV for *every* layer, and a
+prefix of any length is restorable. Importing ``[0, P)`` puts all of it in full
+layers and, in a sliding layer of window ``W``, what that layer holds after
+computing ``P`` tokens itself (transformers: the last ``W - 1`` positions; mlx-lm's
+rotating cache: the last ``W``): all a continuation can attend to. Engines keep
+a sliding layer's positions past the window (a per-layer record) so they can be
+exported and cropped; each engine's module states what that costs.
 """
 
 from __future__ import annotations
 
 import abc
 import bisect
-import copy
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,7 +33,7 @@ import numpy as np
 from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, BlockHeader, Layout, check_block, new_blob
 from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
-from ..errors import CacheMiss, ConfigError, MalformedPayload, NoChatTemplate
+from ..errors import ConfigError, MalformedPayload, NoChatTemplate
 
 PREFILL_CHUNK = 512  # tokens per prefill forward while other sequences are decoding
 
@@ -267,9 +274,7 @@ def model_name(path: Path, cfg: dict[str, Any]) -> str:
     return raw.rsplit("/", 1)[-1] or path.resolve().name
 
 
-def check_chain(
-    prefix: Sequence[Block], layout: Layout, tokens: int, checked: bool = False
-) -> int:
+def check_chain(prefix: Sequence[Block], layout: Layout, tokens: int, checked: bool = False) -> int:
     """Validate that ``prefix`` is a contiguous chain from the root whose every
     block is what ``layout``'s card says a block is (:func:`check_block`:
     namespace, token count, layer count, per-tensor dtypes and shapes, logits),
@@ -335,40 +340,6 @@ class Engine(abc.ABC):
     eos_ids: frozenset[int]
 
     tokenizer: Any  # a Hugging Face tokenizer, or one with the same methods
-
-    # -- sliding windows (shared by the engines) -------------------------------
-
-    @property
-    def max_prefix(self) -> int | None:
-        """Longest exactly restorable prefix: a sliding-window layer holds positions
-        0.. only until its window fills, so a longer prefix is a miss (None = any)."""
-        windows = [w for w in self.card.sliding_windows if w]
-        return min(windows) if windows else None
-
-    def check_restorable(self, n_tokens: int) -> None:
-        """Raise :class:`CacheMiss` for a prefix no sliding layer can hold exactly."""
-        bound = self.max_prefix
-        if bound is not None and n_tokens > bound:
-            raise CacheMiss(
-                f"a {n_tokens}-token prefix is not restorable past the {bound}-token window"
-            )
-
-    def _window_trimmed(self, cache: Any) -> bool:
-        """Whether a sliding layer of ``cache`` dropped or wrapped early positions
-        (engines with sliding windows override this)."""
-        return False
-
-    def _exportable(self, state: KVState) -> KVState | None:
-        """``state`` cut to what is exactly restorable, or None when nothing is."""
-        bound = self.max_prefix
-        if bound is None:
-            return state
-        if self._window_trimmed(state.cache):
-            return None  # its early positions are gone
-        if state.cached > bound:  # only whole blocks within the window, no tail
-            n = (bound // self.card.block_tokens) * self.card.block_tokens
-            return KVState(state.tokens[:n], state.cache, None, n)
-        return state
 
     # -- text (chat template applied by the tokenizer) --------------------------
 
@@ -509,10 +480,7 @@ class Engine(abc.ABC):
         """An independent copy of a live ``state`` (``n`` sequences from one
         prefill): the same cached tensors (a crop shares them; decoding one copy
         never writes into another) and the same logits."""
-        try:
-            cache = self._crop(state.cache, state.cached) if state.cached else None
-        except CacheMiss:  # a sliding layer already trimmed: copy it whole
-            cache = copy.deepcopy(state.cache)
+        cache = self._crop(state.cache, state.cached) if state.cached else None
         return KVState(list(state.tokens), cache, state.logits, state.cached)
 
     def generate(
@@ -561,11 +529,7 @@ class Engine(abc.ABC):
         first_block: int = 0,
     ) -> list[Block]:
         """Blocks for ``state``: full blocks from ``first_block`` on, then the tail.
-        Only positions already in the cache (and exactly restorable) are exported."""
-        cut = self._exportable(state)
-        if cut is None:
-            return []
-        state = cut
+        Only positions already in the cache are exported."""
         tokens = state.tokens
         if state.cached < len(tokens):  # generated last token: no KV yet, no logits for it
             tokens = tokens[: state.cached]

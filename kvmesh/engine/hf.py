@@ -17,14 +17,22 @@ Cache layers:
 
 - ``DynamicLayer`` (full attention): any prefix is exact.
 - ``DynamicSlidingWindowLayer`` (window ``W``): transformers keeps only the last
-  ``W - 1`` positions plus ``cumulative_length``. A prefix of ``n <= W`` tokens is
-  restored as transformers holds it after computing it (its last ``min(n, W - 1)``
-  positions, ``cumulative_length = n``); a longer prefix is a miss, exported or
-  imported (the shared rule of :class:`Engine`). So that the first ``W`` tokens of
-  a longer sequence stay exportable, the layer runs with ``record_past`` and
-  :func:`_settle` trims it after every forward exactly as transformers would have
-  (the same view of the same tensor; attention sees identical tensors), first
-  keeping its first ``W`` positions aside: the *head*, ``W`` positions at most.
+  ``W - 1`` positions plus ``cumulative_length``; that is all a continuation needs.
+  Any prefix ``n`` is restored as transformers holds it after computing it: its
+  last ``min(n, W - 1)`` positions live, ``cumulative_length = n``. Blocks carry
+  every position of every layer, so a prefix's blocks hold what the window needs.
+  To export them, the layer runs with ``record_past`` and :func:`_settle`, after
+  every forward, appends the new positions to the layer's *record* (its K/V of
+  every position so far) and then trims the layer exactly as transformers would
+  have (the same view of the same tensor; attention sees identical tensors). A
+  crop (sessions, ``n`` sequences) restores from the record the same way.
+
+Memory: the record holds a sliding layer's KV for every position of the state,
+so a sliding-window state costs what a full-attention one does,
+``card.kv_bytes_per_token`` per position: exactly what the head already reserves
+in its KV budget for every running sequence and kept session, so that budget
+bounds it. The live window is transformers' own tensor (or, after a restore, a
+view of the record), never a further copy.
 
 Continuing from an imported cache is bitwise identical to continuing from the
 producer's cache of the same prefix: same tensors, same layer state.
@@ -54,7 +62,7 @@ from .sampling import distribution, greedy, safe_temperature
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _NP = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
-_HEAD = "kvmesh_head"  # a sliding layer's first W positions (K, V), kept once it trims
+_RECORD = "kvmesh_record"  # a sliding layer's K/V of every position [0, cumulative_length)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -127,54 +135,57 @@ def _config_windows(config: Any) -> tuple[int, ...]:
     return tuple(known[t] for t in types)
 
 
-def _head(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    return getattr(layer, _HEAD, None)
+def _record(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return getattr(layer, _RECORD, None)
 
 
 def _span(layer: Any, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V) of positions [start, stop) of one layer; CacheMiss when they are gone."""
-    head = _head(layer)
-    if head is not None and stop <= head[0].shape[-2]:
-        k, v, first = head[0], head[1], 0
+    """(K, V) of positions [start, stop) of one layer: a full layer's own tensors, a
+    sliding layer's record (every position it was given or computed)."""
+    if _sliding(layer):
+        rec = _record(layer)
+        if rec is None or stop > rec[0].shape[-2]:
+            raise CacheMiss(f"positions [{start}, {stop}) were not recorded")
+        k, v = rec
     else:
         k, v = layer.keys, layer.values
-        held = k.shape[-2]
-        first = getattr(layer, "cumulative_length", held) - held  # position of k[..., 0, :]
-        if start < first or stop - first > held:
-            raise CacheMiss(f"positions [{start}, {stop}) are no longer in the cache")
-    return k[:, :, start - first : stop - first], v[:, :, start - first : stop - first]
+        if stop > k.shape[-2]:
+            raise CacheMiss(f"positions [{start}, {stop}) are not in the cache")
+    return k[:, :, start:stop], v[:, :, start:stop]
 
 
 def _restore(layer: Any, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
     """Make ``layer`` hold positions [0, n) given as (K, V), in the state transformers
-    leaves after computing them (device, dtype, length, trimmed window)."""
+    leaves after computing them (device, dtype, length, trimmed window): a sliding
+    layer keeps its last ``W - 1`` positions live (views of ``k``, ``v``: attention
+    sees the very values the producer's did) and all ``n`` as its record."""
     layer.lazy_initialization(k, v)  # device, is_initialized, the window tensor's device
     if _sliding(layer):
         keep = layer.sliding_window - 1
-        if n > keep + 1:
-            raise CacheMiss(f"a {n}-token prefix does not fit a {keep + 1}-token window")
         layer.cumulative_length = n
-        if n > keep:  # transformers would have trimmed position 0: keep it as the head
-            setattr(layer, _HEAD, (k, v))
+        setattr(layer, _RECORD, (k, v))
+        if n > keep:  # transformers keeps only the last W - 1 positions
             k, v = k[:, :, -keep:], v[:, :, -keep:]
     layer.keys, layer.values = k, v
 
 
-def _settle(cache: Any) -> None:
-    """After a forward: trim sliding layers to their last W - 1 positions as
-    transformers does without ``record_past``, keeping their first W aside first."""
+def _settle(cache: Any, new: int) -> None:
+    """After a forward of ``new`` tokens: append their K/V to each sliding layer's
+    record, then trim the layer to its last W - 1 positions exactly as transformers
+    does without ``record_past`` (the same view of the same tensor)."""
     for layer in cache.layers:
         if not _sliding(layer):
             continue
+        rec = _record(layer)
+        if rec is not None:  # one copy per forward, as a full layer's own cache grows
+            k, v = layer.keys[:, :, -new:], layer.values[:, :, -new:]
+            setattr(layer, _RECORD, (torch.cat([rec[0], k], -2), torch.cat([rec[1], v], -2)))
+        elif layer.keys.shape[-2] == layer.cumulative_length:  # a first forward: all of it
+            setattr(layer, _RECORD, (layer.keys, layer.values))  # shared with the live view
         keep = layer.sliding_window - 1
-        if layer.keys.shape[-2] <= keep:
-            continue
-        if _head(layer) is None:  # never trimmed: keys still start at position 0
-            w = keep + 1
-            head = (layer.keys[:, :, :w].clone(), layer.values[:, :, :w].clone())
-            setattr(layer, _HEAD, head)
-        layer.keys = layer.keys[:, :, -keep:, :]
-        layer.values = layer.values[:, :, -keep:, :]
+        if layer.keys.shape[-2] > keep:
+            layer.keys = layer.keys[:, :, -keep:, :]
+            layer.values = layer.values[:, :, -keep:, :]
 
 
 class _TorchImporter(Importer):
@@ -286,21 +297,12 @@ class TransformersEngine(Engine):
     def _new_cache(self) -> Any:
         cache: Any = self._cache_cls(config=self.model.config)
         for layer in cache.layers:
-            if _sliding(layer):  # keep whole states until _settle has saved the head
+            if _sliding(layer):  # keep whole states until _settle has recorded them
                 layer.activate_past_recording()
         return cache
 
     def importer(self, n_tokens: int) -> _TorchImporter:
-        self.check_restorable(n_tokens)
         return _TorchImporter(self, n_tokens)
-
-    def _window_trimmed(self, cache: Any) -> bool:
-        return any(
-            _sliding(layer)
-            and layer.cumulative_length > layer.keys.shape[-2]
-            and _head(layer) is None
-            for layer in cache.layers
-        )
 
     @torch.inference_mode()
     def _forward(self, cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
@@ -309,7 +311,7 @@ class TransformersEngine(Engine):
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         kw = {self._cache_kw: cache}
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
-        _settle(cache)  # the cache was extended in place
+        _settle(cache, len(tokens))  # the cache was extended in place
         return cache, out.logits[0, -1].float()
 
     # -- batched decode ---------------------------------------------------------
@@ -380,7 +382,7 @@ class TransformersEngine(Engine):
         (a session or a background export may still be reading it)."""
         out = self._new_cache()
         for src, dst in zip(cache.layers, out.layers, strict=True):
-            k, v = _span(src, 0, n_tokens)  # CacheMiss where a sliding layer lost them
+            k, v = _span(src, 0, n_tokens)  # a sliding layer's from its record
             _restore(dst, k, v, n_tokens)
         return out
 

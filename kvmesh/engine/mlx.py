@@ -13,12 +13,21 @@ Cache types:
 
 - ``KVCache``: any prefix is exact. Export reads ``keys[..., a:b, :]``; import
   builds ``[1, kv_heads, n, head_dim]`` arrays and sets ``offset = n``.
-- ``RotatingKVCache`` (sliding-window layers): a prefix is restorable exactly only
-  while no position has been rotated out, i.e. ``n <= window`` (``keep`` only
-  decides what survives a rotation, so the bound holds for any ``keep``).
-  Longer prefixes are neither exported nor imported (a miss, never an
-  approximation). Some mlx-lm architectures (its Gemma-2 and Mistral) attend
-  fully on every layer: their caches are ``KVCache`` and their cards say so.
+- ``RotatingKVCache`` (sliding-window layers, window ``W``, ``keep`` sink
+  positions): mlx-lm trims and rotates its buffer, so after a while it no longer
+  holds positions 0.. at 0... Each rotating layer therefore keeps a *record*, its
+  K/V of every position in order, appended after every forward (the last ``q`` of
+  a ``q``-token update, or the slot a one-token update wrote). Export and crops
+  read the record; a prefix of ``n > W`` tokens is restored as mlx-lm holds it
+  after computing ``n`` tokens in one pass, reduced to what its next update keeps:
+  the ``keep`` first and the last ``W - keep`` positions in order, ``offset = n``,
+  ``_idx = W`` (the next update, in place or concatenating, trims, rotates, masks
+  and attends exactly as it would after that pass). The record costs what a
+  plain ``KVCache`` layer holds (``card.kv_bytes_per_token`` per position over
+  all layers), which the head's KV budget already reserves per sequence.
+  mlx-lm 0.32 builds rotating caches for Gemma-3 (and Llama-style configs with
+  ``layer_types``); its Gemma-2 and Mistral models attend fully on every layer:
+  their caches are ``KVCache`` and their cards say so (window 0).
 - ``QuantizedKVCache`` (``kv_bits``): each of K and V travels as mlx's
   (packed uint32, scales, biases) triple; bits and group size join the card.
 
@@ -88,9 +97,12 @@ class _MLXImporter(Importer):
         return caches
 
 
-def _rotated(layer: Any) -> bool:
-    """A RotatingKVCache that trimmed or wrapped: positions 0.. no longer sit at 0.."""
-    return hasattr(layer, "_idx") and layer._idx != layer.offset
+_RECORD = "kvmesh_record"  # a rotating layer's K/V of every position [0, offset)
+
+
+def _rotating(layer: Any) -> bool:
+    """A RotatingKVCache (mlx-lm's sliding-window layer)."""
+    return hasattr(layer, "max_size") and hasattr(layer, "_idx")
 
 
 def _parts(layer: Any) -> tuple[Any, ...]:
@@ -100,15 +112,64 @@ def _parts(layer: Any) -> tuple[Any, ...]:
     return layer.keys, layer.values
 
 
+def _positions(layer: Any, n: int) -> tuple[Any, ...]:
+    """A layer's arrays holding positions [0, n) at indices 0..n-1: a plain cache's
+    own, a rotating layer's record. CacheMiss when they are not all there."""
+    if _rotating(layer):
+        rec = getattr(layer, _RECORD, None)
+        if rec is None or rec[0].shape[2] < n:
+            raise CacheMiss(f"positions [0, {n}) were not recorded")
+        return rec
+    parts = _parts(layer)
+    if layer.offset < n:
+        raise CacheMiss(f"positions [0, {n}) are not in the cache")
+    return parts
+
+
+def _record(cache: Sequence[Any], new: int) -> None:
+    """After a forward of ``new`` tokens, append their K/V to each rotating layer's
+    record: the last ``new`` of a multi-token update (mlx-lm concatenates), the
+    slot just written by a one-token update (mlx-lm writes in place, rotating)."""
+    import mlx.core as mx
+
+    for layer in cache:
+        if not _rotating(layer):
+            continue
+        if new > 1:
+            k, v = layer.keys[..., -new:, :], layer.values[..., -new:, :]
+        else:
+            i = layer._idx
+            k, v = layer.keys[..., i - 1 : i, :], layer.values[..., i - 1 : i, :]
+        rec = getattr(layer, _RECORD, None)
+        if rec is not None and rec[0].shape[2] == layer.offset - new:
+            k, v = mx.concatenate([rec[0], k], axis=2), mx.concatenate([rec[1], v], axis=2)
+        elif layer.offset != new:  # no record from position 0: nothing to extend
+            k = v = None
+        setattr(layer, _RECORD, None if k is None else (k, v))
+
+
 def _set_parts(layer: Any, parts: Sequence[Any], n_tokens: int) -> None:
-    """Make ``layer`` hold exactly ``parts`` for positions [0, n_tokens)."""
-    if len(parts) == 2:
+    """Make ``layer`` hold exactly ``parts`` for positions [0, n_tokens), in the
+    state mlx-lm leaves after computing them in one pass. A rotating layer past
+    its window ``W`` holds its ``keep`` first and last ``W - keep`` positions in
+    order (its next update trims, rotates and attends exactly as after that pass)
+    and records all of them."""
+    import mlx.core as mx
+
+    if _rotating(layer):
+        k, v = parts
+        setattr(layer, _RECORD, (k, v))
+        w, keep = layer.max_size, layer.keep
+        if n_tokens > w:
+            cut = [slice(0, keep), slice(n_tokens - w + keep, n_tokens)]
+            k, v = (mx.concatenate([a[..., c, :] for c in cut], axis=2) for a in (k, v))
+        layer.keys, layer.values = k, v
+        layer._idx = min(n_tokens, w)
+    elif len(parts) == 2:
         layer.keys, layer.values = parts
     else:
         layer.keys, layer.values = tuple(parts[:3]), tuple(parts[3:])
     layer.offset = n_tokens
-    if hasattr(layer, "_idx"):  # RotatingKVCache, not rotated (n <= window)
-        layer._idx = n_tokens
 
 
 def _layer_geometry(layer: Any) -> tuple[str, int, int]:
@@ -205,11 +266,7 @@ class MLXEngine(Engine):
     # -- KV -------------------------------------------------------------------
 
     def importer(self, n_tokens: int) -> _MLXImporter:
-        self.check_restorable(n_tokens)
         return _MLXImporter(self, n_tokens)
-
-    def _window_trimmed(self, cache: Any) -> bool:
-        return any(_rotated(c) for c in cache)
 
     def _forward(self, cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
         mx = self.mx
@@ -217,7 +274,9 @@ class MLXEngine(Engine):
             cache = self.new_cache()
         logits = self.model(mx.array([list(tokens)]), cache=cache)
         last = logits[0, -1].astype(mx.float32)
-        mx.eval(last, *[p for c in cache for p in _parts(c)])
+        _record(cache, len(tokens))
+        recs = [r for c in cache for r in getattr(c, _RECORD, None) or ()]
+        mx.eval(last, *[p for c in cache for p in _parts(c)], *recs)
         return cache, last
 
     # -- batched decode ---------------------------------------------------------
@@ -246,16 +305,14 @@ class MLXEngine(Engine):
             s.cache, s.logits, s.cached = rows[r], logits[r], s.cached + 1
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
-        if self._window_trimmed(cache):
-            raise CacheMiss("a trimmed sliding-window cache cannot be cropped exactly")
         out = self.new_cache()
         for src, dst in zip(cache, out, strict=True):
-            _set_parts(dst, [p[..., :n_tokens, :] for p in _parts(src)], n_tokens)
+            _set_parts(dst, [p[..., :n_tokens, :] for p in _positions(src, n_tokens)], n_tokens)
         return out
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
         specs = [s for layer in self.layout.layers(stop - start) for s in layer]
-        parts = [p for layer in cache for p in _parts(layer)]
+        parts = [p for layer in cache for p in _positions(layer, stop)]
         off = 0
         for spec, src in zip(specs, parts, strict=True):
             if _dtype_name(src) != spec.dtype:  # never write one dtype's bytes as another's
