@@ -445,6 +445,6 @@ def test_fork_past_a_sliding_window_is_still_an_exact_independent_copy():
     s = Sampling(max_tokens=6, temperature=1.0, seed=2, stop_on_eos=False)
     cold = list(e.generate(e.prefill(toks), s))
     state = e.prefill(toks)
-    forks = [e.fork(state) for _ in range(2)]  # past the window a crop is a miss: a deep copy
+    forks = [e.fork(state) for _ in range(2)]  # past the window: rebuilt from the record
     assert [list(e.generate(f, s)) for f in forks] == [cold, cold]
     assert list(e.generate(state, s)) == cold
