@@ -3,7 +3,8 @@ RAM hit, cold prefill and a file prompt cache; store-level prefix reads; index
 rebuild for 10^5 blocks; write throughput under churn.
 
     python bench/disk.py [--ttft 1024,2048,4096] [--model demo] [--tokens 1024,4096]
-                         [--rebuild-blocks 100000] [--churn-blocks 200]
+                         [--rebuild-blocks 100000] [--churn-blocks 200] [--json PATH]
+    python bench/disk.py --smoke --json /tmp/disk.json   # CI: demo-tiny, small sizes
 
 ``ttft`` (per prompt length, on the ~0.5B-shaped demo model, float32 on CPU; the
 engine loaded once and warmed up; each figure is the head's own time to first
@@ -12,15 +13,16 @@ token of one request, ``HeadRuntime.complete``, no sessions, no publishing):
   cold_s               cold local prefill (the engine's best path) + first token
   ram_hit_s            the head's own store holds the prompt in RAM (source local)
   disk_warm_s          a restarted head (empty RAM) whose disk tier holds it, page
-                       cache warm (source disk: read, SHA-256, promote, import)
+                       cache warm (source disk: read, verify, promote, import)
   disk_dropped_s       the same after dropping the page cache (root only)
   file_cache_s         KV + logits in safetensors, read into the cache by a fresh
                        process (bench/_filecache.py, as bench/ttft.py); also
                        file_cache_mmap_s (left mapped) and file_cache_cold_s
 
 Store-level blocks have the demo model's geometry (24 layers, 2 KV heads of 64,
-float32: 24 KiB per token, 768 KiB per 32-token block). Writes results to
-bench/results/disk.json. Not a test: nothing here asserts a time.
+float32: 24 KiB per token, 768 KiB per 32-token block). Writes results to --json
+(default bench/results/disk.json). Nothing here asserts a time; it exits non-zero
+if a hit comes from the wrong tier or the rebuilt index misses a block file.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import run_main  # noqa: E402
 
 from kvmesh.blocks import BlockKeyer  # noqa: E402
 from kvmesh.disk import DiskConfig, DiskFiles  # noqa: E402
@@ -215,22 +219,32 @@ def main() -> None:
     ap.add_argument("--rebuild-blocks", type=int, default=100_000)
     ap.add_argument("--churn-blocks", type=int, default=200)
     ap.add_argument("--dir", help="where to write (default: a temp dir)")
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "disk.json")
+    ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, small sizes")
     args = ap.parse_args()
+    if args.smoke:
+        args.model, args.ttft, args.tokens = "demo-tiny", "64", "128"
+        args.rebuild_blocks, args.churn_blocks = 400, 24
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvmesh-disk-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    res: dict[str, object] = {
-        "ttft": ttft(root, args.model, [int(n) for n in args.ttft.split(",") if n]),
-        "prefix_reads": [prefix_reads(root, int(n)) for n in args.tokens.split(",")],
-        "rebuild": rebuild(root, args.rebuild_blocks),
-        "churn": churn(root, args.churn_blocks),
-    }
-    out = Path(__file__).parent / "results" / "disk.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    try:
+        res: dict[str, object] = {
+            "ttft": ttft(root, args.model, [int(n) for n in args.ttft.split(",") if n]),
+            "prefix_reads": [prefix_reads(root, int(n)) for n in args.tokens.split(",")],
+            "rebuild": rebuild(root, args.rebuild_blocks),
+            "churn": churn(root, args.churn_blocks),
+        }
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
-    if not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
+    rebuilt = res["rebuild"]
+    assert isinstance(rebuilt, dict)
+    if rebuilt["indexed"] != rebuilt["files"]:
+        sys.exit(f"the rebuilt index holds {rebuilt['indexed']} of {rebuilt['files']} block files")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

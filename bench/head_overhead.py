@@ -1,6 +1,7 @@
 """What the mesh costs a head when it does not help.
 
     python bench/head_overhead.py --json bench/results/head_overhead.json
+    python bench/head_overhead.py --smoke --json /tmp/head_overhead.json   # CI: demo-tiny
 
 1. Async publishing: back-to-back distinct prompts on a head with a live peer,
    publishing on vs. off, interleaved; median time to first token of each.
@@ -26,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import machine, spawn_peer
+from _common import machine, run_main, spawn_peer, stop
 
 from kvmesh.engine import Sampling, load_engine
 from kvmesh.mesh.node import NodeConfig, NodeThread
@@ -80,8 +81,7 @@ def frozen_peer(model: str, n: int, tokens: int) -> dict[str, object]:
             h.close()
             if h.node:
                 h.node.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
+        stop(proc)
     med = statistics.median
     later, alone = med(times["paired"][1:]), med(times["alone"])
     return {
@@ -118,7 +118,11 @@ def main() -> None:
     ap.add_argument(
         "--only-freeze", action="store_true", help="run section 3 only; merge into --json"
     )
+    ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, two prompts a side")
     args = ap.parse_args()
+    if args.smoke:
+        args.model, args.tokens, args.n = "demo-tiny", 64, 2
+        args.freeze_model, args.freeze_tokens, args.freeze_n = "demo-tiny", 32, 2
     if args.only_freeze:
         old = json.loads(Path(args.json).read_text()) if os.path.exists(args.json) else {}
         frozen = frozen_peer(args.freeze_model, args.freeze_n, args.freeze_tokens)
@@ -161,8 +165,7 @@ def main() -> None:
         node.close()
     finally:
         for p, _ in procs:
-            p.send_signal(signal.SIGTERM)
-            p.wait(10)
+            stop(p)
     med = statistics.median
     out = {
         "machine": machine(),
@@ -198,4 +201,4 @@ def report_frozen(r: dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
