@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,12 +46,17 @@ from kvmesh.disk import DiskConfig, DiskFiles  # noqa: E402
 from kvmesh.store import BlockStore  # noqa: E402
 from tests.helpers import small_card, synthetic_chain  # noqa: E402
 
+if TYPE_CHECKING:
+    from kvmesh.engine import KVState
+
 DEMO = small_card(num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24,
                   vocab_size=151936, block_tokens=32)  # fmt: skip
 TINY = small_card()  # 4-token blocks of a few hundred bytes: the rebuild test
 
 
 def drop_caches() -> str:
+    if os.environ.get("KVMESH_BENCH_NO_DROP_CACHES") == "1":
+        return "not dropped: KVMESH_BENCH_NO_DROP_CACHES=1"
     os.sync()
     try:
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
@@ -86,12 +92,10 @@ def prefix_reads(root: Path, n_tokens: int) -> dict[str, object]:
     return out
 
 
-def ttft(root: Path, model: str, lengths: list[int]) -> list[dict[str, object]]:
+def ttft(
+    root: Path, model: str, lengths: list[int], file_cache: bool = True
+) -> list[dict[str, object]]:
     """Real engine time to first token: cold, RAM hit, disk hit (warm, dropped), file cache."""
-    import subprocess
-
-    from safetensors.torch import save_file
-
     from kvmesh.engine import Sampling, load_engine
     from kvmesh.mesh.node import NodeConfig, NodeThread
     from kvmesh.runtime.head import HeadRuntime
@@ -144,22 +148,33 @@ def ttft(root: Path, model: str, lengths: list[int]) -> list[dict[str, object]]:
             row[f"{label}_s"] = g.ttft_s
             close(h)
         shutil.rmtree(d)
-        path = root / "prompt.safetensors"
-        layers = state.cache.layers
-        save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous() for i, lay in enumerate(layers)},
-                   **{f"v{i}": lay.values[:, :, :n].contiguous() for i, lay in enumerate(layers)},
-                   "logits": state.logits}, str(path))  # fmt: skip
-        helper = Path(__file__).parent / "_filecache.py"
-        out = subprocess.run([sys.executable, str(helper), model, "cpu", str(path), str(n), "[]", ""],
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        fc = json.loads(out.stdout.strip().splitlines()[-1])
-        row["file_cache_s"], row["file_cache_mmap_s"] = fc["read"], fc["lazy"]
-        if "cold" in fc:
-            row["file_cache_cold_s"] = fc["cold"]
-        path.unlink()
+        if file_cache:
+            row.update(file_cache_row(root, model, state, n))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def file_cache_row(root: Path, model: str, state: KVState, n: int) -> dict[str, object]:
+    """The same prompt from a safetensors file, read by a fresh process."""
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    path = root / "prompt.safetensors"
+    layers = state.cache.layers
+    save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous() for i, lay in enumerate(layers)},
+               **{f"v{i}": lay.values[:, :, :n].contiguous() for i, lay in enumerate(layers)},
+               "logits": state.logits}, str(path))  # fmt: skip
+    helper = Path(__file__).parent / "_filecache.py"
+    out = subprocess.run([sys.executable, str(helper), model, "cpu", str(path), str(n), "[]", ""],
+                         capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+    fc = json.loads(out.stdout.strip().splitlines()[-1])
+    path.unlink()
+    row = {"file_cache_s": fc["read"], "file_cache_mmap_s": fc["lazy"]}
+    if "cold" in fc:
+        row["file_cache_cold_s"] = fc["cold"]
+    return row
 
 
 def rebuild(root: Path, n_blocks: int) -> dict[str, object]:
@@ -222,14 +237,20 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "disk.json")
     ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, small sizes")
     args = ap.parse_args()
-    if args.smoke:
+    if args.smoke:  # the page cache is the whole machine's: a smoke run leaves it alone
+        os.environ["KVMESH_BENCH_NO_DROP_CACHES"] = "1"
         args.model, args.ttft, args.tokens = "demo-tiny", "64", "128"
         args.rebuild_blocks, args.churn_blocks = 400, 24
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvmesh-disk-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
         res: dict[str, object] = {
-            "ttft": ttft(root, args.model, [int(n) for n in args.ttft.split(",") if n]),
+            "ttft": ttft(
+                root,
+                args.model,
+                [int(n) for n in args.ttft.split(",") if n],
+                file_cache=not args.smoke,
+            ),  # smoke: bench/ttft.py covers _filecache.py
             "prefix_reads": [prefix_reads(root, int(n)) for n in args.tokens.split(",")],
             "rebuild": rebuild(root, args.rebuild_blocks),
             "churn": churn(root, args.churn_blocks),
