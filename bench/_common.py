@@ -112,15 +112,19 @@ class Owned:
         self.links: list[str] = []
 
     def cleanup(self) -> None:
-        """Stop every child (newest first) and delete namespaces and links; idempotent."""
+        """Stop every child (newest first) and delete namespaces and links; idempotent.
+        One that cannot be stopped or deleted does not keep the rest alive."""
         while self.procs:
-            stop(self.procs[-1])
-        for name in reversed(self.links):
-            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
-        for name in reversed(self.netns):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            p = self.procs.pop()
+            with contextlib.suppress(Exception):
+                stop(p)
+        cmds = [["ip", "link", "del", n] for n in reversed(self.links)]
+        cmds += [["ip", "netns", "del", n] for n in reversed(self.netns)]
         self.links.clear()
         self.netns.clear()
+        for cmd in cmds:
+            with contextlib.suppress(Exception):
+                subprocess.run(cmd, capture_output=True, timeout=30)
 
 
 OWNED = Owned()

@@ -19,12 +19,12 @@ For each prompt length, on the ~0.5B-shaped demo model:
                     process over loopback (lookup, fetch, BLAKE3, import)
   kvmesh_netns_<rate>_s  the same from a peer in another network namespace over a
                     veth link capped with tbf (10 and 40 Gbit/s; root only)
-The fleet runs the secure path: a fleet key generated for the run (a file in a
-temp dir) authenticates every call and keys the block hashes; the namespace's peer
-listens off loopback, so it needs one. Peers and namespaces are removed on any exit.
   *_extend_s        the same for the cached prompt plus 64 new tokens
 Prompt lengths are multiples of the 32-token block, so the extension reuses the
 whole prompt; other lengths recompute up to 31 more tokens.
+The fleet runs the secure path: a fleet key generated for the run (a file in a
+temp dir) authenticates every call and keys the block hashes; the namespace's peer
+listens off loopback, so it needs one. Peers and namespaces are removed on any exit.
 """
 
 from __future__ import annotations
