@@ -1,13 +1,32 @@
 """Shared pieces of the benchmarks: the demo-shaped card and synthetic KV blocks
-made by the real export code from random cache tensors (no model needed)."""
+made by the real export code from random cache tensors (no model needed), and the
+one owner of everything a benchmark starts outside its own process.
+
+Cleanup contract: every child process a benchmark starts goes through :func:`popen`
+(or :func:`spawn_kvmesh`), in its own session, and every network namespace or link
+through :func:`own_netns` / :func:`own_link`. :func:`run_main` runs a benchmark's
+``main`` and on ANY exit (return, exception, ``SystemExit``, Ctrl-C, SIGTERM) stops
+each child's process group (SIGTERM, then SIGKILL after a grace period) and deletes
+the namespaces and links. ``KVMESH_BENCH_FAIL=started`` makes a benchmark raise as
+soon as its first child is up (or its first namespace exists): how the tests prove
+that nothing is left behind.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import platform
 import re
+import select
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -79,17 +98,144 @@ def machine() -> dict[str, object]:
             "torch": torch.__version__, "platform": platform.platform()}  # fmt: skip
 
 
-def spawn_kvmesh(*args: str, pattern: str) -> tuple[subprocess.Popen[str], re.Match[str]]:
-    """``kvmesh ARGS`` in its own process, once its first line matches ``pattern``."""
-    p = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", *args],
+FAIL_ENV = "KVMESH_BENCH_FAIL"
+START_TIMEOUT_S = 120.0  # a kvmesh process prints its first line by then
+GRACE_S = 10.0  # a child's time to stop on SIGTERM before its group is killed
+
+
+class Owned:
+    """What this benchmark process started outside itself, in start order."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.netns: list[str] = []
+        self.links: list[str] = []
+
+    def cleanup(self) -> None:
+        """Stop every child (newest first) and delete namespaces and links; idempotent.
+        One that cannot be stopped or deleted does not keep the rest alive."""
+        while self.procs:
+            p = self.procs.pop()
+            with contextlib.suppress(Exception):
+                stop(p)
+        cmds = [["ip", "link", "del", n] for n in reversed(self.links)]
+        cmds += [["ip", "netns", "del", n] for n in reversed(self.netns)]
+        self.links.clear()
+        self.netns.clear()
+        for cmd in cmds:
+            with contextlib.suppress(Exception):
+                subprocess.run(cmd, capture_output=True, timeout=30)
+
+
+OWNED = Owned()
+atexit.register(OWNED.cleanup)  # a main not run through run_main still cleans up
+
+
+def fail_point(stage: str) -> None:
+    """Raise here when ``KVMESH_BENCH_FAIL`` names ``stage`` (cleanup tests)."""
+    if os.environ.get(FAIL_ENV) == stage:
+        raise RuntimeError(f"{FAIL_ENV}={stage}: failing on purpose")
+
+
+def popen(cmd: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen`` in a new session (its own process group, so a stop reaches
+    anything it forks and a terminal's Ctrl-C reaches only us), owned until stopped."""
+    p = subprocess.Popen(list(cmd), start_new_session=True, **kw)
+    OWNED.procs.append(p)
+    return p
+
+
+def _signal_group(p: subprocess.Popen[Any], sig: int) -> None:
+    if p.poll() is None:  # only a live leader proves the group id is still ours
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, sig)
+
+
+def stop(p: subprocess.Popen[Any], grace_s: float = GRACE_S) -> int | None:
+    """SIGTERM the child's group (SIGCONT first: a frozen child cannot stop), SIGKILL it
+    after ``grace_s``; reaped and no longer owned. Its exit status."""
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        _signal_group(p, sig)
+    try:
+        p.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(p, signal.SIGKILL)
+        p.wait(grace_s)
+    finally:
+        for f in (p.stdin, p.stdout, p.stderr):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        if p in OWNED.procs:
+            OWNED.procs.remove(p)
+    return p.returncode
+
+
+def reap(p: subprocess.Popen[Any], timeout: float = 60.0) -> int:
+    """Wait for a child that is meant to finish by itself; stopped if it does not."""
+    try:
+        return p.wait(timeout)
+    finally:
+        stop(p)
+
+
+def own_netns(name: str) -> None:
+    """Create network namespace ``name`` (a stale one of that name is deleted first)."""
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, timeout=30)
+    OWNED.netns.append(name)
+
+
+def own_link(name: str, *spec: str) -> None:
+    """``ip link add NAME SPEC...`` (e.g. a veth pair), deleted at exit."""
+    subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
+    subprocess.run(["ip", "link", "add", name, *spec], check=True, capture_output=True,
+                   timeout=30)  # fmt: skip
+    OWNED.links.append(name)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Run a benchmark's ``main``; SIGTERM and SIGHUP become ``SystemExit`` (so every
+    ``finally`` runs), and whatever it started is stopped and deleted on any exit."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_exit)
+    try:
+        main()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut cleanup short
+        OWNED.cleanup()
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def spawn_kvmesh(
+    *args: str, pattern: str, prefix: Sequence[str] = ()
+) -> tuple[subprocess.Popen[str], re.Match[str]]:
+    """``kvmesh ARGS`` in its own owned process (run under ``prefix``, e.g. ``ip netns
+    exec NS``), once its first line matches ``pattern``."""
+    p = popen(
+        [*prefix, sys.executable, "-m", "kvmesh.cli", *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert p.stdout is not None
-    m = re.search(pattern, p.stdout.readline())
+    ready, _, _ = select.select([p.stdout], [], [], START_TIMEOUT_S)
+    line = p.stdout.readline() if ready else ""
+    m = re.search(pattern, line)
     if not m:
-        p.kill()
-        raise RuntimeError(f"kvmesh {args[0]} did not start")
+        stop(p)
+        raise RuntimeError(f"kvmesh {args[0]} did not start: {line!r}")
+    fail_point("started")
     return p, m
 
 

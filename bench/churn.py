@@ -2,6 +2,9 @@
 and the process's RSS stays within the budget plus a fixed overhead.
 
     python bench/churn.py --json bench/results/churn.json [--budget-mib 256]
+    python bench/churn.py --smoke --json /tmp/churn.json   # CI: 32 MiB budget, 2x through
+
+Exits non-zero if the peer ever stored more than its budget.
 
 Distinct 32-block prompts of demo-shaped KV (769 KiB blocks, ~25 MB a prompt) are
 published to a real `kvmesh peer` process until 10x its budget has gone through.
@@ -13,10 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
+import sys
 import time
 
-from _common import demo_card, machine, spawn_peer, synthetic_blocks
+from _common import demo_card, machine, run_main, spawn_peer, stop, synthetic_blocks
 
 from kvmesh.mesh.client import MeshClient
 from kvmesh.mesh.membership import Membership
@@ -78,15 +81,17 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/churn.json")
     ap.add_argument("--budget-mib", type=int, default=256)
     ap.add_argument("--factor", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="CI: a 32 MiB budget, 2x through")
     args = ap.parse_args()
+    if args.smoke:
+        args.budget_mib, args.factor = 32, 2
     budget = args.budget_mib << 20
     proc, address = spawn_peer("--budget", f"{args.budget_mib}MiB", "--gossip-interval", "30")
     # spawn_peer passes --budget 4GiB first; the later flag wins
     try:
         out = asyncio.run(run(proc.pid, address, budget, args.factor))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
+        stop(proc)
     print(
         f"budget {budget / 2**20:.0f} MiB, {out['sent_bytes'] / 2**30:.2f} GiB sent: max stored "
         f"{out['max_stored_bytes'] / 2**20:.1f} MiB, max RSS {out['max_rss_bytes'] / 2**20:.1f} MiB "
@@ -95,7 +100,9 @@ def main() -> None:
     )
     with open(args.json, "w") as fh:
         json.dump({"machine": machine(), "at": time.time(), **out}, fh, indent=1)
+    if not out["stored_within_budget"]:
+        sys.exit("the peer stored more than its budget")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -3,7 +3,8 @@ RAM hit, cold prefill and a file prompt cache; store-level prefix reads; index
 rebuild for 10^5 blocks; write throughput under churn.
 
     python bench/disk.py [--ttft 1024,2048,4096] [--model demo] [--tokens 1024,4096]
-                         [--rebuild-blocks 100000] [--churn-blocks 200]
+                         [--rebuild-blocks 100000] [--churn-blocks 200] [--json PATH]
+    python bench/disk.py --smoke --json /tmp/disk.json   # CI: demo-tiny, small sizes
 
 ``ttft`` (per prompt length, on the ~0.5B-shaped demo model, float32 on CPU; the
 engine loaded once and warmed up; each figure is the head's own time to first
@@ -12,15 +13,16 @@ token of one request, ``HeadRuntime.complete``, no sessions, no publishing):
   cold_s               cold local prefill (the engine's best path) + first token
   ram_hit_s            the head's own store holds the prompt in RAM (source local)
   disk_warm_s          a restarted head (empty RAM) whose disk tier holds it, page
-                       cache warm (source disk: read, SHA-256, promote, import)
+                       cache warm (source disk: read, verify, promote, import)
   disk_dropped_s       the same after dropping the page cache (root only)
   file_cache_s         KV + logits in safetensors, read into the cache by a fresh
                        process (bench/_filecache.py, as bench/ttft.py); also
                        file_cache_mmap_s (left mapped) and file_cache_cold_s
 
 Store-level blocks have the demo model's geometry (24 layers, 2 KV heads of 64,
-float32: 24 KiB per token, 768 KiB per 32-token block). Writes results to
-bench/results/disk.json. Not a test: nothing here asserts a time.
+float32: 24 KiB per token, 768 KiB per 32-token block). Writes results to --json
+(default bench/results/disk.json). Nothing here asserts a time; it exits non-zero
+if a hit comes from the wrong tier or the rebuilt index misses a block file.
 """
 
 from __future__ import annotations
@@ -33,13 +35,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import run_main  # noqa: E402
 
 from kvmesh.blocks import BlockKeyer  # noqa: E402
 from kvmesh.disk import DiskConfig, DiskFiles  # noqa: E402
 from kvmesh.store import BlockStore  # noqa: E402
 from tests.helpers import small_card, synthetic_chain  # noqa: E402
+
+if TYPE_CHECKING:
+    from kvmesh.engine import KVState
 
 DEMO = small_card(num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24,
                   vocab_size=151936, block_tokens=32)  # fmt: skip
@@ -47,6 +55,8 @@ TINY = small_card()  # 4-token blocks of a few hundred bytes: the rebuild test
 
 
 def drop_caches() -> str:
+    if os.environ.get("KVMESH_BENCH_NO_DROP_CACHES") == "1":
+        return "not dropped: KVMESH_BENCH_NO_DROP_CACHES=1"
     os.sync()
     try:
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
@@ -82,12 +92,10 @@ def prefix_reads(root: Path, n_tokens: int) -> dict[str, object]:
     return out
 
 
-def ttft(root: Path, model: str, lengths: list[int]) -> list[dict[str, object]]:
+def ttft(
+    root: Path, model: str, lengths: list[int], file_cache: bool = True
+) -> list[dict[str, object]]:
     """Real engine time to first token: cold, RAM hit, disk hit (warm, dropped), file cache."""
-    import subprocess
-
-    from safetensors.torch import save_file
-
     from kvmesh.engine import Sampling, load_engine
     from kvmesh.mesh.node import NodeConfig, NodeThread
     from kvmesh.runtime.head import HeadRuntime
@@ -140,22 +148,33 @@ def ttft(root: Path, model: str, lengths: list[int]) -> list[dict[str, object]]:
             row[f"{label}_s"] = g.ttft_s
             close(h)
         shutil.rmtree(d)
-        path = root / "prompt.safetensors"
-        layers = state.cache.layers
-        save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous() for i, lay in enumerate(layers)},
-                   **{f"v{i}": lay.values[:, :, :n].contiguous() for i, lay in enumerate(layers)},
-                   "logits": state.logits}, str(path))  # fmt: skip
-        helper = Path(__file__).parent / "_filecache.py"
-        out = subprocess.run([sys.executable, str(helper), model, "cpu", str(path), str(n), "[]", ""],
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        fc = json.loads(out.stdout.strip().splitlines()[-1])
-        row["file_cache_s"], row["file_cache_mmap_s"] = fc["read"], fc["lazy"]
-        if "cold" in fc:
-            row["file_cache_cold_s"] = fc["cold"]
-        path.unlink()
+        if file_cache:
+            row.update(file_cache_row(root, model, state, n))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def file_cache_row(root: Path, model: str, state: KVState, n: int) -> dict[str, object]:
+    """The same prompt from a safetensors file, read by a fresh process."""
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    path = root / "prompt.safetensors"
+    layers = state.cache.layers
+    save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous() for i, lay in enumerate(layers)},
+               **{f"v{i}": lay.values[:, :, :n].contiguous() for i, lay in enumerate(layers)},
+               "logits": state.logits}, str(path))  # fmt: skip
+    helper = Path(__file__).parent / "_filecache.py"
+    out = subprocess.run([sys.executable, str(helper), model, "cpu", str(path), str(n), "[]", ""],
+                         capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+    fc = json.loads(out.stdout.strip().splitlines()[-1])
+    path.unlink()
+    row = {"file_cache_s": fc["read"], "file_cache_mmap_s": fc["lazy"]}
+    if "cold" in fc:
+        row["file_cache_cold_s"] = fc["cold"]
+    return row
 
 
 def rebuild(root: Path, n_blocks: int) -> dict[str, object]:
@@ -215,22 +234,38 @@ def main() -> None:
     ap.add_argument("--rebuild-blocks", type=int, default=100_000)
     ap.add_argument("--churn-blocks", type=int, default=200)
     ap.add_argument("--dir", help="where to write (default: a temp dir)")
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "disk.json")
+    ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, small sizes")
     args = ap.parse_args()
+    if args.smoke:  # the page cache is the whole machine's: a smoke run leaves it alone
+        os.environ["KVMESH_BENCH_NO_DROP_CACHES"] = "1"
+        args.model, args.ttft, args.tokens = "demo-tiny", "64", "128"
+        args.rebuild_blocks, args.churn_blocks = 400, 24
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvmesh-disk-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    res: dict[str, object] = {
-        "ttft": ttft(root, args.model, [int(n) for n in args.ttft.split(",") if n]),
-        "prefix_reads": [prefix_reads(root, int(n)) for n in args.tokens.split(",")],
-        "rebuild": rebuild(root, args.rebuild_blocks),
-        "churn": churn(root, args.churn_blocks),
-    }
-    out = Path(__file__).parent / "results" / "disk.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    try:
+        res: dict[str, object] = {
+            "ttft": ttft(
+                root,
+                args.model,
+                [int(n) for n in args.ttft.split(",") if n],
+                file_cache=not args.smoke,
+            ),  # smoke: bench/ttft.py covers _filecache.py
+            "prefix_reads": [prefix_reads(root, int(n)) for n in args.tokens.split(",")],
+            "rebuild": rebuild(root, args.rebuild_blocks),
+            "churn": churn(root, args.churn_blocks),
+        }
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
-    if not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
+    rebuilt = res["rebuild"]
+    assert isinstance(rebuilt, dict)
+    if rebuilt["indexed"] != rebuilt["files"]:
+        sys.exit(f"the rebuilt index holds {rebuilt['indexed']} of {rebuilt['files']} block files")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

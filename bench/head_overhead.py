@@ -1,6 +1,7 @@
 """What the mesh costs a head when it does not help.
 
     python bench/head_overhead.py --json bench/results/head_overhead.json
+    python bench/head_overhead.py --smoke --json /tmp/head_overhead.json   # CI: demo-tiny
 
 1. Async publishing: back-to-back distinct prompts on a head with a live peer,
    publishing on vs. off, interleaved; median time to first token of each.
@@ -26,9 +27,9 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import machine, spawn_peer
+from _common import machine, run_main, spawn_peer, stop
 
-from kvmesh.engine import Sampling, load_engine
+from kvmesh.engine import Engine, Sampling, load_engine
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.runtime.head import HeadRuntime
 
@@ -48,8 +49,9 @@ def ttft(head: HeadRuntime, toks: list[int]) -> float:
     return out.ttft_s
 
 
-def frozen_peer(model: str, n: int, tokens: int) -> dict[str, object]:
-    engine = load_engine(model)
+def frozen_peer(model: str, n: int, tokens: int, loaded: Engine | None = None) -> dict[str, object]:
+    """Section 3, on ``loaded`` if given (``model`` already loaded: one load, not two)."""
+    engine = loaded or load_engine(model)
     engine.prefill(list(range(16)))  # warm up
     proc, addr = spawn_peer("--gossip-interval", "0.3", "--ttl", "60")
     heads = {}
@@ -80,8 +82,7 @@ def frozen_peer(model: str, n: int, tokens: int) -> dict[str, object]:
             h.close()
             if h.node:
                 h.node.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
+        stop(proc)
     med = statistics.median
     later, alone = med(times["paired"][1:]), med(times["alone"])
     return {
@@ -118,7 +119,11 @@ def main() -> None:
     ap.add_argument(
         "--only-freeze", action="store_true", help="run section 3 only; merge into --json"
     )
+    ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, two prompts a side")
     args = ap.parse_args()
+    if args.smoke:
+        args.model, args.tokens, args.n = "demo-tiny", 64, 2
+        args.freeze_model, args.freeze_tokens, args.freeze_n = "demo-tiny", 32, 2
     if args.only_freeze:
         old = json.loads(Path(args.json).read_text()) if os.path.exists(args.json) else {}
         frozen = frozen_peer(args.freeze_model, args.freeze_n, args.freeze_tokens)
@@ -161,8 +166,7 @@ def main() -> None:
         node.close()
     finally:
         for p, _ in procs:
-            p.send_signal(signal.SIGTERM)
-            p.wait(10)
+            stop(p)
     med = statistics.median
     out = {
         "machine": machine(),
@@ -177,7 +181,12 @@ def main() -> None:
         "miss_cost_ms": (med(miss) - med(plain)) * 1e3,
         "miss_lookup_ms": lookup_ms,
         "raw": {"on": on, "off": off, "miss": miss, "plain": plain},
-        **frozen_peer(args.freeze_model, args.freeze_n, args.freeze_tokens),
+        **frozen_peer(
+            args.freeze_model,
+            args.freeze_n,
+            args.freeze_tokens,
+            engine if args.freeze_model == args.model else None,
+        ),  # fmt: skip
     }
     print(
         f"publishing: TTFT {out['publish_on_ttft_s']:.3f} s vs {out['publish_off_ttft_s']:.3f} s "
@@ -198,4 +207,4 @@ def report_frozen(r: dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

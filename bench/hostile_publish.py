@@ -1,6 +1,7 @@
 """A small peer under hostile publishers: what it holds in memory, and whether it serves.
 
     python bench/hostile_publish.py --json bench/results/hostile_publish.json
+    python bench/hostile_publish.py --smoke --json /tmp/hostile.json   # CI: 2 publishers, 2 s
 
 A real ``kvmesh peer`` with a 64 MiB budget, 8 MiB blocks and a 16 MiB in-flight
 cap. Its resident set (VmRSS) is read once it is up (the baseline); its peak
@@ -12,7 +13,8 @@ until the peer's publish progress deadline cuts them off. Meanwhile a client
 looks up the honest chain every 20 ms. Reported: the baseline, the peak RSS and
 the bound it must stay under (baseline + budget + in-flight cap), lookups served
 (latency, all answered with the honest chain), and the peer's own count of each
-refusal (its /metrics).
+refusal (its /metrics). Exits non-zero if the peak passed the bound, the peer
+died, or a lookup answered anything but the honest chain.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _common import machine, spawn_peer
+from _common import machine, run_main, spawn_peer, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the hostile tooling lives beside the tests
@@ -139,7 +140,10 @@ def main() -> None:
     ap.add_argument("--publishers", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--kinds", default=",".join(ATTACKS), help="attacks to mix (comma-separated)")
+    ap.add_argument("--smoke", action="store_true", help="CI: 2 publishers for 2 s")
     args = ap.parse_args()
+    if args.smoke:
+        args.publishers, args.seconds = 2, 2.0
     metrics = f"127.0.0.1:{free_port()}"
     proc, address = spawn(metrics)
     try:
@@ -156,8 +160,7 @@ def main() -> None:
         seen = scrape(metrics)
         alive = proc.poll() is None
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
+        stop(proc)
     results: list[tuple[str, str]] = got["results"]  # type: ignore[assignment]
     lat: list[float] = got["lookup_s"]  # type: ignore[assignment]
     matched: list[int] = got["matched"]  # type: ignore[assignment]
@@ -205,7 +208,10 @@ def main() -> None:
     print(json.dumps(rejected))
     with open(args.json, "w") as fh:
         json.dump(out, fh, indent=1)
+    failed = [k for k in ("within_bound", "peer_alive", "lookups_all_honest") if not out[k]]
+    if failed or not lat:
+        sys.exit(f"checks failed: {failed or ['no lookup answered']}")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,7 +1,7 @@
 """Memory under ``--kv-budget`` with one very long request among short ones.
 
     python bench/kv_budget.py --json bench/results/kv_budget.json [--long 16000]
-    python bench/kv_budget.py --smoke          # CI: a 2k-token request, same checks
+    python bench/kv_budget.py --smoke --json /tmp/kv_budget.json  # CI: a 2k-token request
 
 A real ``kvmesh head`` (demo-tiny, ``--max-batch 8``, ``--no-publish``) is warmed
 with one short request; its resident set then is the baseline (model, runtime,
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _common import machine, spawn_kvmesh
+from _common import machine, run_main, spawn_kvmesh, stop
 
 MIB = 1 << 20
 OVERHEAD_MIB = 96  # prefill-chunk activations, logits, pools: measured, stated in the JSON
@@ -93,11 +93,7 @@ def run(long_tokens: int, short_tokens: int, budget_mib: int) -> dict:
             "wall_s": round(wall, 1),
         }  # fmt: skip
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except Exception:
-            proc.kill()
+        stop(proc, grace_s=15)
 
 
 def main() -> None:
@@ -119,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

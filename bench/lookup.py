@@ -1,6 +1,7 @@
 """Lookup latency (p50 / p99) against the number of peers and of stored blocks.
 
     python bench/lookup.py --json bench/results/lookup.json
+    python bench/lookup.py --smoke --json /tmp/lookup.json   # CI: 3 peers, 128 blocks
 
 Real `kvmesh peer` processes on loopback; the real client's concurrent lookup
 (metadata only) of 32-block prompts. Blocks use a tiny card so that 10^5 of them
@@ -13,11 +14,10 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import statistics
 import time
 
-from _common import demo_card, machine, spawn_peer, synthetic_blocks
+from _common import demo_card, machine, run_main, spawn_peer, stop, synthetic_blocks
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.mesh.client import MeshClient
@@ -26,6 +26,7 @@ from kvmesh.mesh.proto import kvmesh_pb2 as pb
 
 CARD = demo_card(layers=1, kv_heads=1, head_dim=4)
 CHAIN = 32  # blocks per prompt
+LOOKUPS = [300]  # per figure; fewer in --smoke
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -54,10 +55,10 @@ async def fill(c: MeshClient, n_blocks: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-async def measure(c: MeshClient, prompts: list[list[int]], n: int = 300) -> dict[str, float]:
+async def measure(c: MeshClient, prompts: list[list[int]]) -> dict[str, float]:
     keyer = BlockKeyer(CARD.namespace, CARD.block_tokens)
     lat = []
-    for _ in range(n):
+    for _ in range(LOOKUPS[0]):
         keys = keyer.keys(random.choice(prompts))
         t0 = time.perf_counter()
         hits, errors = await c.lookup(CARD, keys)
@@ -80,14 +81,14 @@ async def run(addresses: list[str], blocks: list[int], peers: list[int]) -> dict
         )
     await c.close()
     c = await client_for(addresses[1 : 1 + max(peers)])
-    prompts = await fill(c, 1000, seed=7)
+    prompts = await fill(c, min(1000, max(blocks)), seed=7)
     await c.close()
     for p in peers:
         c = await client_for(addresses[1 : 1 + p])
-        r = {"stored_blocks": 1000, "peers": p, **await measure(c, prompts)}
+        r = {"stored_blocks": CHAIN * len(prompts), "peers": p, **await measure(c, prompts)}
         out["by_peers"].append(r)
         print(
-            f"{p:2d} peers, 1000 blocks each: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms",
+            f"{p:2d} peers, {r['stored_blocks']} blocks each: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms",
             flush=True,
         )
         await c.close()
@@ -101,7 +102,10 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/lookup.json")
     ap.add_argument("--blocks", default="1000,10000,100000")
     ap.add_argument("--peers", default="1,2,4,8,16")
+    ap.add_argument("--smoke", action="store_true", help="CI: 1-2 peers, 64-128 blocks")
     args = ap.parse_args()
+    if args.smoke:
+        args.blocks, args.peers, LOOKUPS[0] = "64,128", "1,2", 30
     blocks = [int(x) for x in args.blocks.split(",")]
     peers = [int(x) for x in args.peers.split(",")]
     procs = [spawn_peer("--gossip-interval", "30") for _ in range(1 + max(peers))]
@@ -109,12 +113,12 @@ def main() -> None:
         out = asyncio.run(run([a for _, a in procs], blocks, peers))
     finally:
         for p, _ in procs:
-            p.send_signal(signal.SIGTERM)
+            p.terminate()  # all stop at once; stop() reaps each
         for p, _ in procs:
-            p.wait(10)
+            stop(p)
     with open(args.json, "w") as fh:
         json.dump({"machine": machine(), "blocks_per_lookup": CHAIN, **out}, fh, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

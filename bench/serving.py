@@ -1,6 +1,7 @@
 """Serving several clients at once: a real `kvmesh head` process, its HTTP API.
 
     python bench/serving.py --json bench/results/serving.json [--engines torch,mlx]
+    python bench/serving.py --smoke --json /tmp/serving.json   # CI: demo-tiny, torch, short
 
 For each engine, on the `demo` model (a fresh head with --no-publish, distinct
 short prompts, ~60 tokens with the demo's byte-level tokenizer, so no request
@@ -15,20 +16,34 @@ reuses another's prefix and decode, not prefill, is what is measured):
 
 Every request is greedy, so each wave's work is the same on every run; what
 differs between waves is only how many sequences share the engine's steps.
-Writes JSON and a PNG beside it.
+Writes JSON and a PNG beside it. Exits non-zero (an assertion) if a request does
+not decode exactly the tokens it asked for.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
-from _common import machine, spawn_kvmesh
+from _common import machine, run_main, spawn_kvmesh, stop
+
+
+@dataclass
+class Size:
+    """The sizes of a run; --smoke makes them small."""
+
+    model: str = "demo"
+    long: int = 48
+    stream: int = 32
+    waves: tuple[int, ...] = (1, 2, 4, 8)
+
+
+SIZE = Size()
 
 WORDS = [
     "alpha",
@@ -52,7 +67,7 @@ def prompt(i: int, words: int = 8) -> str:
 
 
 def complete(url: str, text: str, max_tokens: int) -> dict:  # type: ignore[type-arg]
-    body = {"model": "demo", "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": SIZE.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -60,6 +75,8 @@ def complete(url: str, text: str, max_tokens: int) -> dict:  # type: ignore[type
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as r:
         out = json.loads(r.read())
+    got = out["usage"]["completion_tokens"]
+    assert got == max_tokens, f"asked for {max_tokens} tokens (ignore_eos), got {got}"
     out["_latency_s"] = time.perf_counter() - t0
     return out
 
@@ -85,7 +102,7 @@ def wave(url: str, texts: list[str], max_tokens: int, delays: list[float] | None
 
 def bench_engine(engine: str, seq: int) -> dict:  # type: ignore[type-arg]
     head, m = spawn_kvmesh(
-        "head", "--model", "demo", "--engine", engine, "--listen", "127.0.0.1:0",
+        "head", "--model", SIZE.model, "--engine", engine, "--listen", "127.0.0.1:0",
         "--no-publish", "--max-batch", "8", pattern=r"(http://\S+)",
     )  # fmt: skip
     url = m.group(1)
@@ -97,15 +114,15 @@ def bench_engine(engine: str, seq: int) -> dict:  # type: ignore[type-arg]
 
     try:
         wave(url, texts(1), 4)  # first-request setup is nobody's cost
-        alone = wave(url, texts(1), 48)[0]["_latency_s"]
-        both = wave(url, texts(2), 48, delays=[0.0, 1.0])
+        long = SIZE.long
+        alone = wave(url, texts(1), long)[0]["_latency_s"]
+        both = wave(url, texts(2), long, delays=[0.0, min(1.0, alone / 2)])
         long_s, short_s = both[0]["_latency_s"], both[1]["_latency_s"]
         streams = throughput(url, texts)
         # the same with "Hi"-sized prompts: what batching does to decode alone
         tiny = throughput(url, lambda k: [f"Hi {n[0] + i}" for i in range(k)])
     finally:
-        head.send_signal(signal.SIGTERM)
-        head.wait(30)
+        stop(head, grace_s=30)
     return {
         "engine": engine,
         "long_alone_s": alone,
@@ -120,9 +137,9 @@ def bench_engine(engine: str, seq: int) -> dict:  # type: ignore[type-arg]
 def throughput(url: str, texts) -> dict:  # type: ignore[no-untyped-def, type-arg]
     """1, 2, 4 and 8 concurrent 32-token streams: tokens/s over each wave's wall time."""
     out = {}
-    for k in (1, 2, 4, 8):
+    for k in SIZE.waves:
         t0 = time.perf_counter()
-        outs = wave(url, texts(k), 32)
+        outs = wave(url, texts(k), SIZE.stream)
         dt = time.perf_counter() - t0
         tokens = sum(o["usage"]["completion_tokens"] for o in outs)
         out[k] = {"tokens": tokens, "wall_s": dt, "tokens_per_s": tokens / dt}
@@ -137,13 +154,19 @@ def main() -> None:
     )
     ap.add_argument("--json", default="bench/results/serving.json")
     ap.add_argument("--engines", default="torch,mlx")
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, torch, short waves")
     args = ap.parse_args()
+    SIZE.model = args.model
+    if args.smoke:
+        args.engines = "torch"
+        SIZE.model, SIZE.long, SIZE.stream, SIZE.waves = "demo-tiny", 12, 8, (1, 2)
     rows = []
     for i, engine in enumerate(args.engines.split(",")):
         r = bench_engine(engine, 1000 * i)
         rows.append(r)
         print(
-            f"{engine}: 48 tokens alone {r['long_alone_s']:.2f} s; a 1-token request during it "
+            f"{engine}: {SIZE.long} tokens alone {r['long_alone_s']:.2f} s; a 1-token request during it "
             f"{r['short_during_long_s']:.2f} s ({r['short_vs_long']:.2f}x)",
             flush=True,
         )
@@ -153,7 +176,7 @@ def main() -> None:
                 f"{k}: {v['tokens_per_s']:.1f} ({v['vs_one_stream']:.2f}x)" for k, v in waves
             )
             print(f"  {key} tok/s: {text}", flush=True)
-    out = {"machine": machine(), "model": "demo", "results": rows}
+    out = {"machine": machine(), "model": SIZE.model, "results": rows}
     Path(args.json).write_text(json.dumps(out, indent=1))
     plot(rows, Path(args.json).with_suffix(".png"))
 
@@ -187,4 +210,4 @@ def plot(rows: list, path: Path) -> None:  # type: ignore[type-arg]
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

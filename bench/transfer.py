@@ -2,6 +2,7 @@
 against the machine's limits measured in the same run.
 
     python bench/transfer.py --json bench/results/transfer.json [--mb 16,64,256]
+    python bench/transfer.py --smoke --json /tmp/transfer.json   # CI: 4 MB, once
 
 For each size: synthetic demo-shaped KV blocks (24 KiB/token, 769 KiB blocks)
 are published to a `kvmesh peer` process, then fetched by the real client
@@ -20,15 +21,13 @@ import asyncio
 import hashlib
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 
 import blake3
 import numpy as np
-from _common import demo_card, machine, spawn_peer, synthetic_blocks
+from _common import demo_card, machine, popen, reap, run_main, spawn_peer, stop, synthetic_blocks
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import CHUNK_BYTES, Layout
@@ -54,8 +53,10 @@ def socket_gbps(nbytes: int) -> float:
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     port = srv.getsockname()[1]
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(nbytes)])
+    sender = popen([sys.executable, "-c", _SENDER, str(port), str(nbytes)])
+    srv.settimeout(60)
     conn, _ = srv.accept()
+    conn.settimeout(60)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     buf = bytearray(nbytes)
     view = memoryview(buf)
@@ -67,7 +68,7 @@ def socket_gbps(nbytes: int) -> float:
             break
         got += n
     dt = time.perf_counter() - t0
-    sender.wait()
+    assert reap(sender) == 0, "the socket baseline's sender failed"
     conn.close()
     srv.close()
     return got / dt / 1e9
@@ -141,7 +142,10 @@ def main() -> None:
     ap.add_argument("--mb", default="16,64,256", help="KV sizes in MB")
     ap.add_argument("--chunk-kib", type=int, default=CHUNK_BYTES >> 10)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="CI: 4 MB, best of 1")
     args = ap.parse_args()
+    if args.smoke:
+        args.mb, args.reps = "4", 1
     card = demo_card()
     rows = []
     sizes = [int(x) for x in args.mb.split(",")]
@@ -184,8 +188,7 @@ def main() -> None:
             )
             del blocks
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
+        stop(proc)
     out = {"machine": machine(), "chunk_bytes": args.chunk_kib << 10, "results": rows}
     if rows:
         keys = ("fetch_gbps", "publish_gbps", "socket_gbps", "blake3_gbps", "sha256_gbps",
@@ -196,4 +199,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

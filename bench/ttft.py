@@ -3,6 +3,7 @@
     python bench/ttft.py --json bench/results/ttft.json [--lengths 128,512,1024,2048,4096]
                          [--model demo] [--device cpu|cuda] [--dtype bfloat16]
                          [--sliding-window 128]
+    python bench/ttft.py --smoke --json /tmp/ttft.json   # CI: demo-tiny, 64 tokens
     GPU: python bench/ttft.py --device cuda --model demo-8b --lengths 1024,4096,16384
 
 For each prompt length, on the ~0.5B-shaped demo model:
@@ -16,7 +17,7 @@ For each prompt length, on the ~0.5B-shaped demo model:
                     first token of an exact repeat) and file_cache_cold_s (page cache
                     dropped first; root only)
   kvmesh_remote_s   a kvmesh head with an empty store, remote hit from a real peer
-                    process over loopback (lookup, fetch, SHA-256, import)
+                    process over loopback (lookup, fetch, BLAKE3, import)
   kvmesh_netns_<rate>_s  the same from a peer in another network namespace over a
                     veth link capped with tbf (10 and 40 Gbit/s; root only)
   *_extend_s        the same for the cached prompt plus 64 new tokens
@@ -28,6 +29,10 @@ Gemma-3's pattern (five sliding-window layers of W tokens per full-attention
 layer), the same weights: a sliding-window model of exactly the full model's size,
 to compare the two JSON files side by side. Its file-cache baseline is left out
 (``_filecache.py`` restores full-attention caches only).
+
+The fleet runs the secure path: a fleet key generated for the run (a file in a
+temp dir) authenticates every call and keys the block hashes; the namespace's peer
+listens off loopback, so it needs one. Peers and namespaces are removed on any exit.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -43,11 +48,24 @@ import time
 from pathlib import Path
 
 import torch
-from _common import machine, spawn_peer
+from _common import (
+    fail_point,
+    machine,
+    own_link,
+    own_netns,
+    run_main,
+    spawn_kvmesh,
+    spawn_peer,
+    stop,
+    wait_for,
+)
 from safetensors.torch import save_file
 
+from kvmesh.blocks import BlockKeyer
+from kvmesh.compat import CompatCard
 from kvmesh.engine import KVState, Sampling, load_engine
 from kvmesh.mesh.node import NodeConfig, NodeThread
+from kvmesh.mesh.security import Security
 from kvmesh.runtime.head import HeadRuntime
 
 ONE = Sampling(max_tokens=1)
@@ -103,16 +121,33 @@ def timed(fn, device: str) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t0
 
 
-def fresh_head(engine, peer: str, ns_hex: str) -> HeadRuntime:  # type: ignore[no-untyped-def]
+def fleet_key(directory: str) -> tuple[str, Security]:
+    """A fresh fleet key in a file (as `openssl rand -hex 32 > fleet.key` makes one)."""
+    path = os.path.join(directory, "fleet.key")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    with open(path, "rb") as f:
+        return path, Security(fleet_key=f.read().strip())
+
+
+def fresh_head(engine, peer: str, ns_hex: str, security: Security) -> HeadRuntime:  # type: ignore[no-untyped-def]
     node = NodeThread(
-        NodeConfig(seeds=[peer], gossip_interval=0.2, ttl=5, alias=f"bench-{time.time_ns()}")
+        NodeConfig(
+            seeds=[peer],
+            gossip_interval=0.2,
+            ttl=5,
+            alias=f"bench-{time.time_ns()}",
+            security=security,
+        )  # fmt: skip
     )
-    head = HeadRuntime(engine, node, max_sessions=0, publish=False)
-    deadline = time.time() + 10
-    while not any(ns_hex in c.namespaces for c in node.node.membership.live()):
-        if time.time() > deadline:
-            raise RuntimeError("peer never advertised the namespace")
-        time.sleep(0.05)
+    head = HeadRuntime(engine, node, max_sessions=0, publish=False,
+                       hash_key=security.block_hash_key)  # fmt: skip
+    try:
+        wait_for(lambda: any(ns_hex in c.namespaces for c in node.node.membership.live()), 10,
+                 "the peer to advertise the namespace")  # fmt: skip
+    except BaseException:
+        close(head)
+        raise
     return head
 
 
@@ -123,45 +158,37 @@ def close(head: HeadRuntime) -> None:
 
 
 class NetnsPeer:
-    """A `kvmesh peer` in its own network namespace behind a veth link."""
+    """A `kvmesh peer` in its own network namespace behind a veth link, under the
+    fleet key (it listens off loopback). Names carry our pid, so runs do not collide;
+    the namespace, the link and the peer are owned by `_common` and go on any exit."""
 
-    NS, HOST, PEER = "kvmttft", "10.78.0.1", "10.78.0.2"
+    HOST, PEER = "10.78.0.1", "10.78.0.2"
 
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc = proc
+    def __init__(self, key_file: str) -> None:
+        tag = f"kvmb{os.getpid()}"
+        self.ns, self.host_if, self.peer_if = tag, tag + "h", tag + "p"
         self.address = f"{self.PEER}:7070"
-
-    @classmethod
-    def create(cls) -> NetnsPeer:
-        run = lambda *c: subprocess.run(c, check=True, capture_output=True)  # noqa: E731
-        subprocess.run(["ip", "netns", "del", cls.NS], capture_output=True)
-        subprocess.run(["ip", "link", "del", "kvmttft0"], capture_output=True)
-        run("ip", "netns", "add", cls.NS)
-        run("ip", "link", "add", "kvmttft0", "type", "veth", "peer", "name", "kvmttft1")
-        run("ip", "link", "set", "kvmttft1", "netns", cls.NS)
-        run("ip", "addr", "add", f"{cls.HOST}/24", "dev", "kvmttft0")
-        run("ip", "link", "set", "kvmttft0", "up")
-        for c in (["ip", "addr", "add", f"{cls.PEER}/24", "dev", "kvmttft1"], ["ip", "link", "set", "kvmttft1", "up"],
-                  ["ip", "link", "set", "lo", "up"]):  # fmt: skip
-            run("ip", "netns", "exec", cls.NS, *c)
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", cls.NS, sys.executable, "-m", "kvmesh.cli", "peer", "--listen",
-             f"{cls.PEER}:7070", "--plaintext", "--budget", "8GiB", "--gossip-interval", "0.2",
-             "--advertise", f"{cls.PEER}:7070,interface=ethernet"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        own_netns(self.ns)
+        own_link(self.host_if, "type", "veth", "peer", "name", self.peer_if)
+        run = lambda *c: subprocess.run(c, check=True, capture_output=True, timeout=30)  # noqa: E731
+        run("ip", "link", "set", self.peer_if, "netns", self.ns)
+        run("ip", "addr", "add", f"{self.HOST}/24", "dev", self.host_if)
+        run("ip", "link", "set", self.host_if, "up")
+        for c in (["ip", "addr", "add", f"{self.PEER}/24", "dev", self.peer_if],
+                  ["ip", "link", "set", self.peer_if, "up"], ["ip", "link", "set", "lo", "up"]):  # fmt: skip
+            run("ip", "netns", "exec", self.ns, *c)
+        fail_point("netns")
+        self.proc, _ = spawn_kvmesh(
+            "peer", "--listen", self.address, "--plaintext", "--fleet-key-file", key_file,
+            "--budget", "8GiB", "--gossip-interval", "0.2",
+            "--advertise", f"{self.address},interface=ethernet",
+            pattern="listening", prefix=("ip", "netns", "exec", self.ns),
         )  # fmt: skip
-        assert proc.stdout is not None and "listening" in proc.stdout.readline()
-        return cls(proc)
 
     def shape(self, rate: str) -> None:
         """Cap the peer->head direction with a token bucket."""
-        subprocess.run(["ip", "netns", "exec", self.NS, "tc", "qdisc", "replace", "dev", "kvmttft1", "root",
-                        "tbf", "rate", rate, "burst", "4mb", "latency", "50ms"], check=True)  # fmt: skip
-
-    def destroy(self) -> None:
-        self.proc.kill()
-        subprocess.run(["ip", "netns", "del", self.NS], capture_output=True)
-        subprocess.run(["ip", "link", "del", "kvmttft0"], capture_output=True)
+        subprocess.run(["ip", "netns", "exec", self.ns, "tc", "qdisc", "replace", "dev", self.peer_if, "root",
+                        "tbf", "rate", rate, "burst", "4mb", "latency", "50ms"], check=True, timeout=30)  # fmt: skip
 
 
 def file_cache(args: argparse.Namespace, live: KVState, n: int, ext: list[int]) -> dict:  # type: ignore[type-arg]
@@ -202,15 +229,37 @@ def main() -> None:
                     help="run on --model's weights with Gemma-3's sliding/full layer pattern")  # fmt: skip
     ap.add_argument("--netns", action=argparse.BooleanOptionalAction, default=os.geteuid() == 0,
                     help="also measure a peer in another network namespace (needs root)")  # fmt: skip
+    ap.add_argument("--smoke", action="store_true",
+                    help="CI: demo-tiny, one 64-token prompt, every path once")  # fmt: skip
     args = ap.parse_args()
+    if args.smoke:  # the page cache is the whole machine's: a smoke run leaves it alone
+        os.environ["KVMESH_BENCH_NO_DROP_CACHES"] = "1"
+        args.model, args.lengths = "demo-tiny", "64"
     if args.sliding_window:
         args.model = sliding_variant(args.model, args.sliding_window)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as keys:
+        key_file, security = fleet_key(keys)
+        rows, card = measure(args, key_file, security)
+    with open(args.json, "w") as fh:
+        json.dump({"machine": machine(), "model": args.model, "device": args.device, "card": card.summary(),
+                   "sliding_windows": list(card.sliding_windows),
+                   "extension_tokens": EXT, "fleet_key": True, "results": rows}, fh, indent=1)  # fmt: skip
+    plot(rows, Path(args.json).with_suffix(".png"))
+
+
+def measure(
+    args: argparse.Namespace, key_file: str, security: Security
+) -> tuple[list[dict], CompatCard]:  # type: ignore[type-arg]
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     engine.prefill(list(range(16)))
     card = engine.card
-    proc, peer = spawn_peer("--gossip-interval", "0.2", "--budget", "8GiB")
-    publisher = NodeThread(NodeConfig(seeds=[peer], gossip_interval=0.2, alias="bench-publisher"))
-    netns = NetnsPeer.create() if args.netns else None
+    keyer = BlockKeyer(card.namespace, card.block_tokens, security.block_hash_key)
+    proc, peer = spawn_peer(
+        "--gossip-interval", "0.2", "--budget", "8GiB", "--fleet-key-file", key_file
+    )
+    publisher = NodeThread(NodeConfig(seeds=[peer], gossip_interval=0.2, alias="bench-publisher",
+                                      security=security))  # fmt: skip
+    netns = NetnsPeer(key_file) if args.netns else None
 
     def publish_to(address: str, blocks) -> None:  # type: ignore[no-untyped-def]
         target = next(
@@ -251,13 +300,13 @@ def main() -> None:
                 for _ in range(2)
             )
             # publish the prompt's blocks to the peer, as a head would after answering
-            blocks = engine.export(live, HeadRuntime(engine, None).keyer)
+            blocks = engine.export(live, keyer)
             publish_to(peer, blocks)
             if not any(card.sliding_windows):  # _filecache.py restores full caches only
                 row.update(file_cache(args, live, n, ext))
             # kvmesh: heads with empty stores, remote hits over loopback
             for key, prompt in (("kvmesh_remote_s", toks), ("kvmesh_extend_s", toks + ext)):
-                head = fresh_head(engine, peer, card.namespace_hex)
+                head = fresh_head(engine, peer, card.namespace_hex, security)
                 try:
                     g = head.complete(prompt, ONE)
                     assert g.report is not None and g.report.source == "remote", g.report
@@ -270,7 +319,7 @@ def main() -> None:
                 publish_to(netns.address, blocks)
                 for rate in ("10gbit", "40gbit"):
                     netns.shape(rate)
-                    head = fresh_head(engine, netns.address, card.namespace_hex)
+                    head = fresh_head(engine, netns.address, card.namespace_hex, security)
                     try:
                         g = head.complete(toks, ONE)
                         assert g.report is not None and g.report.source == "remote", g.report
@@ -298,15 +347,8 @@ def main() -> None:
             )
     finally:
         publisher.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
-        if netns is not None:
-            netns.destroy()
-    with open(args.json, "w") as fh:
-        json.dump({"machine": machine(), "model": args.model, "device": args.device, "card": card.summary(),
-                   "sliding_windows": list(card.sliding_windows),
-                   "extension_tokens": EXT, "results": rows}, fh, indent=1)  # fmt: skip
-    plot(rows, Path(args.json).with_suffix(".png"))
+        stop(proc)  # the namespace's peer, namespace and link: run_main
+    return rows, card
 
 
 def plot(rows: list[dict], path: Path) -> None:  # type: ignore[type-arg]
@@ -338,4 +380,4 @@ def plot(rows: list[dict], path: Path) -> None:  # type: ignore[type-arg]
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,0 +1,189 @@
+"""Every benchmark runs in CI: each ``bench/*.py`` (``_``-prefixed helpers aside)
+runs as ``python bench/X.py --smoke --json TMP`` in its own process, exits 0,
+writes its JSON with its own claim holding, and leaves no process or network
+namespace behind. A benchmark made to fail on purpose after its peers started
+(``KVMESH_BENCH_FAIL``), or stopped by SIGTERM / Ctrl-C, leaves nothing behind
+either. ``bench/vllm.py`` needs vLLM: it runs where ``import vllm`` works
+(``$KVMESH_VLLM_PYTHON``, ``.venv-vllm`` or this interpreter), else it is skipped
+with that reason.
+
+Children are recognised by a marker in their environment (each run's own
+``KVMESH_BENCH_TAG``), inherited by everything a benchmark starts, so other
+work on the machine is never mistaken for a leftover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHES = sorted(p for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
+TIMEOUT_S = 600  # one smoke run; they take seconds to a minute on a loaded 2-core machine
+
+
+def _netns_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    return subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+
+
+NETNS = _netns_works()
+
+
+def vllm_python() -> str | None:
+    """An interpreter where ``import vllm`` works, if there is one."""
+    candidates = (os.environ.get("KVMESH_VLLM_PYTHON", ""), str(ROOT / ".venv-vllm/bin/python"),
+                  sys.executable)  # fmt: skip
+    for py in candidates:
+        if py and os.path.exists(py) and subprocess.run([py, "-c", "import vllm"],
+                                                 capture_output=True).returncode == 0:  # fmt: skip
+            return py
+    return None
+
+
+def survivors(tag: str) -> list[int]:
+    """Live processes carrying this run's marker (zombies have no environment)."""
+    needle = f"KVMESH_BENCH_TAG={tag}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                found.append(int(d.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def netns_of(pid: int) -> list[str]:
+    """Network namespaces and links named for the benchmark process ``pid``."""
+    if not NETNS:
+        return []
+    prefix = f"kvmb{pid}"
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [w for w in (names + links).replace(":", " ").replace("@", " ").split()
+            if w.startswith(prefix)]  # fmt: skip
+
+
+def start(
+    bench: Path, out: Path, python: str = sys.executable, **env: str
+) -> tuple[subprocess.Popen[str], str]:
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [python, str(bench), "--smoke", "--json", str(out)], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "KVMESH_BENCH_TAG": tag, **env},
+    )  # fmt: skip
+    return proc, tag
+
+
+def finish(proc: subprocess.Popen[str], tag: str) -> str:
+    """Wait for the benchmark; its output. Asserts it left nothing behind."""
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    left = survivors(tag)
+    for pid in left:  # do not leak into the next test; the assertion below reports it
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+    assert not netns_of(proc.pid), f"namespaces/links left behind: {netns_of(proc.pid)}"
+    return (stdout or "")[-3000:] + (stderr or "")[-3000:]
+
+
+def _ttft(d: dict[str, Any]) -> bool:
+    row = d["results"][0]
+    netns_ok = not NETNS or "kvmesh_netns_10gbit_s" in row
+    return d["fleet_key"] and row["kvmesh_remote_s"] > 0 and netns_ok
+
+
+# each benchmark's own claim, read back from its JSON
+CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "churn.py": lambda d: d["stored_within_budget"] and d["max_stored_bytes"] > 0,
+    "codec.py": lambda d: (
+        len(d["results"]) == 2 and all(r["encode_gbps"] > 0 for r in d["results"])
+    ),
+    "disk.py": lambda d: (
+        d["rebuild"]["indexed"] == d["rebuild"]["files"] > 0 and len(d["ttft"]) == 1
+    ),
+    "head_overhead.py": lambda d: d["miss_ttft_s"] > 0 and d["freeze_first_ttft_s"] > 0,
+    "healthz.py": lambda d: d["full"]["cancelled"] >= d["full"]["waiting"] + d["full"]["max_batch"],
+    "hostile_publish.py": lambda d: (
+        d["within_bound"] and d["peer_alive"] and d["lookups_all_honest"]
+    ),
+    "kv_budget.py": lambda d: (
+        d["within_budget_plus_overhead"]
+        and d["real_kv_mib"] > 0
+        and d["rss_peak_mib"] >= d["rss_base_mib"]
+    ),
+    "lookup.py": lambda d: len(d["by_blocks"]) == 2 and len(d["by_peers"]) == 2,
+    "serving.py": lambda d: d["results"][0]["streams"]["2"]["tokens"] == 16,
+    "transfer.py": lambda d: d["results"][0]["fetch_gbps"] > 0,
+    "ttft.py": _ttft,
+}
+
+
+@pytest.mark.parametrize("bench", BENCHES, ids=lambda p: p.stem)
+def test_every_benchmark_runs_in_smoke_mode_and_cleans_up(bench: Path, tmp_path: Path) -> None:
+    python = sys.executable
+    if bench.name == "vllm.py":
+        found = vllm_python()
+        if found is None:
+            pytest.skip("bench/vllm.py needs vLLM: `import vllm` fails here and in .venv-vllm")
+        python = found
+    assert "--smoke" in bench.read_text(), f"bench/{bench.name} has no --smoke mode"
+    out = tmp_path / f"{bench.stem}.json"
+    proc, tag = start(bench, out, python)
+    text = finish(proc, tag)
+    assert proc.returncode == 0, text
+    result = json.loads(out.read_text())
+    assert isinstance(result, dict) and result, text
+    claim = CLAIMS.get(bench.name)
+    if claim is not None:
+        assert claim(result), json.dumps(result)[:3000]
+
+
+def test_a_benchmark_failing_after_its_peers_started_leaves_none_running(tmp_path: Path) -> None:
+    proc, tag = start(
+        ROOT / "bench" / "lookup.py", tmp_path / "x.json", KVMESH_BENCH_FAIL="started"
+    )
+    text = finish(proc, tag)
+    assert proc.returncode != 0 and "failing on purpose" in text, text
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_benchmark_stopped_by_a_signal_leaves_none_running(sig: int, tmp_path: Path) -> None:
+    proc, tag = start(ROOT / "bench" / "lookup.py", tmp_path / "x.json")
+    deadline = time.monotonic() + 120
+    while not set(survivors(tag)) - {proc.pid}:  # its first peer is up
+        assert proc.poll() is None and time.monotonic() < deadline, "no peer ever started"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    text = finish(proc, tag)
+    assert proc.returncode != 0, text
+
+
+@pytest.mark.skipif(not NETNS, reason="network namespaces need root and iproute2")
+def test_ttft_failing_after_its_namespace_exists_deletes_it(tmp_path: Path) -> None:
+    proc, tag = start(ROOT / "bench" / "ttft.py", tmp_path / "x.json", KVMESH_BENCH_FAIL="netns")
+    text = finish(proc, tag)  # asserts the namespace, its link and the loopback peer are gone
+    assert proc.returncode != 0 and "failing on purpose" in text, text
