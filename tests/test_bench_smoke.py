@@ -135,6 +135,9 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and d["rss_peak_mib"] >= d["rss_base_mib"]
     ),
     "lookup.py": lambda d: len(d["by_blocks"]) == 2 and len(d["by_peers"]) == 2,
+    "tenants.py": lambda d: (  # another tenant's identical prompt reuses nothing
+        d["cross_cached_tokens"] == [0] * len(d["trials"]) and d["repeat_cached_fraction"] >= 0.9
+    ),
     "serving.py": lambda d: d["results"][0]["streams"]["2"]["tokens"] == 16,
     "transfer.py": lambda d: d["results"][0]["fetch_gbps"] > 0,
     "ttft.py": _ttft,
