@@ -18,6 +18,12 @@ the store is told (:meth:`BlockStore.expect`, or ``layouts`` at construction)
 has every block checked against it (:func:`~kvmesh.codec.check_header`, the
 codec's one check): indexed disk files that disagree are deleted and counted as
 corrupt, puts that disagree are refused.
+
+A ``listener`` hears every change of a tier as ``(change, tier, header)`` with
+``change`` "stored" or "removed" and ``tier`` "ram" or "disk" (a file written or
+deleted), under the store lock: it must only note the change and return (the KV
+events of :mod:`kvmesh.mesh.events`). A disk tier rebuilt at start is announced
+once its index is whole, parents first.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from .errors import (
 )
 
 log = logging.getLogger("kvmesh.store")
+
+Listener = Callable[[str, str, BlockHeader], None]
 
 DEFAULT_LEASE_TTL = 30.0
 
@@ -127,6 +135,15 @@ class Found:
         return n + (self.tail.header.tokens if self.tail else 0)
 
 
+@dataclass(frozen=True)
+class Peek:
+    """A prefix's stored length, from the index alone (:meth:`BlockStore.peek`)."""
+
+    ram_tokens: int  # from the root, every block in RAM
+    tokens: int  # from the root, in either tier
+    whole: bool  # ``tokens`` covers the prompt with its tail (stored logits)
+
+
 @dataclass
 class StoreStats:
     budget_bytes: int
@@ -174,6 +191,7 @@ class BlockStore:
         clock: Callable[[], float] = time.monotonic,
         disk: DiskConfig | None = None,
         layouts: Sequence[Layout] = (),
+        listener: Listener | None = None,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
@@ -193,10 +211,14 @@ class BlockStore:
         self._no_room = False  # a promotion of this lookup found no room
         self._lookup_keys: frozenset[bytes] = frozenset()  # blocks a promotion must not evict
         self._writer: Writer | None = None
+        self.listener: Listener | None = None  # quiet while the disk index is rebuilt
         if disk is not None:
             self._files = DiskFiles(disk.path)
             self._load_disk(self._files)
             self._writer = Writer(self._write_one, self._drained, disk.queue_bytes)
+        self.listener = listener
+        for e in list(self._entries.values()):  # rebuilt from disk, parents first
+            self._tell("stored", "disk", e)
 
     # -- writes -------------------------------------------------------------
 
@@ -229,6 +251,7 @@ class BlockStore:
             self.stats.used_bytes += block.nbytes
             self.stats.entries += 1
             self.stats.inserts += 1
+            self._tell("stored", "ram", self._entries[key])
             if self.disk is not None and self.disk.admit == "evicted":
                 self._admit(key)
             return True
@@ -280,6 +303,10 @@ class BlockStore:
         else:
             self._reject(MalformedPayload.reason)
         self._drop_subtree(key)
+
+    def _tell(self, change: str, tier: str, e: _Entry) -> None:
+        if self.listener is not None:
+            self.listener(change, tier, e.header)
 
     def _reject(self, reason: str) -> None:
         self.stats.rejects[reason] = self.stats.rejects.get(reason, 0) + 1
@@ -335,6 +362,7 @@ class BlockStore:
         self.stats.used_bytes -= e.nbytes
         self.stats.entries -= 1
         self.stats.evictions += 1
+        self._tell("removed", "ram", e)
         parent = self._entries.get(e.header.parent)
         if parent is not None:
             parent.ram_kids -= 1
@@ -372,6 +400,7 @@ class BlockStore:
         if e.in_ram:
             self.stats.used_bytes -= e.nbytes
             self.stats.entries -= 1
+            self._tell("removed", "ram", e)
         if e.on_disk:
             self._unlink(e)
         parent = self._entries.get(e.header.parent)
@@ -446,6 +475,7 @@ class BlockStore:
                 e.block = None
             self.disk_stats.entries += 1
             self.disk_stats.admissions += 1
+            self._tell("stored", "disk", e)
             self._sync(key)
 
     def _drained(self) -> None:
@@ -513,6 +543,7 @@ class BlockStore:
         e.on_disk = False
         self.disk_stats.used_bytes -= e.nbytes
         self.disk_stats.entries -= 1
+        self._tell("removed", "disk", e)
 
     def _hit(self, key: bytes, hit: bool) -> _Entry | None:
         """Under the lock: the entry under ``key``, touched (and counted as hit)."""
@@ -571,6 +602,7 @@ class BlockStore:
         self.stats.used_bytes += e.nbytes
         self.stats.entries += 1
         self.disk_stats.promotions += 1
+        self._tell("stored", "ram", e)
         parent = self._entries.get(e.header.parent)
         if parent is not None:
             parent.ram_kids += 1
@@ -676,6 +708,22 @@ class BlockStore:
         if any(e.block is None for _, e in found + ([t] if t else [])):
             self.disk_stats.hits += 1
         return found, t
+
+    def peek(self, keys: PrefixKeys) -> Peek:
+        """The longest stored prefix of ``keys`` in RAM alone and across both tiers,
+        from the index: nothing is touched, counted or read (a router's question
+        is not a use of the cache)."""
+        with self._lock:
+            chain = [self._entries.get(k) for k in keys.blocks]
+            tail = self._entries.get(keys.tail)
+        ram = both = 0
+        for i, e in enumerate(chain + [tail]):
+            if e is None:
+                break
+            n = e.header.tokens if i < len(chain) else keys.tail_tokens
+            both += n
+            ram += n if e.in_ram and ram == both - n else 0
+        return Peek(ram, both, both == keys.n_tokens and tail is not None)
 
     def lookup(self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None) -> Found:
         """Longest run of stored blocks from the root, across tiers, from the index
