@@ -139,7 +139,7 @@ class Found:
 class Peek:
     """A prefix's stored length, from the index alone (:meth:`BlockStore.peek`)."""
 
-    ram_tokens: int  # from the root, every block in RAM
+    ram_tokens: int  # from the root, every block's bytes in memory (no file to read)
     tokens: int  # from the root, in either tier
     whole: bool  # ``tokens`` covers the prompt with its tail (stored logits)
 
@@ -722,7 +722,7 @@ class BlockStore:
                 break
             n = e.header.tokens if i < len(chain) else keys.tail_tokens
             both += n
-            ram += n if e.in_ram and ram == both - n else 0
+            ram += n if e.block is not None and ram == both - n else 0  # no file read
         return Peek(ram, both, both == keys.n_tokens and tail is not None)
 
     def lookup(self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None) -> Found:

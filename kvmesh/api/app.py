@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.batch import EngineFailed
 from ..runtime.head import HeadRuntime
-from . import network
+from . import cache_query, network
+from .cache_query import PATH as QUERY
 from .guard import Guard
 from .network import SOURCES, APIKeys, NetworkState
 from .openai import APIError, OpenAIService, error_response, router
@@ -137,7 +138,7 @@ class HeadCollector(Collector):
 
 
 STATIC = Path(__file__).parent / "static"
-OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", QUERY})
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,7 @@ def create_app(
         )
 
     app.include_router(router(service))
+    app.include_router(cache_query.router(runtime, service))
     app.include_router(network.router(runtime, keys, NetworkState(state_file), fleet_key))
 
     @app.get("/", include_in_schema=False)

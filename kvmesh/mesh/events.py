@@ -171,8 +171,9 @@ class StoreEvents:
         self.changes = 0  # changes queued
         self._pending: deque[tuple[str, str, BlockHeader | None]] = deque([_CLEARED])
         self._overflow = False
+        # not woken for the clear alone: it leaves with the first changes, by when a
+        # router that knew the last epoch has had time to reconnect (replay has it too)
         self._wake = threading.Event()
-        self._wake.set()
 
     def __call__(self, change: str, tier: str, header: BlockHeader) -> None:
         """The store's listener (called under its lock: append and return)."""
@@ -187,10 +188,10 @@ class StoreEvents:
         self._wake.set()
 
     def wait(self, timeout: float) -> bool:
-        """True when changes may be pending (after at most ``timeout`` seconds)."""
+        """True when changes came (after at most ``timeout`` seconds)."""
         woke = self._wake.wait(timeout)
         self._wake.clear()
-        return woke or bool(self._pending)
+        return woke
 
     def take(self, limit: int = 4096) -> list[Event]:
         """Up to ``limit`` pending changes as events, oldest first."""

@@ -363,6 +363,11 @@ class HeadRuntime:
 
     # -- sessions --------------------------------------------------------------
 
+    def session_prefix(self, tokens: list[int]) -> int:
+        """Prompt tokens a live session would give ``tokens`` now (0: none)."""
+        best = self._best_session(tokens)
+        return best[1] if best else 0
+
     def _best_session(self, tokens: list[int]) -> tuple[int, int] | None:
         """(id, tokens it can keep) of the live session sharing the longest prefix
         with ``tokens``, when that is at least one block. Not taken yet."""
