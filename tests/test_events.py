@@ -238,3 +238,19 @@ def test_a_subscriber_that_stops_reading_never_blocks_the_store():
     finally:
         ctx.destroy(linger=0)
         pub.close()
+
+
+def test_a_sink_inside_vllm_never_clears():
+    """vLLM's stream carries its GPU blocks too: the connector's sink must never
+    send AllBlocksCleared (it would wipe them from a router's view)."""
+    memo = TokenMemo()
+    sink = StoreEvents(memo, max_pending=2, clears=False)
+    store = BlockStore(1 << 20, listener=sink)
+    tokens = list(range(4 * B))
+    recording(memo).keys(tokens)
+    for blk in synthetic_chain(CARD, tokens, tail=False):
+        store.put(blk)
+    got = events_of(sink)
+    assert sink.dropped == 2 and not any(isinstance(e, AllBlocksCleared) for e in got)
+    (ev,) = got
+    assert ev.token_ids == tokens[: 2 * B] and len(ev.block_hashes) == 2

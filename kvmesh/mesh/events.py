@@ -161,15 +161,28 @@ _CLEARED = ("cleared", "", None)
 
 class StoreEvents:
     """Listens to a :class:`~kvmesh.store.BlockStore` (``listener``) and hands out
-    its changes as vLLM events (:meth:`take`). Starts with ``AllBlocksCleared``:
-    a new store is a new epoch, whatever routers knew of the last one is gone."""
+    its changes as vLLM events (:meth:`take`). With ``clears`` (a node's own
+    stream) it starts with ``AllBlocksCleared`` (a new store is a new epoch:
+    whatever routers knew of the last one is gone) and resyncs with one after a
+    drop. Without (a sink inside vLLM, whose stream also carries vLLM's own GPU
+    blocks, which a clear would wipe from a router's view) drops are only counted.
 
-    def __init__(self, memo: TokenMemo | None = None, max_pending: int = 100_000) -> None:
+    In a vLLM connector: ``sink = StoreEvents(clears=False)``, the store built with
+    ``listener=sink`` (or ``store.listener = sink``), the keyer wrapped in
+    :class:`RecordingKeyer` with ``sink.memo``, and ``take_events()`` returning
+    ``sink.take()`` (vLLM's own classes, if wanted, from
+    ``msgspec.structs.asdict(event)`` by ``type(event).__name__``)."""
+
+    def __init__(self, memo: TokenMemo | None = None, max_pending: int = 100_000,
+                 clears: bool = True) -> None:  # fmt: skip
         self.memo = memo if memo is not None else TokenMemo()
         self.max_pending = max_pending
+        self.clears = clears
         self.dropped = 0  # changes refused for a full queue
         self.changes = 0  # changes queued
-        self._pending: deque[tuple[str, str, BlockHeader | None]] = deque([_CLEARED])
+        self._pending: deque[tuple[str, str, BlockHeader | None]] = deque(
+            [_CLEARED] if clears else []
+        )
         self._overflow = False
         # not woken for the clear alone: it leaves with the first changes, by when a
         # router that knew the last epoch has had time to reconnect (replay has it too)
@@ -181,7 +194,7 @@ class StoreEvents:
             return
         if len(self._pending) >= self.max_pending:
             self.dropped += 1
-            self._overflow = True
+            self._overflow = self.clears
             return
         self._pending.append((change, tier, header))
         self.changes += 1
