@@ -254,3 +254,32 @@ def test_a_sink_inside_vllm_never_clears():
     assert sink.dropped == 2 and not any(isinstance(e, AllBlocksCleared) for e in got)
     (ev,) = got
     assert ev.token_ids == tokens[: 2 * B] and len(ev.block_hashes) == 2
+
+
+@pytest.mark.parametrize(
+    "sec,error",
+    [
+        ({"kv_events": "tcp://*:5557"}, "--plaintext"),  # prompts' tokens, in clear, to all
+        ({"kv_events": "tcp://10.0.0.2:5557"}, "--plaintext"),
+        ({"kv_events": "udp://x:1"}, "invalid --kv-events"),
+        ({"kv_events": "tcp://127.0.0.1:x"}, "invalid --kv-events"),
+        ({"kv_events_replay": "tcp://127.0.0.1:5558"}, "needs --kv-events"),
+        ({"kv_events": "ipc:///tmp/a", "kv_events_replay": "tcp://*:1"}, "--plaintext"),
+    ],
+)
+def test_event_options_are_checked(sec, error):
+    from kvmesh.errors import ConfigError
+    from kvmesh.mesh.settings import node_config
+
+    with pytest.raises(ConfigError, match=error):
+        node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), sec)
+
+
+def test_event_options_make_a_config():
+    from kvmesh.mesh.settings import node_config
+
+    sec = {"kv_events": "tcp://*:5557", "kv_events_replay": "tcp://*:5558",
+           "kv_events_topic": "t", "plaintext": True}  # fmt: skip
+    cfg = node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), sec).kv_events
+    assert cfg == EventsConfig("tcp://*:5557", "tcp://*:5558", "t")
+    assert node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), {}).kv_events is None
