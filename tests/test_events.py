@@ -283,3 +283,15 @@ def test_event_options_make_a_config():
     cfg = node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), sec).kv_events
     assert cfg == EventsConfig("tcp://*:5557", "tcp://*:5558", "t")
     assert node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), {}).kv_events is None
+
+
+def test_a_taken_endpoint_is_a_clear_error():
+    from kvmesh.errors import ConfigError
+
+    port = free_port()
+    first = EventPublisher(EventsConfig(f"tcp://*:{port}"), StoreEvents())
+    try:
+        with pytest.raises(ConfigError, match="KV events"):
+            EventPublisher(EventsConfig(f"tcp://*:{port}"), StoreEvents())
+    finally:
+        first.close()

@@ -53,6 +53,7 @@ import zmq
 
 from ..blocks import BlockKeyer
 from ..codec import BlockHeader
+from ..errors import ConfigError
 
 log = logging.getLogger("kvmesh.events")
 
@@ -308,9 +309,9 @@ class EventPublisher:
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.setsockopt(zmq.SNDHWM, config.hwm)
                 self._replay.bind(config.replay_endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:  # e.g. the port is taken: one clear line, not a traceback
             self._ctx.destroy(linger=0)
-            raise
+            raise ConfigError(f"cannot open the KV events sockets ({config.endpoint}): {e}") from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-events", daemon=True)
         self._thread.start()
