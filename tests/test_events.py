@@ -220,7 +220,7 @@ def test_a_subscriber_that_stops_reading_never_blocks_the_store():
         stuck = subscribe(ctx, port, hwm=4, rcvbuf=4096)  # connected, never reads
         reader = subscribe(ctx, port)
         time.sleep(0.3)
-        layout, tokens = Layout(CARD), [1 << 20] * B  # 5 bytes a token on the wire
+        layout, tokens = Layout(CARD), [1 << 20] * 256  # 1.3 KB an event: past any buffer
         n = 20_000
         for i in range(n):  # the store's side: note each change and return
             key = i.to_bytes(32, "big")
@@ -295,3 +295,16 @@ def test_a_taken_endpoint_is_a_clear_error():
             EventPublisher(EventsConfig(f"tcp://*:{port}"), StoreEvents())
     finally:
         first.close()
+
+
+def test_the_replay_ring_is_bounded_in_bytes():
+    pub = EventPublisher(EventsConfig(f"tcp://127.0.0.1:{free_port()}", buffer_bytes=4096),
+                         StoreEvents())  # fmt: skip
+    try:
+        big = [BlockStored([i], None, list(range(256)), 256, None, "CPU", None) for i in range(4)]
+        for _ in range(20):
+            pub.publish(big)  # each batch ~1.3 KB
+        assert 0 < pub._ring_bytes <= 4096 and len(pub._ring) < 20
+        assert pub._ring_bytes == sum(len(p) for _, p in pub._ring)
+    finally:
+        pub.close()

@@ -191,6 +191,9 @@ def run_stuck_subscriber(nodes: Any, decode: Decode) -> None:
         hashes = [h for e in events(got) if kind(e) == "BlockStored" for h in e.block_hashes]
         assert len(hashes) >= 24  # two full blocks a request
         assert grown < 64 << 10, grown  # KiB: the stuck reader holds nothing on the head
+        changes = head.metric('kvmesh_kv_events_total{outcome="changes"}')
+        assert changes >= len(hashes) and head.metric('kvmesh_kv_events_total{outcome="dropped"}') == 0
+        assert head.metric('kvmesh_kv_events_total{outcome="send_failed"}') == 0  # PUB never refuses
     finally:
         ctx.destroy(linger=0)
 

@@ -262,10 +262,13 @@ class EventsConfig:
     endpoint: str  # tcp://*:5557 binds; tcp://host:port connects (vLLM's rule)
     replay_endpoint: str = ""  # a ROUTER socket that replays the last batches
     topic: str = ""
-    hwm: int = 10_000  # batches queued per subscriber before ZMQ drops for it
-    buffer_batches: int = 10_000  # batches kept for replay
+    # bounds: a batch holds at most max_batch_events blocks' events (~150 bytes each
+    # with 32 tokens), so a subscriber's queue holds at most ~hwm * 75 KiB
+    hwm: int = 1000  # batches queued per subscriber before ZMQ drops for it
+    buffer_batches: int = 10_000  # batches kept for replay...
+    buffer_bytes: int = 64 << 20  # ...within these bytes
     max_pending: int = 100_000  # store changes waiting for the publisher thread
-    max_batch_events: int = 4096  # store changes per batch at most
+    max_batch_events: int = 512  # store changes per batch at most
 
 
 def binds(endpoint: str) -> bool:
@@ -296,6 +299,7 @@ class EventPublisher:
         self._topic = config.topic.encode()
         self._seq = count()
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_batches)
+        self._ring_bytes = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -344,10 +348,19 @@ class EventPublisher:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
         except zmq.Again:
             self.stats.send_failed += 1
-        self._ring.append((seq, payload))
+        self._keep(seq, payload)
         self.stats.batches += 1
         self.stats.events += len(events)
         return seq
+
+    def _keep(self, seq: int, payload: bytes) -> None:
+        """Into the replay ring, oldest out past its count or its bytes."""
+        if len(self._ring) == self._ring.maxlen:
+            self._ring_bytes -= len(self._ring[0][1])
+        self._ring.append((seq, payload))
+        self._ring_bytes += len(payload)
+        while self._ring_bytes > self.config.buffer_bytes and len(self._ring) > 1:
+            self._ring_bytes -= len(self._ring.popleft()[1])
 
     def _serve_replays(self) -> None:
         replay = self._replay
