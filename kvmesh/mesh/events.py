@@ -203,9 +203,10 @@ class StoreEvents:
 
     def wait(self, timeout: float) -> bool:
         """True when changes came (after at most ``timeout`` seconds)."""
-        woke = self._wake.wait(timeout)
-        self._wake.clear()
-        return woke
+        if not self._wake.wait(timeout):
+            return False  # not cleared: a change noted meanwhile keeps its wake-up
+        self._wake.clear()  # a change noted from here on sets it again; the take sees it
+        return True
 
     def take(self, limit: int = 4096) -> list[Event]:
         """Up to ``limit`` pending changes as events, oldest first."""
