@@ -123,3 +123,28 @@ def test_unknown_model_is_a_404_and_messages_use_the_chat_template(fleet):
     c = head.http.post("/v1/chat/completions", json={"model": "demo-tiny", "messages": msgs,
                                                      "max_tokens": 1}).json()  # fmt: skip
     assert q["prompt_tokens"] == c["usage"]["prompt_tokens"]
+
+
+def test_peek_reads_the_index_and_touches_nothing(tmp_path):
+    from kvmesh.blocks import BlockKeyer
+    from kvmesh.disk import DiskConfig
+    from kvmesh.store import BlockStore
+
+    from .helpers import small_card, synthetic_chain
+
+    card = small_card()
+    b = card.block_tokens
+    tokens = list(range(3 * b + 1))
+    chain = synthetic_chain(card, tokens)  # three blocks and a tail
+    store = BlockStore(chain[0].nbytes * 2, disk=DiskConfig(str(tmp_path), 1 << 20))
+    for blk in chain:
+        store.put(blk)
+        store.flush(5)  # on disk before RAM lets it go
+    keys = BlockKeyer(card.namespace, b).keys(tokens)
+    stats = (store.stats.hits, store.stats.misses, store.disk_stats.hits)
+    peek = store.peek(keys)
+    assert (peek.tokens, peek.whole) == (len(tokens), True)
+    assert peek.ram_tokens == 0  # the first blocks' bytes are on disk only
+    assert (store.stats.hits, store.stats.misses, store.disk_stats.hits) == stats
+    other = BlockKeyer(card.namespace, b).keys(tokens[:b] + [0] * (2 * b))
+    assert store.peek(other).tokens == b and not store.peek(other).whole  # up to the fork
