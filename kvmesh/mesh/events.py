@@ -199,7 +199,8 @@ class StoreEvents:
             return
         self._pending.append((change, tier, header))
         self.changes += 1
-        self._wake.set()
+        if not self._wake.is_set():  # after the append: a clear before this check is seen
+            self._wake.set()
 
     def wait(self, timeout: float) -> bool:
         """True when changes came (after at most ``timeout`` seconds)."""
