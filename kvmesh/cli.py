@@ -230,6 +230,32 @@ def security_options(fn):  # type: ignore[no-untyped-def]
     return fn
 
 
+def events_options(fn):  # type: ignore[no-untyped-def]
+    """``--kv-events ENDPOINT``, ``--kv-events-replay ENDPOINT``, ``--kv-events-topic``."""
+    for opt in reversed(
+        [
+            click.option(
+                "--kv-events",
+                metavar="ENDPOINT",
+                help="Publish vLLM-format KV events (BlockStored/BlockRemoved/AllBlocksCleared) "
+                "on a ZMQ PUB socket, e.g. tcp://*:5557 (binds; tcp://HOST:PORT connects), for "
+                "llm-d's or Dynamo's KV-aware routers (docs/routing.md).",
+            ),
+            click.option(
+                "--kv-events-replay",
+                metavar="ENDPOINT",
+                help="A ZMQ ROUTER socket that replays the last batches from a sequence number "
+                "(vLLM's replay_endpoint), e.g. tcp://*:5558.",
+            ),
+            click.option(
+                "--kv-events-topic", default="", help="Topic frame of every KV event message."
+            ),
+        ]
+    ):
+        fn = opt(fn)
+    return fn
+
+
 def node_config(*args: object, **kw: object):  # type: ignore[no-untyped-def]
     """The library's checked node config; its refusals are usage errors here."""
     from .mesh.settings import node_config as build
@@ -278,6 +304,7 @@ def _logging(verbose: bool) -> None:
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
 @disk_options
+@events_options
 def peer(
     listen: str,
     budget: str,
@@ -503,6 +530,7 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
 @click.option("-v", "--verbose", is_flag=True)
 @security_options
 @disk_options
+@events_options
 def head(
     model: str,
     engine: str,

@@ -25,6 +25,12 @@ so a peer's blocks and blocks reloaded from disk have none). An owner at its
 budget in a tier makes room by evicting only its own leaves there, LRU first; only
 an owner under its budget may push out other blocks (the tier's LRU), so one
 tenant's traffic never evicts more than its share of anyone else's.
+
+A ``listener`` hears every change of a tier as ``(change, tier, header)`` with
+``change`` "stored" or "removed" and ``tier`` "ram" or "disk" (a file written or
+deleted), under the store lock: it must only note the change and return (the KV
+events of :mod:`kvmesh.mesh.events`). A disk tier rebuilt at start is announced
+once its index is whole, parents first.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from .errors import (
 )
 
 log = logging.getLogger("kvmesh.store")
+
+Listener = Callable[[str, str, BlockHeader], None]
 
 DEFAULT_LEASE_TTL = 30.0
 
@@ -135,6 +143,15 @@ class Found:
         return n + (self.tail.header.tokens if self.tail else 0)
 
 
+@dataclass(frozen=True)
+class Peek:
+    """A prefix's stored length, from the index alone (:meth:`BlockStore.peek`)."""
+
+    ram_tokens: int  # from the root, every block's bytes in memory (no file to read)
+    tokens: int  # from the root, in either tier
+    whole: bool  # ``tokens`` covers the prompt with its tail (stored logits)
+
+
 @dataclass
 class StoreStats:
     budget_bytes: int
@@ -182,6 +199,7 @@ class BlockStore:
         clock: Callable[[], float] = time.monotonic,
         disk: DiskConfig | None = None,
         layouts: Sequence[Layout] = (),
+        listener: Listener | None = None,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
@@ -203,10 +221,14 @@ class BlockStore:
         self._writer: Writer | None = None
         self.tenant_budget: tuple[int, int] | None = None  # (RAM, disk) bytes per owner
         self.owned: dict[str, list[int]] = {}  # owner -> [RAM bytes, disk bytes]
+        self.listener: Listener | None = None  # quiet while the disk index is rebuilt
         if disk is not None:
             self._files = DiskFiles(disk.path)
             self._load_disk(self._files)
             self._writer = Writer(self._write_one, self._drained, disk.queue_bytes)
+        self.listener = listener
+        for e in list(self._entries.values()):  # rebuilt from disk, parents first
+            self._tell("stored", "disk", e)
 
     # -- writes -------------------------------------------------------------
 
@@ -268,6 +290,7 @@ class BlockStore:
             self.stats.used_bytes += block.nbytes
             self.stats.entries += 1
             self.stats.inserts += 1
+            self._tell("stored", "ram", self._entries[key])
             if self.disk is not None and self.disk.admit == "evicted":
                 self._admit(key)
             return True
@@ -338,6 +361,10 @@ class BlockStore:
         e = self._entries[key]
         return e.owner == owner and e.leases == 0
 
+    def _tell(self, change: str, tier: str, e: _Entry) -> None:
+        if self.listener is not None:
+            self.listener(change, tier, e.header)
+
     def _reject(self, reason: str) -> None:
         self.stats.rejects[reason] = self.stats.rejects.get(reason, 0) + 1
 
@@ -393,6 +420,7 @@ class BlockStore:
         self.stats.used_bytes -= e.nbytes
         self.stats.entries -= 1
         self.stats.evictions += 1
+        self._tell("removed", "ram", e)
         parent = self._entries.get(e.header.parent)
         if parent is not None:
             parent.ram_kids -= 1
@@ -431,6 +459,7 @@ class BlockStore:
             self._own(e, 0, -e.nbytes)
             self.stats.used_bytes -= e.nbytes
             self.stats.entries -= 1
+            self._tell("removed", "ram", e)
         if e.on_disk:
             self._unlink(e)
         parent = self._entries.get(e.header.parent)
@@ -508,6 +537,7 @@ class BlockStore:
                 e.block = None
             self.disk_stats.entries += 1
             self.disk_stats.admissions += 1
+            self._tell("stored", "disk", e)
             self._sync(key)
 
     def _drained(self) -> None:
@@ -594,6 +624,7 @@ class BlockStore:
         e.on_disk = False
         self.disk_stats.used_bytes -= e.nbytes
         self.disk_stats.entries -= 1
+        self._tell("removed", "disk", e)
 
     def _hit(self, key: bytes, hit: bool) -> _Entry | None:
         """Under the lock: the entry under ``key``, touched (and counted as hit)."""
@@ -653,6 +684,7 @@ class BlockStore:
         self.stats.used_bytes += e.nbytes
         self.stats.entries += 1
         self.disk_stats.promotions += 1
+        self._tell("stored", "ram", e)
         parent = self._entries.get(e.header.parent)
         if parent is not None:
             parent.ram_kids += 1
@@ -758,6 +790,22 @@ class BlockStore:
         if any(e.block is None for _, e in found + ([t] if t else [])):
             self.disk_stats.hits += 1
         return found, t
+
+    def peek(self, keys: PrefixKeys) -> Peek:
+        """The longest stored prefix of ``keys`` in RAM alone and across both tiers,
+        from the index: nothing is touched, counted or read (a router's question
+        is not a use of the cache)."""
+        with self._lock:
+            chain = [self._entries.get(k) for k in keys.blocks]
+            tail = self._entries.get(keys.tail)
+        ram = both = 0
+        for i, e in enumerate(chain + [tail]):
+            if e is None:
+                break
+            n = e.header.tokens if i < len(chain) else keys.tail_tokens
+            both += n
+            ram += n if e.block is not None and ram == both - n else 0  # no file read
+        return Peek(ram, both, both == keys.n_tokens and tail is not None)
 
     def lookup(self, keys: PrefixKeys | Sequence[bytes], tail: bytes | None = None) -> Found:
         """Longest run of stored blocks from the root, across tiers, from the index

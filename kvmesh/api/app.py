@@ -30,7 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.batch import EngineFailed
 from ..runtime.head import HeadRuntime
-from . import network
+from . import cache_query, network
+from .cache_query import PATH as QUERY
 from .credentials import Tenants, head_secret, presented_key, read_key_file
 from .guard import INVALID_KEY, Guard
 from .network import SOURCES, APIKeys, NetworkState
@@ -186,7 +187,7 @@ class TenantOptions:
 
 
 STATIC = Path(__file__).parent / "static"
-OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", QUERY})
 
 
 @dataclass(frozen=True)
@@ -313,6 +314,7 @@ def create_app(
         return {"tenants": tenant_rows(runtime)}
 
     app.include_router(router(service))
+    app.include_router(cache_query.router(runtime, service))
     app.include_router(network.router(runtime, keys, NetworkState(state_file), fleet_key))
 
     @app.get("/", include_in_schema=False)

@@ -283,10 +283,12 @@ class OpenAIService:
     def scope(self, request: Request, req: _Common) -> Scope:
         """Whose cache ``req`` uses: its tenant (from what the server authenticated)
         and ``cache_salt``. A 400 for a bad salt or a bad trusted tenant header."""
-        salt = req.cache_salt
+        return self.scope_of(request, req.cache_salt)
+
+    def scope_of(self, request: Request, value: object) -> Scope:
+        """:meth:`scope` from the request and its ``cache_salt`` field's value."""
         try:
-            if salt is not None:
-                check_cache_salt(salt)
+            salt = None if value is None else check_cache_salt(value)
         except ValueError as e:
             raise APIError(400, str(e), param="cache_salt", code="invalid_cache_salt") from None
         if self.tenants is None:

@@ -82,6 +82,7 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
     from ..engine import load_engine
     from ..engine.demo import resolve_model
     from ..memory import keep_heap_warm
+    from ..mesh.events import RecordingKeyer
     from ..mesh.node import NodeThread
     from ..runtime.head import HeadRuntime
     from ..units import is_loopback
@@ -116,6 +117,8 @@ def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped
         max_batch=opts.max_batch,
         kv_budget_bytes=opts.kv_budget_bytes,
     )
+    if node.node.events is not None:  # KV events carry the tokens of the blocks this head keys
+        runtime.keyer = RecordingKeyer(runtime.keyer, node.node.events.source.memo)
     name, aliases = opts.model_names()
     app = create_app(
         runtime,

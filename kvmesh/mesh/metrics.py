@@ -5,7 +5,8 @@ Besides store gauges, what this node serves (``kvmesh_fetches_served_total``,
 second its card gossips as ``load``, and ``kvmesh_hot_prefixes``: prefixes it
 answers that are asking for replicas), so an operator sees a hot spot; per-tier figures (``kvmesh_tier_*{tier="ram"|"disk"}``:
 bytes, blocks, hits, admissions, evictions, promotions, corrupt files found)
-and ``kvmesh_events{kind, side}`` (every counter of the
+``kvmesh_kv_events{outcome}`` (routers' KV events: changes, published,
+dropped...) and ``kvmesh_events{kind, side}`` (every counter of the
 node's server and client, ``side`` telling which), two families let an operator
 alert on a hostile or failing fleet without knowing every counter name:
 
@@ -71,6 +72,7 @@ class NodeCollector(Collector):
         yield from self._tiers(node)
         yield from self._events(node)
         yield from self._failures(node)
+        yield from self._kv_events(node)
 
     def _store(self, node: Any) -> Iterator[Any]:
         s = node.store.stats
@@ -151,6 +153,21 @@ class NodeCollector(Collector):
             for reason, v in (("corrupt", d.corrupt), ("torn", d.torn), ("orphan", d.orphans)):
                 f.add_metric([reason], v)
             yield f
+
+    def _kv_events(self, node: Any) -> Iterator[Any]:
+        """Routers' KV events (``--kv-events``): changes announced and dropped."""
+        ev = getattr(node, "events", None)
+        if ev is None:
+            return
+        c = CounterMetricFamily("kvmesh_kv_events", "KV events for routers, by outcome",
+                                labels=["outcome"])  # fmt: skip
+        st = ev.publisher.stats
+        for outcome, v in (("changes", ev.source.changes), ("published", st.events),
+                           ("batches", st.batches), ("dropped", ev.source.dropped),
+                           ("send_failed", st.send_failed), ("replays", st.replays),
+                           ("bad_replays", st.bad_replays)):  # fmt: skip
+            c.add_metric([outcome], v)
+        yield c
 
     def _events(self, node: Any) -> Iterator[Any]:
         c = CounterMetricFamily(

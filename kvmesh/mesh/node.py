@@ -28,6 +28,7 @@ from ..disk import DiskConfig
 from ..store import BlockStore
 from .bulk import BulkServer
 from .client import MeshClient
+from .events import EventsConfig, NodeEvents
 from .membership import MAX_MEMBERS, Membership, detect_endpoints, parse_advertise
 from .proto import kvmesh_pb2 as pb
 from .security import Security
@@ -62,6 +63,7 @@ class NodeConfig:
     bulk: bool = True  # serve and use the bulk data path (else block bytes go over gRPC)
     data_port: int = 0  # the bulk path's port on the listen host (0: any free port)
     advertise_data_port: int = 0  # the port peers dial, if not data_port (forwarding)
+    kv_events: EventsConfig | None = None  # publish vLLM-format KV events (mesh/events.py)
 
     def disk(self) -> DiskConfig | None:
         if not self.disk_path:
@@ -83,7 +85,10 @@ class MeshNode:
         self.config = config
         self.node_id = config.resolved_node_id()
         self.alias = config.alias or f"node-{self.node_id[:6]}"
-        self.store = BlockStore(config.budget_bytes, disk=config.disk())
+        # events first: AllBlocksCleared, then a rebuilt disk tier's blocks
+        self.events = NodeEvents(config.kv_events) if config.kv_events else None
+        self.store = BlockStore(config.budget_bytes, disk=config.disk(),
+                                listener=self.events.source if self.events else None)  # fmt: skip
         self.cache = CacheService(self.store, config.max_block_bytes, config.max_inflight_bytes)
         self.auth = config.security.auth(self.node_id)
         self.membership = Membership(
@@ -204,6 +209,8 @@ class MeshNode:
         if self._server:
             await self._server.stop(grace)
         await asyncio.to_thread(self.store.close)  # finish queued disk writes
+        if self.events is not None:
+            await asyncio.to_thread(self.events.close)
 
 
 class NodeThread:

@@ -6,6 +6,8 @@ Contract: :func:`node_config` returns a checked config or raises
 line or the environment itself (the CLI and the connector hand it their values).
 A plaintext listener off loopback needs ``plaintext``; one without client
 authentication (no fleet key, no mutual TLS) needs ``allow_unauthenticated``.
+KV events (``kv_events``) are plaintext ZMQ carrying prompts' token ids, so an
+endpoint beyond loopback (``tcp://*:5557`` included) needs ``plaintext`` too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..units import is_loopback, parse_size, split_hostport
+from .events import EventsConfig
 from .node import NodeConfig
 from .security import Security, TLSConfig, load_fleet_key
 
@@ -32,6 +35,36 @@ def _disk(sec: dict[str, object]) -> dict[str, Any]:
     return dict(disk_path=str(sec["disk"]),
                 disk_budget_bytes=_size(sec.get("disk_budget"), "16GiB", "--disk-budget"),
                 disk_admit=str(sec.get("disk_admit") or "evicted"))  # fmt: skip
+
+
+def _endpoint(value: str, option: str, sec: dict[str, object]) -> str:
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise ConfigError(f"invalid {option} {value!r}: expected tcp://HOST:PORT, ipc:// or inproc://")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"invalid {option} {value!r}: expected tcp://HOST:PORT")
+        if not is_loopback(host.strip("[]")) and not sec.get("plaintext"):
+            raise ConfigError(
+                f"refusing {option} on {host}: KV events are plaintext and carry prompts' "
+                "token ids; pass --plaintext for a trusted private network"
+            )
+    return value
+
+
+def _events(sec: dict[str, object]) -> dict[str, Any]:
+    """``NodeConfig`` fields for the ``--kv-events*`` options (none without ``--kv-events``)."""
+    if not sec.get("kv_events"):
+        if sec.get("kv_events_replay"):
+            raise ConfigError("--kv-events-replay needs --kv-events")
+        return {}
+    replay = str(sec.get("kv_events_replay") or "")
+    return dict(kv_events=EventsConfig(
+        _endpoint(str(sec["kv_events"]), "--kv-events", sec),
+        _endpoint(replay, "--kv-events-replay", sec) if replay else "",
+        str(sec.get("kv_events_topic") or ""),
+    ))  # fmt: skip
 
 
 def node_config(
@@ -72,6 +105,7 @@ def node_config(
         roles=roles,
         security=Security(tls=tls, fleet_key=key),
         **_disk(sec),
+        **_events(sec),
         bulk=not sec.get("no_bulk"),
         data_port=int(str(sec.get("data_port") or 0)),
         advertise_data_port=int(str(sec.get("advertise_data_port") or 0)),

@@ -422,6 +422,13 @@ class HeadRuntime:
 
     # -- sessions --------------------------------------------------------------
 
+    def session_prefix(
+        self, tokens: list[int], root: bytes | None = None, client: str = ""
+    ) -> int:
+        """Prompt tokens a live session would give ``tokens`` now (0: none)."""
+        best = self._best_session(tokens, root, client)
+        return best[1] if best else 0
+
     def _best_session(
         self, tokens: list[int], root: bytes | None = None, client: str = ""
     ) -> tuple[int, int] | None:

@@ -1,0 +1,162 @@
+"""``POST /v1/cache/query``: how much of a prompt this head and its fleet hold.
+
+A router or a gateway asks without knowing kvmesh's key scheme. The body names
+the model and exactly one of ``prompt`` (text or token ids, as
+``/v1/completions``), ``messages`` (as ``/v1/chat/completions``: the chat
+template applied) or ``token_ids``; the prompt is tokenized exactly as a
+completion's. The answer::
+
+    {"model", "prompt_tokens", "block_size", "cached_tokens", "source", "peer",
+     "prefix": {"session": n, "local": n, "disk": n, "<peer alias>": n, ...}}
+
+``prefix`` holds the prompt tokens each source holds from the start: ``session``
+(this head's live sessions), ``local`` (its RAM tier), ``disk`` (its store with
+the disk tier under RAM) and every compatible peer asked (by alias; a peer
+holding nothing, or not answering within the lookup deadline, shows 0).
+``cached_tokens``, ``source`` and ``peer`` are what the next completion of the
+same prompt would report (``usage.prompt_tokens_details.cached_tokens``,
+``kvmesh.source`` and ``kvmesh.peer``) if nothing changed in between: the source the head's
+acquisition would pick (a session wins a tie; a peer only when it holds more and
+the planner would fetch it), and a prefix covering the whole prompt counts in
+full only with its stored tail (logits), else less its last token, which is
+computed. Nothing is fetched; the local store is read from its index without
+being touched (:meth:`BlockStore.peek`). Protected like the OpenAI routes
+(``--api-key-scope all``). Bad input is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from ..blocks import PrefixKeys
+from ..mesh.hits import PeerHit
+from ..runtime.head import HeadRuntime, Scope
+from ..store import Peek
+from .openai import (
+    APIError,
+    Body,
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    OpenAIService,
+    client_of,
+)
+
+PATH = "/v1/cache/query"
+
+
+class CacheQuery(Body):
+    model: str
+    prompt: str | list[int] | list[str] | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    token_ids: list[int] | None = None
+    cache_salt: Any = None  # checked as a completion's: the answer is for that cache
+
+
+def router(runtime: HeadRuntime, service: OpenAIService) -> APIRouter:
+    r = APIRouter()
+
+    @r.post(PATH)
+    async def query(request: Request, req: CacheQuery) -> dict[str, Any]:
+        scope = service.scope_of(request, req.cache_salt)  # the caller's own tenant and salt
+        client = client_of(request, service.key_is_valid)
+        if req.model not in service.names():
+            raise APIError(404, f"The model '{req.model}' does not exist", param="model",
+                           code="model_not_found")  # fmt: skip
+        given = [f for f in ("prompt", "messages", "token_ids") if getattr(req, f) is not None]
+        if len(given) != 1:
+            raise APIError(400, "give exactly one of prompt, messages or token_ids",
+                           param=given[1] if len(given) > 1 else "prompt")  # fmt: skip
+        tokens = await asyncio.to_thread(_tokens, service, req)
+        if not tokens:
+            raise APIError(400, "the prompt is empty", param=given[0])
+        if len(tokens) > service.max_context:
+            raise APIError(400, f"the prompt has {len(tokens)} tokens, more than this model's "
+                           f"context of {service.max_context}", param=given[0],
+                           code="context_length_exceeded")  # fmt: skip
+        answer = await asyncio.to_thread(cached_prefix, runtime, tokens, scope, client)
+        return {"model": service.model_name, **answer}
+
+    return r
+
+
+def _tokens(service: OpenAIService, req: CacheQuery) -> list[int]:
+    """The prompt's token ids through the completion's own code (its checks too)."""
+    if req.messages is not None:
+        return service.chat_tokens(ChatRequest(model=req.model, messages=req.messages))
+    if req.token_ids is not None:
+        prompt: Any = req.token_ids
+        try:
+            return service.completion_tokens(CompletionRequest(model=req.model, prompt=prompt))
+        except APIError as e:
+            raise APIError(400, e.message, param="token_ids") from None
+    assert req.prompt is not None
+    return service.completion_tokens(CompletionRequest(model=req.model, prompt=req.prompt))
+
+
+def cached_prefix(
+    runtime: HeadRuntime, tokens: list[int], scope: Scope | None = None, client: str = ""
+) -> dict[str, Any]:
+    """Per source, the prompt tokens held from the start in ``scope``'s cache, with
+    ``client``'s own sessions and tails (as its completion would see them; default:
+    the shared cache); and which source the head's acquisition would use, with the
+    tokens it would not recompute."""
+    n = len(tokens)
+    keyer = runtime.keyer_for(scope or Scope(), client)
+    keys = keyer.keys(tokens)
+    session = runtime.session_prefix(tokens, keyer.root, client)
+    prefix: dict[str, int] = {"session": session, "local": 0, "disk": 0}
+    out: dict[str, Any] = {"prompt_tokens": n, "block_size": runtime.card.block_tokens,
+                           "cached_tokens": 0, "source": "compute", "peer": None}  # fmt: skip
+    fleet = runtime.fleet
+    peek = fleet.store.peek(keys) if fleet is not None else Peek(0, 0, False)
+    prefix.update(local=peek.ram_tokens, disk=peek.tokens)
+    if session and session >= peek.tokens:  # resuming is a crop: sessions win ties
+        out.update(cached_tokens=session, source="session")
+    elif peek.tokens:
+        out.update(cached_tokens=_imported(peek.tokens, peek.whole, n),
+                   source="disk" if peek.tokens > peek.ram_tokens else "local")  # fmt: skip
+    if fleet is not None:
+        have = max(session, peek.tokens)
+        skip = 0 if peek.whole else peek.tokens // runtime.card.block_tokens
+        hit = _remote(runtime, keys, n, have, skip, prefix)
+        if hit is not None:
+            out.update(cached_tokens=_imported(hit.tokens, hit.tail is not None, n),
+                       source="remote", peer=hit.alias)  # fmt: skip
+    return {**out, "prefix": prefix}
+
+
+def _imported(held: int, whole: bool, n: int) -> int:
+    """Prompt tokens not recomputed from a prefix of ``held`` tokens: all with the
+    stored tail's logits, else at least the last one is computed."""
+    return n if whole and held == n else min(held, n - 1)
+
+
+def _remote(runtime: HeadRuntime, keys: PrefixKeys, n: int, have: int, skip: int,
+            prefix: dict[str, int]) -> PeerHit | None:  # fmt: skip
+    """Ask the compatible peers (as a completion would, under the lookup deadline),
+    note each one's prefix, and return the hit the acquisition would fetch."""
+    fleet, node = runtime.fleet, runtime.node
+    assert fleet is not None and node is not None
+    for card in node.node.client.compatible_peers(runtime.card):
+        prefix.setdefault(card.alias, 0)
+    hooks = runtime.planner.lookup_hooks(runtime.telemetry.count)
+    hits, _ = fleet.lookup(runtime.card, keys, **hooks)
+    chosen = None
+    for hit in hits:  # longest first
+        prefix[hit.alias] = max(prefix.get(hit.alias, 0), hit.tokens)
+        if chosen is None and have < n - 1 and _would_fetch(runtime, hit, have, skip):
+            chosen = hit
+    return chosen
+
+
+def _would_fetch(runtime: HeadRuntime, hit: PeerHit, have: int, skip: int) -> bool:
+    planner = runtime.planner
+    if hit.tokens <= have or not planner.usable(hit.node_id):
+        return False
+    nbytes = sum(i.nbytes for i in hit.infos[skip:])
+    return bool(planner.estimate(hit.node_id, hit.tokens - have, nbytes).worth_it)
