@@ -84,11 +84,22 @@ class ConnectorSettings:
     def publish(self) -> bool:
         return not self.values["no_publish"]
 
-    def node_config(self) -> NodeConfig:
-        """The mesh node of this vLLM process, built and checked like ``kvmesh head``'s."""
+    def node_config(self, rank: int = 0, world: int = 1) -> NodeConfig:
+        """The mesh node of tensor-parallel rank ``rank`` of ``world`` (one per worker
+        process), built and checked like ``kvmesh head``'s. With several ranks, a
+        fixed listen port is the first rank's (rank r listens on port + r) and an
+        alias gets ``-tp<r>``; without an alias each worker is ``vllm-HOST-PID``."""
+        from ..mesh.node import pid_alias
         from ..mesh.settings import node_config
 
-        v = self.values
+        v = dict(self.values)
+        if world > 1:
+            host, _, port = str(v["grpc_listen"]).rpartition(":")
+            if port.isdigit() and int(port):
+                v["grpc_listen"] = f"{host}:{int(port) + rank}"
+            if v["alias"]:
+                v["alias"] = f"{v['alias']}-tp{rank}"
+        v["alias"] = v["alias"] or f"vllm-{pid_alias()}"
         sec = {k: v[k] for k in _SECURITY}
         try:
             return node_config(
