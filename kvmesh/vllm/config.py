@@ -88,7 +88,9 @@ class ConnectorSettings:
         """The mesh node of tensor-parallel rank ``rank`` of ``world`` (one per worker
         process), built and checked like ``kvmesh head``'s. With several ranks, a
         fixed listen port is the first rank's (rank r listens on port + r) and an
-        alias gets ``-tp<r>``; without an alias each worker is ``vllm-HOST-PID``."""
+        alias gets ``-tp<r>``; without an alias each worker is ``vllm-HOST-PID``. A
+        rank of several is a head only (no cache role): it keeps and serves its own
+        pages to itself, and publishes to the fleet's caches, never to a sibling."""
         from ..mesh.node import pid_alias
         from ..mesh.settings import node_config
 
@@ -108,7 +110,9 @@ class ConnectorSettings:
                 tuple(v["seed"]),
                 v["alias"],
                 tuple(v["advertise"]),
-                ("head", "cache"),
+                # a rank of several is no cache for others: its siblings (which die
+                # with it) would be publish targets; its own pages stay its own
+                ("head", "cache") if world == 1 else ("head",),
                 sec,
                 gossip_interval=v["gossip_interval"],
                 ttl=v["ttl"],

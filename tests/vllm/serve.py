@@ -50,6 +50,8 @@ def main() -> None:
     )
     if opts.get("block_size"):
         kw["block_size"] = opts["block_size"]
+    if opts.get("tensor_parallel_size"):
+        kw["tensor_parallel_size"] = opts["tensor_parallel_size"]
     if opts.get("kvmesh") is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "KVMeshConnector",
@@ -95,7 +97,10 @@ def main() -> None:
 class VLLMProcess:
     """Client side: start ``serve.py`` in a fresh process and send it commands."""
 
-    def __init__(self, model: str, kvmesh: dict[str, Any] | None, log: Path, **opts: Any) -> None:
+    def __init__(
+        self, model: str, kvmesh: dict[str, Any] | None, log: Path,
+        env: dict[str, str] | None = None, **opts: Any,
+    ) -> None:  # fmt: skip
         if kvmesh is not None:  # a loaded CI machine must not turn a slow lookup into a miss
             kvmesh = {"lookup_timeout": 5.0, **kvmesh}
         arg = json.dumps({"model": model, "kvmesh": kvmesh, **opts})
@@ -106,7 +111,7 @@ class VLLMProcess:
             stdout=subprocess.PIPE,
             stderr=open(log, "a"),  # noqa: SIM115
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,  # vLLM's own processes go with it on kill()
         )
         try:

@@ -15,6 +15,7 @@ log-probabilities. What kvmesh did comes back with each request, in vLLM's
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -43,7 +44,7 @@ def prompt(first: int, n: int = 420) -> list[int]:
     return [first] + [(first * 31 + i * 7) % 250 + 3 for i in range(n - 1)]
 
 
-NAMES = ("hit", "corrupt", "card", "killed", "serve")
+NAMES = ("hit", "corrupt", "card", "killed", "serve", "tp")
 PROMPTS = {name: prompt(i + 4) for i, name in enumerate(NAMES)}
 FULL_PAGES = (420 - 1) // BLOCK  # pages a load may cover (vLLM computes the last token)
 
@@ -171,6 +172,36 @@ def test_vllm_serve_gets_a_remote_hit_through_the_openai_client(mesh):
     assert resp.usage.prompt_tokens_details.cached_tokens >= FULL_PAGES * BLOCK
     got = (resp.model_extra or {})["kv_transfer_params"]["kvmesh"]
     assert got["source"] == "remote" and got["loaded"] == FULL_PAGES
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs two CPU cores")
+def test_tensor_parallel_ranks_save_and_load_their_own_shards(mesh):
+    """TP=2 on vLLM's CPU build: each rank's worker is its own mesh node with its own
+    card (rank and world size in it) and page stream. A prompt computed once is
+    saved by both ranks and loaded by both the second time (vLLM's own prefix cache
+    off), bit-identical; what a TP=1 server published is never offered to it.
+    (``VLLM_CPU_OMP_THREADS_BIND``: vLLM's CPU workers bind one core each; on one
+    NUMA node vLLM cannot choose them itself.)"""
+    tp = VLLMProcess(mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "tp.log",
+                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                     tensor_parallel_size=2)  # fmt: skip
+    try:
+        other = tp.generate(PROMPTS["hit"])  # published by TP=1 servers only
+        out = tp.generate(PROMPTS["tp"])
+        again = tp.generate(PROMPTS["tp"])
+    finally:
+        tp.close()
+    cards = out["kvmesh"]["cards"]
+    assert [e for e, _ in cards.values()] == [
+        mesh["cards"]["0"][0].replace("tp=0of1", f"tp={r}of2") for r in (0, 1)
+    ]
+    assert len({ns for _, ns in cards.values()} | {mesh["cards"]["0"][1]}) == 3
+    assert other["kvmesh"]["pages"] == 0 and other["num_cached_tokens"] == 0
+    assert out["kvmesh"]["pages"] == 0
+    got = again["kvmesh"]
+    assert got["source"] == "local" and got["pages"] == got["loaded"] == FULL_PAGES
+    assert again["num_cached_tokens"] >= FULL_PAGES * BLOCK
+    same(again, out)
 
 
 def test_a_killed_peer_computes(mesh, b):
