@@ -9,6 +9,14 @@ The *tail* of a published sequence of ``n`` tokens is the ``n mod B`` tokens aft
 its last full block (possibly none). Its key is ``H(parent || "T" || tokens)``;
 a tail entry carries those tokens' KV plus the next-token logits of position
 ``n-1``, so an exact repeat needs no forward pass before its first sampled token.
+
+Namespaces within a namespace: a request's chain may start from a *chain root*
+other than the namespace (:func:`chain_root`), derived from a server-side tenant
+root (:func:`tenant_root`, a secret the client never sees or names) and an
+optional ``cache_salt`` (vLLM's request field). Only block 0's key depends on the
+root, and every later key on block 0's, so two roots share no key. Headers still
+name the namespace as block 0's parent (the structural root of every tree), so a
+block on the wire or on disk does not say which root — which tenant — it has.
 """
 
 from __future__ import annotations
@@ -29,6 +37,56 @@ DEFAULT_BLOCK_TOKENS = 32
 KEY_BYTES = 32
 _BLOCK_TAG = b"B"
 _TAIL_TAG = b"T"
+_TENANT_DOMAIN = b"kvmesh/tenant-root/v1\x00"
+_ROOT_DOMAIN = b"kvmesh/chain-root/v1\x00"
+MAX_CACHE_SALT_CHARS = 1024  # vLLM sets none; ours keeps a salt a small hash input
+
+
+def check_cache_salt(salt: object) -> str:
+    """``salt`` if it is a valid ``cache_salt``: a non-empty string of at most
+    ``MAX_CACHE_SALT_CHARS`` characters of valid Unicode. Else ValueError naming
+    what is wrong (the API turns it into a 400 on ``cache_salt``)."""
+    if not isinstance(salt, str):
+        raise ValueError("cache_salt must be a string")
+    if not salt:
+        raise ValueError("cache_salt must not be empty")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("cache_salt must be valid Unicode (no lone surrogates)") from None
+    return salt
+
+
+def tenant_root(secret: bytes, tenant: str) -> bytes:
+    """A tenant's root: HMAC-SHA256 of its name under a server-side ``secret`` (the
+    fleet key, or a per-head secret). Only the server computes it; a client that
+    knows (or sends) another tenant's name or salt cannot reproduce it."""
+    if not secret:
+        raise ValueError("a tenant root needs a non-empty secret")
+    return hmac.new(secret, _TENANT_DOMAIN + tenant.encode("utf-8"), hashlib.sha256).digest()
+
+
+def chain_root(
+    namespace: bytes, tenant: bytes | None = None, cache_salt: str | None = None
+) -> bytes:
+    """The root a request's key chain starts from: the namespace itself when there
+    is neither a tenant root nor a salt (the one shared cache, as before tenants),
+    else SHA-256 of the namespace, the tenant root (``tenant``, from
+    :func:`tenant_root`; absent: the shared namespace) and the salt, each
+    length-prefixed. The salt separates requests *within* what ``tenant`` already
+    separates: it is never a way into another tenant's cache."""
+    if len(namespace) != KEY_BYTES:
+        raise ValueError("namespace must be 32 bytes")
+    if tenant is None and cache_salt is None:
+        return namespace
+    if tenant is not None and len(tenant) != KEY_BYTES:
+        raise ValueError("a tenant root is 32 bytes")
+    salt = b"" if cache_salt is None else check_cache_salt(cache_salt).encode("utf-8")
+    t = tenant or b""
+    msg = _ROOT_DOMAIN + namespace + bytes([len(t)]) + t + len(salt).to_bytes(4, "little")
+    return hashlib.sha256(msg + salt).digest()
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -50,16 +108,30 @@ class PrefixKeys:
 
 
 class BlockKeyer:
-    """Computes chained block keys for one namespace."""
+    """Computes chained block keys for one namespace, from ``root`` (default: the
+    namespace; see :func:`chain_root`)."""
 
-    def __init__(self, namespace: bytes, block_tokens: int, fleet_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        namespace: bytes,
+        block_tokens: int,
+        fleet_key: bytes | None = None,
+        root: bytes | None = None,
+    ) -> None:
         if block_tokens <= 0:
             raise ValueError("block_tokens must be positive")
         if len(namespace) != KEY_BYTES:
             raise ValueError("namespace must be 32 bytes")
+        if root is not None and len(root) != KEY_BYTES:
+            raise ValueError("root must be 32 bytes")
         self.namespace = namespace
+        self.root = namespace if root is None else root
         self.block_tokens = block_tokens
         self._fleet_key = fleet_key
+
+    def rooted(self, root: bytes) -> BlockKeyer:
+        """This keyer (same namespace, block size and fleet key) from ``root``."""
+        return BlockKeyer(self.namespace, self.block_tokens, self._fleet_key, root)
 
     def _h(self, parent: bytes, tag: bytes, tokens: Sequence[int]) -> bytes:
         msg = parent + tag + len(tokens).to_bytes(4, "little") + _token_bytes(tokens)
@@ -81,7 +153,7 @@ class BlockKeyer:
         b = self.block_tokens
         n_full = len(tokens) // b
         chain: list[bytes] = []
-        parent = self.namespace
+        parent = self.root  # hashed in; headers name the namespace (see parent_of)
         for i in range(n_full):
             parent = self.block_key(parent, tokens[i * b : (i + 1) * b])
             chain.append(parent)
@@ -89,5 +161,7 @@ class BlockKeyer:
         return PrefixKeys(b, len(tokens), tuple(chain), tail)
 
     def parent_of(self, keys: PrefixKeys, index: int) -> bytes:
-        """Parent key of full block ``index`` (the namespace for block 0)."""
+        """Parent key of full block ``index`` as headers name it: the namespace for
+        block 0 whatever the root (the root is hashed into block 0's key, never
+        written out), so a stored or sent block does not reveal its root."""
         return self.namespace if index == 0 else keys.blocks[index - 1]
