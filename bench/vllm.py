@@ -83,7 +83,7 @@ def run(name: str, model: str, kvmesh: dict[str, Any] | None, shape: dict[str, A
         logs: Path) -> dict[str, Any]:  # fmt: skip
     log = logs / f"{name}.log"
     t0 = time.perf_counter()
-    with APIServer(model, kvmesh, log, "--enable-prefix-caching",
+    with APIServer(model, kvmesh, log, "--enable-prefix-caching", "--shutdown-timeout", "10",
                    max_model_len=shape["len"]) as srv:  # fmt: skip
         start_s = time.perf_counter() - t0
         res = serve_bench(srv.url, model, shape, seed=0)

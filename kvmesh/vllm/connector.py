@@ -33,8 +33,10 @@ rank and world size are in the card, so shards of different layouts never mix):
   stored are copied out (one copy, on the model's path), then sealed (BLAKE3),
   stored and published by the core's publisher through its bounded slots.
 
-Requests that kvmesh's keys cannot describe (LoRA adapters, multimodal inputs,
-a cache salt, prompt embeddings) are neither looked up nor saved.
+A request with vLLM's ``cache_salt`` is keyed from a chain root of the namespace
+and the salt, so it is looked up and saved only among requests with the same
+salt. Requests that kvmesh's keys cannot describe (LoRA adapters, multimodal
+inputs, prompt embeddings, an invalid salt) are neither looked up nor saved.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorWorkerMetadata,
 )
 
-from ..blocks import PrefixKeys
+from ..blocks import BlockKeyer, PrefixKeys, chain_root, check_cache_salt
 from ..codec import Block
 from ..errors import CacheMiss, ConfigError, KVMeshError
 from ..mesh.hits import PeerHit
@@ -87,6 +89,7 @@ ANSWER_GRACE_S = 5.0  # beyond the lookup deadline, before the scheduler stops w
 class Ask:
     req_id: str
     tokens: list[int]  # the prompt's full pages that vLLM does not compute itself
+    salt: str | None = None  # vLLM's cache_salt: its own key chain (see keyer_for)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class SaveSpec:
     req_id: str
     tokens: list[int]  # the prompt's full pages
     block_ids: list[int]
+    salt: str | None = None
 
 
 @dataclass
@@ -176,6 +180,7 @@ class _Asked:
 class _Tracked:
     tokens: list[int]
     block_ids: list[int]
+    salt: str | None = None
     saved: bool = False
 
 
@@ -204,6 +209,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lock = threading.Lock()
         # scheduler side
         self._eligible: dict[str, bool] = {}
+        self._salts: dict[str, str | None] = {}
         self._asked: dict[str, _Asked] = {}
         self._asks: list[Ask] = []
         self._drops: list[str] = []
@@ -269,7 +275,8 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     svc.count("acquire_dropped")
                     self._answers[ask.req_id] = 0
                     continue
-                acq = self._acqs[ask.req_id] = Acquisition(svc.keyer.keys(ask.tokens))
+                keys = _keyer_for(svc.keyer, ask.salt).keys(ask.tokens)
+                acq = self._acqs[ask.req_id] = Acquisition(keys)
                 self._inflight += 1
                 acq.done = svc.acquires.submit(self._acquire, ask.req_id, acq)
 
@@ -468,7 +475,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         svc = self._require_svc()
         assert self.pages is not None
         pages = self.pages
-        keys = svc.keyer.keys(spec.tokens)
+        keys = _keyer_for(svc.keyer, spec.salt).keys(spec.tokens)
         have = svc.fleet.local_prefix(keys).blocks
         if len(have) >= len(keys.blocks) or not svc.publisher.reserve():
             return
@@ -503,6 +510,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         eligible = _eligible(request)
         with self._lock:
             self._eligible[req_id] = eligible
+            salt = self._salts[req_id] = _salt(request) if eligible else None
         if not eligible or tokens is None:
             return 0, False
         pages = (len(tokens) - 1) // self.block_size  # vLLM computes at least the last token
@@ -512,7 +520,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             asked = self._asked.get(req_id)
             if asked is None:  # the workers find its pages; ask again next step
                 self._asked[req_id] = _Asked(time.monotonic())
-                self._asks.append(Ask(req_id, list(tokens[: pages * self.block_size])))
+                self._asks.append(Ask(req_id, list(tokens[: pages * self.block_size]), salt))
                 return None, False
             if asked.loading:
                 return 0, False
@@ -574,7 +582,9 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for new in scheduler_output.scheduled_new_reqs:
                 if self._eligible.get(new.req_id) and new.prompt_token_ids is not None:
                     self._tracked[new.req_id] = _Tracked(
-                        list(new.prompt_token_ids), list(new.block_ids[0])
+                        list(new.prompt_token_ids),
+                        list(new.block_ids[0]),
+                        self._salts.get(new.req_id),
                     )
                     self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
             cached = scheduler_output.scheduled_cached_reqs
@@ -601,7 +611,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pages = min(len(t.tokens) // self.block_size, len(t.block_ids))
         if pages:
             meta.saves.append(
-                SaveSpec(req_id, t.tokens[: pages * self.block_size], t.block_ids[:pages])
+                SaveSpec(req_id, t.tokens[: pages * self.block_size], t.block_ids[:pages], t.salt)
             )
 
     def request_finished(
@@ -612,6 +622,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         req_id = request.request_id
         with self._lock:
             self._eligible.pop(req_id, None)
+            self._salts.pop(req_id, None)
             self._tracked.pop(req_id, None)
             self._first_local.pop(req_id, None)
             asked = self._asked.pop(req_id, None)
@@ -647,13 +658,32 @@ def _capped(hit: PeerHit, pages: int, block_size: int) -> PeerHit:
 
 
 def _eligible(request: Request) -> bool:
-    """Requests whose KV is a function of the prompt's token ids alone."""
+    """Requests whose KV is a function of the prompt's token ids alone (a cache
+    salt, when valid, only changes where their key chain starts)."""
+    salt = getattr(request, "cache_salt", None)
+    if salt is not None:
+        try:
+            check_cache_salt(salt)
+        except ValueError:
+            return False
     return (
         getattr(request, "lora_request", None) is None
         and not getattr(request, "mm_features", None)
-        and not getattr(request, "cache_salt", None)
         and getattr(request, "prompt_embeds", None) is None
     )
+
+
+def _salt(request: Request) -> str | None:
+    return getattr(request, "cache_salt", None) or None
+
+
+def _keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
+    """The key chain of a request with vLLM's ``cache_salt``: rooted in the namespace
+    and the salt (:func:`~kvmesh.blocks.chain_root`), so salted requests are saved
+    and found under keys no other salt (or none) shares."""
+    if salt is None:
+        return keyer
+    return keyer.rooted(chain_root(keyer.namespace, None, salt))
 
 
 def _cache_spec(kv_cache_config: KVCacheConfig) -> CacheSpec:

@@ -4,7 +4,7 @@
 
 reads one JSON command per line on stdin and answers each with one line on stdout
 that starts with ``@@`` (vLLM's own logs go to stderr and stdout without it):
-``{"op": "generate", "prompt": [ids], "max_tokens": n}`` -> token ids, per-token
+``{"op": "generate", "prompt": [ids], "max_tokens": n, "cache_salt": s}`` -> token ids, per-token
 top log-probabilities, ``num_cached_tokens``, the time it took and what kvmesh did
 for the request (``kvmesh``: vLLM's ``kv_transfer_params``).
 
@@ -70,7 +70,10 @@ def main() -> None:
         if op == "generate":
             sp = SamplingParams(max_tokens=cmd.get("max_tokens", 4), temperature=0, logprobs=5)
             t0 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": cmd["prompt"]}], sp, use_tqdm=False)[0]
+            prompt: dict[str, Any] = {"prompt_token_ids": cmd["prompt"]}
+            if cmd.get("cache_salt"):
+                prompt["cache_salt"] = cmd["cache_salt"]
+            out = llm.generate([prompt], sp, use_tqdm=False)[0]
             dt = time.perf_counter() - t0
             comp = out.outputs[0]
             logprobs = [
@@ -136,8 +139,10 @@ class VLLMProcess:
         self.proc.stdin.flush()
         return self._read()
 
-    def generate(self, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
-        return self.call("generate", prompt=prompt, max_tokens=max_tokens)
+    def generate(
+        self, prompt: list[int], max_tokens: int = 4, cache_salt: str | None = None
+    ) -> dict[str, Any]:
+        return self.call("generate", prompt=prompt, max_tokens=max_tokens, cache_salt=cache_salt)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -139,18 +139,27 @@ def test_corrupted_bytes_load_the_verified_pages_and_recompute_the_rest(mesh, fr
 def test_an_incompatible_card_is_a_miss_and_computes(mesh):
     """Another page size is another card: A's pages are never offered to it. Its own
     pages, saved by the first request, are a local hit for the second (vLLM's own
-    prefix cache is off in this process)."""
+    prefix cache is off in this process). A ``cache_salt`` is a key chain of its
+    own: the same prompt salted finds nothing unsalted, is saved under its salt, hit
+    with that salt and never with another."""
     c = VLLMProcess(mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "c.log",
                     block_size=64)  # fmt: skip
     try:
         out = c.generate(PROMPTS["card"])
         again = c.generate(PROMPTS["card"])
+        salted = [c.generate(PROMPTS["card"], cache_salt=s) for s in ("s1", "s1", "s2")]
     finally:
         c.close()
+    pages = (420 - 1) // 64
+    first, hit, other = (o["kvmesh"] for o in salted)
+    assert first["pages"] == 0 and other["pages"] == 0  # nothing shared across salts
+    assert hit["source"] == "local" and hit["loaded"] == pages
+    assert salted[1]["num_cached_tokens"] >= pages * 64
+    for o in salted:
+        same(o, mesh["cold"]["card"])
     assert out["kvmesh"]["cards"] != mesh["cards"]  # another namespace
     assert out["num_cached_tokens"] == 0 and out["kvmesh"]["pages"] == 0
     same(out, mesh["cold"]["card"])
-    pages = (420 - 1) // 64
     assert again["num_cached_tokens"] >= pages * 64
     assert again["kvmesh"]["source"] == "local" and again["kvmesh"]["loaded"] == pages
     same(again, mesh["cold"]["card"])
