@@ -494,7 +494,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             t1 = time.perf_counter()
             sealed = [pages.seal(blob, header) for blob, header in copies]
             svc.count("seal_us", round((time.perf_counter() - t1) * 1e6))
-            return [list(have) + sealed]
+            return [list(have) + sealed]  # kept here, then sent to the peers
 
         svc.publisher.submit(chains, "pages_published")
 
