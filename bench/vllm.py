@@ -95,9 +95,6 @@ def run(name: str, model: str, kvmesh: dict[str, Any] | None, shape: dict[str, A
         "p50_ttft_ms": round(res["median_ttft_ms"], 1),
         "p99_ttft_ms": round(res["p99_ttft_ms"], 1),
         "mean_e2el_ms": round(res["mean_e2el_ms"], 1),
-        # per request, in the benchmark's order (which are cold or fetched and which
-        # vLLM's own prefix-cache hits shows in the spread)
-        "ttfts_ms": [round(t * 1000) for t in res.get("ttfts", [])],
     }
     if kvmesh is not None:
         row["kvmesh"] = counters(log)
