@@ -183,16 +183,19 @@ def test_vllm_serve_gets_a_remote_hit_through_the_openai_client(mesh):
     assert got["source"] == "remote" and got["loaded"] == FULL_PAGES
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs two CPU cores")
+CORES = sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="TP=2 needs two CPU cores")
 def test_tensor_parallel_ranks_save_and_load_their_own_shards(mesh):
     """TP=2 on vLLM's CPU build: each rank's worker is its own mesh node with its own
     card (rank and world size in it) and page stream. A prompt computed once is
     saved by both ranks and loaded by both the second time (vLLM's own prefix cache
     off), bit-identical; what a TP=1 server published is never offered to it.
-    (``VLLM_CPU_OMP_THREADS_BIND``: vLLM's CPU workers bind one core each; on one
-    NUMA node vLLM cannot choose them itself.)"""
+    (``VLLM_CPU_OMP_THREADS_BIND``: vLLM's CPU workers bind one core each, here the
+    first two this process may use; on one NUMA node vLLM cannot choose them itself.)"""
     tp = VLLMProcess(mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "tp.log",
-                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                     env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, CORES[:2]))},
                      tensor_parallel_size=2)  # fmt: skip
     try:
         other = tp.generate(PROMPTS["hit"])  # published by TP=1 servers only
