@@ -1,172 +1,191 @@
-"""Time to first token of vLLM: cold prefill against a kvmesh remote hit.
+"""`vllm serve` with and without kvmesh, measured by vLLM's own serving benchmark.
 
-    .venv-vllm/bin/python bench/vllm.py --json bench/results/vllm.json
-        [--lengths 128,256,512,1024,2048,4096] [--model demo] [--dtype float32] [--repeats 2]
+    .venv-vllm/bin/python bench/vllm.py [--smoke] [--json bench/results/vllm.json]
+        [--markdown docs/benchmarks.md]
 
-Three fresh vLLM processes (``tests/vllm/serve.py``), each warmed up with one short
-request; every prompt is new to the process that times it, except where said:
+Three OpenAI servers (``python -m vllm.entrypoints.openai.api_server``, vLLM's
+default process layout, what ``vllm serve`` runs), one after the other, each
+driven by ``vllm.benchmarks.serve`` with ``--dataset-name prefix_repetition``
+(2 prefixes x 512 tokens + 64, 8 prompts, concurrency 2, 16 output tokens, the
+same seed, so the same prompts every time), vLLM's prefix cache on:
 
-  vllm_cold_s          vLLM without a connector: its best local path
-  kvmesh_cold_s        vLLM with KVMeshConnector and an empty mesh: a lookup that
-                       misses, the prefill, then the full pages copied out (on the
-                       model's path) and sealed and published (off it)
-  vllm_prefix_cache_s  the same process, the same prompt again: vLLM's own local
-                       prefix-cache hit (the floor)
-  kvmesh_remote_s      a fresh vLLM process with an empty cache: the full pages found
-                       on a ``kvmesh peer`` process over loopback, fetched, verified
-                       and copied into vLLM's pages; only the rest is computed
+  plain   vLLM without a connector
+  A       vLLM + KVMeshConnector on a cold fleet (one ``kvmesh peer``, empty):
+          every lookup misses, every computed prompt is copied out and published
+  B       a fresh vLLM + KVMeshConnector on the same peer, now warm: the prefixes
+          A published are fetched instead of computed
 
-TTFT is one ``LLM.generate`` with ``max_tokens=1`` (lookup, load, prefill, first
-token), the fastest of ``--repeats`` distinct prompts. ``identical``: the remote
-hit's log-probabilities equal, bit for bit, those of vLLM's own prefix-cache hit
-in the producer (kvmesh's promise); ``identical_to_cold``: equal to the cold run's
-too (vLLM computing a prompt in two pieces need not be bitwise one pass).
-``crossover_tokens`` is the shortest measured length at which the remote hit
-beats vLLM's cold prefill. The CPU may be shared with other work: compare rows
-of one run, not runs.
+It reports mean and p99 time to first token of each, B / A and A / plain, and
+each kvmesh server's counters (read from its log at shutdown: where the cold
+path's time goes). ``--smoke``: the tiny model, 128 + 32 tokens, 4 prompts.
+Every process it starts is stopped on every exit (errors and Ctrl-C included).
+The CPU may be shared with other work: compare rows of one run, not runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
+import re
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[0:1] = [str(ROOT)]  # not bench/: this file's name would shadow the vllm package
 
+from kvmesh.engine.demo import ensure_demo  # noqa: E402
 from tests.procs import Peer  # noqa: E402
-from tests.vllm.serve import VLLMProcess  # noqa: E402
+from tests.vllm.serve import APIServer  # noqa: E402
+
+FULL = {"model": "demo", "prefix": 512, "suffix": 64, "prompts": 8, "out": 16, "len": 2048}
+SMOKE = {"model": "demo-tiny", "prefix": 128, "suffix": 32, "prompts": 4, "out": 4, "len": 512}
+MARK, END = "<!-- bench/vllm.py -->", "<!-- /bench/vllm.py -->"
 
 
-def prompt(n: int, salt: int) -> list[int]:
-    return [(salt * 7919 + i * 31) % 250 + 3 for i in range(n)]
+def serve_bench(url: str, model: str, shape: dict[str, Any], seed: int) -> dict[str, Any]:
+    """vLLM's own serving benchmark against ``url``: its result dict."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(
+        ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+         "--model", model, "--tokenizer", model, "--dataset-name", "prefix_repetition",
+         "--prefix-repetition-prefix-len", str(shape["prefix"]),
+         "--prefix-repetition-suffix-len", str(shape["suffix"]),
+         "--prefix-repetition-num-prefixes", "2",
+         "--prefix-repetition-output-len", str(shape["out"]),
+         "--num-prompts", str(shape["prompts"]), "--max-concurrency", "2",
+         "--seed", str(seed), "--percentile-metrics", "ttft,e2el",
+         "--metric-percentiles", "50,99", "--ignore-eos", "--disable-tqdm"]
+    )  # fmt: skip
+    return main(args)
 
 
-def timed(proc: VLLMProcess, tokens: list[int]) -> dict[str, object]:
+def counters(log: Path) -> dict[str, int]:
+    """The last ``kvmesh counters {...}`` line a server's worker logged at shutdown."""
+    found: dict[str, int] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.search(r"kvmesh counters (\{.*\})", line)
+        if m:
+            found = json.loads(m.group(1))
+    return found
+
+
+def run(name: str, model: str, kvmesh: dict[str, Any] | None, shape: dict[str, Any],
+        logs: Path) -> dict[str, Any]:  # fmt: skip
+    log = logs / f"{name}.log"
     t0 = time.perf_counter()
-    out = proc.generate(tokens, max_tokens=1)
-    out["ttft_s"] = time.perf_counter() - t0
-    return out
+    with APIServer(model, kvmesh, log, "--enable-prefix-caching", "--shutdown-timeout", "10",
+                   max_model_len=shape["len"]) as srv:  # fmt: skip
+        start_s = time.perf_counter() - t0
+        res = serve_bench(srv.url, model, shape, seed=0)
+    row = {
+        "server": name,
+        "start_s": round(start_s, 1),
+        "completed": res["completed"],
+        "mean_ttft_ms": round(res["mean_ttft_ms"], 1),
+        "p50_ttft_ms": round(res["median_ttft_ms"], 1),
+        "p99_ttft_ms": round(res["p99_ttft_ms"], 1),
+        "mean_e2el_ms": round(res["mean_e2el_ms"], 1),
+    }
+    if kvmesh is not None:
+        row["kvmesh"] = counters(log)
+    print(json.dumps(row), flush=True)
+    return row
 
 
-def crossover(rows: list[dict[str, object]]) -> int | None:
-    """The shortest length from which on every measured length reuses pages and the
-    remote hit beats vLLM's cold prefill."""
-    best = None
-    for r in sorted(rows, key=lambda r: int(r["tokens"]), reverse=True):  # type: ignore[call-overload]
-        if not r["reused_tokens"] or r["kvmesh_remote_s"] >= r["vllm_cold_s"]:  # type: ignore[operator]
-            break
-        best = int(r["tokens"])  # type: ignore[call-overload]
-    return best
+def markdown(out: dict[str, Any]) -> str:
+    rows = {r["server"]: r for r in out["rows"]}
+    s = out["shape"]
+    lines = [
+        MARK,
+        "## vLLM: `vllm serve` with kvmesh (`bench/vllm.py`)",
+        "",
+        f"vLLM {out['vllm']} CPU, `{s['model']}` float32, vLLM's prefix cache on, the OpenAI "
+        f"server in vLLM's default process layout; `vllm.benchmarks.serve` prefix_repetition "
+        f"(2 prefixes x {s['prefix']} + {s['suffix']} tokens, {s['prompts']} prompts, "
+        f"concurrency 2, {s['out']} output tokens, seed 0); {out['cpus']} CPU cores shared "
+        "with other work (compare rows of one run, not runs).",
+        "",
+        "| server | mean TTFT | p50 | p99 | mean E2E |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    label = {"plain": "plain vLLM", "A": "vLLM + kvmesh, cold fleet (A)",
+             "B": "fresh vLLM + kvmesh, warm fleet (B)"}  # fmt: skip
+    for name in ("plain", "A", "B"):
+        r = rows[name]
+        lines.append(
+            f"| {label[name]} | {r['mean_ttft_ms']:.0f} ms | {r['p50_ttft_ms']:.0f} ms | "
+            f"{r['p99_ttft_ms']:.0f} ms | {r['mean_e2el_ms']:.0f} ms |"
+        )
+    lines += [
+        "",
+        f"B / A mean TTFT: **{out['b_over_a']:.2f}x**; A / plain: **{out['a_over_plain']:.2f}x**.",
+        "",
+        f"A's counters: `{json.dumps(rows['A'].get('kvmesh', {}))}`",
+        "",
+        f"B's counters: `{json.dumps(rows['B'].get('kvmesh', {}))}`",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, text: str) -> None:
+    """Replace this benchmark's section of ``path`` (between its markers), or append it."""
+    old = path.read_text() if path.exists() else ""
+    if MARK in old and END in old:
+        head, rest = old.split(MARK, 1)
+        path.write_text(head + text + rest.split(END, 1)[1])
+    else:
+        path.write_text(old.rstrip() + "\n\n" + text + "\n")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", default="128,256,512,1024,2048,4096")
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeats", type=int, default=2, help="distinct prompts per length")
-    ap.add_argument("--json", default=str(ROOT / "bench/results/vllm.json"))
-    args = ap.parse_args()
-    from kvmesh.engine.demo import DEMOS, ensure_demo
-
-    model = str(ensure_demo(args.model)) if args.model in DEMOS else args.model
-    lengths = [int(x) for x in args.lengths.split(",")]
-    max_len = max(lengths) + 64
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model and prompts (seconds)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--markdown", type=Path, default=None, help="update this file's section")
+    a = ap.parse_args()
+    shape = dict(SMOKE if a.smoke else FULL)
+    model = str(ensure_demo(shape["model"]))
+    # SIGTERM ends the run like Ctrl-C: every process below is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     logs = Path(tempfile.mkdtemp(prefix="kvmesh-bench-vllm-"))
-    common = dict(dtype=args.dtype, max_model_len=max_len)
-    warm = prompt(16, 999)
-    peer = Peer(alias="bench-cache", log_dir=logs)
-    rows: dict[int, dict[str, object]] = {n: {"tokens": n} for n in lengths}
-    reps = range(args.repeats)
-
-    def best(proc: VLLMProcess, n: int, key: str, outs: dict | None = None) -> None:
-        """The fastest of ``repeats`` distinct prompts of ``n`` tokens."""
-        runs = []
-        for r in reps:
-            out = timed(proc, prompt(n, n * 10 + r))
-            proc.call("flush", timeout=300)  # publishing never overlaps the next timing
-            runs.append(out)
-            if outs is not None:
-                outs[n, r] = out
-        rows[n][key] = round(min(float(o["ttft_s"]) for o in runs), 4)  # type: ignore[arg-type]
-
-    cold: dict[tuple[int, int], dict[str, object]] = {}
-    cached: dict[tuple[int, int], dict[str, object]] = {}
-    remote: dict[tuple[int, int], dict[str, object]] = {}
+    peer = Peer(alias="cache", log_dir=logs)
     try:
-        plain = VLLMProcess(model, None, logs / "plain.log", **common)
-        try:
-            plain.generate(warm, 1)
-            for n in lengths:
-                best(plain, n, "vllm_cold_s")
-        finally:
-            plain.close()
-        kv = {"seed": peer.address}
-        # vLLM's own prefix cache on in A: its second run of a prompt is vLLM's local hit
-        a = VLLMProcess(model, kv, logs / "a.log", prefix_caching=True, **common)
-        try:
-            card = a.ready["card"]
-            a.generate(warm, 1)
-            for n in lengths:
-                best(a, n, "kvmesh_cold_s", cold)
-                best(a, n, "vllm_prefix_cache_s", cached)
-            a.call("flush", timeout=300)
-        finally:
-            a.close()
-        b = VLLMProcess(model, kv, logs / "b.log", prefix_caching=True, **common)
-        try:
-            b.generate(warm, 1)
-            for n in lengths:
-                best(b, n, "kvmesh_remote_s", remote)
-                rows[n]["reused_tokens"] = remote[n, 0]["num_cached_tokens"]
-                # the promise: equal to continuing from the producer's own cache
-                rows[n]["identical"] = all(
-                    remote[n, r]["logprobs"] == cached[n, r]["logprobs"] for r in reps
-                )
-                rows[n]["identical_to_cold"] = all(
-                    remote[n, r]["logprobs"] == cold[n, r]["logprobs"] for r in reps
-                )
-            counters = b.counters()
-        finally:
-            b.close()
+        rows = [run("plain", model, None, shape, logs)]
+        for name in ("A", "B"):
+            rows.append(run(name, model, {"seed": peer.address, "alias": name}, shape, logs))
     finally:
-        peer.kill()
-    for r in rows.values():
-        r["speedup"] = round(float(r["vllm_cold_s"]) / float(r["kvmesh_remote_s"]), 2)  # type: ignore[arg-type]
-    result_rows = [rows[n] for n in lengths]
-    result = {
-        "bench": "vllm",
-        "model": Path(model).name,
-        "card": card["engine"] if card else None,
-        "block_tokens": card["block_tokens"] if card else None,
-        "kv_bytes_per_token": None,
-        "vllm": card["engine"].split("/")[1] if card else None,
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0]},
-        "repeats": args.repeats,
-        "rows": result_rows,
-        "crossover_tokens": crossover(result_rows),
-        "remote_counters": counters,
-    }
-    if card:
-        from kvmesh.compat import CompatCard
+        with contextlib.suppress(Exception):
+            peer.kill()
+    import vllm
 
-        result["kv_bytes_per_token"] = CompatCard.from_json(card).kv_bytes_per_token
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    for r in result["rows"]:  # type: ignore[attr-defined]
-        print(
-            f"{r['tokens']:>6} tok  cold {r['vllm_cold_s']:.3f}s  +kvmesh cold "
-            f"{r['kvmesh_cold_s']:.3f}s  vLLM prefix cache {r['vllm_prefix_cache_s']:.3f}s  "
-            f"remote hit {r['kvmesh_remote_s']:.3f}s ({r['reused_tokens']} reused, "
-            f"x{r['speedup']}, identical={r['identical']}/{r['identical_to_cold']})"
-        )
-    print("crossover:", result["crossover_tokens"], "->", args.json)
+    by = {r["server"]: r for r in rows}
+    out = {
+        "shape": shape,
+        "vllm": vllm.__version__,
+        "cpus": len(__import__("os").sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "rows": rows,
+        "b_over_a": by["B"]["mean_ttft_ms"] / by["A"]["mean_ttft_ms"],
+        "a_over_plain": by["A"]["mean_ttft_ms"] / by["plain"]["mean_ttft_ms"],
+        "logs": str(logs),
+    }
+    print(json.dumps({k: out[k] for k in ("b_over_a", "a_over_plain")}))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=1))
+    if a.markdown:
+        write_markdown(a.markdown, markdown(out))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ session beyond whole blocks, an exact tail) only within one caller's own request
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import logging
 import threading
@@ -52,15 +51,14 @@ from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
 from ..store import Match
+from .acquire import Acquirer, Publisher
 from .audit import AuditJob, Auditor
 from .batch import DEFAULT_MAX_BATCH, BatchRunner, Job
 from .planner import Planner, failure_reason
-from .slots import Slots
 from .telemetry import PrefillReport, Telemetry
 
 log = logging.getLogger("kvmesh.head")
 
-MIN_CACHE_BUDGET_S = 0.2
 MAX_TENANT_STATS = 1024  # tenants counted by name; the rest are counted together
 OTHER_TENANTS = "_other"
 
@@ -169,10 +167,10 @@ class HeadRuntime:
         self._tenant_lock = threading.Lock()
         self.tenant_stats: dict[str, dict[str, int]] = {}  # tenant -> counters (admin reads)
         self._next_session = 0
-        self._publisher = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kvmesh-publish"
-        )
-        self._publishes = Slots(max_pending_publishes)  # exports waiting: dropped beyond
+        count = self.telemetry.count
+        self.acquirer = Acquirer(self.fleet, self.planner, count) if self.fleet else None
+        # exports waiting for the publisher: dropped beyond ``max_pending_publishes``
+        self.publisher = Publisher(self.fleet, self.card, max_pending_publishes, count)
         if self.fleet is not None:
             self.fleet.advertise(self.card)
 
@@ -237,7 +235,7 @@ class HeadRuntime:
         if self.auditor is not None and report.source == "remote" and got.peer_id:
             audit = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
             if audit is not None:
-                self._publisher.submit(self._audit, audit, keyer)
+                self.publisher.background(self._audit, audit, keyer)
 
     def keyer_for(self, scope: Scope, client: str = "") -> BlockKeyer:
         """The keyer of ``scope``'s chains, its exact tails ``client``'s own."""
@@ -297,81 +295,45 @@ class HeadRuntime:
     ) -> _Acquired:
         """Gather the best prefix. Sources: a live session, the local store and,
         when the prompt is longer than both, the fleet (never skipped because a
-        session holds a shorter prefix). Failed remote candidates give way to the
-        next within one cache-time budget."""
+        session holds a shorter prefix), through the shared acquisition core
+        (:mod:`.acquire`): failed remote candidates give way to the next within
+        one cache-time budget."""
         keys = keyer.keys(tokens)
         got = _Acquired(session=self._best_session(tokens, keyer.root, client), owner=tenant)
-        local = self.fleet.local_prefix(keys) if self.fleet else Match((), None)
+        local = self.acquirer.local(keys) if self.acquirer else Match((), None)
         if got.session_tokens >= local.tokens and got.session_tokens:
             got.source = "session"  # resuming is a crop, importing a copy: sessions win ties
         elif local.tokens:
             got.source, got.prefix = "disk" if local.from_disk else "local", local.all()
         have = max(got.session_tokens, local.tokens)
-        if self.fleet is None or have >= len(tokens) - 1:
+        if self.acquirer is None or have >= len(tokens) - 1:
             return got
-        t0 = time.perf_counter()
-        hits, errors = self.fleet.lookup(
-            self.card, keys, **self.planner.lookup_hooks(self.telemetry.count)
-        )
-        got.lookup_s = time.perf_counter() - t0
-        got.fallback = errors[0] if errors else None
-        budget = self._cache_budget(len(tokens))
-        for hit in hits:
-            if hit.tokens <= have or not self.planner.usable(hit.node_id):
-                continue
-            left = budget - (time.perf_counter() - t0)
-            if left <= 0:
-                got.fallback = "budget"
-                break
-            if self._fetch(hit, local, have, left, got):
-                got.fallback = None
-                break
-        return got
-
-    def _cache_budget(self, n_tokens: int) -> float:
-        """Seconds all remote fetches of one request may take: the estimated cold
-        prefill of the prompt (a fetch slower than that is not worth waiting for),
-        with a small floor so a fast model still tolerates a scheduling hiccup."""
-        return min(self.fetch_timeout, max(self.planner.compute_s(n_tokens), MIN_CACHE_BUDGET_S))
-
-    def _fetch(self, hit: PeerHit, local: Match, have: int, left: float, got: _Acquired) -> bool:
-        """Fetch ``hit`` after the local blocks into a fresh importer; True when it
-        worked. A failure is counted and, when it is the peer's, backs the peer off
-        (circuit breaker: :meth:`Planner.fetch_failed`)."""
-        assert self.fleet is not None
+        found = self.acquirer.candidates(self.card, keys, have)
+        got.lookup_s, got.fallback = found.lookup_s, found.fallback
+        # a tail is matched token-exactly: after one, the fetch starts from the root
         skip = len(local.blocks) if local.tail is None else 0
-        nbytes = sum(i.nbytes for i in hit.infos[skip:])
-        if not self.planner.estimate(hit.node_id, hit.tokens - have, nbytes).worth_it:
-            self.telemetry.count("planned_compute")
-            return False
-        t0 = time.perf_counter()
-        try:  # ours: a failure here is never the peer's fault
+
+        def open_importer(hit: PeerHit) -> Importer:
             # bounded by the prompt: a validated hit holds no more tokens than its keys
             importer = self.engine.importer(hit.tokens)
             for blk in local.blocks[:skip]:
                 importer.add(blk)
-        except Exception as e:  # e.g. past a sliding window, or a bad local block
-            got.fallback = failure_reason(e)
-            self.telemetry.count(f"local_import_failed:{got.fallback}")
-            return False
-        try:
-            blocks = self.fleet.fetch(self.engine.layout, hit, skip, importer.add, left)
-        except Exception as e:  # the cache never decides correctness
-            # counted; only the peer's own failures back it off (busy or ours do not)
-            got.fallback = self.planner.fetch_failed(
-                hit.node_id, e, self.telemetry.count, hit.alias
-            )
-            return False
-        got.fetch_s = time.perf_counter() - t0
-        self.planner.observe_fetch(hit.node_id, nbytes, got.fetch_s)
-        self.planner.peer_succeeded(hit.node_id)
-        got.source, got.importer, got.fetched_bytes = "remote", importer, nbytes
-        got.peer, got.peer_id = hit.alias, hit.node_id
-        got.fetched = tuple(enumerate(blocks, start=skip))
-        got.prefix = tuple(local.blocks[:skip]) + tuple(blocks)
-        if skip == len(local.blocks):  # the fetched blocks continue the stored chain
-            self.fleet.keep(blocks, got.owner)
-        return True
+            return importer
+
+        budget = self.acquirer.budget(len(tokens)) - found.lookup_s
+        done = self.acquirer.fetch(
+            self.engine.layout, found.hits, local, skip, have, budget, open_importer,
+            owner=tenant,
+        )
+        if done.hit is None:
+            got.fallback = done.fallback or got.fallback
+            return got
+        got.source, got.importer, got.fetched_bytes = "remote", done.sink, done.nbytes
+        got.peer, got.peer_id, got.fetch_s = done.hit.alias, done.hit.node_id, done.fetch_s
+        got.fetched = tuple(enumerate(done.blocks, start=skip))
+        got.prefix = tuple(local.blocks[:skip]) + tuple(done.blocks)
+        got.fallback = None
+        return got
 
     def _compute(
         self, tokens: list[int], got: _Acquired, between: Callable[[], None] | None = None
@@ -518,16 +480,11 @@ class HeadRuntime:
         self, prompt: KVState, final: KVState, reused: tuple[Block, ...],
         keyer: BlockKeyer | None = None, owner: str | None = None,
     ) -> None:  # fmt: skip
-        if not self._publishes.take():
-            self.telemetry.count("publish_dropped")
+        if not self.publisher.reserve():
             return
-        self._publisher.submit(self._publish, prompt, final, reused, keyer or self.keyer, owner)
+        keyer = keyer or self.keyer
 
-    def _publish(
-        self, prompt: KVState, final: KVState, reused: tuple[Block, ...], keyer: BlockKeyer,
-        owner: str | None = None,
-    ) -> None:  # fmt: skip
-        try:
+        def chains() -> list[list[Block]]:  # on the publisher thread
             n_reused = len(reused)
             blocks = list(reused) + self.engine.export(prompt, keyer, first_block=n_reused)
             prompt_full = [b for b in blocks if b.header.kind == "block"]
@@ -536,35 +493,21 @@ class HeadRuntime:
                 keyer,
                 first_block=len(prompt_full),
             )
-            chains = [blocks, prompt_full + more] if more else [blocks]
-            if self.fleet is None:
-                return
-            for chain in chains:
-                self.fleet.keep(chain, owner)
-                self.fleet.publish(self.card, chain)
-            self.telemetry.count("published_blocks", len(blocks) + len(more))
-        except Exception as e:
-            log.warning("publish failed: %r", e)
-            self.telemetry.count("publish_failed")
-        finally:
-            self._publishes.give()
+            return [blocks, prompt_full + more] if more else [blocks]
+
+        self.publisher.submit(chains, "published_blocks", owner)
 
     def publish_pending(self) -> int:
         """Publishes not yet handed to peers (exports running or queued sends)."""
-        n = self._publishes.in_use
-        if self.fleet is not None:
-            n += self.fleet.queued()
-        return n
+        return self.publisher.pending()
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued publishes to reach the peers (tests and the demo)."""
-        left = self._publishes.wait_idle(timeout)
-        if self.fleet is not None:
-            self.fleet.drain(max(0.1, left))
+        self.publisher.flush(timeout)
 
     def close(self) -> None:
         self.batch.close()
-        self._publisher.shutdown(wait=True)
+        self.publisher.close()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

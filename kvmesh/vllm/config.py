@@ -84,11 +84,24 @@ class ConnectorSettings:
     def publish(self) -> bool:
         return not self.values["no_publish"]
 
-    def node_config(self) -> NodeConfig:
-        """The mesh node of this vLLM process, built and checked like ``kvmesh head``'s."""
+    def node_config(self, rank: int = 0, world: int = 1) -> NodeConfig:
+        """The mesh node of tensor-parallel rank ``rank`` of ``world`` (one per worker
+        process), built and checked like ``kvmesh head``'s. With several ranks, a
+        fixed listen port is the first rank's (rank r listens on port + r) and an
+        alias gets ``-tp<r>``; without an alias each worker is ``vllm-HOST-PID``. A
+        rank of several is a head only (no cache role): it keeps and serves its own
+        pages to itself, and publishes to the fleet's caches, never to a sibling."""
+        from ..mesh.node import pid_alias
         from ..mesh.settings import node_config
 
-        v = self.values
+        v = dict(self.values)
+        if world > 1:
+            host, _, port = str(v["grpc_listen"]).rpartition(":")
+            if port.isdigit() and int(port):
+                v["grpc_listen"] = f"{host}:{int(port) + rank}"
+            if v["alias"]:
+                v["alias"] = f"{v['alias']}-tp{rank}"
+        v["alias"] = v["alias"] or f"vllm-{pid_alias()}"
         sec = {k: v[k] for k in _SECURITY}
         try:
             return node_config(
@@ -97,7 +110,9 @@ class ConnectorSettings:
                 tuple(v["seed"]),
                 v["alias"],
                 tuple(v["advertise"]),
-                ("head", "cache"),
+                # a rank of several is no cache for others: its siblings (which die
+                # with it) would be publish targets; its own pages stay its own
+                ("head", "cache") if world == 1 else ("head",),
                 sec,
                 gossip_interval=v["gossip_interval"],
                 ttl=v["ttl"],

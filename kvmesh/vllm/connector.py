@@ -1,29 +1,42 @@
-"""``KVMeshConnector``: vLLM's KV connector API on top of the kvmesh mesh.
+"""``KVMeshConnector``: vLLM's KV connector API on top of the kvmesh mesh, in vLLM's
+own process layout: the scheduler side in the engine-core process, the worker side
+in each worker process (one per tensor-parallel rank), nothing shared between them
+but vLLM's connector metadata, which vLLM serialises every step.
 
-Scheduler side (never waits on the network):
+Scheduler side (never waits, holds no mesh state):
 
-- ``get_num_new_matched_tokens``: the prompt's full pages (never its last token)
-  are keyed with kvmesh's chained keys; the local store answers at once, the
-  fleet on a lookup thread (the scheduler is told "ask again", ``None``, until
-  it has answered). The planner takes a remote hit only when its transfer beats
-  vLLM's own measured prefill; the fetch starts right away, verified block by
-  block, while vLLM allocates pages. The answer is always an asynchronous load.
+- ``get_num_new_matched_tokens``: a prompt's full pages (never its last token)
+  are *asked* of the workers in the next step's metadata; vLLM is told "ask
+  again" (``None``) until every rank has answered how many pages it can load
+  (``build_connector_worker_meta`` → ``update_connector_output``). The load
+  offered is the least any rank holds, always asynchronous; a worker that does
+  not answer in time (lookup deadline + grace) means computing.
 - ``update_state_after_alloc`` / ``build_connector_meta``: which vLLM pages to
-  fill for which request, and which computed prompts to save.
+  fill for which request, which computed prompts to save, which requests ended.
+- ``request_finished``: what kvmesh did for the request goes back to the client
+  as ``kv_transfer_params["kvmesh"]`` (pages offered and loaded, source, peer,
+  fallback).
 
-Worker side:
+Worker side (each rank its own mesh node, store and shard of the KV heads; the
+rank and world size are in the card, so shards of different layouts never mix):
 
-- ``start_load_kv``: each load runs on a load thread: verified blocks (local or
-  fetched) are copied into the request's pages; pages that could not be had are
-  reported through ``get_block_ids_with_load_errors`` together with the request
-  in ``get_finished``, so vLLM recomputes them (the answer never depends on the
-  cache).
+- an *ask* starts an acquisition on a worker thread through the shared core
+  (:mod:`kvmesh.runtime.acquire`: local store, fleet candidates, planned verified
+  fetch, next candidate on failure); its promise is answered as soon as the
+  fetch starts, the fetch goes on while vLLM allocates pages.
+- ``start_load_kv``: verified pages are copied into the request's pages on a load
+  thread; pages that could not be had are reported through
+  ``get_block_ids_with_load_errors`` with the request in ``get_finished``, so
+  vLLM recomputes them (the answer never depends on the cache). vLLM reports a
+  load finished only once every rank has finished it.
 - ``wait_for_save``: once a prompt's prefill is complete, its full pages not yet
-  stored are copied out (one copy, on the model's path), then sealed (SHA-256),
-  stored and published by the publisher thread through the bounded queue.
+  stored are copied out (one copy, on the model's path), then sealed (BLAKE3),
+  stored and published by the core's publisher through its bounded slots.
 
-Requests that kvmesh's keys cannot describe (LoRA adapters, multimodal inputs,
-a cache salt, prompt embeddings) are neither looked up nor saved.
+A request with vLLM's ``cache_salt`` is keyed from a chain root of the namespace
+and the salt, so it is looked up and saved only among requests with the same
+salt. Requests that kvmesh's keys cannot describe (LoRA adapters, multimodal
+inputs, prompt embeddings, an invalid salt) are neither looked up nor saved.
 """
 
 from __future__ import annotations
@@ -43,9 +56,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from ..blocks import PrefixKeys
+from ..blocks import BlockKeyer, PrefixKeys, chain_root, check_cache_salt
 from ..codec import Block
 from ..errors import CacheMiss, ConfigError, KVMeshError
 from ..mesh.hits import PeerHit
@@ -59,14 +73,23 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # type: ignore[import-not-found]
     from vllm.v1.core.sched.output import SchedulerOutput  # type: ignore[import-not-found]
     from vllm.v1.kv_cache_interface import KVCacheConfig  # type: ignore[import-not-found]
+    from vllm.v1.outputs import KVConnectorOutput  # type: ignore[import-not-found]
     from vllm.v1.request import Request  # type: ignore[import-not-found]
 
 log = logging.getLogger("kvmesh.vllm")
-MIN_CACHE_BUDGET_S = 0.2
 IDLE_YIELD_S = 0.002
+MAX_ACQUISITIONS = 256  # requests a worker may be acquiring pages for at once
+ANSWER_GRACE_S = 5.0  # beyond the lookup deadline, before the scheduler stops waiting
 
 
-# -- metadata (scheduler -> worker) --------------------------------------------
+# -- metadata: scheduler -> workers (every step) ---------------------------------
+
+
+@dataclass
+class Ask:
+    req_id: str
+    tokens: list[int]  # the prompt's full pages that vLLM does not compute itself
+    salt: str | None = None  # vLLM's cache_salt: its own key chain (see keyer_for)
 
 
 @dataclass
@@ -82,46 +105,90 @@ class SaveSpec:
     req_id: str
     tokens: list[int]  # the prompt's full pages
     block_ids: list[int]
+    salt: str | None = None
 
 
 @dataclass
 class KVMeshMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    asks: list[Ask] = field(default_factory=list)  # find these prompts' pages
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)  # finished: forget their pages
     step_tokens: int = 0
 
 
-# -- the scheduler's view of one request ---------------------------------------
+# -- metadata: workers -> scheduler (every step, merged over the ranks) ---------------
 
 
 @dataclass
-class Plan:
-    """Where one prompt's pages come from: the local store's chain, then a peer's."""
+class KVMeshWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    answers: dict[str, dict[int, int]] = field(default_factory=dict)  # req -> rank -> pages
+    reports: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # load results
+    cards: dict[int, list[str]] = field(default_factory=dict)  # rank -> [engine, namespace]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVMeshWorkerMeta:
+        assert isinstance(other, KVMeshWorkerMeta)
+        for mine, theirs in ((self.answers, other.answers), (self.reports, other.reports)):
+            for req_id, by_rank in theirs.items():
+                mine.setdefault(req_id, {}).update(by_rank)  # type: ignore[arg-type]
+        self.cards.update(other.cards)
+        return self
+
+
+# -- a worker's pages for one request -----------------------------------------------
+
+
+@dataclass
+class Acquisition:
+    """Where one prompt's pages come from on this rank: the local store's chain,
+    then verified pages fetched from a peer (by page index)."""
 
     keys: PrefixKeys
-    local: tuple[Block, ...]
-    lookup: concurrent.futures.Future[None] | None = None
-    hit: PeerHit | None = None
-    fetch: concurrent.futures.Future[None] | None = None
-    fetched: dict[int, Block] = field(default_factory=dict)  # page index -> verified block
-    fetch_error: str | None = None
-    pages: int = 0  # pages this plan promises
+    local: tuple[Block, ...] = ()
+    pages: int = 0  # pages promised to the scheduler
+    fetched: dict[int, Block] = field(default_factory=dict)
+    source: str = "none"  # local | remote | none
+    peer: str = ""
+    fallback: str | None = None
+    done: concurrent.futures.Future[None] | None = None
+    index: dict[bytes, int] = field(default_factory=dict)  # page key -> page index
 
     def __post_init__(self) -> None:
-        self.pages = len(self.local)
+        self.index = {k: i for i, k in enumerate(self.keys.blocks)}
 
     def block(self, i: int) -> Block | None:
         return self.local[i] if i < len(self.local) else self.fetched.get(i)
+
+    def add(self, blk: Block) -> None:
+        """The fetch's sink: a verified block, placed by its key."""
+        i = self.index.get(blk.key)
+        if i is not None:
+            self.fetched[i] = blk
+
+
+@dataclass
+class _Asked:
+    """The scheduler's view of one request it asked the workers about."""
+
+    t0: float
+    answers: dict[int, int] = field(default_factory=dict)  # rank -> pages
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+    loading: bool = False  # a load was scheduled: never a second one
 
 
 @dataclass
 class _Tracked:
     tokens: list[int]
     block_ids: list[int]
+    salt: str | None = None
     saved: bool = False
 
 
 class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Both roles; each uses only its half. The scheduler (vLLM's engine core)
+    decides from the workers' answers; each worker (one per tensor-parallel rank)
+    finds, fetches, loads and saves its own shard of every page."""
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -129,8 +196,10 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = parse_settings(extra)
         self.cache_spec = _cache_spec(kv_cache_config)
-        if vllm_config.parallel_config.world_size != 1:
-            raise ConfigError("KVMeshConnector serves one device per vLLM process (TP = PP = 1)")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ConfigError("KVMeshConnector does not serve pipeline parallel deployments")
+        self.tp = int(parallel.tensor_parallel_size)
         self.block_size = self.cache_spec.block_size
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # vLLM's default fails a request whose load failed; kvmesh never lets the
@@ -140,27 +209,36 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lock = threading.Lock()
         # scheduler side
         self._eligible: dict[str, bool] = {}
+        self._salts: dict[str, str | None] = {}
+        self._asked: dict[str, _Asked] = {}
+        self._asks: list[Ask] = []
+        self._drops: list[str] = []
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._first_local: dict[str, int] = {}
+        self._cards: dict[int, list[str]] = {}  # what each rank serves, as it told us
+        self._answer_s = float(self.settings["lookup_timeout"]) + ANSWER_GRACE_S
         # worker side
+        self.svc: services.MeshService | None = None
+        self.rank = 0
         self.pages: Pages | None = None
+        self._acqs: dict[str, Acquisition] = {}
+        self._answers: dict[str, int] = {}  # to report: req -> pages promised
+        self._reports: dict[str, dict[str, Any]] = {}  # to report: req -> load result
         self._done: dict[str, list[int]] = {}  # finished loads -> block ids that failed
         self._errors: set[int] = set()
         self._t_bind = 0.0
-        self._inflight = 0  # loads submitted and not finished
-        self.svc = services.current() if role == KVConnectorRole.SCHEDULER else None
-        if role == KVConnectorRole.SCHEDULER and self.svc is None:
-            raise ConfigError(
-                "KVMeshConnector needs vLLM's scheduler and worker in one process "
-                "(the uni executor of a single-device deployment)"
-            )
+        self._inflight = 0  # acquisitions and loads not finished
 
     # ==========================================================================
     # worker side
     # ==========================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import (  # type: ignore[import-not-found]
+            get_tensor_model_parallel_rank,
+        )
+
         names = [n for g in self._kv_cache_config.kv_cache_groups for n in g.layer_names]
         missing = [n for n in names if n not in kv_caches]
         if missing:
@@ -173,13 +251,34 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             quantization=str(self._vllm_config.model_config.quantization or "none"),
         )
         kind = page_layout(tensors, probe)  # checks every tensor against the card
-        card = dataclasses.replace(probe, engine=_engine_name(self._vllm_config, names[0], kind))
+        self.rank = int(get_tensor_model_parallel_rank()) if self.tp > 1 else 0
+        engine = _engine_name(self._vllm_config, names[0], kind, self.rank, self.tp)
+        card = dataclasses.replace(probe, engine=engine)
         self.pages = Pages(card, tensors)
-        self.svc = services.start(self.settings, card)
+        cfg = self.settings.node_config(self.rank, self.tp)
+        self.svc = services.MeshService(self.settings, card, cfg)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._t_bind = time.perf_counter()
+        assert isinstance(connector_metadata, KVMeshMetadata)
+        svc = self._require_svc()
+        with self._lock:
+            for req_id in connector_metadata.drops:
+                acq = self._acqs.pop(req_id, None)
+                if acq is not None and acq.done is not None:
+                    acq.done.cancel()
+            for ask in connector_metadata.asks:  # started before the forward: it overlaps
+                if ask.req_id in self._acqs:
+                    continue
+                if len(self._acqs) >= MAX_ACQUISITIONS:
+                    svc.count("acquire_dropped")
+                    self._answers[ask.req_id] = 0
+                    continue
+                keys = _keyer_for(svc.keyer, ask.salt).keys(ask.tokens)
+                acq = self._acqs[ask.req_id] = Acquisition(keys)
+                self._inflight += 1
+                acq.done = svc.acquires.submit(self._acquire, ask.req_id, acq)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -204,8 +303,8 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if meta.step_tokens:
             svc.planner.observe_prefill(meta.step_tokens, time.perf_counter() - self._t_bind)
         elif self._inflight:
-            # an idle step while pages arrive: vLLM steps again at once; give the fetch
-            # and copy threads the interpreter for a moment instead of spinning
+            # an idle step while pages are found or arrive: vLLM steps again at once;
+            # give the acquisition threads the interpreter instead of spinning
             time.sleep(IDLE_YIELD_S)
         for spec in meta.saves:
             try:
@@ -226,93 +325,178 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             out, self._errors = self._errors, set()
         return out
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        with self._lock:
+            answers, self._answers = self._answers, {}
+            reports, self._reports = self._reports, {}
+        if not answers and not reports:
+            return None
+        card = self._require_svc().card
+        return KVMeshWorkerMeta(
+            {r: {self.rank: n} for r, n in answers.items()},
+            {r: {self.rank: rep} for r, rep in reports.items()},
+            {self.rank: [card.engine, card.namespace_hex]},
+        )
+
     def shutdown(self) -> None:
-        if self._role == KVConnectorRole.WORKER:
-            services.stop()
+        if self.svc is not None:
+            svc, self.svc = self.svc, None
+            svc.close()
 
     def _require_svc(self) -> services.MeshService:
         if self.svc is None:
             raise RuntimeError("kvmesh: no cache registered yet")
         return self.svc
 
+    # -- acquisitions (a worker thread per request) ------------------------------
+
+    def _acquire(self, req_id: str, acq: Acquisition) -> None:
+        """Local store, then the fleet through the shared acquisition core; the
+        promise (pages) goes to the scheduler as soon as it is known."""
+        svc = self._require_svc()
+        try:
+            self._find(svc, req_id, acq)
+        except Exception as e:  # the cache never decides correctness
+            log.info("acquisition for %s failed: %r", req_id, e)
+            svc.count("lookup_errors:error")
+        finally:
+            with self._lock:
+                if req_id not in self._answers and acq.pages == 0:
+                    self._answers[req_id] = 0
+                self._inflight -= 1
+
+    def _answer(self, req_id: str, acq: Acquisition, pages: int) -> None:
+        with self._lock:
+            acq.pages = pages
+            self._answers[req_id] = pages
+
+    def _find(self, svc: services.MeshService, req_id: str, acq: Acquisition) -> None:
+        want = len(acq.keys.blocks)
+        local = svc.acquirer.local(acq.keys)
+        acq.local = local.blocks[:want]
+        have = len(acq.local)
+        if have:
+            acq.source = "local"
+        if have >= want:
+            self._answer(req_id, acq, have)
+            return
+        found = svc.acquirer.candidates(svc.card, acq.keys, have * self.block_size)
+        svc.count("lookup_us", round(found.lookup_s * 1e6))
+        hits = [_capped(h, want, self.block_size) for h in found.hits]
+        hits = [h for h in hits if h.tokens > have * self.block_size]
+        if not hits:
+            svc.count(
+                "lookup_misses" if found.fallback is None else f"lookup_errors:{found.fallback}"
+            )
+            self._answer(req_id, acq, have)
+            return
+
+        def started(hit: PeerHit) -> None:
+            if acq.source != "remote":  # the first candidate: the promise
+                acq.source, acq.peer = "remote", hit.alias
+                svc.count("remote_hits")
+                self._answer(req_id, acq, len(hit.blocks))
+
+        budget = svc.acquirer.budget(want * self.block_size) - found.lookup_s
+        done = svc.acquirer.fetch(
+            svc.layout, hits, local, have, have * self.block_size, budget, lambda h: acq, started
+        )
+        acq.fallback = done.fallback
+        if acq.source != "remote":
+            svc.count(
+                "planned_compute" if done.fallback is None else f"fetch_failed:{done.fallback}"
+            )
+            self._answer(req_id, acq, have)
+
     # -- loads -----------------------------------------------------------------
 
     def _load(self, spec: LoadSpec) -> None:
-        """Fill the request's pages from its plan; report the pages that failed."""
+        """Fill the request's pages from its acquisition; report the pages that failed."""
         svc = self._require_svc()
         failed = list(spec.block_ids[spec.first_page : spec.pages])
+        report: dict[str, Any] = {"loaded": 0}
         t0 = time.perf_counter()
         try:
-            plan = self._plans_for_worker(spec.req_id)
-            if plan is None:
-                raise CacheMiss("no plan for this request")
-            if plan.fetch is not None:
+            with self._lock:
+                acq = self._acqs.get(spec.req_id)
+            if acq is None:
+                raise CacheMiss("no pages found for this request")
+            report.update(source=acq.source, peer=acq.peer)
+            if acq.done is not None:
                 # a failed fetch recorded its reason; its verified prefix is still used
                 with contextlib.suppress(Exception):
-                    plan.fetch.result(timeout=svc.fleet.fetch_deadline + 5)
+                    acq.done.result(timeout=svc.fleet.fetch_deadline + 5)
             t1 = time.perf_counter()
             svc.count("load_wait_ms", round((t1 - t0) * 1000))
+            blocks = self._contiguous(svc, acq, spec)
+            ids = iter(spec.block_ids[spec.first_page :])
             assert self.pages is not None
-            for i in range(spec.first_page, spec.pages):
-                blk = plan.block(i)
-                if blk is None:
-                    break
-                check_position(blk, svc.keyer, plan.keys, i)
-                self.pages.copy_in(blk, spec.block_ids[i])
+            pages = self.pages
+
+            def copy(blk: Block) -> None:
+                pages.copy_in(blk, next(ids))
                 failed.pop(0)
-            svc.count("pages_loaded", spec.pages - spec.first_page - len(failed))
-            svc.count("copy_in_ms", round((time.perf_counter() - t1) * 1000))
+
+            try:
+                svc.acquirer.imported(blocks, copy)
+            finally:
+                report["loaded"] = spec.pages - spec.first_page - len(failed)
+                svc.count("pages_loaded", report["loaded"])
+                svc.count("copy_in_ms", round((time.perf_counter() - t1) * 1000))
             if failed:
-                svc.count(f"load_fallback:{plan.fetch_error or 'missing'}")
+                report["fallback"] = acq.fallback or "missing"
+                svc.count(f"load_fallback:{report['fallback']}")
         except Exception as e:  # the cache never decides correctness
             log.info("load for %s failed: %r", spec.req_id, e)
-            svc.count(f"load_failed:{e.reason if isinstance(e, KVMeshError) else 'error'}")
+            report["fallback"] = e.reason if isinstance(e, KVMeshError) else "error"
+            svc.count(f"load_failed:{report['fallback']}")
         with self._lock:
             self._done[spec.req_id] = failed
+            self._reports[spec.req_id] = report
             self._inflight -= 1
 
-    def _plans_for_worker(self, req_id: str) -> Plan | None:
-        svc = self._require_svc()
-        with svc.plans_lock:
-            plan = svc.plans.get(req_id)
-        return plan if isinstance(plan, Plan) else None
+    def _contiguous(
+        self, svc: services.MeshService, acq: Acquisition, spec: LoadSpec
+    ) -> list[Block]:
+        """The verified pages [first_page, pages) up to the first missing one, each
+        checked to sit where its key says."""
+        out = []
+        for i in range(spec.first_page, spec.pages):
+            blk = acq.block(i)
+            if blk is None:
+                break
+            check_position(blk, svc.keyer, acq.keys, i)
+            out.append(blk)
+        return out
 
     # -- saves -----------------------------------------------------------------
 
     def _save(self, spec: SaveSpec) -> None:
         svc = self._require_svc()
         assert self.pages is not None
-        keys = svc.keyer.keys(spec.tokens)
+        pages = self.pages
+        keys = _keyer_for(svc.keyer, spec.salt).keys(spec.tokens)
         have = svc.fleet.local_prefix(keys).blocks
-        if len(have) >= len(keys.blocks):
+        if len(have) >= len(keys.blocks) or not svc.publisher.reserve():
             return
-        if not svc.try_reserve_publish():
-            return
-        try:
+        t0 = time.perf_counter()
+        try:  # the one copy on the model's path; sealing is the publisher's
             copies = [
-                self.pages.copy_out(svc.keyer, keys, i, spec.block_ids[i])
+                pages.copy_out(svc.keyer, keys, i, spec.block_ids[i])
                 for i in range(len(have), len(keys.blocks))
             ]
         except Exception:
-            svc.release_publish()
+            svc.publisher.release()
             raise
-        svc.publisher.submit(self._publish, list(have), copies)
+        svc.count("copy_out_us", round((time.perf_counter() - t0) * 1e6))
 
-    def _publish(self, have: list[Block], copies: list[tuple[bytearray, object]]) -> None:
-        svc = self._require_svc()
-        pages = self.pages
-        assert pages is not None  # copies were made from them
-        try:
-            chain = have + [pages.seal(blob, header) for blob, header in copies]
-            svc.fleet.keep(chain)
-            if svc.settings.publish:
-                svc.fleet.publish(svc.card, chain)
-            svc.count("pages_published", len(copies))
-        except Exception as e:
-            log.warning("publish failed: %r", e)
-            svc.count("publish_failed")
-        finally:
-            svc.release_publish()
+        def chains() -> list[list[Block]]:
+            t1 = time.perf_counter()
+            sealed = [pages.seal(blob, header) for blob, header in copies]
+            svc.count("seal_us", round((time.perf_counter() - t1) * 1e6))
+            return [list(have) + sealed]  # kept here, then sent to the peers
+
+        svc.publisher.submit(chains, "pages_published")
 
     # ==========================================================================
     # scheduler side
@@ -321,97 +505,50 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        svc = self._require_svc()
         req_id = request.request_id
         tokens = request.prompt_token_ids
         eligible = _eligible(request)
         with self._lock:
             self._eligible[req_id] = eligible
+            salt = self._salts[req_id] = _salt(request) if eligible else None
         if not eligible or tokens is None:
             return 0, False
         pages = (len(tokens) - 1) // self.block_size  # vLLM computes at least the last token
         if pages * self.block_size <= num_computed_tokens:
             return 0, False
-        with svc.plans_lock:
-            plan = svc.plans.get(req_id)
-            if plan is None:
-                plan = svc.plans[req_id] = self._plan(svc, list(tokens[: pages * self.block_size]))
-        if plan.lookup is not None and not plan.lookup.done():
-            return None, False  # ask again next step: the fleet has not answered yet
         with self._lock:
+            asked = self._asked.get(req_id)
+            if asked is None:  # the workers find its pages; ask again next step
+                self._asked[req_id] = _Asked(time.monotonic())
+                self._asks.append(Ask(req_id, list(tokens[: pages * self.block_size]), salt))
+                return None, False
+            if asked.loading:
+                return 0, False
+            if len(asked.answers) < self.tp:
+                if time.monotonic() - asked.t0 < self._answer_s:
+                    return None, False
+                asked.loading = True  # no answer in time: computed, never waited for
+                return 0, False
+            have = min(asked.answers.values()) * self.block_size  # every rank's pages
             self._first_local[req_id] = num_computed_tokens
-        have = plan.pages * self.block_size
         if have <= num_computed_tokens:
             return 0, False
         return have - num_computed_tokens, True
 
-    def _plan(self, svc: services.MeshService, tokens: list[int]) -> Plan:
-        keys = svc.keyer.keys(tokens)
-        plan = Plan(keys, svc.fleet.local_prefix(keys).blocks)
-        if len(plan.local) < len(keys.blocks):
-            plan.lookup = svc.lookups.submit(self._lookup, svc, plan)
-        return plan
-
-    def _lookup(self, svc: services.MeshService, plan: Plan) -> None:
-        """On a lookup thread: ask the fleet, let the planner choose, start the fetch."""
-        try:  # a peer that fails lookups backs off; one that answers is forgiven
-            hits, errors = svc.fleet.lookup(
-                svc.card, plan.keys, **svc.planner.lookup_hooks(svc.count)
-            )
-            b = self.block_size
-            have = len(plan.local)
-            for hit in hits:
-                n = min(len(hit.blocks), len(plan.keys.blocks))
-                if n <= have or not svc.planner.usable(hit.node_id):
-                    continue
-                hit = dataclasses.replace(hit, blocks=hit.blocks[:n], tail=None, tokens=n * b)
-                nbytes = sum(i.nbytes for i in hit.blocks[have:])
-                if not svc.planner.estimate(hit.node_id, (n - have) * b, nbytes).worth_it:
-                    svc.count("planned_compute")
-                    continue
-                plan.hit, plan.pages = hit, n
-                plan.fetch = svc.fetches.submit(self._fetch, svc, plan, hit, have, nbytes)
-                svc.count("remote_hits")
-                return
-            svc.count("lookup_misses" if not errors else f"lookup_errors:{errors[0]}")
-        except Exception as e:  # a lookup that fails is a miss
-            log.info("lookup failed: %r", e)
-            svc.count("lookup_errors:error")
-
-    def _fetch(
-        self, svc: services.MeshService, plan: Plan, hit: PeerHit, start: int, nbytes: int
-    ) -> None:
-        """On a fetch thread: stream the hit's pages after the local ones, verified."""
-        budget = min(
-            svc.fleet.fetch_deadline,
-            max(svc.planner.compute_s(plan.pages * self.block_size), MIN_CACHE_BUDGET_S),
-        )
-        index = {k: i for i, k in enumerate(plan.keys.blocks)}
-
-        def on_block(blk: Block) -> None:
-            i = index.get(blk.key)
-            if i is not None:
-                plan.fetched[i] = blk
-
-        t0 = time.perf_counter()
-        try:
-            svc.fleet.fetch(svc.layout, hit, start, on_block, budget)
-        except Exception as e:  # the verified pages before the failure still load
-            # counted; only the peer's own failures back it off (busy or ours do not)
-            plan.fetch_error = svc.planner.fetch_failed(hit.node_id, e, svc.count, hit.alias)
-        else:
-            svc.planner.observe_fetch(hit.node_id, nbytes, time.perf_counter() - t0)
-            svc.count("fetched_bytes", nbytes)
-            svc.planner.peer_succeeded(hit.node_id)
-        svc.count("fetch_ms", round((time.perf_counter() - t0) * 1000))
-        chain = []
-        for i in range(start, plan.pages):
-            blk = plan.fetched.get(i)
-            if blk is None:
-                break
-            chain.append(blk)
-        if chain and start == len(plan.local):
-            svc.fleet.keep(chain)  # continues the stored chain: serve it from here too
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KVMeshWorkerMeta):
+            return
+        with self._lock:
+            self._cards.update(meta.cards)
+            for req_id, by_rank in meta.answers.items():
+                asked = self._asked.get(req_id)
+                if asked is not None:
+                    asked.answers.update(by_rank)
+            for req_id, reports in meta.reports.items():
+                asked = self._asked.get(req_id)
+                if asked is not None:
+                    asked.reports.update(reports)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -424,6 +561,9 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             end = first + num_external_tokens
             if first % self.block_size or end % self.block_size:
                 raise RuntimeError(f"kvmesh: unaligned load [{first}, {end})")
+            asked = self._asked.get(req_id)
+            if asked is not None:
+                asked.loading = True
             self._loads.append(
                 LoadSpec(
                     req_id,
@@ -437,10 +577,14 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = KVMeshMetadata(step_tokens=int(scheduler_output.total_num_scheduled_tokens))
         with self._lock:
             meta.loads, self._loads = self._loads, []
+            meta.asks, self._asks = self._asks, []
+            meta.drops, self._drops = self._drops, []
             for new in scheduler_output.scheduled_new_reqs:
                 if self._eligible.get(new.req_id) and new.prompt_token_ids is not None:
                     self._tracked[new.req_id] = _Tracked(
-                        list(new.prompt_token_ids), list(new.block_ids[0])
+                        list(new.prompt_token_ids),
+                        list(new.block_ids[0]),
+                        self._salts.get(new.req_id),
                     )
                     self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
             cached = scheduler_output.scheduled_cached_reqs
@@ -467,36 +611,79 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pages = min(len(t.tokens) // self.block_size, len(t.block_ids))
         if pages:
             meta.saves.append(
-                SaveSpec(req_id, t.tokens[: pages * self.block_size], t.block_ids[:pages])
+                SaveSpec(req_id, t.tokens[: pages * self.block_size], t.block_ids[:pages], t.salt)
             )
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request (its workers drop its pages next step); what kvmesh did
+        for it goes back to the client as ``kv_transfer_params["kvmesh"]``."""
         req_id = request.request_id
-        svc = self._require_svc()
-        with svc.plans_lock:
-            plan = svc.plans.pop(req_id, None)
         with self._lock:
             self._eligible.pop(req_id, None)
+            self._salts.pop(req_id, None)
             self._tracked.pop(req_id, None)
             self._first_local.pop(req_id, None)
-        if plan is not None and plan.fetch is not None:
-            plan.fetch.cancel()
-        return False, None
+            asked = self._asked.pop(req_id, None)
+            if asked is None:
+                return False, None
+            self._drops.append(req_id)
+            cards = {str(rank): card for rank, card in sorted(self._cards.items())}
+        return False, {"kvmesh": {**_summary(asked, self.tp), "cards": cards}}
+
+
+def _summary(asked: _Asked, tp: int) -> dict[str, Any]:
+    """One request's kvmesh outcome over all ranks (the least any rank got)."""
+    out: dict[str, Any] = {
+        "pages": min(asked.answers.values()) if len(asked.answers) == tp else 0,
+        "loaded": min((r.get("loaded", 0) for r in asked.reports.values()), default=0),
+    }
+    if len(asked.reports) < tp:
+        out["loaded"] = 0
+    for r in asked.reports.values():
+        for k in ("source", "peer", "fallback"):
+            if r.get(k) and k not in out:
+                out[k] = r[k]
+    return out
+
+
+def _capped(hit: PeerHit, pages: int, block_size: int) -> PeerHit:
+    """A hit cut to the pages asked for (never the tail: vLLM computes the last token)."""
+    n = min(len(hit.blocks), pages)
+    return dataclasses.replace(hit, blocks=hit.blocks[:n], tail=None, tokens=n * block_size)
 
 
 # -- helpers ---------------------------------------------------------------------
 
 
 def _eligible(request: Request) -> bool:
-    """Requests whose KV is a function of the prompt's token ids alone."""
+    """Requests whose KV is a function of the prompt's token ids alone (a cache
+    salt, when valid, only changes where their key chain starts)."""
+    salt = getattr(request, "cache_salt", None)
+    if salt is not None:
+        try:
+            check_cache_salt(salt)
+        except ValueError:
+            return False
     return (
         getattr(request, "lora_request", None) is None
         and not getattr(request, "mm_features", None)
-        and not getattr(request, "cache_salt", None)
         and getattr(request, "prompt_embeds", None) is None
     )
+
+
+def _salt(request: Request) -> str | None:
+    return getattr(request, "cache_salt", None) or None
+
+
+def _keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
+    """The key chain of a request with vLLM's ``cache_salt``: rooted in the namespace
+    and the salt (:func:`~kvmesh.blocks.chain_root`), so salted requests are saved
+    and found under keys no other salt (or none) shares."""
+    if salt is None:
+        return keyer
+    return keyer.rooted(chain_root(keyer.namespace, None, salt))
 
 
 def _cache_spec(kv_cache_config: KVCacheConfig) -> CacheSpec:
@@ -552,8 +739,9 @@ def _local_dir(name: str, revision: str | None) -> Path:
         ) from None
 
 
-def _engine_name(vllm_config: VllmConfig, layer: str, kind: str) -> str:
-    """vLLM version, platform, attention backend, page layout, model dtype, compilation."""
+def _engine_name(vllm_config: VllmConfig, layer: str, kind: str, rank: int, world: int) -> str:
+    """vLLM version, platform, attention backend, page layout, model dtype, compilation,
+    and which tensor-parallel shard of the KV heads (rank of world size) the pages hold."""
     import vllm  # type: ignore[import-not-found]
     from vllm.platforms import current_platform  # type: ignore[import-not-found]
 
@@ -563,5 +751,5 @@ def _engine_name(vllm_config: VllmConfig, layer: str, kind: str) -> str:
     mode = vllm_config.compilation_config.mode
     return (
         f"vllm/{vllm.__version__}/{current_platform.device_type}/{backend}/{kind}/{dtype}/"
-        f"compile={getattr(mode, 'name', mode)}"
+        f"compile={getattr(mode, 'name', mode)}/tp={rank}of{world}"
     )

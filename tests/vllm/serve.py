@@ -4,15 +4,22 @@
 
 reads one JSON command per line on stdin and answers each with one line on stdout
 that starts with ``@@`` (vLLM's own logs go to stderr and stdout without it):
-``{"op": "generate", "prompt": [ids], "max_tokens": n}`` -> token ids, per-token
-top log-probabilities, ``num_cached_tokens`` and the time to first token;
-``{"op": "flush"}`` waits for publishes; ``{"op": "stats"}`` -> kvmesh counters.
+``{"op": "generate", "prompt": [ids], "max_tokens": n, "cache_salt": s}`` -> token ids, per-token
+top log-probabilities, ``num_cached_tokens``, the time it took and what kvmesh did
+for the request (``kvmesh``: vLLM's ``kv_transfer_params``).
+
+vLLM runs with its default process layout (its engine core and its worker in
+processes of their own): nothing here reaches into them, everything observed comes
+back through vLLM's own outputs. ``{"inprocess": true}`` sets
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (everything in this process) to test that too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,9 +33,10 @@ def reply(obj: object) -> None:
 
 
 def main() -> None:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler + worker here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     opts = json.loads(sys.argv[1])
+    if opts.get("inprocess"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     kw: dict[str, object] = dict(
@@ -42,6 +50,8 @@ def main() -> None:
     )
     if opts.get("block_size"):
         kw["block_size"] = opts["block_size"]
+    if opts.get("tensor_parallel_size"):
+        kw["tensor_parallel_size"] = opts["tensor_parallel_size"]
     if opts.get("kvmesh") is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "KVMeshConnector",
@@ -53,23 +63,17 @@ def main() -> None:
     except Exception as e:
         reply({"error": repr(e)})
         raise
-    from kvmesh.vllm import service
-
-    svc = service.current()
-    reply(
-        {
-            "ready": True,
-            "card": svc.card.to_json() if svc else None,
-            "address": svc.node.node.address if svc else None,
-        }
-    )
+    reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "generate":
             sp = SamplingParams(max_tokens=cmd.get("max_tokens", 4), temperature=0, logprobs=5)
             t0 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": cmd["prompt"]}], sp, use_tqdm=False)[0]
+            prompt: dict[str, Any] = {"prompt_token_ids": cmd["prompt"]}
+            if cmd.get("cache_salt"):
+                prompt["cache_salt"] = cmd["cache_salt"]
+            out = llm.generate([prompt], sp, use_tqdm=False)[0]
             dt = time.perf_counter() - t0
             comp = out.outputs[0]
             logprobs = [
@@ -82,21 +86,13 @@ def main() -> None:
                     "logprobs": logprobs,
                     "num_cached_tokens": out.num_cached_tokens,
                     "seconds": dt,
-                }
-            )
-        elif op == "flush":
-            if svc:
-                svc.flush(cmd.get("timeout", 30))
-            reply({"flushed": True})
-        elif op == "stats":
-            reply(
-                {
-                    "counters": dict(svc.counters) if svc else {},
-                    "store_entries": svc.fleet.store.stats.entries if svc else 0,
+                    "kvmesh": (out.kv_transfer_params or {}).get("kvmesh"),
                 }
             )
         elif op == "quit":
-            service.stop()  # a clean stop: the mesh node says goodbye, peers drop it at once
+            # a clean stop: each worker's connector flushes its publishes and its
+            # mesh node says goodbye
+            llm.llm_engine.engine_core.shutdown()
             reply({"bye": True})
             break
 
@@ -104,7 +100,10 @@ def main() -> None:
 class VLLMProcess:
     """Client side: start ``serve.py`` in a fresh process and send it commands."""
 
-    def __init__(self, model: str, kvmesh: dict[str, Any] | None, log: Path, **opts: Any) -> None:
+    def __init__(
+        self, model: str, kvmesh: dict[str, Any] | None, log: Path,
+        env: dict[str, str] | None = None, **opts: Any,
+    ) -> None:  # fmt: skip
         if kvmesh is not None:  # a loaded CI machine must not turn a slow lookup into a miss
             kvmesh = {"lookup_timeout": 5.0, **kvmesh}
         arg = json.dumps({"model": model, "kvmesh": kvmesh, **opts})
@@ -115,10 +114,16 @@ class VLLMProcess:
             stdout=subprocess.PIPE,
             stderr=open(log, "a"),  # noqa: SIM115
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,  # vLLM's own processes go with it on kill()
         )
-        self.ready = self._read()
+        try:
+            self.ready = self._read()
+        except BaseException:
+            self.kill()
+            raise
         if "error" in self.ready:
+            self.kill()
             raise RuntimeError(f"vLLM did not start: {self.ready['error']} (log: {log})")
 
     def _read(self) -> dict[str, Any]:
@@ -134,11 +139,10 @@ class VLLMProcess:
         self.proc.stdin.flush()
         return self._read()
 
-    def generate(self, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
-        return self.call("generate", prompt=prompt, max_tokens=max_tokens)
-
-    def counters(self) -> dict[str, int]:
-        return self.call("stats")["counters"]  # type: ignore[no-any-return]
+    def generate(
+        self, prompt: list[int], max_tokens: int = 4, cache_salt: str | None = None
+    ) -> dict[str, Any]:
+        return self.call("generate", prompt=prompt, max_tokens=max_tokens, cache_salt=cache_salt)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -146,8 +150,90 @@ class VLLMProcess:
                 self.call("quit")
                 self.proc.wait(30)
             except Exception:
-                self.proc.kill()
-                self.proc.wait(10)
+                self.kill()
+
+    def kill(self) -> None:
+        """This process and every process vLLM started under it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+class APIServer:
+    """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs) in a
+    process group of its own, with the connector when ``kvmesh`` is given; tokens come
+    back as ``token_id:N`` so outputs compare with :class:`VLLMProcess`'s exactly."""
+
+    def __init__(
+        self, model: str, kvmesh: dict[str, Any] | None, log: Path, *extra: str,
+        max_model_len: int = 512, timeout: float = 600,
+    ) -> None:  # fmt: skip
+        from ..procs import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--port", str(self.port), "--host", "127.0.0.1", "--dtype", "float32",
+               "--max-model-len", str(max_model_len), "--enforce-eager", "--seed", "0",
+               "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", *extra]  # fmt: skip
+        if kvmesh is not None:
+            cfg = {"kv_connector": "KVMeshConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"lookup_timeout": 5.0, **kvmesh}}  # fmt: skip
+            cmd += ["--kv-transfer-config", json.dumps(cfg)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        out = open(log, "a")  # noqa: SIM115
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, start_new_session=True)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log: {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"vLLM server not ready in {timeout} s; log: {self.log}")
+
+    def close(self) -> None:
+        """A clean stop (SIGTERM: the connector flushes its publishes), else killed."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever vLLM left behind
+        self.proc.wait(10)
+
+    def __enter__(self) -> APIServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def token_ids(choice: Any) -> tuple[list[int], list[list[list[float]]]]:
+    """An OpenAI completion choice's tokens and top log-probabilities, by token id,
+    in :class:`VLLMProcess`'s form (``--return-tokens-as-token-ids``)."""
+
+    def tid(t: str) -> int:
+        return int(t.removeprefix("token_id:"))
+
+    lp = choice.logprobs
+    top = [sorted([[tid(k), float(v)] for k, v in d.items()]) for d in lp.top_logprobs]
+    return [tid(t) for t in lp.tokens], top
 
 
 if __name__ == "__main__":

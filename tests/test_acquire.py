@@ -1,0 +1,198 @@
+"""The one acquisition core (kvmesh/runtime/acquire.py) on real nodes over loopback.
+
+A failed candidate gives way to the next one and is backed off; a successful
+fetch teaches the planner the peer's bandwidth and the import bandwidth (issue
+#27: ``observe_import`` is fed by real imports); a fetched chain that continues
+the local one is kept; the publisher drops work beyond its slots; and a stalled
+peer process (SIGSTOP) costs one lookup deadline before the breaker skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from kvmesh.blocks import BlockKeyer
+from kvmesh.codec import Block, Layout
+from kvmesh.mesh.fleet import Fleet
+from kvmesh.mesh.node import NodeConfig, NodeThread
+from kvmesh.runtime.acquire import MIN_CACHE_BUDGET_S, Acquirer, Publisher
+from kvmesh.runtime.planner import Planner
+
+from .helpers import small_card, synthetic_chain
+from .procs import Peer
+
+CARD = small_card(num_kv_heads=4, head_dim=64, block_tokens=16)  # 64 KiB blocks: measured
+TOKENS = [3 + i % 13 for i in range(160)]  # 10 blocks of 16
+
+
+class Counts(Counter[str]):
+    def __call__(self, name: str, n: int = 1) -> None:
+        self[name] += n
+
+
+class Sink:
+    def __init__(self, into: list[Block]) -> None:
+        self.add = into.append
+
+
+def wait_for(cond, timeout=10.0, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def node(alias: str, seeds=(), **cfg) -> NodeThread:
+    return NodeThread(
+        NodeConfig(alias=alias, seeds=list(seeds), gossip_interval=0.2, ttl=30, **cfg)
+    )
+
+
+def holding(alias: str, blocks: list[Block]) -> NodeThread:
+    n = node(alias)
+    fleet = Fleet(n)
+    fleet.advertise(CARD)
+    assert fleet.keep(blocks) == len(blocks)
+    return n
+
+
+@pytest.fixture
+def nodes():
+    made: list[NodeThread] = []
+    yield made
+    for n in made:
+        with contextlib.suppress(Exception):
+            n.close()
+
+
+def test_a_failed_candidate_gives_way_to_the_next_and_the_planner_learns(nodes):
+    chain = synthetic_chain(CARD, TOKENS, tail=False)
+    bad = holding("bad", chain)  # the longest hit: asked first
+    good = holding("good", chain[:8])
+    me = node("me", [bad.node.address, good.node.address], roles=("head",))
+    nodes += [bad, good, me]
+    wait_for(lambda: len(me.node.membership.live()) == 2, what="gossip")
+    count = Counts()
+    planner = Planner(prefill_tps=10.0)  # computing is slow: every fetch is worth it
+    acq = Acquirer(Fleet(me), planner, count)
+    keys = BlockKeyer(CARD.namespace, CARD.block_tokens).keys(TOKENS)
+    local = acq.local(keys)
+    assert local.tokens == 0
+    found = acq.candidates(CARD, keys, 0)
+    assert [h.alias for h in found.hits] == ["bad", "good"]
+    bad.close()  # answered the lookup, then went away: its fetch fails
+    nodes.remove(bad)
+
+    got: list[Block] = []
+    started: list[str] = []
+    prior = planner.import_bandwidth
+    done = acq.fetch(
+        Layout(CARD), found.hits, local, 0, 0, acq.budget(len(TOKENS)),
+        lambda hit: Sink(got), lambda hit: started.append(hit.alias),
+    )  # fmt: skip
+    assert done.hit is not None and done.hit.alias == "good"
+    assert started == ["bad", "good"]
+    assert [b.key for b in done.blocks] == list(keys.blocks[:8]) and len(got) >= 8
+    assert any(k.startswith("peer_failed:") for k in count), count
+    assert not planner.usable(found.hits[0].node_id) and planner.usable(done.hit.node_id)
+    assert planner.bandwidth[done.hit.node_id] > 0
+    assert planner.import_bandwidth != prior  # learned from the real import (issue #27)
+    # the fetched chain continues the (empty) local one: kept, served from here now
+    assert acq.local(keys).tokens == 8 * CARD.block_tokens
+    assert count["fetched_bytes"] == done.nbytes > 0
+
+
+def test_imports_teach_the_planner_its_import_bandwidth():
+    planner = Planner()
+    est = planner.estimate(None, 100, 1 << 24).fetch_s
+    chain = synthetic_chain(CARD, TOKENS, tail=False)
+
+    def slow_copy(blk: Block) -> None:
+        time.sleep(0.001)  # a slow importer: far below the 2 GB/s prior
+
+    fleet = Fleet(node("me"))
+    try:
+        acq = Acquirer(fleet, planner, Counts())
+        for _ in range(3):
+            assert acq.imported(chain, slow_copy) == len(chain)
+    finally:
+        fleet._node.close()
+    assert planner.import_bandwidth < 2e9
+    assert planner.estimate(None, 100, 1 << 24).fetch_s > est  # the choice moves with it
+
+
+def test_the_budget_has_a_floor_and_the_fetch_deadline_as_its_ceiling(nodes):
+    me = node("me", fetch_deadline=3.0)
+    nodes.append(me)
+    planner = Planner(prefill_tps=1e9)
+    acq = Acquirer(Fleet(me), planner, Counts())
+    assert acq.budget(10) == MIN_CACHE_BUDGET_S
+    planner.prefill_tps = 1.0
+    assert acq.budget(10) == 3.0
+
+
+def test_the_publisher_keeps_publishes_and_drops_beyond_its_slots(nodes):
+    me = node("me")
+    nodes.append(me)
+    fleet = Fleet(me)
+    fleet.advertise(CARD)
+    count = Counts()
+    pub = Publisher(fleet, CARD, 1, count, publish=False)
+    gate = threading.Event()
+    chain = synthetic_chain(CARD, TOKENS, tail=False)
+
+    def make() -> list[list[Block]]:
+        gate.wait(10)
+        return [chain, chain[:3]]
+
+    try:
+        assert pub.reserve()
+        pub.submit(make, "published")
+        assert not pub.reserve() and count["publish_dropped"] == 1  # the one slot is taken
+        assert pub.pending() == 1
+        gate.set()
+        pub.flush(10)
+        assert pub.pending() == 0 and count["published"] == len(chain)  # distinct blocks
+        keys = BlockKeyer(CARD.namespace, CARD.block_tokens).keys(TOKENS)
+        assert fleet.local_prefix(keys).tokens == len(TOKENS)
+        assert pub.reserve()  # the slot came back
+        pub.release()
+    finally:
+        gate.set()
+        pub.close()
+
+
+def test_a_stalled_peer_costs_one_lookup_deadline_then_is_skipped(nodes, tmp_path):
+    """SIGSTOP on a real peer process: the first lookup waits out its deadline and
+    backs the peer off; the next one does not wait for it at all."""
+    peer = Peer(alias="stalled", log_dir=tmp_path)
+    try:
+        me = node("me", [peer.address], roles=("head",), lookup_deadline=0.3)
+        nodes.append(me)
+        wait_for(lambda: len(me.node.membership.live()) == 1, what="gossip")
+        count = Counts()
+        planner = Planner()
+        acq = Acquirer(Fleet(me), planner, count)
+        keys = BlockKeyer(CARD.namespace, CARD.block_tokens).keys(TOKENS)
+        peer.signal(signal.SIGSTOP)
+        first = acq.candidates(CARD, keys, 0)
+        assert first.hits == [] and first.fallback is not None  # it waited, and failed
+        failed = sum(v for k, v in count.items() if k.startswith("lookup_failed:"))
+        assert failed == 1
+        stalled = me.node.membership.live()[0].node_id
+        assert not planner.usable(stalled)
+        skipped = me.node.client.counters["lookup_skipped"]
+        second = acq.candidates(CARD, keys, 0)
+        # not waited for: no failure to report, asked only by a background probe
+        assert second.hits == [] and second.fallback is None
+        assert me.node.client.counters["lookup_skipped"] == skipped + 1
+    finally:
+        peer.kill()
