@@ -1,5 +1,12 @@
 """Typed errors. Every cache failure is one of these, and each carries a short
-machine-readable ``reason`` that telemetry counts as a fallback reason."""
+machine-readable ``reason`` that telemetry counts as a fallback reason.
+
+A typed error crosses the network as the text ``reason: message``
+(:func:`wire_text`); each transport keeps one map from the reasons it carries
+back to their types (:func:`carried`): ``kvmesh.mesh.rpc_errors`` for gRPC,
+``kvmesh.mesh.bulk`` for the bulk data path. A reason a transport does not carry
+comes back as :class:`PeerUnavailable`.
+"""
 
 from __future__ import annotations
 
@@ -90,3 +97,25 @@ class NoChatTemplate(KVMeshError):
     """A chat request to a model whose tokenizer has no chat template."""
 
     reason = "no_chat_template"
+
+
+def carried(*types: type[KVMeshError]) -> dict[str, type[KVMeshError]]:
+    """A transport's map from reason back to type, for the ``types`` it carries
+    (distinct reasons: a second type with a taken reason is a programming error)."""
+    out = {t.reason: t for t in types}
+    assert len(out) == len(types), "two carried types share a reason"
+    return out
+
+
+def wire_text(e: KVMeshError) -> str:
+    """``reason: message``, as a typed error travels (a message that already
+    starts with its reason, or is empty, is not repeated)."""
+    message = str(e)
+    if not message or message == e.reason:
+        return e.reason
+    return message if message.startswith(f"{e.reason}:") else f"{e.reason}: {message}"
+
+
+def wire_reason(text: str) -> str:
+    """The reason ``text`` (from :func:`wire_text`) names."""
+    return text.split(":", 1)[0]
