@@ -76,6 +76,7 @@ from ..errors import (
     PeerBusy,
     PeerTimeout,
     PeerUnavailable,
+    Reason,
     StaleEpoch,
     StoreFull,
     Unauthenticated,
@@ -125,13 +126,13 @@ def receive_buffer(n: int) -> bytearray:
 class FetchStalled(PeerTimeout):
     """No bytes arrived for the progress timeout: the peer is alive but silent."""
 
-    reason = "stalled"
+    reason = Reason.STALLED
 
 
 class AuthDeadline(PeerTimeout):
     """A connection did not authenticate within the pre-auth deadline."""
 
-    reason = "auth_deadline"
+    reason = Reason.AUTH_DEADLINE
 
 
 #: The typed errors an ERROR frame carries back as themselves, by the reason its

@@ -48,6 +48,7 @@ from ..errors import (
     MalformedPayload,
     OversizePayload,
     PeerTimeout,
+    Reason,
     StaleEpoch,
     StoreFull,
 )
@@ -135,10 +136,11 @@ class CacheService:
 
     def count_rejection(self, resp: pb.PublishResponse, e: Exception) -> None:
         """A publish refused midway: typed and counted; what was complete is kept."""
-        reason = e.reason if isinstance(e, KVMeshError) and type(e) is not KVMeshError else None
-        reason = reason or "malformed_payload"
+        reason = Reason.MALFORMED_PAYLOAD  # an untyped refusal: the payload's fault
+        if isinstance(e, KVMeshError) and type(e) is not KVMeshError:
+            reason = e.reason
         resp.rejected += 1
-        resp.reason = reason
+        resp.reason = str(reason)
         self.counters[f"publish_rejected:{reason}"] += 1
         log.warning("publish rejected: %s (%s)", reason, e)
 
