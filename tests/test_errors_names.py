@@ -6,23 +6,16 @@ import json
 import pytest
 
 from kvmesh import errors
-from kvmesh.errors import KVMeshError, Reason
+from kvmesh.errors import Reason
 from kvmesh.mesh import bulk
 from kvmesh.runtime.telemetry import Count, Family, PrefillReport, Source, Telemetry, labelled
 
-
-def _typed() -> list[type[KVMeshError]]:
-    seen, todo = [], [KVMeshError]
-    while todo:
-        cls = todo.pop()
-        seen.append(cls)
-        todo.extend(cls.__subclasses__())
-    return seen
+from .test_errors import _all_typed
 
 
 def test_every_typed_error_has_a_reason_member():
     assert bulk.FetchStalled.reason is Reason.STALLED
-    for cls in _typed():
+    for cls in _all_typed():
         assert isinstance(cls.reason, Reason), cls
     assert errors.StaleEpoch.reason == "stale_epoch" and f"{errors.PeerBusy.reason}" == "busy"
     assert json.dumps([errors.OversizePayload.reason]) == '["oversize_payload"]'
