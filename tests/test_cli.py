@@ -28,6 +28,30 @@ def test_demo_local_json_on_tiny_model(engine):
     assert row["reused_tokens"] == row["prompt_tokens"] >= 900
 
 
+def test_peer_and_head_share_option_declarations():
+    """An option both roles take is the same option: same flags, default, type and
+    help (``--listen`` is the one name each role means differently); none lacks help."""
+    import click
+
+    from kvmesh.cli import main
+
+    def options(role: str) -> dict[str, click.Option]:
+        params = main.commands[role].params
+        return {p.name: p for p in params if isinstance(p, click.Option) and p.name != "help"}
+
+    peer, head = options("peer"), options("head")
+    shared = (set(peer) & set(head)) - {"listen"}
+    assert {"budget", "seed", "gossip_interval", "ttl", "region", "fleet_key_file"} <= shared
+    assert {"disk", "kv_events", "verbose"} <= shared
+    for name in shared:
+        a, b = peer[name], head[name]
+        assert (a.opts, a.default, a.help, repr(a.type)) == (b.opts, b.default, b.help, repr(b.type))
+    for role, opts in (("peer", peer), ("head", head)):
+        assert not [n for n, o in opts.items() if not o.help], role
+    text = " ".join(_kvmesh("head", "--help").stdout.split())
+    assert "--gossip-interval FLOAT Seconds between gossip rounds." in text
+
+
 def test_help_and_bad_model():
     assert "demo" in _kvmesh("--help").stdout
     bad = _kvmesh("demo", "--local", "--model", "/nonexistent/model")

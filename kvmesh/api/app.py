@@ -28,13 +28,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..errors import Reason
 from ..runtime.batch import EngineFailed
 from ..runtime.head import HeadRuntime
+from ..runtime.telemetry import Count, Family, Source, Timer, labelled
 from . import cache_query, network
 from .cache_query import PATH as QUERY
 from .credentials import Tenants, head_secret, presented_key, read_key_file
 from .guard import INVALID_KEY, Guard
-from .network import SOURCES, APIKeys, NetworkState
+from .network import APIKeys, NetworkState
 from .openai import APIError, OpenAIService, error_response, router
 from .scheduler import QueueFull, Scheduler
 
@@ -49,46 +51,38 @@ class HeadCollector(Collector):
     def collect(self) -> Any:
         snap = self.runtime.telemetry.snapshot()
         c = snap["counters"]
-        for name, key, doc in (
-            ("kvmesh_completion_tokens", "completion_tokens", "Tokens generated"),
-            ("kvmesh_prompt_tokens", "prompt_tokens", "Prompt tokens received"),
-            (
-                "kvmesh_kv_assisted_tokens",
-                "kv_assisted_tokens",
-                "Prompt tokens imported, not recomputed",
-            ),
-            (
-                "kvmesh_computed_prompt_tokens",
-                "computed_prompt_tokens",
-                "Prompt tokens computed locally",
-            ),
-            ("kvmesh_requests", "requests", "Requests completed"),
-            ("kvmesh_bytes_fetched", "bytes_fetched", "KV bytes fetched from peers"),
+        for key, doc in (
+            (Count.COMPLETION_TOKENS, "Tokens generated"),
+            (Count.PROMPT_TOKENS, "Prompt tokens received"),
+            (Count.KV_ASSISTED_TOKENS, "Prompt tokens imported, not recomputed"),
+            (Count.COMPUTED_PROMPT_TOKENS, "Prompt tokens computed locally"),
+            (Count.REQUESTS, "Requests completed"),
+            (Count.BYTES_FETCHED, "KV bytes fetched from peers"),
         ):
-            yield CounterMetricFamily(name, doc, value=c.get(key, 0))
+            yield CounterMetricFamily(f"kvmesh_{key}", doc, value=c.get(key, 0))
         src = CounterMetricFamily("kvmesh_prefill", "Prefills by source tier", labels=["source"])
-        for tier in SOURCES:
-            src.add_metric([tier], c.get(f"prefill_source:{tier}", 0))
+        for tier in Source:
+            src.add_metric([tier], c.get(labelled(Family.PREFILL_SOURCE, tier), 0))
         yield src
         fb = CounterMetricFamily("kvmesh_fallbacks", "Cache fallbacks by reason", labels=["reason"])
         for reason, n in sorted(self.runtime.telemetry.fallbacks.items()):
             fb.add_metric([reason], n)
         yield fb
         t = snap["timers"]
-        for name, key, doc in (
-            ("kvmesh_import_seconds", "import_s", "Seconds spent importing KV"),
-            ("kvmesh_fetch_seconds", "fetch_s", "Seconds spent fetching KV"),
-            ("kvmesh_prefill_seconds", "prefill_s", "Seconds spent in prefill"),
-            ("kvmesh_prefill_saved_seconds", "saved_s", "Estimated prefill seconds saved"),
+        for name, timer, doc in (
+            ("kvmesh_import_seconds", Timer.IMPORT, "Seconds spent importing KV"),
+            ("kvmesh_fetch_seconds", Timer.FETCH, "Seconds spent fetching KV"),
+            ("kvmesh_prefill_seconds", Timer.PREFILL, "Seconds spent in prefill"),
+            ("kvmesh_prefill_saved_seconds", Timer.SAVED, "Estimated prefill seconds saved"),
         ):
-            yield CounterMetricFamily(name, doc, value=t.get(key, 0.0))
+            yield CounterMetricFamily(name, doc, value=t.get(timer, 0.0))
         yield GaugeMetricFamily(
             "kvmesh_prefill_tokens_per_second", "Learned local prefill speed",
             value=self.runtime.planner.prefill_tps or 0.0,
         )  # fmt: skip
         yield CounterMetricFamily(
             "kvmesh_checksum_failures", "Fetches refused because a block failed SHA-256",
-            value=c.get("fallback:checksum_mismatch", 0),
+            value=c.get(labelled(Family.FALLBACK, Reason.CHECKSUM_MISMATCH), 0),
         )  # fmt: skip
         yield from self._requests(c)
         yield from self._peers(c)
@@ -111,7 +105,7 @@ class HeadCollector(Collector):
             "kvmesh_requests_cancelled", "Requests whose client left, by stage", labels=["stage"]
         )
         for stage in ("queued", "running"):
-            cancelled.add_metric([stage], c.get(f"cancelled:{stage}", 0))
+            cancelled.add_metric([stage], c.get(labelled(Family.CANCELLED, stage), 0))
         yield cancelled
 
     def _peers(self, c: dict[str, Any]) -> Any:
@@ -129,14 +123,13 @@ class HeadCollector(Collector):
         yield quarantined
         failed = CounterMetricFamily("kvmesh_peer_failures", "Failed fetches by reason",
                                      labels=["reason"])  # fmt: skip
-        for key, n in sorted(c.items()):
-            if key.startswith("peer_failed:"):
-                failed.add_metric([key.split(":", 1)[1]], n)
+        for reason, n in sorted(self.runtime.telemetry.family(Family.PEER_FAILED).items()):
+            failed.add_metric([reason], n)
         yield failed
         yield CounterMetricFamily("kvmesh_audits", "Imported blocks recomputed and compared",
-                                  value=c.get("audits", 0))  # fmt: skip
+                                  value=c.get(Count.AUDITS, 0))  # fmt: skip
         yield CounterMetricFamily("kvmesh_audit_mismatches", "Audits whose recompute disagreed",
-                                  value=c.get("audit_mismatch", 0))  # fmt: skip
+                                  value=c.get(Count.AUDIT_MISMATCH, 0))  # fmt: skip
 
     def _aliases(self) -> dict[str, str]:
         node = self.runtime.node.node if self.runtime.node else None

@@ -76,9 +76,13 @@ from ..errors import (
     PeerBusy,
     PeerTimeout,
     PeerUnavailable,
+    Reason,
     StaleEpoch,
     StoreFull,
     Unauthenticated,
+    carried,
+    wire_reason,
+    wire_text,
 )
 from .proto import kvmesh_pb2 as pb
 from .security import AUTH_HEADER, CallRefused, FleetAuth, TLSConfig, body_digest
@@ -122,32 +126,38 @@ def receive_buffer(n: int) -> bytearray:
 class FetchStalled(PeerTimeout):
     """No bytes arrived for the progress timeout: the peer is alive but silent."""
 
-    reason = "stalled"
+    reason = Reason.STALLED
 
 
 class AuthDeadline(PeerTimeout):
     """A connection did not authenticate within the pre-auth deadline."""
 
-    reason = "auth_deadline"
+    reason = Reason.AUTH_DEADLINE
 
 
-_ERRORS: dict[str, type[KVMeshError]] = {
-    "stale_epoch": StaleEpoch,
-    "lease_expired": LeaseExpired,
-    "unauthenticated": Unauthenticated,
-    "oversize_payload": OversizePayload,
-    "malformed_payload": MalformedPayload,
-    "checksum_mismatch": ChecksumMismatch,
-    "store_full": StoreFull,
-    "timeout": PeerTimeout,
-    "busy": PeerBusy,
-}
+#: The typed errors an ERROR frame carries back as themselves, by the reason its
+#: text starts with; any other reason comes back as PeerUnavailable.
+FRAME_ERRORS = carried(
+    StaleEpoch,
+    LeaseExpired,
+    Unauthenticated,
+    OversizePayload,
+    MalformedPayload,
+    ChecksumMismatch,
+    StoreFull,
+    PeerTimeout,
+    PeerBusy,
+)
 
 
-def _typed(text: str) -> KVMeshError:
+def error_frame(e: KVMeshError) -> bytes:
+    """The payload of the ERROR frame that refuses with ``e``: ``reason: message``."""
+    return wire_text(e)[:MAX_REASON].encode()
+
+
+def frame_error(text: str) -> KVMeshError:
     """A peer's ERROR frame as the typed error it names (else peer_unreachable)."""
-    reason = text.split(":", 1)[0]
-    return _ERRORS.get(reason, PeerUnavailable)(f"peer refused: {text}")
+    return FRAME_ERRORS.get(wire_reason(text), PeerUnavailable)(f"peer refused: {text}")
 
 
 class Cancel:
@@ -221,7 +231,7 @@ class _Stream:
         if code == ERROR:
             if n > MAX_REASON:
                 raise MalformedPayload("peer sent an oversize error frame")
-            raise _typed(self.recv(n).decode("utf-8", "replace"))
+            raise frame_error(self.recv(n).decode("utf-8", "replace"))
         if code not in (BLOCK, DONE) or n > max_payload:
             raise MalformedPayload(f"unexpected frame {code} of {n} bytes")
         return code, n
@@ -607,7 +617,7 @@ class BulkServer:
             self._count_reject(conn, e.reason)
             if stream is None or conn.evicted:
                 return
-            answer = f"{e.reason}: {e}"[:MAX_REASON].encode()
+            answer = error_frame(e)
             if conn.admitted:  # past the hello: the client may still be sending
                 stream.progress_s = self.progress_s  # a refused busy one has the pre-auth ones
                 stream.deadline = time.monotonic() + self.progress_s

@@ -57,14 +57,10 @@ from ..compat import CompatCard
 from ..errors import (
     ChecksumMismatch,
     KVMeshError,
-    LeaseExpired,
     LocalBusy,
     MalformedPayload,
     OversizePayload,
-    PeerTimeout,
     PeerUnavailable,
-    StaleEpoch,
-    Unauthenticated,
 )
 from . import bulk
 from .bulk import FetchStalled
@@ -83,6 +79,7 @@ from .placement import (
     replica_ranks,
 )
 from .proto import kvmesh_pb2 as pb
+from .rpc_errors import from_rpc_error
 from .security import ANY_DEST, FleetAuth, TLSConfig, body_digest, open_channel
 from .server import GRPC_OPTIONS
 
@@ -97,19 +94,6 @@ LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
 FETCH = "/kvmesh.v1.PrefillCache/Fetch"
 PUBLISH = "/kvmesh.v1.PrefillCache/Publish"
 EXCHANGE = "/kvmesh.v1.Membership/Exchange"
-
-
-def _error(e: grpc.aio.AioRpcError) -> KVMeshError:
-    code, detail = e.code(), e.details() or ""
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return PeerTimeout(detail or "deadline exceeded")
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return Unauthenticated(detail)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and "stale_epoch" in detail:
-        return StaleEpoch(detail)
-    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-        return LeaseExpired(detail)
-    return PeerUnavailable(f"{code.name}: {detail}")
 
 
 class MeshClient:
@@ -503,7 +487,7 @@ class MeshClient:
                 ep.address, LOOKUP, peer.node_id, raw, pb.LookupResponse, self.lookup_deadline
             )
         except grpc.aio.AioRpcError as e:
-            err = _error(e)
+            err = from_rpc_error(e)
             self.counters[f"lookup_failed:{err.reason}"] += 1
             log.debug("lookup on %s failed: %s", peer.alias, err)
             return err.reason
@@ -662,7 +646,7 @@ class MeshClient:
                 raise MalformedPayload(f"stream ended after {i} of {len(asms)} blocks")
             blocks = [b for b in done if b is not None]
         except grpc.aio.AioRpcError as e:
-            raise _error(e) from None
+            raise from_rpc_error(e) from None
         except (asyncio.CancelledError, KVMeshError):
             call.cancel()
             raise
@@ -800,7 +784,7 @@ class MeshClient:
                 self.lookup_deadline * 4,
             )
         except grpc.aio.AioRpcError as e:
-            raise _error(e) from None
+            raise from_rpc_error(e) from None
         return min(len(blocks), len(resp.blocks) + (1 if resp.HasField("tail") else 0))
 
     async def publish(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> Any:
@@ -865,7 +849,7 @@ class MeshClient:
                 raws(), timeout=self.fetch_deadline, metadata=self._md(PUBLISH, peer.node_id, first)
             )
         except grpc.aio.AioRpcError as e:
-            raise _error(e) from None
+            raise from_rpc_error(e) from None
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from ..errors import (
     MalformedPayload,
     OversizePayload,
     PeerTimeout,
+    Reason,
     StaleEpoch,
     StoreFull,
 )
@@ -56,6 +57,7 @@ from .membership import Membership
 from .placement import Popularity, Rate
 from .proto import kvmesh_pb2 as pb
 from .proto import kvmesh_pb2_grpc as pbg
+from .rpc_errors import to_status
 from .security import CallRefused, FleetAuth, TLSConfig, body_digest
 
 log = logging.getLogger("kvmesh.server")
@@ -134,10 +136,11 @@ class CacheService:
 
     def count_rejection(self, resp: pb.PublishResponse, e: Exception) -> None:
         """A publish refused midway: typed and counted; what was complete is kept."""
-        reason = e.reason if isinstance(e, KVMeshError) and type(e) is not KVMeshError else None
-        reason = reason or "malformed_payload"
+        reason = Reason.MALFORMED_PAYLOAD  # an untyped refusal: the payload's fault
+        if isinstance(e, KVMeshError) and type(e) is not KVMeshError:
+            reason = e.reason
         resp.rejected += 1
-        resp.reason = reason
+        resp.reason = str(reason)
         self.counters[f"publish_rejected:{reason}"] += 1
         log.warning("publish rejected: %s (%s)", reason, e)
 
@@ -192,7 +195,7 @@ class CacheService:
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         if len(request.block_keys) > MAX_LOOKUP_KEYS or len(request.tail_keys) > 64:
             self.counters["lookup_rejected:too_many_keys"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many keys")
+            await context.abort(*to_status(MalformedPayload("too many keys")))
         self.counters["lookups"] += 1
         tail = next((k for k in request.tail_keys if k in self.store), None)
         m = self.store.lookup(list(request.block_keys), tail)  # the index only: no file read
@@ -213,7 +216,7 @@ class CacheService:
         size = request.chunk_bytes or CHUNK_BYTES
         if not 0 < size <= MAX_CHUNK_BYTES:
             self.counters["fetch_rejected:bad_request"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad fetch request")
+            await context.abort(*to_status(MalformedPayload("bad fetch request")))
         blocks = self.serve_fetch(request)
         try:
             while True:
@@ -222,7 +225,7 @@ class CacheService:
                 except StopIteration:
                     return
                 except KVMeshError as e:
-                    await context.abort(*_fetch_status(e))
+                    await context.abort(*to_status(e))
                     return
                 blob = block.blob
                 if len(blob) <= size and isinstance(blob, bytes):
@@ -302,15 +305,6 @@ class CacheService:
         return self.layouts[ns]
 
 
-def _fetch_status(e: KVMeshError) -> tuple[grpc.StatusCode, str]:
-    """A refused fetch as a gRPC status (what the client maps back to a type)."""
-    if isinstance(e, StaleEpoch):
-        return grpc.StatusCode.FAILED_PRECONDITION, "stale_epoch"
-    if isinstance(e, LeaseExpired):
-        return grpc.StatusCode.NOT_FOUND, "lease_expired"
-    return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-
-
 def cache_handler(svc: CacheService) -> grpc.GenericRpcHandler:
     """PrefillCache, registered by hand so that Fetch can stream raw bytes."""
     return grpc.method_handlers_generic_handler(
@@ -372,7 +366,7 @@ class RequestGate(grpc.aio.ServerInterceptor):
                 except CallRefused as e:
                     self.counters["unauthenticated"] += 1
                     self.counters[f"unauthenticated:{e.why}"] += 1
-                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+                    await context.abort(*to_status(e))
             return await self._parse(handler, raw, context)
 
         return _gated(handler, admit, self.counters)
@@ -383,7 +377,7 @@ class RequestGate(grpc.aio.ServerInterceptor):
             return parse(raw) if parse is not None else raw
         except (DecodeError, ValueError):
             self.counters["request_rejected:malformed"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request")
+            await context.abort(*to_status(MalformedPayload("malformed request")))
 
 
 Admit = Callable[[bytes, Any], Awaitable[Any]]

@@ -1,5 +1,13 @@
 """Counters a head keeps: tokens, hits and misses per tier, fallback reasons,
-bytes, checksum failures, import time and prefill seconds saved."""
+bytes, checksum failures, import time and prefill seconds saved.
+
+Contract: the names are typed here, once: :class:`Source` (where a prefill's
+prefix came from), :class:`Count` (plain counters), :class:`Family` (counters
+with a label, kept as ``family:label``: ``prefill_source:remote``,
+``fallback:<Reason>``), :class:`Timer`. They are ``StrEnum`` members, so the
+counters, JSON and metric labels read exactly as the plain strings did; readers
+(``kvmesh.api``) ask by these names, never by a spelled-out string.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,64 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
+
+
+class Source(StrEnum):
+    """Where a prefill's prefix came from."""
+
+    SESSION = "session"  # the same conversation's state, still in memory
+    LOCAL = "local"  # this node's block store
+    DISK = "disk"  # this node's disk tier
+    REMOTE = "remote"  # fetched from a peer
+    COMPUTE = "compute"  # nothing reused: computed in full
+
+
+class Count(StrEnum):
+    """Plain counters of a head."""
+
+    REQUESTS = "requests"
+    PROMPT_TOKENS = "prompt_tokens"
+    COMPLETION_TOKENS = "completion_tokens"
+    KV_ASSISTED_TOKENS = "kv_assisted_tokens"
+    COMPUTED_PROMPT_TOKENS = "computed_prompt_tokens"
+    BYTES_FETCHED = "bytes_fetched"
+    PLANNED_COMPUTE = "planned_compute"
+    AUDITS = "audits"
+    AUDIT_MISMATCH = "audit_mismatch"
+    PUBLISHED_BLOCKS = "published_blocks"
+    PUBLISH_DROPPED = "publish_dropped"
+    PUBLISH_FAILED = "publish_failed"
+
+
+class Family(StrEnum):
+    """Counters with a label, kept under ``family:label``."""
+
+    PREFILL_SOURCE = "prefill_source"  # label: a Source
+    FALLBACK = "fallback"  # label: a Reason
+    PEER_FAILED = "peer_failed"  # label: a Reason
+    LOCAL_IMPORT_FAILED = "local_import_failed"  # label: a Reason
+    CANCELLED = "cancelled"  # label: the stage (queued, running)
+
+
+class Timer(StrEnum):
+    """Seconds summed over requests."""
+
+    IMPORT = "import_s"
+    FETCH = "fetch_s"
+    PREFILL = "prefill_s"
+    SAVED = "saved_s"
+
+
+def labelled(family: Family, label: str) -> str:
+    """The counter name of ``family`` for ``label``."""
+    return f"{family}:{label}"
 
 
 @dataclass(frozen=True)
 class PrefillReport:
-    source: str  # session | local | disk | remote | compute
+    source: str  # a Source (its value: checked, and kept as the member)
     prompt_tokens: int
     reused_tokens: int
     computed_tokens: int
@@ -25,6 +85,9 @@ class PrefillReport:
     compute_s: float = 0.0
     saved_s: float = 0.0
     used_stored_logits: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source", Source(self.source))  # an unknown one: ValueError
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,19 +108,22 @@ class Telemetry:
     def record(self, report: PrefillReport, completion_tokens: int) -> None:
         with self._lock:
             c = self.counters
-            c["requests"] += 1
-            c["prompt_tokens"] += report.prompt_tokens
-            c["completion_tokens"] += completion_tokens
-            c["kv_assisted_tokens"] += report.reused_tokens
-            c["computed_prompt_tokens"] += report.computed_tokens
-            c[f"prefill_source:{report.source}"] += 1
-            c["bytes_fetched"] += report.bytes_fetched
+            c[Count.REQUESTS] += 1
+            c[Count.PROMPT_TOKENS] += report.prompt_tokens
+            c[Count.COMPLETION_TOKENS] += completion_tokens
+            c[Count.KV_ASSISTED_TOKENS] += report.reused_tokens
+            c[Count.COMPUTED_PROMPT_TOKENS] += report.computed_tokens
+            c[labelled(Family.PREFILL_SOURCE, report.source)] += 1
+            c[Count.BYTES_FETCHED] += report.bytes_fetched
             if report.fallback:
-                c[f"fallback:{report.fallback}"] += 1
-            self.timers["import_s"] = self.timers.get("import_s", 0.0) + report.import_s
-            self.timers["fetch_s"] = self.timers.get("fetch_s", 0.0) + report.fetch_s
-            self.timers["prefill_s"] = self.timers.get("prefill_s", 0.0) + report.compute_s
-            self.timers["saved_s"] = self.timers.get("saved_s", 0.0) + report.saved_s
+                c[labelled(Family.FALLBACK, report.fallback)] += 1
+            for timer, s in (
+                (Timer.IMPORT, report.import_s),
+                (Timer.FETCH, report.fetch_s),
+                (Timer.PREFILL, report.compute_s),
+                (Timer.SAVED, report.saved_s),
+            ):
+                self.timers[timer] = self.timers.get(timer, 0.0) + s
             self.recent.append(
                 {"t": time.time(), "completion_tokens": completion_tokens, **report.as_dict()}
             )
@@ -66,9 +132,13 @@ class Telemetry:
         with self._lock:
             return {"counters": dict(self.counters), "timers": dict(self.timers)}
 
+    def family(self, family: Family) -> dict[str, int]:
+        """The counters of ``family``, by label."""
+        prefix = labelled(family, "")
+        with self._lock:
+            return {k[len(prefix) :]: v for k, v in self.counters.items() if k.startswith(prefix)}
+
     @property
     def fallbacks(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                k.split(":", 1)[1]: v for k, v in self.counters.items() if k.startswith("fallback:")
-            }
+        """Fallbacks by reason."""
+        return self.family(Family.FALLBACK)

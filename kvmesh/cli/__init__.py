@@ -1,4 +1,10 @@
-"""The ``kvmesh`` command."""
+"""The ``kvmesh`` command: ``demo``, ``peer``, ``head``, ``status``, ``store``, ``config``.
+
+Contract: expected failures (bad flags, a missing model, refused settings) end in
+one line and exit status 2, never a traceback. Options shared by several commands
+are declared once, in :mod:`kvmesh.cli.options`; library code never imports this
+package (it only turns flags into the library's own configs).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,12 @@ import sys
 
 import click
 
-from .api.server import DEFAULT_MAX_TOKENS
-from .compat import BLOCK_DIGESTS
-from .engine import DEVICES, DTYPES, ENGINES, pick_device, pick_dtype
-from .errors import ConfigError, KVMeshError
-from .store_cli import disk_options, store
+from ..api.server import DEFAULT_MAX_TOKENS
+from ..compat import BLOCK_DIGESTS
+from ..engine import DEVICES, DTYPES, pick_device, pick_dtype
+from ..errors import ConfigError, KVMeshError
+from ..store_cli import store
+from .options import client_security_options, model_options, node_options
 
 
 def _console():  # type: ignore[no-untyped-def]
@@ -32,7 +39,7 @@ class _Group(click.Group):
 
 
 def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
-    from . import config
+    from .. import config
 
     if value:
         try:
@@ -78,7 +85,7 @@ def config_group() -> None:
 @click.pass_context
 def config_show(ctx: click.Context, as_json: bool) -> None:
     """Print the effective settings of every role, with where each came from."""
-    from . import config
+    from .. import config
 
     root = ctx.find_root()
     report = config.effective(root.command, root, root.default_map)  # type: ignore[arg-type]
@@ -98,21 +105,18 @@ def config_show(ctx: click.Context, as_json: bool) -> None:
     "--local", is_flag=True, help="Single process: cold prefill vs. import from a local store."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line instead of a table.")
-@click.option(
-    "--model", default="demo", show_default=True, help="demo, demo-tiny or a local model directory."
-)
-@click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True)
+@model_options
 @click.option("--prompt-tokens", default=1000, show_default=True, help="Approximate prompt length.")
 def demo(local: bool, as_json: bool, model: str, engine: str, prompt_tokens: int) -> None:
     """Show a prefix imported instead of recomputed, with identical output."""
     console = _console()
     if not local:
-        from .runtime.demo import run_two_node
+        from ..runtime.demo import run_two_node
 
         run_two_node(model=model, engine=engine, prompt_tokens=prompt_tokens, as_json=as_json)
         return
-    from .demo import as_dict, run_local
-    from .engine import load_engine
+    from ..demo import as_dict, run_local
+    from ..engine import load_engine
 
     with console.status("loading model") as status:
 
@@ -150,115 +154,9 @@ def _print_local(result, summary: str) -> None:  # type: ignore[no-untyped-def]
         sys.exit(1)
 
 
-def security_options(fn):  # type: ignore[no-untyped-def]
-    """Transport security flags shared by `peer` and `head`."""
-    for opt in reversed(
-        [
-            click.option(
-                "--fleet-key-file",
-                type=click.Path(exists=True, dir_okay=False),
-                help="Fleet pre-shared key: authenticates calls, cards, publishes; keys block hashes.",
-            ),
-            click.option(
-                "--tls-cert",
-                type=click.Path(exists=True, dir_okay=False),
-                help="Server/client certificate (PEM).",
-            ),
-            click.option(
-                "--tls-key", type=click.Path(exists=True, dir_okay=False), help="Private key (PEM)."
-            ),
-            click.option(
-                "--tls-ca",
-                type=click.Path(exists=True, dir_okay=False),
-                help="CA bundle; on a server it turns on mutual TLS.",
-            ),
-            click.option("--tls-server-name", help="Name to check in peers' certificates."),
-            click.option(
-                "--plaintext",
-                is_flag=True,
-                help="Allow an unencrypted listener on a non-loopback address.",
-            ),
-            click.option(
-                "--allow-unauthenticated",
-                is_flag=True,
-                help="Serve a non-loopback listener without client authentication "
-                "(no fleet key, no mutual TLS): anyone who reaches it may publish and fetch.",
-            ),
-            click.option(
-                "--max-block-bytes",
-                default="64MiB",
-                show_default=True,
-                help="Largest block this node accepts from a publisher (its own limit, "
-                "whatever the publisher's card implies).",
-            ),
-            click.option(
-                "--max-inflight",
-                default="128MiB",
-                show_default=True,
-                help="Bytes of published blocks this node buffers at once, over all publishers.",
-            ),
-            click.option(
-                "--max-members",
-                default=256,
-                show_default=True,
-                type=click.IntRange(min=1),
-                help="Most nodes kept in the membership view.",
-            ),
-            click.option(
-                "--data-port",
-                default=0,
-                show_default=True,
-                type=click.IntRange(0, 65535),
-                help="TCP port of the bulk data path (block bytes beside gRPC, same TLS and "
-                "fleet key) on the --listen host; 0: any free port, advertised in the card.",
-            ),
-            click.option(
-                "--advertise-data-port",
-                type=click.IntRange(1, 65535),
-                help="The data port peers should dial, when it differs from --data-port "
-                "(port forwarding, containers).",
-            ),
-            click.option(
-                "--no-bulk",
-                is_flag=True,
-                help="No bulk data path: block bytes go over gRPC (slower; for networks that "
-                "allow one port only).",
-            ),
-        ]
-    ):
-        fn = opt(fn)
-    return fn
-
-
-def events_options(fn):  # type: ignore[no-untyped-def]
-    """``--kv-events ENDPOINT``, ``--kv-events-replay ENDPOINT``, ``--kv-events-topic``."""
-    for opt in reversed(
-        [
-            click.option(
-                "--kv-events",
-                metavar="ENDPOINT",
-                help="Publish vLLM-format KV events (BlockStored/BlockRemoved/AllBlocksCleared) "
-                "on a ZMQ PUB socket, e.g. tcp://*:5557 (binds; tcp://HOST:PORT connects), for "
-                "llm-d's or Dynamo's KV-aware routers (docs/routing.md).",
-            ),
-            click.option(
-                "--kv-events-replay",
-                metavar="ENDPOINT",
-                help="A ZMQ ROUTER socket that replays the last batches from a sequence number "
-                "(vLLM's replay_endpoint), e.g. tcp://*:5558.",
-            ),
-            click.option(
-                "--kv-events-topic", default="", help="Topic frame of every KV event message."
-            ),
-        ]
-    ):
-        fn = opt(fn)
-    return fn
-
-
 def node_config(*args: object, **kw: object):  # type: ignore[no-untyped-def]
     """The library's checked node config; its refusals are usage errors here."""
-    from .mesh.settings import node_config as build
+    from ..mesh.settings import node_config as build
 
     try:
         return build(*args, **kw)  # type: ignore[arg-type]
@@ -281,30 +179,12 @@ def _logging(verbose: bool) -> None:
 @click.option(
     "--listen", default="127.0.0.1:7070", show_default=True, help="gRPC HOST:PORT (port 0 = any)."
 )
-@click.option("--budget", default="2GiB", show_default=True, help="Byte budget of the block store.")
-@click.option("--seed", multiple=True, help="HOST:PORT of a node to gossip with (repeatable).")
-@click.option("--alias", help="Human name shown on the dashboard.")
-@click.option(
-    "--advertise",
-    multiple=True,
-    help="ADDR[,interface=thunderbolt|ethernet|wifi|tailscale|loopback] (repeatable; detected if omitted).",
-)
 @click.option("--metrics", help="Serve Prometheus metrics on HOST:PORT.")
-@click.option(
-    "--gossip-interval", default=1.0, show_default=True, help="Seconds between gossip rounds."
-)
-@click.option(
-    "--ttl", default=5.0, show_default=True, help="Seconds before a silent node is dropped."
-)
-@click.option("--region", default="", help="Coarse region label shown publicly.")
 @click.option(
     "--join", metavar="HEAD_URL", help="Join the fleet of this head (with --pairing-token)."
 )
 @click.option("--pairing-token", help="Single-use token from POST /v1/network/nodes/register.")
-@click.option("-v", "--verbose", is_flag=True)
-@security_options
-@disk_options
-@events_options
+@node_options
 def peer(
     listen: str,
     budget: str,
@@ -324,7 +204,7 @@ def peer(
     import asyncio
     import dataclasses
 
-    from .mesh.peer import run_peer
+    from ..mesh.peer import run_peer
 
     _logging(verbose)
     joined: dict[str, object] = {}
@@ -377,10 +257,7 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
 
 
 @main.command()
-@click.option(
-    "--model", default="demo", show_default=True, help="demo, demo-tiny or a local model directory."
-)
-@click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True)
+@model_options
 @click.option(
     "--device",
     type=click.Choice(DEVICES),
@@ -411,14 +288,6 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     default="127.0.0.1:0",
     show_default=True,
     help="The head's own cache service (a head is also a peer).",
-)
-@click.option(
-    "--budget", default="2GiB", show_default=True, help="Byte budget of the local block store."
-)
-@click.option("--seed", multiple=True, help="HOST:PORT of a node to gossip with (repeatable).")
-@click.option("--alias", help="Human name shown on the dashboard.")
-@click.option(
-    "--advertise", multiple=True, help="ADDR[,interface=KIND] for the gRPC service (repeatable)."
 )
 @click.option(
     "--api-key-file",
@@ -520,17 +389,11 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
     type=click.Path(exists=True, dir_okay=False),
     help="Private key (PEM) of --http-tls-cert.",
 )
-@click.option("--gossip-interval", default=1.0, show_default=True)
-@click.option("--ttl", default=5.0, show_default=True)
 @click.option(
     "--lookup-timeout", default=0.25, show_default=True, help="Seconds a lookup may take."
 )
 @click.option("--fetch-timeout", default=30.0, show_default=True, help="Seconds a fetch may take.")
-@click.option("--region", default="")
-@click.option("-v", "--verbose", is_flag=True)
-@security_options
-@disk_options
-@events_options
+@node_options
 def head(
     model: str,
     engine: str,
@@ -568,8 +431,8 @@ def head(
     **sec: object,
 ) -> None:
     """Serve the OpenAI-compatible API with prefill from the mesh; decode stays local."""
-    from .api.server import HeadOptions, run_head
-    from .units import parse_size
+    from ..api.server import HeadOptions, run_head
+    from ..units import parse_size
 
     _logging(verbose)
     if bool(http_tls_cert) != bool(http_tls_key):
@@ -591,7 +454,7 @@ def head(
         raise click.BadParameter(str(e), param_hint="--kv-budget") from None
     tenant_cap = _tenant_options(api_key_file, tenant_header, shared_tenant, tenant_budget)
     if tenant_secret_file:
-        from .api.credentials import KeyFileError, head_secret
+        from ..api.credentials import KeyFileError, head_secret
 
         try:
             head_secret(tenant_secret_file)  # made now when missing: a bad path fails here
@@ -645,8 +508,8 @@ def _tenant_options(
 ) -> int | None:
     """Check the tenant flags and the key file now (a clear error before the model
     loads); the per-tenant budget in bytes, or None."""
-    from .api.credentials import KeyFileError, check_tenant_name, read_key_file
-    from .units import parse_size
+    from ..api.credentials import KeyFileError, check_tenant_name, read_key_file
+    from ..units import parse_size
 
     try:
         if api_key_file:
@@ -676,19 +539,15 @@ def _tenant_options(
 @main.command()
 @click.argument("address")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--fleet-key-file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False))
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False))
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False))
-@click.option("--tls-server-name")
+@client_security_options
 def status(address: str, as_json: bool, **sec: str | None) -> None:
     """The fleet as the node at ADDRESS (HOST:PORT, gRPC) sees it."""
     import asyncio
 
     import grpc
 
-    from .mesh.security import FleetAuth, TLSConfig, load_fleet_key
-    from .mesh.status import describe, fetch_cards
+    from ..mesh.security import FleetAuth, TLSConfig, load_fleet_key
+    from ..mesh.status import describe, fetch_cards
 
     auth = (
         FleetAuth(load_fleet_key(sec["fleet_key_file"]), "kvmesh-status")
@@ -727,7 +586,3 @@ def status(address: str, as_json: bool, **sec: str | None) -> None:
         t.add_row(name, ",".join(r["roles"]), r["epoch"][:8], f"{r['card_age_s']:.1f} s", eps, used,
                   str(r["entries"]), hit)  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 200).print(t)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
