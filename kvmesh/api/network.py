@@ -24,12 +24,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
 from ..runtime.head import HeadRuntime
+from ..runtime.telemetry import Source
 from ..units import is_loopback
 from .credentials import presented_key, read_key_file
 from .openai import APIError, Body
 
 PAIRING_TTL_S = 600.0
-SOURCES = ("session", "local", "disk", "remote", "compute")  # where a prefill's prefix came from
+SOURCES = tuple(Source)  # where a prefill's prefix came from
 
 
 class APIKeys:
@@ -227,7 +228,7 @@ def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[s
                               "gbps": round(tr.gbps, 3), "at": tr.at, "blocks": tr.blocks})  # fmt: skip
     return {
         "requests": total,
-        "hit_ratio": round((total - sources["compute"]) / total, 3) if total else None,
+        "hit_ratio": round((total - sources[Source.COMPUTE]) / total, 3) if total else None,
         "by_source": sources,
         "bytes_fetched": c.get("bytes_fetched", 0),
         "bytes_published": node.client.counters.get("bytes_published", 0) if node else 0,

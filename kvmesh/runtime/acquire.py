@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from ..blocks import PrefixKeys
 from ..codec import Block, Layout
 from ..compat import CompatCard
+from ..errors import Reason
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..store import Match
@@ -132,7 +133,7 @@ class Acquirer:
                 continue
             left = budget - (time.perf_counter() - t0)
             if left <= 0:
-                out.fallback = "budget"
+                out.fallback = Reason.BUDGET
                 break
             nbytes = sum(i.nbytes for i in hit.infos[start:])
             if not self.planner.estimate(hit.node_id, hit.tokens - have, nbytes).worth_it:

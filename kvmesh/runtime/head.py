@@ -55,7 +55,7 @@ from .acquire import Acquirer, Publisher
 from .audit import AuditJob, Auditor
 from .batch import DEFAULT_MAX_BATCH, BatchRunner, Job
 from .planner import Planner, failure_reason
-from .telemetry import PrefillReport, Telemetry
+from .telemetry import PrefillReport, Source, Telemetry
 
 log = logging.getLogger("kvmesh.head")
 
@@ -103,7 +103,7 @@ class _Acquired:
     """The prefix gathered for one request before the engine runs."""
 
     session: tuple[int, int] | None = None  # (session id, tokens to keep)
-    source: str = "compute"  # session | local | disk (local, in part from disk) | remote | compute
+    source: Source = Source.COMPUTE  # disk: local, in part from the disk tier
     prefix: tuple[Block, ...] = ()  # the chain from the root (blocks, then a tail)
     importer: Importer | None = None  # ``prefix`` already copied in (remote)
     peer: str | None = None
@@ -232,7 +232,7 @@ class HeadRuntime:
         self._keep_session(state, keyer.root, client)
         if self.publish_enabled:
             self._publish_later(prompt, state, done.chain, keyer, scope.tenant)
-        if self.auditor is not None and report.source == "remote" and got.peer_id:
+        if self.auditor is not None and report.source == Source.REMOTE and got.peer_id:
             audit = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
             if audit is not None:
                 self.publisher.background(self._audit, audit, keyer)
@@ -302,9 +302,9 @@ class HeadRuntime:
         got = _Acquired(session=self._best_session(tokens, keyer.root, client), owner=tenant)
         local = self.acquirer.local(keys) if self.acquirer else Match((), None)
         if got.session_tokens >= local.tokens and got.session_tokens:
-            got.source = "session"  # resuming is a crop, importing a copy: sessions win ties
+            got.source = Source.SESSION  # resuming is a crop, importing a copy: sessions win ties
         elif local.tokens:
-            got.source, got.prefix = "disk" if local.from_disk else "local", local.all()
+            got.source, got.prefix = Source.DISK if local.from_disk else Source.LOCAL, local.all()
         have = max(got.session_tokens, local.tokens)
         if self.acquirer is None or have >= len(tokens) - 1:
             return got
@@ -328,7 +328,7 @@ class HeadRuntime:
         if done.hit is None:
             got.fallback = done.fallback or got.fallback
             return got
-        got.source, got.importer, got.fetched_bytes = "remote", done.sink, done.nbytes
+        got.source, got.importer, got.fetched_bytes = Source.REMOTE, done.sink, done.nbytes
         got.peer, got.peer_id, got.fetch_s = done.hit.alias, done.hit.node_id, done.fetch_s
         got.fetched = tuple(enumerate(done.blocks, start=skip))
         got.prefix = tuple(local.blocks[:skip]) + tuple(done.blocks)
@@ -344,12 +344,12 @@ class HeadRuntime:
         t0 = time.perf_counter()
         fallback, source, prefix = got.fallback, got.source, got.prefix
         try:
-            if source == "session":
+            if source == Source.SESSION:
                 state = self._resume(tokens, got)
             else:
                 state = self.engine.prefill(tokens, prefix, got.importer, between)
         except Exception as e:  # invariant 1: compute it all
-            fallback, source, prefix = failure_reason(e), "compute", ()
+            fallback, source, prefix = failure_reason(e), Source.COMPUTE, ()
             state = self.engine.prefill(tokens, between=between)
         dt = time.perf_counter() - t0
         if state.computed_tokens:
@@ -361,8 +361,8 @@ class HeadRuntime:
             prompt_tokens=len(tokens),
             reused_tokens=state.imported_tokens,
             computed_tokens=state.computed_tokens,
-            peer=got.peer if source == "remote" else None,
-            bytes_fetched=got.fetched_bytes if source == "remote" else 0,
+            peer=got.peer if source == Source.REMOTE else None,
+            bytes_fetched=got.fetched_bytes if source == Source.REMOTE else 0,
             fallback=fallback,
             lookup_s=got.lookup_s,
             fetch_s=got.fetch_s,
@@ -371,7 +371,7 @@ class HeadRuntime:
             saved_s=self.planner.compute_s(state.imported_tokens),
             used_stored_logits=state.used_stored_logits,
         )
-        chain = () if source == "session" else prefix
+        chain = () if source == Source.SESSION else prefix
         return state, report, tuple(b for b in chain if b.header.kind == "block")
 
     def _resume(self, tokens: list[int], got: _Acquired) -> KVState:

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from ..errors import CacheMiss, KVMeshError, LocalBusy, PeerBusy
+from ..errors import CacheMiss, KVMeshError, LocalBusy, PeerBusy, Reason
 
 log = logging.getLogger("kvmesh.planner")
 
@@ -64,14 +64,14 @@ class LookupHooks(TypedDict):
     on_success: Callable[[str], None]
 
 
-def failure_reason(e: BaseException) -> str:
+def failure_reason(e: BaseException) -> Reason:
     """The reason a failure on the cache path is counted under."""
     if isinstance(e, KVMeshError):
-        return e.reason
+        return Reason(e.reason)
     if isinstance(e, (TimeoutError, concurrent.futures.TimeoutError)):
-        return "timeout"
+        return Reason.TIMEOUT
     log.warning("cache path failed unexpectedly: %r", e)
-    return "error"
+    return Reason.ERROR
 
 
 def _ewma(old: float | None, new: float) -> float:
