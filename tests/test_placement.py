@@ -18,7 +18,6 @@ from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import Layout
 from kvmesh.mesh import hits as hits_module
 from kvmesh.mesh.metrics import NodeCollector
-from kvmesh.mesh.node import MeshNode, NodeConfig
 from kvmesh.mesh.placement import (
     MAX_REPLICAS,
     REPAIR_CHECKS,
@@ -35,6 +34,7 @@ from kvmesh.mesh.placement import (
 )
 
 from .helpers import small_card, synthetic_chain
+from .test_lookup_fanout import _asked, _fleet
 
 IDS = [f"n{i}" for i in range(20)]
 CARD = small_card()
@@ -102,20 +102,6 @@ def test_probe_repair_and_choice():
 
 
 # -- the real nodes ------------------------------------------------------------------
-
-
-async def _fleet(n: int) -> tuple[list[MeshNode], MeshNode]:
-    nodes = [MeshNode(NodeConfig(alias=f"c{i}", ttl=60, gossip_interval=60)) for i in range(n)]
-    head = MeshNode(NodeConfig(alias="head", roles=("head",), ttl=60, gossip_interval=60))
-    for node in [*nodes, head]:
-        await node.start()
-    for node in nodes:
-        await head.client.exchange(node.address, node.node_id)
-    return nodes, head
-
-
-def _asked(nodes: list[MeshNode]) -> int:
-    return sum(n.cache.counters["lookups"] for n in nodes)
 
 
 def test_peers_place_deep_count_demand_and_spread_a_hot_prefix():
