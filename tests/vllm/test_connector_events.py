@@ -6,8 +6,10 @@ loopback SUB socket this test binds). Every message is decoded by vLLM's own
 ``KVEventBatch`` decoder. A request produces ``BlockStored`` events of medium
 ``CPU`` (kvmesh's RAM tier, from the worker through the scheduler's
 ``take_events()``) whose ``token_ids`` concatenate to the prompt's full blocks, in
-the same stream as vLLM's own ``GPU`` blocks; a ``cache_salt`` request's blocks
-carry their tokens too, under keys of their own; the connector never clears.
+the same stream as vLLM's own ``GPU`` blocks, hashed as kvmesh keys them; a
+``cache_salt`` request's blocks carry their tokens too, under its salt's keys;
+under a budget of three pages, blocks evicted from RAM come as ``BlockRemoved``
+of kvmesh's keys; the connector never clears.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ kv = pytest.importorskip(
 )
 zmq = pytest.importorskip("zmq")
 
+from kvmesh.blocks import BlockKeyer, chain_root  # noqa: E402
+from kvmesh.mesh.events import external_hash  # noqa: E402
+
 from ..procs import free_port  # noqa: E402
 from .serve import APIServer  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU page, kvmesh's block
+PAGE_BYTES = 4 * 2 * 1 * BLOCK * 32 * 4  # demo-tiny: 4 layers, 1 KV head of 32, float32
 TOPIC = b"kvmesh-test"
 VLLM = msgspec.msgpack.Decoder(type=kv.KVEventBatch)
 
@@ -101,17 +107,29 @@ def _kvmesh_lines(tmp_path) -> list[str]:
     return [line for line in text if "kvmesh" in line or "Error" in line][-30:]
 
 
-def warm_up(srv: APIServer, model: str, stream: Stream) -> None:
+def kvmesh_keys(resp: dict, tokens: list[int], salt: str | None = None) -> list[int]:
+    """The full blocks' keys the connector uses (its namespace from the response's
+    ``kv_transfer_params``), as events carry them."""
+    ns = bytes.fromhex(resp["kv_transfer_params"]["kvmesh"]["cards"]["0"][1])
+    keyer = BlockKeyer(ns, BLOCK, None)
+    if salt is not None:
+        keyer = keyer.rooted(chain_root(ns, None, salt))
+    return [external_hash(k) for k in keyer.keys(tokens).blocks]
+
+
+def warm_up(srv: APIServer, model: str, stream: Stream) -> list[int]:
     """Requests until the stream carries events: the first batches vLLM publishes
     after its start may be lost before its PUB socket's connection to ours is up
     (we saw a first request's events, GPU and CPU alike, never arrive)."""
+    keys: list[int] = []
     for i in range(10):
-        complete(srv.url, model, prompt(200 + i))
+        tokens = prompt(200 + i)
+        keys += kvmesh_keys(complete(srv.url, model, tokens), tokens)
         stream.read(2.0)
         if stream.events:
             stream.read(2.0)  # the rest of this request's events
             stream.events.clear()
-            return
+            return keys
     raise AssertionError("vLLM published no events")
 
 
@@ -126,15 +144,17 @@ def test_a_request_produces_cpu_block_stored_events_with_its_tokens(tiny_dir, tm
     model = str(tiny_dir)
     stream = Stream(sub)
     try:
-        with APIServer(model, {"grpc_listen": f"127.0.0.1:{free_port()}"}, tmp_path / "v.log",
+        kvmesh = {"grpc_listen": f"127.0.0.1:{free_port()}", "budget": 3 * PAGE_BYTES + 4096}
+        with APIServer(model, kvmesh, tmp_path / "v.log",
                        "--kv-events-config", json.dumps(events),
                        "--enable-prefix-caching") as srv:  # fmt: skip
-            warm_up(srv, model, stream)
+            sent = warm_up(srv, model, stream)  # kvmesh keys of every prompt sent
             plain = prompt(11)
-            complete(srv.url, model, plain)
+            keys = kvmesh_keys(complete(srv.url, model, plain), plain)
             chain = await_chain(srv, model, stream, plain, set())
             salted = prompt(11)  # the same tokens, another key chain
-            complete(srv.url, model, salted, salt="tenant-a")
+            salted_keys = kvmesh_keys(complete(srv.url, model, salted, salt="tenant-a"),
+                                      salted, "tenant-a")  # fmt: skip
             hashes = {h for e in chain for h in e.block_hashes}
             salted_chain = await_chain(srv, model, stream, salted, hashes)
     finally:
@@ -144,13 +164,21 @@ def test_a_request_produces_cpu_block_stored_events_with_its_tokens(tiny_dir, tm
              len(getattr(e, "token_ids", ()))) for e in stream.events]  # fmt: skip
     assert [t for e in chain for t in e.token_ids] == full, (seen, _kvmesh_lines(tmp_path))
     assert all(e.block_size == BLOCK for e in chain)
-    assert len(hashes) == len(full) // BLOCK  # one kvmesh key per block
+    assert [h for e in chain for h in e.block_hashes] == keys  # kvmesh's own keys
+    assert len(keys) == len(full) // BLOCK
     # vLLM's own GPU blocks of the same prompt, in the same stream
     gpu = [t for e in stream.stored(kv.MEDIUM_GPU) for t in e.token_ids]
     assert gpu[: len(full)] == full
     # a salted chain: recorded tokens, keys of its own (the salt is not in the events)
     assert [t for e in salted_chain for t in e.token_ids] == full
-    assert not hashes & {h for e in salted_chain for h in e.block_hashes}
+    assert [h for e in salted_chain for h in e.block_hashes] == salted_keys
+    assert not hashes & set(salted_keys)
+    # three pages of RAM: storing the salted chain evicted older blocks, announced by
+    # kvmesh key; never one just stored
+    removed = [h for e in stream.events if isinstance(e, kv.BlockRemoved)
+               and e.medium == kv.MEDIUM_CPU for h in e.block_hashes]  # fmt: skip
+    assert removed, seen
+    assert set(removed) <= set(sent + keys) and len(set(removed)) == len(removed)
     assert not any(isinstance(e, kv.AllBlocksCleared) for e in stream.events)
 
 
