@@ -33,6 +33,17 @@ rank and world size are in the card, so shards of different layouts never mix):
   stored are copied out (one copy, on the model's path), then sealed (BLAKE3),
   stored and published by the core's publisher through its bounded slots.
 
+KV events (vLLM's ``kv_events_config`` with ``enable_kv_cache_events``): rank 0's
+worker hears its store (full blocks stored in or removed from RAM or disk, with
+their tokens) and sends the changes in its worker metadata; the scheduler keeps
+them in a bounded buffer (past ``MAX_EVENTS`` it drops the newest and counts
+them) and ``take_events()`` hands them to vLLM's publisher as vLLM's own
+``BlockStored`` / ``BlockRemoved`` (medium ``CPU`` for the RAM tier, ``STORAGE``
+for the disk tier), in the same stream as vLLM's GPU blocks. The connector never
+sends ``AllBlocksCleared``: that would wipe vLLM's own blocks from a router's view.
+The hashes are kvmesh's keys (opaque); with a ``cache_salt`` they are that salt's
+chain's, never the salt itself.
+
 A request with vLLM's ``cache_salt`` is keyed from a chain root of the namespace
 and the salt, so it is looked up and saved only among requests with the same
 salt. Requests that kvmesh's keys cannot describe (LoRA adapters, multimodal
@@ -47,10 +58,13 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
     KVConnectorBase_V1,
@@ -80,6 +94,7 @@ log = logging.getLogger("kvmesh.vllm")
 IDLE_YIELD_S = 0.002
 MAX_ACQUISITIONS = 256  # requests a worker may be acquiring pages for at once
 ANSWER_GRACE_S = 5.0  # beyond the lookup deadline, before the scheduler stops waiting
+MAX_EVENTS = 10_000  # KV events the scheduler holds for vLLM's publisher, then drops
 
 
 # -- metadata: scheduler -> workers (every step) ---------------------------------
@@ -125,6 +140,10 @@ class KVMeshWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     answers: dict[str, dict[int, int]] = field(default_factory=dict)  # req -> rank -> pages
     reports: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # load results
     cards: dict[int, list[str]] = field(default_factory=dict)  # rank -> [engine, namespace]
+    # KV events (rank 0 only: the other ranks hold the same prefixes): msgpack lists
+    # of vLLM events, and the store changes dropped before they could be sent
+    events: list[bytes] = field(default_factory=list)
+    events_dropped: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVMeshWorkerMeta:
         assert isinstance(other, KVMeshWorkerMeta)
@@ -132,7 +151,57 @@ class KVMeshWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
             for req_id, by_rank in theirs.items():
                 mine.setdefault(req_id, {}).update(by_rank)  # type: ignore[arg-type]
         self.cards.update(other.cards)
+        self.events.extend(other.events)
+        self.events_dropped += other.events_dropped
         return self
+
+
+class EventBuffer:
+    """The scheduler's KV events from the workers, for vLLM's publisher: at most
+    ``max_events`` held (past that the newest are dropped and counted), decoded
+    as vLLM's own classes, never an ``AllBlocksCleared`` (it would wipe vLLM's own
+    blocks from a router's view)."""
+
+    def __init__(self, max_events: int = MAX_EVENTS) -> None:
+        from vllm.distributed import kv_events as kv  # type: ignore[import-not-found]
+
+        self.max_events = max_events
+        self.dropped = 0  # by a worker's sink, or here
+        self.undecodable = 0  # payloads no event could be read from
+        self._events: deque[Any] = deque()
+        self._decoder = msgspec.msgpack.Decoder(
+            list[kv.BlockStored | kv.BlockRemoved | kv.AllBlocksCleared]
+        )
+
+    def keep(self, payloads: list[bytes], dropped: int = 0) -> None:
+        """Each payload: a msgpack list of events (``MeshService.take_events``)."""
+        for payload in payloads:
+            try:
+                events = self._decoder.decode(payload)
+            except msgspec.DecodeError as e:  # a worker of another version: counted, said once
+                if not self.undecodable:
+                    log.warning("kvmesh: undecodable KV events from a worker dropped: %s", e)
+                self.undecodable += 1
+                continue
+            for ev in events:
+                if type(ev).__name__ == "AllBlocksCleared":
+                    continue
+                if len(self._events) >= self.max_events:
+                    dropped += 1
+                else:
+                    self._events.append(ev)
+        if dropped:
+            if self.dropped == 0:  # once: a publisher that does not drain is a deployment issue
+                log.warning("kvmesh: KV events dropped: vLLM does not drain take_events()")
+            self.dropped += dropped
+
+    def take(self) -> list[Any]:
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    def __len__(self) -> int:
+        return len(self._events)
 
 
 # -- a worker's pages for one request -----------------------------------------------
@@ -218,6 +287,9 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._first_local: dict[str, int] = {}
         self._cards: dict[int, list[str]] = {}  # what each rank serves, as it told us
         self._answer_s = float(self.settings["lookup_timeout"]) + ANSWER_GRACE_S
+        events_cfg = vllm_config.kv_events_config
+        self._events_on = bool(events_cfg is not None and events_cfg.enable_kv_cache_events)
+        self.events = EventBuffer()  # the workers' KV events, for take_events()
         # worker side
         self.svc: services.MeshService | None = None
         self.rank = 0
@@ -256,7 +328,9 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         card = dataclasses.replace(probe, engine=engine)
         self.pages = Pages(card, tensors)
         cfg = self.settings.node_config(self.rank, self.tp)
-        self.svc = services.MeshService(self.settings, card, cfg)
+        self.svc = services.MeshService(
+            self.settings, card, cfg, events=self._events_on and self.rank == 0
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -329,13 +403,16 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         with self._lock:
             answers, self._answers = self._answers, {}
             reports, self._reports = self._reports, {}
-        if not answers and not reports:
+        svc = self._require_svc()
+        events, dropped = svc.take_events()
+        if not answers and not reports and not events and not dropped:
             return None
-        card = self._require_svc().card
         return KVMeshWorkerMeta(
             {r: {self.rank: n} for r, n in answers.items()},
             {r: {self.rank: rep} for r, rep in reports.items()},
-            {self.rank: [card.engine, card.namespace_hex]},
+            {self.rank: [svc.card.engine, svc.card.namespace_hex]},
+            [events] if events else [],
+            dropped,
         )
 
     def shutdown(self) -> None:
@@ -539,6 +616,8 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVMeshWorkerMeta):
             return
+        if meta.events or meta.events_dropped:
+            self.events.keep(meta.events, meta.events_dropped)
         with self._lock:
             self._cards.update(meta.cards)
             for req_id, by_rank in meta.answers.items():
@@ -549,6 +628,11 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 asked = self._asked.get(req_id)
                 if asked is not None:
                     asked.reports.update(reports)
+
+    def take_events(self) -> Iterable[Any]:
+        """kvmesh's tier changes since the last call, as vLLM's event classes (vLLM's
+        scheduler publishes them with its own, each step)."""
+        return self.events.take()
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -8,6 +8,14 @@ the shared acquisition core (:mod:`kvmesh.runtime.acquire`) that finds, plans,
 fetches and publishes. The scheduler side needs none of it: it lives in vLLM's
 engine-core process and only exchanges decisions with the workers through
 vLLM's connector metadata. Nothing here is shared through module state.
+
+With ``events`` (vLLM's ``kv_events_config`` on, and only on the rank that
+reports them), the store's changes are kept for the scheduler in a bounded
+:class:`~kvmesh.mesh.events.StoreEvents` sink that never clears (vLLM's stream
+also carries its own GPU blocks), and the keyer records each full block's tokens
+(salted chains too), so a stored block's event carries them.
+:meth:`MeshService.take_events` drains it as msgpack bytes: vLLM carries them
+to the scheduler in the worker metadata.
 """
 
 from __future__ import annotations
@@ -18,9 +26,12 @@ import logging
 import threading
 from collections import Counter
 
+import msgspec
+
 from ..blocks import BlockKeyer
 from ..codec import Layout
 from ..compat import CompatCard
+from ..mesh.events import RecordingKeyer, StoreEvents
 from ..mesh.fleet import Fleet
 from ..mesh.node import NodeConfig, NodeThread
 from ..runtime.acquire import Acquirer, Publisher
@@ -30,8 +41,14 @@ from .config import ConnectorSettings
 log = logging.getLogger("kvmesh.vllm")
 
 
+EVENTS_PENDING = 100_000  # store changes kept for the scheduler, then dropped (counted)
+EVENTS_PER_STEP = 4096  # store changes sent with one step's worker metadata at most
+
+
 class MeshService:
-    def __init__(self, settings: ConnectorSettings, card: CompatCard, cfg: NodeConfig) -> None:
+    def __init__(
+        self, settings: ConnectorSettings, card: CompatCard, cfg: NodeConfig, events: bool = False
+    ) -> None:
         self.settings = settings
         self.card = card
         self.layout = Layout(card)
@@ -39,6 +56,12 @@ class MeshService:
         self.fleet = Fleet(self.node)
         self.fleet.advertise(card)
         self.keyer = BlockKeyer(card.namespace, card.block_tokens, cfg.security.fleet_key)
+        self.events: StoreEvents | None = None
+        self._events_dropped = 0  # drops already reported
+        if events:  # before any block is stored: the store is empty until the first save
+            self.events = StoreEvents(max_pending=EVENTS_PENDING, clears=False)
+            self.node.node.store.listener = self.events
+            self.keyer = RecordingKeyer(self.keyer, self.events.memo)
         self.planner = Planner(prefill_tps=float(settings["prefill_tps"]))
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -55,6 +78,20 @@ class MeshService:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
+
+    def take_events(self) -> tuple[bytes, int]:
+        """The store's pending changes as one msgpack list of vLLM events (empty
+        bytes when none), and how many changes were dropped since the last call."""
+        if self.events is None:
+            return b"", 0
+        events = self.events.take(EVENTS_PER_STEP)
+        dropped = self.events.dropped - self._events_dropped
+        self._events_dropped += dropped
+        if dropped:
+            self.count("events_dropped", dropped)
+        if events:
+            self.count("events", len(events))
+        return (msgspec.msgpack.encode(events) if events else b""), dropped
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until queued publishes reached the peers (tests, benchmarks, shutdown)."""
