@@ -115,6 +115,18 @@ def _ttft(d: dict[str, Any]) -> bool:
     return d["fleet_key"] and row["kvmesh_remote_s"] > 0 and netns_ok
 
 
+def _events(d: dict[str, Any]) -> bool:
+    """Every change reaches a reading subscriber, no gap, no drop; a serving head
+    announces every full block of every prompt (4 a prompt, 2 warm-up prompts)."""
+    rate, head, per = d["rate"], d["head"], d["per_block"]
+    return (
+        rate["received"] == rate["changes"] and rate["gaps"] == 0 and rate["dropped"] == 0
+        and head["gaps"] == 0 and head["dropped"] == 0
+        and head["blocks_announced"] == (head["requests"] + 2) * 4
+        and per["blocks"] > 0 and per["ratio"] > 0
+    )  # fmt: skip
+
+
 # each benchmark's own claim, read back from its JSON
 CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "churn.py": lambda d: d["stored_within_budget"] and d["max_stored_bytes"] > 0,
@@ -124,6 +136,7 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "disk.py": lambda d: (
         d["rebuild"]["indexed"] == d["rebuild"]["files"] > 0 and len(d["ttft"]) == 1
     ),
+    "events.py": _events,
     "head_overhead.py": lambda d: d["miss_ttft_s"] > 0 and d["freeze_first_ttft_s"] > 0,
     "healthz.py": lambda d: d["full"]["cancelled"] >= d["full"]["waiting"] + d["full"]["max_batch"],
     "hostile_publish.py": lambda d: (
