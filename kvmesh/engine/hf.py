@@ -78,17 +78,20 @@ def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
 
 # -- batched decode on the CPU ----------------------------------------------------
 
-_batched = threading.local()  # set while a batched decode step runs on this thread
+_batched = threading.local()  # .rows_first: row counts taking W @ x.T during a batched step
 MAX_ROWS_FIRST = 16
+_BUCKETS = (2, 4, 8, MAX_ROWS_FIRST)  # row counts measured at start; others take the next one up
 
 
 def _rows_first_linear(model: Any) -> None:
-    """Route the model's linear layers through :func:`_linear`. MKL's ``x @ W.T``
-    (``F.linear``) with 2-16 rows runs at about a third of the one-row speed here
-    (the 151,936-row LM head of the demo model: 40 ms for one row, 88-137 ms for
-    2-16), while ``W @ x.T`` keeps streaming the weights once (18-55 ms): what makes
-    a batched decode step cheap (bench/serving.py). Only batched decode steps take
-    it, so prefill and single-sequence decode compute exactly as before."""
+    """Route the model's linear layers through :func:`_linear`. With a few rows,
+    ``F.linear`` (``x @ W.T``) may run far below the one-row speed on some CPUs (MKL
+    packs the weights: 40 ms for one row of a 151,936-row LM head, 88-137 ms for
+    2-16 on one machine), where ``W @ x.T`` keeps streaming the weights once; on
+    others (a 2-core Xeon: 2 rows of the demo's MLP, 32 ms linear, 58 ms rows-first)
+    it is the other way round. :func:`_calibrate` measures which, at start. Only
+    batched decode steps take it, so prefill and single-sequence decode compute
+    exactly as before."""
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.forward = types.MethodType(_linear, module)  # type: ignore[method-assign]
@@ -96,12 +99,48 @@ def _rows_first_linear(model: Any) -> None:
 
 def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if getattr(_batched, "on", False) and 2 <= rows <= MAX_ROWS_FIRST:
-        y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T
+    if rows in getattr(_batched, "rows_first", ()):
+        # contiguous rows: a transposed view would push SDPA off its fused kernel
+        y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous()
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _calibrate(model: Any, reps: int = 3) -> frozenset[int]:
+    """The batch sizes (2..MAX_ROWS_FIRST) at which ``W @ x.T`` beats ``F.linear``
+    on this machine: each bucket of :data:`_BUCKETS` timed on one weight of every
+    distinct shape the model has (weighted by how many it has), both kernels
+    interleaved, the best of ``reps`` rounds each (another process's burst slows
+    one round, not the minimum)."""
+    import time
+
+    shapes: dict[tuple[int, ...], tuple[torch.nn.Linear, int]] = {}
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            key = tuple(m.weight.shape)
+            first, count = shapes.get(key, (m, 0))
+            shapes[key] = (first, count + 1)
+    chosen: set[int] = set()
+    low = 2
+    for rows in _BUCKETS:
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(reps):
+            for rows_first in (False, True):
+                t = 0.0
+                for m, count in shapes.values():
+                    x = torch.zeros((rows, 1, m.in_features), dtype=m.weight.dtype)
+                    _batched.rows_first = {rows} if rows_first else ()
+                    t0 = time.perf_counter()
+                    _linear(m, x)
+                    t += (time.perf_counter() - t0) * count
+                best[rows_first] = min(best[rows_first], t)
+        _batched.rows_first = ()
+        if best[True] < best[False]:
+            chosen.update(range(low, rows + 1))
+        low = rows + 1
+    return frozenset(chosen)
 
 
 # -- cache layers -------------------------------------------------------------
@@ -247,8 +286,11 @@ class TransformersEngine(Engine):
         )
         self.model.to(self.device)  # type: ignore[arg-type]  # (transformers types .to oddly)
         self.model.eval()
+        self.rows_first: frozenset[int] = frozenset()  # batch sizes taking W @ x.T
         if self.device.type == "cpu":
             _rows_first_linear(self.model)
+            with torch.inference_mode():
+                self.rows_first = _calibrate(self.model)
         # transformers >= 5.20 names the cache argument ``cache``; earlier 5.x (which
         # vLLM 0.32 pins) still call it ``past_key_values``
         params = inspect.signature(self.model.forward).parameters
@@ -334,14 +376,14 @@ class TransformersEngine(Engine):
         ids = torch.tensor([[s.tokens[s.cached]] for s in states], device=self.device)
         pos = torch.tensor([[n] for n in lens], device=self.device)
         kw = {self._cache_kw: batch}
-        _batched.on = True
+        _batched.rows_first = self.rows_first
         try:
             out = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 logits_to_keep=1, **kw,
             )  # fmt: skip
         finally:
-            _batched.on = False
+            _batched.rows_first = ()
         width = max(lens)
         for row, (s, n) in enumerate(zip(states, lens, strict=True)):
             own = self._new_cache()
