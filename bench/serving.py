@@ -17,8 +17,8 @@ reuses another's prefix and decode, not prefill, is what is measured):
   batched decode step (``Engine.decode_batch``) of 1, 2, 4 and 8 ~60-token
   sequences, the median of a few rounds run interleaved, wall and CPU time; for
   torch also where one step's time goes (a profiled step: linear layers,
-  attention, cache copies) and the LM head alone on that many rows, and the batch
-  sizes at which the engine measured ``W @ x.T`` faster than ``F.linear`` at start.
+  attention, cache copies) and the LM head alone on that many rows, and the
+  linear kernel the engine measured fastest at start for each batch size.
 
 Every request is greedy, so each wave's work is the same on every run; what
 differs between waves is only how many sequences share the engine's steps.
@@ -197,7 +197,8 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
     for _ in range(SIZE.rounds):  # interleaved: a burst of other load hits every size
         for k, states in batches.items():
             times[k].append(step(states))
-    out: dict = {"rows_first": sorted(getattr(eng, "rows_first", ())), "steps": {}}  # type: ignore[type-arg]
+    kernels = getattr(eng, "kernels", {})  # batch size -> linear kernel, measured at start
+    out: dict = {"kernels": {k: kernels.get(k, "linear") for k in SIZE.waves}, "steps": {}}  # type: ignore[type-arg]
     for k, ts in times.items():
         row = {
             "wall_ms": 1000 * sorted(t for t, _ in ts)[len(ts) // 2],
@@ -242,7 +243,7 @@ def step_parts(states: list[KVState], step) -> dict[str, float]:  # type: ignore
 
 
 def print_steps(engine: str, costs: dict) -> None:  # type: ignore[type-arg]
-    print(f"{engine}: one decode step (~60-token sequences; W @ x.T at {costs['rows_first']}):")
+    print(f"{engine}: one decode step (~60-token sequences; linear kernels {costs['kernels']}):")
     for k, r in costs["steps"].items():
         parts = "  ".join(f"{p} {r[p + '_ms']:.1f}" for p in (*PARTS, "lm_head") if p + "_ms" in r)
         print(f"  {k} seq: {r['wall_ms']:.1f} ms wall ({r['vs_one']:.2f}x one), "
