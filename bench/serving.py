@@ -229,25 +229,33 @@ def lm_head_ms(head, x) -> float:  # type: ignore[no-untyped-def]
 
 
 def step_parts(states: list[KVState], step) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Milliseconds of one profiled step's self CPU time, by :data:`PARTS`."""
+    """Milliseconds of one profiled step's self CPU time, by :data:`PARTS`, and each
+    part's share of all of it (the profiler slows a step and another process's
+    burst inflates one: the shares compare across sizes and machines)."""
     from torch.profiler import profile
 
     with profile() as prof:
         step(states)
     parts = dict.fromkeys(PARTS, 0.0)
+    total = 0.0
     for ev in prof.key_averages():
+        total += ev.self_cpu_time_total / 1000
         for part, prefixes in PARTS.items():
             if ev.key.startswith(prefixes):
                 parts[part] += ev.self_cpu_time_total / 1000
-    return {f"{part}_ms": ms for part, ms in parts.items()}
+    out = {f"{part}_ms": ms for part, ms in parts.items()}
+    out.update({f"{part}_share": ms / max(total, 1e-9) for part, ms in parts.items()})
+    return out
 
 
 def print_steps(engine: str, costs: dict) -> None:  # type: ignore[type-arg]
     print(f"{engine}: one decode step (~60-token sequences; linear kernels {costs['kernels']}):")
     for k, r in costs["steps"].items():
-        parts = "  ".join(f"{p} {r[p + '_ms']:.1f}" for p in (*PARTS, "lm_head") if p + "_ms" in r)
+        parts = "  ".join(f"{p} {100 * r[p + '_share']:.0f}%" for p in PARTS if p + "_share" in r)
+        if "lm_head_ms" in r:
+            parts += f"  (LM head alone {r['lm_head_ms']:.1f} ms)"
         print(f"  {k} seq: {r['wall_ms']:.1f} ms wall ({r['vs_one']:.2f}x one), "
-              f"{r['cpu_ms']:.1f} ms CPU; {parts}", flush=True)  # fmt: skip
+              f"{r['cpu_ms']:.1f} ms CPU; profiled: {parts}", flush=True)  # fmt: skip
 
 
 def main() -> None:
