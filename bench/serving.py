@@ -13,6 +13,12 @@ reuses another's prefix and decode, not prefill, is what is measured):
 - **throughput**: 1, 2, 4 and 8 concurrent 32-token streams (ignore_eos): tokens
   decoded per second over the wall time of the whole wave, and its ratio to one
   stream (target: >= 2.5x at four streams).
+- **step costs** (this machine, in this process, before the head starts): one
+  batched decode step (``Engine.decode_batch``) of 1, 2, 4 and 8 ~60-token
+  sequences, the median of a few rounds run interleaved, wall and CPU time; for
+  torch also where one step's time goes (a profiled step: linear layers,
+  attention, cache copies) and the LM head alone on that many rows, and the
+  linear kernel the engine measured fastest at start for each batch size.
 
 Every request is greedy, so each wave's work is the same on every run; what
 differs between waves is only how many sequences share the engine's steps.
@@ -32,6 +38,9 @@ from pathlib import Path
 
 from _common import machine, run_main, spawn_kvmesh, stop
 
+from kvmesh.engine import load_engine
+from kvmesh.engine.base import Engine, KVState
+
 
 @dataclass
 class Size:
@@ -41,6 +50,7 @@ class Size:
     long: int = 48
     stream: int = 32
     waves: tuple[int, ...] = (1, 2, 4, 8)
+    rounds: int = 5  # step-cost rounds (the median is reported)
 
 
 SIZE = Size()
@@ -148,6 +158,106 @@ def throughput(url: str, texts) -> dict:  # type: ignore[no-untyped-def, type-ar
     return out
 
 
+# aten ops by where a decode step spends them (self CPU time of a profiled step)
+PARTS = {
+    "linear": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
+    "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::_softmax", "aten::where"),
+    "cache_copy": ("aten::cat", "aten::copy_", "aten::zeros", "aten::new_zeros", "aten::fill_"),
+}
+
+
+def step_states(eng: Engine, k: int) -> list[KVState]:
+    """``k`` prefilled ~60-token sequences, each with a pending token to decode."""
+    out = []
+    for i in range(k):
+        st = eng.prefill(eng.encode(prompt(9000 + i, words=9)))
+        st.tokens.append(st.tokens[-1])
+        out.append(st)
+    return out
+
+
+def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
+    """One decode step at each wave size, in this process (see the docstring)."""
+    import torch
+
+    eng = load_engine(SIZE.model, engine)
+    batches = {k: step_states(eng, k) for k in SIZE.waves}
+
+    def step(states: list[KVState]) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        eng.decode_batch(states)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        for st in states:
+            st.tokens.append(st.tokens[-1])
+        return dt, dc
+
+    times: dict[int, list[tuple[float, float]]] = {k: [] for k in SIZE.waves}
+    for states in batches.values():  # warm-up: first-call setup is not a step's cost
+        step(states)
+    for _ in range(SIZE.rounds):  # interleaved: a burst of other load hits every size
+        for k, states in batches.items():
+            times[k].append(step(states))
+    kernels = getattr(eng, "kernels", {})  # batch size -> linear kernel, measured at start
+    out: dict = {"kernels": {k: kernels.get(k, "linear") for k in SIZE.waves}, "steps": {}}  # type: ignore[type-arg]
+    for k, ts in times.items():
+        row = {
+            "wall_ms": 1000 * sorted(t for t, _ in ts)[len(ts) // 2],
+            "cpu_ms": 1000 * sorted(c for _, c in ts)[len(ts) // 2],
+        }
+        model = getattr(eng, "model", None)
+        if isinstance(model, torch.nn.Module):
+            row.update(step_parts(batches[k], step))
+            x = torch.zeros((k, 1, model.config.hidden_size))
+            row["lm_head_ms"] = lm_head_ms(model.get_output_embeddings(), x)
+        out["steps"][k] = row
+    for row in out["steps"].values():
+        row["vs_one"] = row["wall_ms"] / out["steps"][SIZE.waves[0]]["wall_ms"]
+    return out
+
+
+def lm_head_ms(head, x) -> float:  # type: ignore[no-untyped-def]
+    """The LM head alone on ``x``'s rows: the best of three (ms)."""
+    import torch
+
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            head(x)
+            best = min(best, time.perf_counter() - t0)
+    return 1000 * best
+
+
+def step_parts(states: list[KVState], step) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Milliseconds of one profiled step's self CPU time, by :data:`PARTS`, and each
+    part's share of all of it (the profiler slows a step and another process's
+    burst inflates one: the shares compare across sizes and machines)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        step(states)
+    parts = dict.fromkeys(PARTS, 0.0)
+    total = 0.0
+    for ev in prof.key_averages():
+        total += ev.self_cpu_time_total / 1000
+        for part, prefixes in PARTS.items():
+            if ev.key.startswith(prefixes):
+                parts[part] += ev.self_cpu_time_total / 1000
+    out = {f"{part}_ms": ms for part, ms in parts.items()}
+    out.update({f"{part}_share": ms / max(total, 1e-9) for part, ms in parts.items()})
+    return out
+
+
+def print_steps(engine: str, costs: dict) -> None:  # type: ignore[type-arg]
+    print(f"{engine}: one decode step (~60-token sequences; linear kernels {costs['kernels']}):")
+    for k, r in costs["steps"].items():
+        parts = "  ".join(f"{p} {100 * r[p + '_share']:.0f}%" for p in PARTS if p + "_share" in r)
+        if "lm_head_ms" in r:
+            parts += f"  (LM head alone {r['lm_head_ms']:.1f} ms)"
+        print(f"  {k} seq: {r['wall_ms']:.1f} ms wall ({r['vs_one']:.2f}x one), "
+              f"{r['cpu_ms']:.1f} ms CPU; profiled: {parts}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -161,9 +271,13 @@ def main() -> None:
     if args.smoke:
         args.engines = "torch"
         SIZE.model, SIZE.long, SIZE.stream, SIZE.waves = "demo-tiny", 12, 8, (1, 2)
+        SIZE.rounds = 2
     rows = []
     for i, engine in enumerate(args.engines.split(",")):
+        costs = step_costs(engine)
+        print_steps(engine, costs)
         r = bench_engine(engine, 1000 * i)
+        r["step_costs"] = costs
         rows.append(r)
         print(
             f"{engine}: {SIZE.long} tokens alone {r['long_alone_s']:.2f} s; a 1-token request during it "

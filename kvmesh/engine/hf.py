@@ -45,7 +45,8 @@ import json
 import threading
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,30 +79,99 @@ def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
 
 # -- batched decode on the CPU ----------------------------------------------------
 
-_batched = threading.local()  # set while a batched decode step runs on this thread
-MAX_ROWS_FIRST = 16
+_batched = threading.local()  # .kernels: {rows: kernel} during a batched step
+MAX_ROWS_FIRST = 16  # batches of more rows always take F.linear
+_BUCKETS = (2, 4, 8, MAX_ROWS_FIRST)
+MARGIN = 0.95  # another kernel replaces F.linear only if measured 5% faster  # row counts measured at start; others take the next one up
 
 
 def _rows_first_linear(model: Any) -> None:
-    """Route the model's linear layers through :func:`_linear`. MKL's ``x @ W.T``
-    (``F.linear``) with 2-16 rows runs at about a third of the one-row speed here
-    (the 151,936-row LM head of the demo model: 40 ms for one row, 88-137 ms for
-    2-16), while ``W @ x.T`` keeps streaming the weights once (18-55 ms): what makes
-    a batched decode step cheap (bench/serving.py). Only batched decode steps take
-    it, so prefill and single-sequence decode compute exactly as before."""
+    """Route the model's linear layers through :func:`_linear`. With a few rows,
+    ``F.linear`` (MKL) may run far below the one-row speed: on one machine 40 ms for
+    one row of a 151,936-row LM head, 88-137 ms for 2-16, where ``W @ x.T`` keeps
+    streaming the weights once; on a 2-core Xeon (one thread, 24 of the demo's MLP
+    matrices) ``F.linear`` costs 32 / 61 / 85 ms at 2 / 4 / 8 rows, ``W @ x.T`` 58 /
+    70 / 142 ms and oneDNN's linear 42 / 45 / 49 ms. So :func:`_calibrate` measures
+    which wins here, at start. Only batched decode steps take another kernel:
+    prefill and single-sequence decode compute exactly as before."""
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.forward = types.MethodType(_linear, module)  # type: ignore[method-assign]
 
 
+def _rows_first(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    # contiguous rows: a transposed view would push SDPA off its fused kernel
+    y = (w @ x.T).T.contiguous()
+    return y if b is None else y + b
+
+
+def _onednn(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")  # type: ignore[no-any-return]
+
+
+KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]] = {
+    "rows_first": _rows_first,  # W @ x.T
+    "onednn": _onednn,  # oneDNN's linear, the weights as they are (no packed copy)
+}
+
+
 def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if getattr(_batched, "on", False) and 2 <= rows <= MAX_ROWS_FIRST:
-        y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T
-        if self.bias is not None:
-            y = y + self.bias
+    kernel = getattr(_batched, "kernels", {}).get(rows)
+    if kernel is not None:
+        y = KERNELS[kernel](self.weight, self.bias, x.reshape(rows, x.shape[-1]))
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _calibrate(model: Any, reps: int = 3) -> dict[int, str]:
+    """The kernel each batch size (2..MAX_ROWS_FIRST) takes on this machine where one
+    beats ``F.linear``: for each bucket of :data:`_BUCKETS`, every kernel runs every
+    linear layer of the model once (the weight traffic of a decode step, ~0.1 s for
+    the demo on two cores: a single small matmul is too short to time through
+    another process's burst), interleaved, ``reps`` rounds. A kernel replaces
+    ``F.linear`` only if it beats it by :data:`MARGIN` in every round (the fastest
+    such): on a shared CPU one lucky round must not pick a kernel that costs twice
+    as much (``W @ x.T`` at two rows on a 2-core Xeon). A kernel this torch lacks is
+    not a candidate."""
+    import time
+
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    shapes = list({tuple(m.weight.shape): m for m in layers}.values())
+    chosen: dict[int, str] = {}
+    low = 2
+    for rows in _BUCKETS:
+        xs = {m.in_features: torch.zeros((rows, 1, m.in_features), dtype=m.weight.dtype)
+              for m in layers}  # fmt: skip
+        rounds: list[dict[str | None, float]] = []
+        for rep in range(reps + 1):  # round 0 warms up (oneDNN builds its kernels), untimed
+            times: dict[str | None, float] = {}
+            for kernel in (None, *KERNELS):
+                _batched.kernels = {rows: kernel} if kernel else {}
+                try:
+                    if rep == 0:
+                        for m in shapes:  # one layer of each weight shape
+                            _linear(m, xs[m.in_features])
+                        continue
+                    t0 = time.perf_counter()
+                    for m in layers:
+                        _linear(m, xs[m.in_features])
+                    times[kernel] = time.perf_counter() - t0
+                except (RuntimeError, AttributeError, NotImplementedError):
+                    continue  # not built into this torch (or not for this dtype)
+                finally:
+                    _batched.kernels = {}
+            if rep:
+                rounds.append(times)
+        wins = [
+            k for k in KERNELS
+            if all(k in r and r[k] < MARGIN * r[None] for r in rounds)
+        ]  # fmt: skip
+        if wins:
+            chosen.update(dict.fromkeys(range(low, rows + 1), min(
+                wins, key=lambda k: sum(r[k] for r in rounds))))  # fmt: skip
+        low = rows + 1
+    return chosen
 
 
 # -- cache layers -------------------------------------------------------------
@@ -215,6 +285,88 @@ class _TorchImporter(Importer):
         return cache
 
 
+GROW = 32  # positions a batch cache holds beyond its width: a copy every GROW steps
+MAX_BATCHES = 4  # live batch caches kept per engine (one per group of similar lengths)
+
+
+def _write_in_place(
+    layer: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DynamicLayer.update`` for a batch cache: the new positions are written into
+    the layer's buffers (``kvmesh_buf``) after those it holds, instead of copying all
+    of them into a new tensor; a full buffer is first copied into one ``GROW``
+    positions longer. Rows handed out as views never see the write: it lies past them."""
+    bk, bv = layer.kvmesh_buf
+    w, q = layer.keys.shape[-2], key_states.shape[-2]
+    if w + q > bk.shape[-2]:
+        shape = (*bk.shape[:2], w + q + GROW, bk.shape[-1])
+        nk, nv = bk.new_empty(shape), bv.new_empty(shape)
+        nk[:, :, :w], nv[:, :, :w] = bk[:, :, :w], bv[:, :, :w]
+        bk, bv = layer.kvmesh_buf = (nk, nv)
+    bk[:, :, w : w + q], bv[:, :, w : w + q] = key_states, value_states
+    layer.keys, layer.values = bk[:, :, : w + q], bv[:, :, : w + q]
+    return layer.keys, layer.values
+
+
+@dataclass(eq=False)
+class _Batch:
+    """A batch cache that persists between steps of the same states: row ``i`` holds
+    ``states[i]``'s ``lens[i]`` positions right-aligned at ``width``, zeros before;
+    ``caches`` are the row caches last handed to the states (if a state's cache or
+    length changed since, the batch is stale and rebuilt)."""
+
+    cache: Any
+    states: list[KVState]
+    caches: list[Any]
+    lens: list[int]
+    mask: torch.Tensor  # [rows, width]: 1 where a row holds a position
+
+    @classmethod
+    def build(cls, engine: TransformersEngine, states: Sequence[KVState]) -> _Batch:
+        lens = [s.cached for s in states]
+        width = max(lens)
+        cache = engine._new_cache()
+        for i, layer in enumerate(cache.layers):
+            k0 = states[0].cache.layers[i].keys
+            shape = (len(states), k0.shape[1], width + GROW, k0.shape[3])
+            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
+            for row, (s, n) in enumerate(zip(states, lens, strict=True)):
+                ks[row, :, width - n : width] = s.cache.layers[i].keys[0, :, :n]
+                vs[row, :, width - n : width] = s.cache.layers[i].values[0, :, :n]
+            _restore(layer, ks[:, :, :width], vs[:, :, :width], width)
+            layer.kvmesh_buf = (ks, vs)
+            layer.update = types.MethodType(_write_in_place, layer)
+        mask = torch.ones((len(states), width), dtype=torch.long, device=engine.device)
+        for row, n in enumerate(lens):
+            mask[row, : width - n] = 0
+        return cls(cache, list(states), [s.cache for s in states], lens, mask)
+
+    def current(self, states: Sequence[KVState]) -> bool:
+        return all(
+            a is s and s.cache is c and s.cached == n
+            for a, s, c, n in zip(self.states, states, self.caches, self.lens, strict=True)
+        )
+
+    def grow_mask(self) -> torch.Tensor:
+        """The mask with one column more: every row's new token."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.lens), 1))], 1)
+        return self.mask
+
+    def advanced(self, engine: TransformersEngine, states: Sequence[KVState], logits: Any) -> None:
+        """After the forward: each state gets its row (views) and logits."""
+        width = self.mask.shape[1]
+        self.lens = [n + 1 for n in self.lens]
+        self.caches = []
+        for row, (s, n) in enumerate(zip(states, self.lens, strict=True)):
+            own = engine._new_cache()
+            for src, dst in zip(self.cache.layers, own.layers, strict=True):
+                span = slice(width - n, None)
+                _restore(dst, src.keys[row : row + 1, :, span], src.values[row : row + 1, :, span],
+                         n)  # fmt: skip
+            s.cache, s.logits, s.cached = own, logits[row, -1].float(), n
+            self.caches.append(own)
+
+
 class TransformersEngine(Engine):
     name = "torch"
 
@@ -247,8 +399,12 @@ class TransformersEngine(Engine):
         )
         self.model.to(self.device)  # type: ignore[arg-type]  # (transformers types .to oddly)
         self.model.eval()
+        self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
+        self._batches: dict[tuple[int, ...], _Batch] = {}  # live batch caches, oldest first
         if self.device.type == "cpu":
             _rows_first_linear(self.model)
+            with torch.inference_mode():
+                self.kernels = _calibrate(self.model)
         # transformers >= 5.20 names the cache argument ``cache``; earlier 5.x (which
         # vLLM 0.32 pins) still call it ``past_key_values``
         params = inspect.signature(self.model.forward).parameters
@@ -322,54 +478,47 @@ class TransformersEngine(Engine):
 
     @torch.inference_mode()
     def decode_batch(self, states: Sequence[KVState]) -> None:
-        """One forward for every state's pending token: caches left-padded to the
-        longest into one batch, an attention mask hiding the padding, each row at
-        its own position; then each state gets its rows back (views, until
-        :meth:`detach`)."""
-        if len(states) < 2 or not self.batches:
-            super().decode_batch(states)
-            return
-        lens = [s.cached for s in states]
-        batch, mask = self._padded(states, lens)
+        """One forward for every state's pending token: the states' KV right-aligned
+        in one batch cache (left padding hidden by the attention mask), each row at
+        its own position; then each state gets its rows back as views. The batch
+        cache persists (:class:`_Batch`): while the same states step together it is
+        extended in place, so a step copies no KV (a rebuild copies each row once
+        when the group changes, and every :data:`GROW` steps)."""
+        key = tuple(id(s) for s in states)
+        batch = self._batches.pop(key, None)
+        if batch is None or not batch.current(states):
+            # any batch holding one of these states is stale from now on: its buffer goes
+            self._drop(states)
+            if len(states) < 2 or not self.batches:
+                super().decode_batch(states)
+                return
+            batch = _Batch.build(self, states)
         ids = torch.tensor([[s.tokens[s.cached]] for s in states], device=self.device)
-        pos = torch.tensor([[n] for n in lens], device=self.device)
-        kw = {self._cache_kw: batch}
-        _batched.on = True
+        pos = torch.tensor([[n] for n in batch.lens], device=self.device)
+        mask = batch.grow_mask()
+        kw = {self._cache_kw: batch.cache}
+        _batched.kernels = self.kernels
         try:
             out = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 logits_to_keep=1, **kw,
             )  # fmt: skip
-        finally:
-            _batched.on = False
-        width = max(lens)
-        for row, (s, n) in enumerate(zip(states, lens, strict=True)):
-            own = self._new_cache()
-            for src, dst in zip(batch.layers, own.layers, strict=True):
-                span = slice(width - n, None)
-                _restore(dst, src.keys[row : row + 1, :, span], src.values[row : row + 1, :, span],
-                         n + 1)  # fmt: skip
-            s.cache, s.logits, s.cached = own, out.logits[row, -1].float(), n + 1
+        finally:  # a failed forward leaves the batch half written: it is not kept
+            _batched.kernels = {}
+        batch.advanced(self, states, out.logits)
+        self._batches[key] = batch
+        while len(self._batches) > MAX_BATCHES:  # the least recently stepped goes
+            self._batches.pop(next(iter(self._batches)))
 
-    def _padded(self, states: Sequence[KVState], lens: list[int]) -> tuple[Any, torch.Tensor]:
-        """A cache holding every state's KV right-aligned (left-padded with zeros),
-        and the attention mask that hides the padding (one column more: the new token)."""
-        width = max(lens)
-        batch = self._new_cache()
-        for i, layer in enumerate(batch.layers):
-            k0 = states[0].cache.layers[i].keys
-            shape = (len(states), k0.shape[1], width, k0.shape[3])
-            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
-            for row, (s, n) in enumerate(zip(states, lens, strict=True)):
-                ks[row, :, width - n :] = s.cache.layers[i].keys[0, :, :n]
-                vs[row, :, width - n :] = s.cache.layers[i].values[0, :, :n]
-            _restore(layer, ks, vs, width)
-        mask = torch.ones((len(states), width + 1), dtype=torch.long, device=self.device)
-        for row, n in enumerate(lens):
-            mask[row, : width - n] = 0
-        return batch, mask
+    def _drop(self, states: Sequence[KVState]) -> None:
+        """Forget the live batches holding any of ``states``: so live batches never
+        share a state, and their buffers are at most one copy of each state's KV."""
+        ids = {id(s) for s in states}
+        for key in [k for k in self._batches if ids.intersection(k)]:
+            del self._batches[key]
 
     def detach(self, state: KVState) -> None:
+        self._drop([state])  # a batch holding it would keep the whole buffer alive
         if state.cache is None:
             return
         for layer in state.cache.layers:

@@ -16,7 +16,9 @@ thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
 - **What the budget counts.** A job's ``kv_bytes`` is the KV all its ``n``
   sequences may hold at their longest (each fork ends up with its own copy). For
   an engine that batches, a step also builds a padded working copy of the
-  sequences it decodes, and a forward only batches lengths whose padding stays
+  sequences it decodes (the torch engine keeps it while the same sequences step
+  together, their KV then views of it; it is rebuilt when the group changes, the
+  old and the new copy alive together), and a forward only batches lengths whose padding stays
   within :data:`PAD_SLACK` of their KV plus :data:`PAD_TOKENS` a sequence (one
   16k-token sequence never pads seven short ones to 16k), so a job is charged
   ``STEP_FACTOR`` times its KV plus ``PAD_TOKENS`` a sequence. Other
