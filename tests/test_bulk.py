@@ -363,6 +363,9 @@ def test_a_busy_refusal_reaches_a_client_still_sending_as_busy(monkeypatch):
         wait_for(lambda: s.server.gate.counts() == (0, 1))
         big = b"\0" * (bulk.MAX_BODY - 1)  # not parsed: refused before it is read
         for _ in range(3):
+            # one refused connection drains at a time (max_conns): the next is cut at
+            # once (a reset) until the server has seen the last client close
+            wait_for(lambda: s.server.gate.refusing() == 0)
             with pytest.raises(PeerBusy, match="busy"):
                 s.fetch(big)
         assert s.counters["bulk_rejected:busy"] == 3
