@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 
 from kvmesh.blocks import BlockKeyer
@@ -60,3 +63,13 @@ def _fill(layout: Layout, header, seed: int) -> Block:  # type: ignore[no-untype
     blob, view = new_blob(header)
     view[:] = rng.integers(0, 256, size=len(view), dtype=np.uint8).tobytes()
     return layout.seal(header, blob)
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond`` until it is true; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

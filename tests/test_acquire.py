@@ -24,7 +24,7 @@ from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.runtime.acquire import MIN_CACHE_BUDGET_S, Acquirer, Publisher
 from kvmesh.runtime.planner import Planner
 
-from .helpers import small_card, synthetic_chain
+from .helpers import small_card, synthetic_chain, wait_for
 from .procs import Peer
 
 CARD = small_card(num_kv_heads=4, head_dim=64, block_tokens=16)  # 64 KiB blocks: measured
@@ -39,15 +39,6 @@ class Counts(Counter[str]):
 class Sink:
     def __init__(self, into: list[Block]) -> None:
         self.add = into.append
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def node(alias: str, seeds=(), **cfg) -> NodeThread:

@@ -28,6 +28,7 @@ from kvmesh.engine import Sampling, load_engine
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.runtime.head import HeadRuntime
 
+from .helpers import wait_for
 from .procs import Peer, free_port
 
 N_PEERS = 12
@@ -37,15 +38,6 @@ SYSTEM = (
     "document when you can, and never guess a figure you did not measure. "
 )
 HOT_DOC = "Idle memory in a fleet becomes a shared prefill cache for every head. " * 12
-
-
-def wait_for(cond, timeout=20.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +83,7 @@ def make_head(engine, peers, alias, budget=2 << 30, sessions=8) -> HeadRuntime:
     )
     head = HeadRuntime(engine, node, max_sessions=sessions)
     live = node.node.membership.live
-    wait_for(lambda: sum("cache" in c.roles for c in live()) >= N_PEERS, what="all peers")
+    wait_for(lambda: sum("cache" in c.roles for c in live()) >= N_PEERS, 20.0, "all peers")
     return head
 
 
@@ -215,7 +207,7 @@ def test_one_hot_prefix_spreads_over_holders_and_survives_its_busiest(tiny_engin
             return {r["alias"]: r["served"] for r in rows if r["alias"].startswith("hp")}
 
         top = max(range(N_PEERS), key=lambda i: final[i] if i != busiest else -1)
-        wait_for(lambda: shown()[peers[top].alias]["fetches"] >= final[top], what="served shown")
+        wait_for(lambda: shown()[peers[top].alias]["fetches"] >= final[top], 20.0, "served shown")
         assert shown()[peers[top].alias]["bytes"] > 0
     finally:
         for h in heads:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -17,18 +16,10 @@ from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.runtime.head import Generation, HeadRuntime
 
+from .helpers import wait_for
 from .procs import FaultProxy, Peer, free_port
 
 SAMPLING = Sampling(max_tokens=6)
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def make_head(engine, seeds, alias="head", runtime=None, **cfg) -> HeadRuntime:
