@@ -21,13 +21,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = sorted(p for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
@@ -189,10 +190,12 @@ def test_a_benchmark_failing_after_its_peers_started_leaves_none_running(tmp_pat
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_benchmark_stopped_by_a_signal_leaves_none_running(sig: int, tmp_path: Path) -> None:
     proc, tag = start(ROOT / "bench" / "lookup.py", tmp_path / "x.json")
-    deadline = time.monotonic() + 120
-    while not set(survivors(tag)) - {proc.pid}:  # its first peer is up
-        assert proc.poll() is None and time.monotonic() < deadline, "no peer ever started"
-        time.sleep(0.05)
+    def first_peer_up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError("the benchmark ended before starting a peer")
+        return bool(set(survivors(tag)) - {proc.pid})
+
+    wait_for(first_peer_up, timeout=600, what="the benchmark's first peer")  # a hang guard only
     proc.send_signal(sig)
     text = finish(proc, tag)
     assert proc.returncode != 0, text
