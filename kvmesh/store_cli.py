@@ -1,4 +1,4 @@
-"""``kvmesh store``: look into a disk tier directory, and the ``--disk*`` options.
+"""``kvmesh store``: look into a disk tier directory.
 
 ``kvmesh store stats DIR`` reads headers only and changes nothing. ``kvmesh store
 verify DIR`` checks every file's digest (BLAKE3 or SHA-256, as its card says)
@@ -6,52 +6,19 @@ against its name, reports bad files (and blocks whose parent file is missing),
 and with ``--delete`` removes them;
 it exits 1 when anything bad is left. Run it on a directory no node is using.
 
-:func:`disk_options` adds ``--disk``, ``--disk-budget`` and ``--disk-admit`` to a
-command (:mod:`kvmesh.mesh.settings` turns their values into ``NodeConfig`` fields).
+The ``--disk*`` options themselves are declared in :mod:`kvmesh.mesh.options`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 
-from .disk import ADMIT, DiskFiles, DiskRecord, unlink
+from .disk import DiskFiles, DiskRecord, unlink
 from .errors import MalformedPayload
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def disk_options(fn: F) -> F:
-    """``--disk DIR``, ``--disk-budget SIZE``, ``--disk-admit evicted|hit``."""
-    for opt in reversed(
-        [
-            click.option(
-                "--disk",
-                metavar="DIR",
-                help="Keep blocks on disk too, in DIR: they survive restarts.",
-            ),
-            click.option(
-                "--disk-budget",
-                default="16GiB",
-                show_default=True,
-                help="Byte budget of the disk tier (never exceeded).",
-            ),
-            click.option(
-                "--disk-admit",
-                type=click.Choice(ADMIT),
-                default="evicted",
-                show_default=True,
-                help="evicted: every block goes to disk; hit: only blocks hit at least once.",
-            ),
-        ]
-    ):
-        fn = opt(fn)
-    return fn
 
 
 def _files(directory: str) -> DiskFiles:

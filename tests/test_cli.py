@@ -52,6 +52,51 @@ def test_peer_and_head_share_option_declarations():
     assert "--gossip-interval FLOAT Seconds between gossip rounds." in text
 
 
+def test_node_options_are_made_from_the_library_declarations():
+    """Every mesh-node option of ``peer`` and ``head`` is its row in
+    kvmesh/mesh/options.py (flag, help, default), --help shows each kind as before
+    the move (choices, ranges, FILE, metavars), and the rows' own checks run on the
+    command line too (a size, positive seconds): exit status 2 naming the flag."""
+    import click
+    from click.testing import CliRunner
+
+    from kvmesh.cli import main
+    from kvmesh.mesh.options import NODE
+
+    for role in ("peer", "head"):
+        params = {p.name: p for p in main.commands[role].params if isinstance(p, click.Option)}
+        for name, row in NODE.items():
+            if name in params:
+                p = params[name]
+                assert (p.opts, p.help) == ([row.flag], row.help), (role, name)
+                assert row.default is None or p.default == row.default, (role, name)
+        assert {n for n in NODE if n in params} >= {"budget", "tls_ca", "disk_admit", "kv_events"}
+    runner = CliRunner()
+    text = " ".join(runner.invoke(main, ["head", "--help"]).output.split())
+    for shown in (
+        "--engine [torch|mlx]",
+        "--max-members INTEGER RANGE Most nodes kept in the membership view. [default: 256; x>=1]",
+        "--fleet-key-file FILE",
+        "--disk DIR",
+        "--disk-admit [evicted|hit]",
+        "--kv-events ENDPOINT",
+        "--audit-rate FLOAT RANGE",
+        "-v, --verbose Log at DEBUG level.",
+        "--grpc-listen TEXT gRPC HOST:PORT of this node's own cache service",
+        "--lookup-timeout FLOAT Seconds a lookup may take. [default: 0.25]",
+        "--region TEXT Coarse region label shown publicly. -v, --verbose",  # no empty default
+    ):
+        assert shown in text, shown
+    for args, flag in (
+        (["peer", "--ttl", "0"], "--ttl"),
+        (["peer", "--budget", "lots"], "--budget"),
+        (["head", "--kv-budget", "lots"], "--kv-budget"),
+        (["head", "--tenant-budget", "0"], "--tenant-budget"),
+    ):
+        out = runner.invoke(main, args)
+        assert out.exit_code == 2 and f"Invalid value for '{flag}'" in out.output, (args, out.output)
+
+
 def test_help_and_bad_model():
     assert "demo" in _kvmesh("--help").stdout
     bad = _kvmesh("demo", "--local", "--model", "/nonexistent/model")

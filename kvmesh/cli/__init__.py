@@ -11,18 +11,25 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import click
 
-from ..api.server import DEFAULT_MAX_TOKENS
-from ..compat import BLOCK_DIGESTS
-from ..engine import DEVICES, DTYPES, pick_device, pick_dtype
+from ..engine import pick_device, pick_dtype
 from ..errors import ConfigError, KVMeshError
 from ..store_cli import store
-from .options import client_security_options, model_options, node_options
+from .options import client_security_options, head_options, model_options, peer_options
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ..demo import LocalResult
 
 
-def _console():  # type: ignore[no-untyped-def]
+def _console() -> Console:
     from rich.console import Console
 
     return Console(stderr=True)
@@ -43,7 +50,7 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
 
     if value:
         try:
-            ctx.default_map = config.load(value, ctx.command, ctx)  # type: ignore[arg-type]
+            ctx.default_map = config.load(value, main, ctx)
         except KVMeshError as e:
             raise click.ClickException(str(e)) from None
     ctx.meta["config_file"] = value
@@ -88,7 +95,7 @@ def config_show(ctx: click.Context, as_json: bool) -> None:
     from .. import config
 
     root = ctx.find_root()
-    report = config.effective(root.command, root, root.default_map)  # type: ignore[arg-type]
+    report = config.effective(main, root, dict(root.default_map or {}))
     report["config_file"] = root.meta.get("config_file")
     if as_json:
         print(json.dumps(report, indent=1, default=str))
@@ -132,7 +139,7 @@ def demo(local: bool, as_json: bool, model: str, engine: str, prompt_tokens: int
     _print_local(result, eng.card.summary())
 
 
-def _print_local(result, summary: str) -> None:  # type: ignore[no-untyped-def]
+def _print_local(result: LocalResult, summary: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -154,12 +161,11 @@ def _print_local(result, summary: str) -> None:  # type: ignore[no-untyped-def]
         sys.exit(1)
 
 
-def node_config(*args: object, **kw: object):  # type: ignore[no-untyped-def]
-    """The library's checked node config; its refusals are usage errors here."""
-    from ..mesh.settings import node_config as build
-
+@contextmanager
+def _usage_errors() -> Iterator[None]:
+    """The library's refusals (a :class:`ConfigError`) as usage errors: exit status 2."""
     try:
-        return build(*args, **kw)  # type: ignore[arg-type]
+        yield
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
 
@@ -176,63 +182,47 @@ def _logging(verbose: bool) -> None:
 
 
 @main.command()
-@click.option(
-    "--listen", default="127.0.0.1:7070", show_default=True, help="gRPC HOST:PORT (port 0 = any)."
-)
-@click.option("--metrics", help="Serve Prometheus metrics on HOST:PORT.")
-@click.option(
-    "--join", metavar="HEAD_URL", help="Join the fleet of this head (with --pairing-token)."
-)
-@click.option("--pairing-token", help="Single-use token from POST /v1/network/nodes/register.")
-@node_options
+@peer_options
 def peer(
     listen: str,
-    budget: str,
-    seed: tuple[str, ...],
-    alias: str | None,
-    advertise: tuple[str, ...],
     metrics: str | None,
-    gossip_interval: float,
-    ttl: float,
-    region: str,
     join: str | None,
     pairing_token: str | None,
     verbose: bool,
-    **sec: object,
+    **node: object,
 ) -> None:
     """Run a cache-only node: stores blocks, serves lookups and fetches, gossips."""
     import asyncio
     import dataclasses
 
     from ..mesh.peer import run_peer
+    from ..mesh.settings import node_from
 
     _logging(verbose)
-    joined: dict[str, object] = {}
+    joined = None
     if join or pairing_token:
         if not (join and pairing_token):
             raise click.UsageError("--join and --pairing-token go together")
-        joined = _pair(join, pairing_token, alias or "")
-    cfg = node_config(
-        listen,
-        budget,
-        seed,
-        alias,
-        advertise,
-        ("cache",),
-        sec,
-        gossip_interval=gossip_interval,
-        ttl=ttl,
-        region=region,
-    )
+        joined = _pair(join, pairing_token, str(node["alias"] or ""))
+    with _usage_errors():
+        cfg = node_from(node, ("cache",), listen)
     if joined:
-        cfg.seeds = [*cfg.seeds, *map(str, joined["seeds"])]  # type: ignore[call-overload]
-        if joined.get("fleet_key"):
-            key = str(joined["fleet_key"]).encode("latin-1")
+        cfg.seeds = [*cfg.seeds, *joined.seeds]
+        if joined.fleet_key:
+            key = joined.fleet_key.encode("latin-1")
             cfg.security = dataclasses.replace(cfg.security, fleet_key=key)
     asyncio.run(run_peer(cfg, metrics))
 
 
-def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
+@dataclass(frozen=True)
+class _Pairing:
+    """What a head answers a redeemed pairing token: seeds, and the fleet key if any."""
+
+    seeds: list[str]
+    fleet_key: str
+
+
+def _pair(head_url: str, token: str, alias: str) -> _Pairing:
     """Redeem a pairing token at a head: seeds (and the fleet key where one is used)."""
     import urllib.error
     import urllib.request
@@ -253,147 +243,11 @@ def _pair(head_url: str, token: str, alias: str) -> dict[str, object]:
         raise click.ClickException(f"cannot reach {head_url}: {e}") from None
     if not isinstance(body, dict) or not isinstance(body.get("seeds"), list):
         raise click.ClickException(f"unexpected pairing answer from {head_url}")
-    return body
+    return _Pairing([str(s) for s in body["seeds"]], str(body.get("fleet_key") or ""))
 
 
 @main.command()
-@model_options
-@click.option(
-    "--device",
-    type=click.Choice(DEVICES),
-    default="auto",
-    show_default=True,
-    help="Where the torch engine runs; auto: CUDA, else MPS, else the CPU. "
-    "(mlx picks Metal or the CPU itself: auto only.)",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(DTYPES),
-    default="auto",
-    show_default=True,
-    help="Weights' dtype (the KV cache follows, and so does the card's namespace); auto: "
-    "float32 on the CPU, the checkpoint's dtype on a GPU. (mlx: auto only.)",
-)
-@click.option(
-    "--block-digest",
-    type=click.Choice(BLOCK_DIGESTS),
-    default="blake3",
-    show_default=True,
-    help="How block bytes are verified (part of the card: heads with different digests "
-    "share nothing). Both are 256-bit cryptographic hashes; blake3 is several times faster.",
-)
-@click.option("--listen", default="127.0.0.1:8000", show_default=True, help="HTTP HOST:PORT.")
-@click.option(
-    "--grpc-listen",
-    default="127.0.0.1:0",
-    show_default=True,
-    help="The head's own cache service (a head is also a peer).",
-)
-@click.option(
-    "--api-key-file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="API keys, one `KEY [TENANT]` per line, that unlock protected network reads and "
-    "writes; a request's key names its tenant (a key without a TENANT is its own tenant).",
-)
-@click.option(
-    "--tenant-header",
-    help="Take a request's tenant from this header (e.g. x-tenant-id), set by a trusted "
-    "gateway in front of the head; only when given. It wins over the key's tenant.",
-)
-@click.option(
-    "--shared-tenant",
-    multiple=True,
-    help="A tenant whose cache is deliberately the shared one (repeatable), e.g. for a "
-    "public system prompt.",
-)
-@click.option(
-    "--tenant-secret-file",
-    type=click.Path(dir_okay=False),
-    help="Secret (hex; made when missing) that tenant roots derive from when there is no "
-    "fleet key, so tenants' caches survive a restart. Default: a fresh one per process.",
-)
-@click.option(
-    "--tenant-budget",
-    help="Most bytes one tenant's blocks may hold in the local store, in RAM and on disk "
-    "each; a tenant at it evicts only its own blocks. Default: no per-tenant cap.",
-)
-@click.option("--no-publish", is_flag=True, help="Never publish new prefixes.")
-@click.option(
-    "--served-model-name",
-    multiple=True,
-    help="Name clients use for the model (repeatable; the first is listed by /v1/models). "
-    "The --model argument as given and its directory name are accepted too.",
-)
-@click.option(
-    "--default-max-tokens",
-    "--max-tokens-default",
-    "max_tokens_default",
-    default=DEFAULT_MAX_TOKENS,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Most tokens generated for a request that sets no max_tokens (never past the "
-    "context window), so leaving it out cannot hold a batch slot for a whole context. "
-    "0: the rest of the context window, as OpenAI and vLLM.",
-)
-@click.option(
-    "--audit-rate",
-    default=0.0,
-    show_default=True,
-    type=click.FloatRange(0.0, 1.0),
-    help="Fraction of remote hits whose random block is recomputed off the request path and "
-    "compared with the peer's bytes; a peer that disagrees is quarantined.",
-)
-@click.option(
-    "--api-key-scope",
-    type=click.Choice(["admin", "all"]),
-    default="admin",
-    show_default=True,
-    help="What --api-key-file protects: admin (network writes and private reads) or all "
-    "(also /v1/completions, /v1/chat/completions and /v1/models, like vLLM's --api-key).",
-)
-@click.option(
-    "--max-batch",
-    default=8,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Sequences decoded together in one forward per step (continuous batching); "
-    "more wait in the queue. 1 decodes one sequence at a time.",
-)
-@click.option(
-    "--kv-budget",
-    default="4GiB",
-    show_default=True,
-    help="KV cache the running sequences may hold at their longest (prompt + max_tokens, "
-    "times n); a request that would exceed it waits. One request alone always runs.",
-)
-@click.option(
-    "--max-queue",
-    default=64,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Requests that may wait for the engine; one more is answered 503 with Retry-After.",
-)
-@click.option(
-    "--max-body-bytes",
-    default="4MiB",
-    show_default=True,
-    help="Largest HTTP request body; a larger one is answered 413.",
-)
-@click.option(
-    "--http-tls-cert",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Certificate (PEM) for the HTTP listener: serve HTTPS.",
-)
-@click.option(
-    "--http-tls-key",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Private key (PEM) of --http-tls-cert.",
-)
-@click.option(
-    "--lookup-timeout", default=0.25, show_default=True, help="Seconds a lookup may take."
-)
-@click.option("--fetch-timeout", default=30.0, show_default=True, help="Seconds a fetch may take.")
-@node_options
+@head_options
 def head(
     model: str,
     engine: str,
@@ -401,11 +255,6 @@ def head(
     dtype: str,
     block_digest: str,
     listen: str,
-    grpc_listen: str,
-    budget: str,
-    seed: tuple[str, ...],
-    alias: str | None,
-    advertise: tuple[str, ...],
     api_key_file: str | None,
     tenant_header: str | None,
     shared_tenant: tuple[str, ...],
@@ -422,16 +271,12 @@ def head(
     max_body_bytes: str,
     http_tls_cert: str | None,
     http_tls_key: str | None,
-    gossip_interval: float,
-    ttl: float,
-    lookup_timeout: float,
-    fetch_timeout: float,
-    region: str,
     verbose: bool,
-    **sec: object,
+    **node: object,
 ) -> None:
     """Serve the OpenAI-compatible API with prefill from the mesh; decode stays local."""
     from ..api.server import HeadOptions, run_head
+    from ..mesh.settings import node_from
     from ..units import parse_size
 
     _logging(verbose)
@@ -439,19 +284,9 @@ def head(
         raise click.UsageError("--http-tls-cert and --http-tls-key go together")
     if api_key_scope == "all" and not api_key_file:
         raise click.UsageError("--api-key-scope all needs --api-key-file")
-    try:  # a device that is not there is a clear error now, not a traceback at load
+    with _usage_errors():  # a device that is not there is a clear error now, not at load
         pick_dtype(dtype, engine)
         device = pick_device(device, engine) or device
-    except ConfigError as e:
-        raise click.UsageError(str(e)) from None
-    try:
-        body_cap = parse_size(max_body_bytes)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--max-body-bytes") from None
-    try:
-        kv_cap = parse_size(kv_budget)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--kv-budget") from None
     tenant_cap = _tenant_options(api_key_file, tenant_header, shared_tenant, tenant_budget)
     if tenant_secret_file:
         from ..api.credentials import KeyFileError, head_secret
@@ -460,20 +295,8 @@ def head(
             head_secret(tenant_secret_file)  # made now when missing: a bad path fails here
         except KeyFileError as e:
             raise click.BadParameter(str(e), param_hint="--tenant-secret-file") from None
-    cfg = node_config(
-        grpc_listen,
-        budget,
-        seed,
-        alias,
-        advertise,
-        ("head", "cache"),
-        sec,
-        gossip_interval=gossip_interval,
-        ttl=ttl,
-        region=region,
-        lookup_deadline=lookup_timeout,
-        fetch_deadline=fetch_timeout,
-    )
+    with _usage_errors():
+        cfg = node_from(node, ("head", "cache"))
     run_head(
         HeadOptions(
             model=model,
@@ -489,8 +312,8 @@ def head(
             audit_rate=audit_rate,
             max_queue=max_queue,
             max_batch=max_batch,
-            kv_budget_bytes=kv_cap,
-            max_body_bytes=body_cap,
+            kv_budget_bytes=parse_size(kv_budget),
+            max_body_bytes=parse_size(max_body_bytes),  # sizes are checked by their options
             api_key_scope=api_key_scope,
             http_tls_cert=http_tls_cert,
             http_tls_key=http_tls_key,
@@ -525,15 +348,7 @@ def _tenant_options(
             check_tenant_name(name)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--shared-tenant") from None
-    if budget is None:
-        return None
-    try:
-        cap = parse_size(budget)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--tenant-budget") from None
-    if cap <= 0:
-        raise click.BadParameter("must be positive", param_hint="--tenant-budget")
-    return cap
+    return None if budget is None else parse_size(budget)  # checked by its option
 
 
 @main.command()

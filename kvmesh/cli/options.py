@@ -1,25 +1,29 @@
-"""Every option that more than one ``kvmesh`` command takes, declared once.
+"""Every option of the ``kvmesh`` commands, made from declarations.
 
-Contract: each name below is a decorator that adds one group of options, with
-the same flag names, defaults and help text wherever it is used; a command lists
-the groups it takes and only its own options beside them. The flags' names are
-also the config file's keys and the ``KVMESH_<ROLE>_<FLAG>`` variables'
-(:mod:`kvmesh.config`), so renaming one here renames those too.
+Contract: a mesh node's options are declared once, as plain data, in
+:mod:`kvmesh.mesh.options` (the vLLM connector's settings come from the same
+rows); the options only a command takes are declared here the same way, and
+:func:`option` turns any row into a click option (type, default, help, and the
+declaration's own check where click has none: a size, a positive number). Each
+group below is a decorator that adds its options in order, with the same flag
+names, defaults and help text wherever it is used. The flags' names are also the
+config file's keys and the ``KVMESH_<ROLE>_<FLAG>`` variables'
+(:mod:`kvmesh.config`), so renaming one renames those too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import click
 
-from ..engine import ENGINES
-from ..store_cli import disk_options
+from ..api.server import DEFAULT_MAX_TOKENS
+from ..compat import BLOCK_DIGESTS
+from ..engine import DEVICES, DTYPES, ENGINES
+from ..mesh.options import CLIENT_SECURITY, DISK, EVENTS, HEAD, MEMBERSHIP, SECURITY, Option
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_FILE = click.Path(exists=True, dir_okay=False)
 
 
 def stack(*options: Callable[[Any], Any]) -> Callable[[F], F]:
@@ -33,151 +37,237 @@ def stack(*options: Callable[[Any], Any]) -> Callable[[F], F]:
     return apply
 
 
-_fleet_key_file = click.option(
-    "--fleet-key-file",
-    type=_FILE,
-    help="Fleet pre-shared key: authenticates calls, cards, publishes; keys block hashes.",
-)
-_tls_cert = click.option("--tls-cert", type=_FILE, help="Server/client certificate (PEM).")
-_tls_key = click.option("--tls-key", type=_FILE, help="Private key (PEM).")
-_tls_ca = click.option(
-    "--tls-ca", type=_FILE, help="CA bundle; on a server it turns on mutual TLS."
-)
-_tls_server_name = click.option("--tls-server-name", help="Name to check in peers' certificates.")
+def _int(bound: float | None) -> int | None:
+    return None if bound is None else int(bound)
+
+
+def _type(opt: Option) -> click.ParamType | type | None:
+    bounded = opt.low is not None or opt.high is not None
+    if opt.kind == "int":
+        return click.IntRange(_int(opt.low), _int(opt.high)) if bounded else int
+    if opt.kind in ("float", "positive"):
+        return click.FloatRange(opt.low, opt.high) if bounded else float
+    if opt.kind == "choice":
+        return click.Choice(opt.choices)
+    if opt.kind in ("file", "path"):
+        return click.Path(exists=opt.kind == "file", dir_okay=False)
+    return None  # text, size: a string
+
+
+def _checked(opt: Option) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """The declaration's own check, for what click's type cannot say (a size,
+    a positive number); the value itself is passed on as click made it."""
+
+    def check(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if value is not None:
+            try:
+                opt.parse(value)
+            except ValueError as e:
+                raise click.BadParameter(str(e)) from None
+        return value
+
+    return check
+
+
+def option(opt: Option) -> Callable[[F], F]:
+    """The click option of one declaration."""
+    kw: dict[str, Any] = {"help": opt.help, "metavar": opt.metavar}
+    if opt.kind == "flag":
+        kw["is_flag"] = True
+    elif opt.multiple:
+        kw["multiple"] = True
+    else:
+        kw.update(default=opt.default, type=_type(opt))
+        # what click prints as "[default: ...]": a real value, not an empty one
+        kw["show_default"] = opt.default not in (None, "")
+    if opt.kind in ("size", "positive"):
+        kw["callback"] = _checked(opt)
+    return click.option(*(opt.flags or (opt.flag,)), opt.name, **kw)
+
+
+def options(rows: Iterable[Option]) -> Callable[[F], F]:
+    """One decorator adding the options of ``rows``, in order."""
+    return stack(*(option(o) for o in rows))
+
 
 #: What a client of the mesh (``kvmesh status``) needs to reach a secured node.
-client_security_options = stack(_fleet_key_file, _tls_cert, _tls_key, _tls_ca, _tls_server_name)
-
+client_security_options = options(CLIENT_SECURITY.values())
 #: Transport security and the node's own limits, for ``peer`` and ``head``.
-security_options = stack(
-    client_security_options,
-    click.option(
-        "--plaintext", is_flag=True, help="Allow an unencrypted listener on a non-loopback address."
-    ),
-    click.option(
-        "--allow-unauthenticated",
-        is_flag=True,
-        help="Serve a non-loopback listener without client authentication "
-        "(no fleet key, no mutual TLS): anyone who reaches it may publish and fetch.",
-    ),
-    click.option(
-        "--max-block-bytes",
-        default="64MiB",
-        show_default=True,
-        help="Largest block this node accepts from a publisher (its own limit, "
-        "whatever the publisher's card implies).",
-    ),
-    click.option(
-        "--max-inflight",
-        default="128MiB",
-        show_default=True,
-        help="Bytes of published blocks this node buffers at once, over all publishers.",
-    ),
-    click.option(
-        "--max-members",
-        default=256,
-        show_default=True,
-        type=click.IntRange(min=1),
-        help="Most nodes kept in the membership view.",
-    ),
-    click.option(
-        "--data-port",
-        default=0,
-        show_default=True,
-        type=click.IntRange(0, 65535),
-        help="TCP port of the bulk data path (block bytes beside gRPC, same TLS and "
-        "fleet key) on the --listen host; 0: any free port, advertised in the card.",
-    ),
-    click.option(
-        "--advertise-data-port",
-        type=click.IntRange(1, 65535),
-        help="The data port peers should dial, when it differs from --data-port "
-        "(port forwarding, containers).",
-    ),
-    click.option(
-        "--no-bulk",
-        is_flag=True,
-        help="No bulk data path: block bytes go over gRPC (slower; for networks that "
-        "allow one port only).",
-    ),
-)
-
+security_options = options(SECURITY.values())
 #: ``--kv-events ENDPOINT``, ``--kv-events-replay ENDPOINT``, ``--kv-events-topic``.
-events_options = stack(
-    click.option(
-        "--kv-events",
-        metavar="ENDPOINT",
-        help="Publish vLLM-format KV events (BlockStored/BlockRemoved/AllBlocksCleared) "
-        "on a ZMQ PUB socket, e.g. tcp://*:5557 (binds; tcp://HOST:PORT connects), for "
-        "llm-d's or Dynamo's KV-aware routers (docs/routing.md).",
-    ),
-    click.option(
-        "--kv-events-replay",
-        metavar="ENDPOINT",
-        help="A ZMQ ROUTER socket that replays the last batches from a sequence number "
-        "(vLLM's replay_endpoint), e.g. tcp://*:5558.",
-    ),
-    click.option("--kv-events-topic", default="", help="Topic frame of every KV event message."),
-)
-
+events_options = options(EVENTS.values())
 #: What makes a process a mesh node: its store, its neighbours, its name.
-membership_options = stack(
-    click.option(
-        "--budget",
-        default="2GiB",
-        show_default=True,
-        help="Byte budget of the in-memory block store.",
-    ),
-    click.option("--seed", multiple=True, help="HOST:PORT of a node to gossip with (repeatable)."),
-    click.option("--alias", help="Human name shown on the dashboard."),
-    click.option(
-        "--advertise",
-        multiple=True,
-        help="ADDR[,interface=thunderbolt|ethernet|wifi|tailscale|loopback] for the gRPC "
-        "service (repeatable; detected if omitted).",
-    ),
-    click.option(
-        "--gossip-interval", default=1.0, show_default=True, help="Seconds between gossip rounds."
-    ),
-    click.option(
-        "--ttl", default=5.0, show_default=True, help="Seconds before a silent node is dropped."
-    ),
-    click.option("--region", default="", help="Coarse region label shown publicly."),
-)
+membership_options = options(MEMBERSHIP.values())
+#: ``--disk DIR``, ``--disk-budget SIZE``, ``--disk-admit evicted|hit``.
+disk_options = options(DISK.values())
+
+VERBOSE = Option("verbose", "Log at DEBUG level.", kind="flag", flags=("-v", "--verbose"))
 
 #: Every option of a mesh node, ``peer`` and ``head`` alike.
 node_options = stack(
-    membership_options,
-    click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level."),
-    security_options,
-    disk_options,
-    events_options,
+    membership_options, option(VERBOSE), security_options, disk_options, events_options
 )
 
-#: The model a command loads, for ``demo`` and ``head``.
-model_options = stack(
-    click.option(
-        "--model",
-        default="demo",
-        show_default=True,
-        help="demo, demo-tiny or a local model directory.",
-    ),
-    click.option(
-        "--engine",
-        type=click.Choice(ENGINES),
-        default="torch",
-        show_default=True,
-        help="torch (CPU, CUDA, MPS) or mlx (Apple silicon).",
+MODEL = (
+    Option("model", "demo, demo-tiny or a local model directory.", "demo"),
+    Option(
+        "engine",
+        "torch (CPU, CUDA, MPS) or mlx (Apple silicon).",
+        "torch",
+        "choice",
+        choices=ENGINES,
     ),
 )
+#: The model a command loads, for ``demo`` and ``head``.
+model_options = options(MODEL)
+
+#: ``kvmesh peer``'s own options (before :data:`node_options`).
+PEER = (
+    Option("listen", "gRPC HOST:PORT (port 0 = any).", "127.0.0.1:7070"),
+    Option("metrics", "Serve Prometheus metrics on HOST:PORT."),
+    Option("join", "Join the fleet of this head (with --pairing-token).", metavar="HEAD_URL"),
+    Option("pairing_token", "Single-use token from POST /v1/network/nodes/register."),
+)
+peer_options = stack(options(PEER), node_options)
+
+#: ``kvmesh head``'s options (before :data:`node_options`), in --help's order.
+HEAD_ONLY = (
+    *MODEL,
+    Option(
+        "device",
+        "Where the torch engine runs; auto: CUDA, else MPS, else the CPU. "
+        "(mlx picks Metal or the CPU itself: auto only.)",
+        "auto",
+        "choice",
+        choices=DEVICES,
+    ),
+    Option(
+        "dtype",
+        "Weights' dtype (the KV cache follows, and so does the card's namespace); auto: "
+        "float32 on the CPU, the checkpoint's dtype on a GPU. (mlx: auto only.)",
+        "auto",
+        "choice",
+        choices=DTYPES,
+    ),
+    Option(
+        "block_digest",
+        "How block bytes are verified (part of the card: heads with different digests "
+        "share nothing). Both are 256-bit cryptographic hashes; blake3 is several times faster.",
+        "blake3",
+        "choice",
+        choices=BLOCK_DIGESTS,
+    ),
+    Option("listen", "HTTP HOST:PORT.", "127.0.0.1:8000"),
+    HEAD["grpc_listen"],
+    Option(
+        "api_key_file",
+        "API keys, one `KEY [TENANT]` per line, that unlock protected network reads and "
+        "writes; a request's key names its tenant (a key without a TENANT is its own tenant).",
+        kind="file",
+    ),
+    Option(
+        "tenant_header",
+        "Take a request's tenant from this header (e.g. x-tenant-id), set by a trusted "
+        "gateway in front of the head; only when given. It wins over the key's tenant.",
+    ),
+    Option(
+        "shared_tenant",
+        "A tenant whose cache is deliberately the shared one (repeatable), e.g. for a "
+        "public system prompt.",
+        multiple=True,
+    ),
+    Option(
+        "tenant_secret_file",
+        "Secret (hex; made when missing) that tenant roots derive from when there is no "
+        "fleet key, so tenants' caches survive a restart. Default: a fresh one per process.",
+        kind="path",
+    ),
+    Option(
+        "tenant_budget",
+        "Most bytes one tenant's blocks may hold in the local store, in RAM and on disk "
+        "each; a tenant at it evicts only its own blocks. Default: no per-tenant cap.",
+        kind="size",
+    ),
+    HEAD["no_publish"],
+    Option(
+        "served_model_name",
+        "Name clients use for the model (repeatable; the first is listed by /v1/models). "
+        "The --model argument as given and its directory name are accepted too.",
+        multiple=True,
+    ),
+    Option(
+        "max_tokens_default",
+        "Most tokens generated for a request that sets no max_tokens (never past the "
+        "context window), so leaving it out cannot hold a batch slot for a whole context. "
+        "0: the rest of the context window, as OpenAI and vLLM.",
+        DEFAULT_MAX_TOKENS,
+        "int",
+        low=0,
+        flags=("--default-max-tokens", "--max-tokens-default"),
+    ),
+    Option(
+        "audit_rate",
+        "Fraction of remote hits whose random block is recomputed off the request path and "
+        "compared with the peer's bytes; a peer that disagrees is quarantined.",
+        0.0,
+        "float",
+        low=0.0,
+        high=1.0,
+    ),
+    Option(
+        "api_key_scope",
+        "What --api-key-file protects: admin (network writes and private reads) or all "
+        "(also /v1/completions, /v1/chat/completions and /v1/models, like vLLM's --api-key).",
+        "admin",
+        "choice",
+        choices=("admin", "all"),
+    ),
+    Option(
+        "max_batch",
+        "Sequences decoded together in one forward per step (continuous batching); "
+        "more wait in the queue. 1 decodes one sequence at a time.",
+        8,
+        "int",
+        low=1,
+    ),
+    Option(
+        "kv_budget",
+        "KV cache the running sequences may hold at their longest (prompt + max_tokens, "
+        "times n); a request that would exceed it waits. One request alone always runs.",
+        "4GiB",
+        "size",
+    ),
+    Option(
+        "max_queue",
+        "Requests that may wait for the engine; one more is answered 503 with Retry-After.",
+        64,
+        "int",
+        low=1,
+    ),
+    Option(
+        "max_body_bytes", "Largest HTTP request body; a larger one is answered 413.", "4MiB", "size"
+    ),
+    Option("http_tls_cert", "Certificate (PEM) for the HTTP listener: serve HTTPS.", kind="file"),
+    Option("http_tls_key", "Private key (PEM) of --http-tls-cert.", kind="file"),
+    HEAD["lookup_timeout"],
+    HEAD["fetch_timeout"],
+)
+head_options = stack(options(HEAD_ONLY), node_options)
 
 __all__ = [
+    "HEAD_ONLY",
+    "MODEL",
+    "PEER",
     "client_security_options",
     "disk_options",
     "events_options",
+    "head_options",
     "membership_options",
     "model_options",
     "node_options",
+    "option",
+    "options",
+    "peer_options",
     "security_options",
     "stack",
 ]

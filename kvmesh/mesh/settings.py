@@ -1,9 +1,10 @@
 """A mesh node's :class:`NodeConfig` from flat option values, with the checks
 every role shares (``kvmesh peer``, ``kvmesh head`` and the vLLM connector).
 
-Contract: :func:`node_config` returns a checked config or raises
-:class:`ConfigError` with a message naming the option; it never reads the command
-line or the environment itself (the CLI and the connector hand it their values).
+Contract: :func:`node_from` (values by their declared names,
+:data:`kvmesh.mesh.options.NODE`) and :func:`node_config` return a checked config
+or raise :class:`ConfigError` with a message naming the option; they never read
+the command line or the environment (the CLI and the connector hand them values).
 A plaintext listener off loopback needs ``plaintext``; one without client
 authentication (no fleet key, no mutual TLS) needs ``allow_unauthenticated``.
 KV events (``kv_events``) are plaintext ZMQ carrying prompts' token ids, so an
@@ -12,35 +13,43 @@ endpoint beyond loopback (``tcp://*:5557`` included) needs ``plaintext`` too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
 from ..units import is_loopback, parse_size, split_hostport
 from .events import EventsConfig
 from .node import NodeConfig
+from .options import NODE, Option, Value
 from .security import Security, TLSConfig, load_fleet_key
 
 
-def _size(value: object, default: str, option: str) -> int:
+def _size(value: object, name: str) -> int:
+    """The byte size of option ``name`` (its declared default when not given)."""
+    opt = NODE[name]
     try:
-        return parse_size(str(value or default))
+        return parse_size(str(value or opt.default))
     except ValueError as e:
-        raise ConfigError(f"invalid {option}: {e}") from None
+        raise ConfigError(f"invalid {opt.flag}: {e}") from None
 
 
 def _disk(sec: dict[str, object]) -> dict[str, Any]:
     """``NodeConfig`` fields for the ``--disk*`` options (none without ``--disk``)."""
     if not sec.get("disk"):
         return {}
-    return dict(disk_path=str(sec["disk"]),
-                disk_budget_bytes=_size(sec.get("disk_budget"), "16GiB", "--disk-budget"),
-                disk_admit=str(sec.get("disk_admit") or "evicted"))  # fmt: skip
+    return dict(
+        disk_path=str(sec["disk"]),
+        disk_budget_bytes=_size(sec.get("disk_budget"), "disk_budget"),
+        disk_admit=str(sec.get("disk_admit") or NODE["disk_admit"].default),
+    )
 
 
 def _endpoint(value: str, option: str, sec: dict[str, object]) -> str:
     scheme, sep, rest = value.partition("://")
     if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
-        raise ConfigError(f"invalid {option} {value!r}: expected tcp://HOST:PORT, ipc:// or inproc://")
+        raise ConfigError(
+            f"invalid {option} {value!r}: expected tcp://HOST:PORT, ipc:// or inproc://"
+        )
     if scheme == "tcp":
         host, _, port = rest.rpartition(":")
         if not host or not port.isdigit():
@@ -60,11 +69,13 @@ def _events(sec: dict[str, object]) -> dict[str, Any]:
             raise ConfigError("--kv-events-replay needs --kv-events")
         return {}
     replay = str(sec.get("kv_events_replay") or "")
-    return dict(kv_events=EventsConfig(
-        _endpoint(str(sec["kv_events"]), "--kv-events", sec),
-        _endpoint(replay, "--kv-events-replay", sec) if replay else "",
-        str(sec.get("kv_events_topic") or ""),
-    ))  # fmt: skip
+    return dict(
+        kv_events=EventsConfig(
+            _endpoint(str(sec["kv_events"]), "--kv-events", sec),
+            _endpoint(replay, "--kv-events-replay", sec) if replay else "",
+            str(sec.get("kv_events_topic") or ""),
+        )
+    )
 
 
 def node_config(
@@ -75,10 +86,16 @@ def node_config(
     advertise: tuple[str, ...],
     roles: tuple[str, ...],
     sec: dict[str, object],
-    **extra: object,
+    *,
+    gossip_interval: float = 1.0,
+    ttl: float = 5.0,
+    region: str = "",
+    lookup_deadline: float = 0.25,
+    fetch_deadline: float = 30.0,
 ) -> NodeConfig:
     """A checked node config; ``sec`` holds the security, disk and limit options by
-    their long names (``fleet_key_file``, ``tls_ca``, ``disk_budget``...)."""
+    their declared names (:data:`kvmesh.mesh.options.NODE`: ``fleet_key_file``,
+    ``tls_ca``, ``disk_budget``...); one not given takes its declared default."""
     host, _ = split_hostport(listen)
     tls = TLSConfig.from_options(sec)
     if tls.enabled and not (tls.cert and tls.key):
@@ -98,7 +115,7 @@ def node_config(
         )
     return NodeConfig(
         listen=listen,
-        budget_bytes=_size(budget, budget, "--budget"),
+        budget_bytes=_size(budget, "budget"),
         seeds=list(seed),
         alias=alias or "",
         advertise=list(advertise),
@@ -109,11 +126,54 @@ def node_config(
         bulk=not sec.get("no_bulk"),
         data_port=int(str(sec.get("data_port") or 0)),
         advertise_data_port=int(str(sec.get("advertise_data_port") or 0)),
-        max_block_bytes=_size(sec.get("max_block_bytes"), "64MiB", "--max-block-bytes"),
-        max_inflight_bytes=_size(sec.get("max_inflight"), "128MiB", "--max-inflight"),
-        max_members=int(str(sec.get("max_members") or 256)),
-        **extra,  # type: ignore[arg-type]
+        max_block_bytes=_size(sec.get("max_block_bytes"), "max_block_bytes"),
+        max_inflight_bytes=_size(sec.get("max_inflight"), "max_inflight"),
+        max_members=int(str(sec.get("max_members") or NODE["max_members"].default)),
+        gossip_interval=gossip_interval,
+        ttl=ttl,
+        region=region,
+        lookup_deadline=lookup_deadline,
+        fetch_deadline=fetch_deadline,
     )
 
 
-__all__ = ["node_config"]
+def node_from(
+    values: Mapping[str, object], roles: tuple[str, ...], listen: str | None = None
+) -> NodeConfig:
+    """:func:`node_config` from option values by their declared names, each checked
+    by its declaration; a node option not in ``values`` takes its declared default,
+    a name that is no node option is not read. ``listen`` is the gRPC listener
+    (default: ``values["grpc_listen"]``)."""
+    v = {name: _parsed(opt, values.get(name)) for name, opt in NODE.items()}
+    return node_config(
+        listen or str(v["grpc_listen"]),
+        str(v["budget"]),
+        _strings(v["seed"]),
+        str(v["alias"] or ""),
+        _strings(v["advertise"]),
+        roles,
+        dict(v),
+        gossip_interval=_number(v["gossip_interval"]),
+        ttl=_number(v["ttl"]),
+        region=str(v["region"] or ""),
+        lookup_deadline=_number(v["lookup_timeout"]),
+        fetch_deadline=_number(v["fetch_timeout"]),
+    )
+
+
+def _parsed(opt: Option, value: object) -> Value:
+    try:
+        return opt.parse(value)
+    except ValueError as e:
+        raise ConfigError(f"invalid {opt.flag} {value!r}: {e}") from None
+
+
+def _strings(value: Value) -> tuple[str, ...]:
+    return tuple(value) if isinstance(value, list) else ()
+
+
+def _number(value: Value) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0  # parsed: always a number
+
+
+__all__ = ["node_config", "node_from"]

@@ -19,63 +19,49 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..mesh.node import NodeConfig
+from ..mesh.options import DISK, NODE, SECURITY, Option, Value
 
-# the `kvmesh head` flags that mean something in a vLLM process, with their defaults
-DEFAULTS: dict[str, Any] = {
-    "grpc_listen": "127.0.0.1:0",
-    "budget": "2GiB",
-    "seed": [],
-    "alias": None,
-    "advertise": [],
-    "no_publish": False,
-    "gossip_interval": 1.0,
-    "ttl": 5.0,
-    "lookup_timeout": 0.25,
-    "fetch_timeout": 30.0,
-    "region": "",
-    "fleet_key_file": None,
-    "tls_cert": None,
-    "tls_key": None,
-    "tls_ca": None,
-    "tls_server_name": None,
-    "plaintext": False,
-    "allow_unauthenticated": False,
-    "max_block_bytes": "64MiB",
-    "max_inflight": "128MiB",
-    "max_members": 256,
-    "disk": None,
-    "disk_budget": "16GiB",
-    "disk_admit": "evicted",
-    # connector-only: prior prefill speed (tokens/s) until vLLM's own is measured,
-    # and how many publishes may wait for export before new ones are dropped
-    "prefill_tps": 100.0,
-    "max_pending_publishes": 2,
-}
-ALIASES = {"listen": "grpc_listen"}
-_LISTS = ("seed", "advertise")
-_FLAGS = ("no_publish", "plaintext", "allow_unauthenticated")
-_NUMBERS = ("gossip_interval", "ttl", "lookup_timeout", "fetch_timeout", "prefill_tps")
-_INTS = ("max_members", "max_pending_publishes")
-_SECURITY = (
-    "fleet_key_file",
-    "tls_cert",
-    "tls_key",
-    "tls_ca",
-    "tls_server_name",
-    "plaintext",
-    "allow_unauthenticated",
-    "max_block_bytes",
-    "max_inflight",
-    "max_members",
-    "disk",
-    "disk_budget",
-    "disk_admit",
+_PREFIX = "kv_connector_extra_config"
+
+#: The ``kvmesh head`` options that mean something in a vLLM process (KV events
+#: come from vLLM's own ``--kv-events-config``, logging from vLLM's).
+HEAD_KEYS = (
+    *("grpc_listen", "budget", "seed", "alias", "advertise", "no_publish", "region"),
+    *("gossip_interval", "ttl", "lookup_timeout", "fetch_timeout"),
+    *SECURITY,
+    *DISK,
 )
+#: Settings only the connector has.
+CONNECTOR_ONLY = (
+    Option(
+        "prefill_tps",
+        "Prior prefill speed (tokens/s) until vLLM's own is measured.",
+        100.0,
+        "positive",
+    ),
+    Option(
+        "max_pending_publishes",
+        "Exports waiting for the publisher before new ones are dropped.",
+        2,
+        "int",
+        low=1,
+    ),
+)
+#: Every key, declared once: the head's rows (:mod:`kvmesh.mesh.options`) and the connector's.
+KEYS: dict[str, Option] = {k: NODE[k] for k in HEAD_KEYS} | {o.name: o for o in CONNECTOR_ONLY}
+ALIASES = {"listen": "grpc_listen"}
+_COMMA_SEPARATED = ("seed",)  # one string may list several seeds; an advertise has commas
+_PER_RANK_PORTS = ("data_port", "advertise_data_port")  # a fixed one is rank 0's
+
+
+def defaults() -> dict[str, Value]:
+    """Every key's default (a fresh dict: lists are not shared)."""
+    return {name: opt.initial for name, opt in KEYS.items()}
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    values: dict[str, Any] = field(default_factory=lambda: dict(DEFAULTS))
+    values: dict[str, Any] = field(default_factory=defaults)
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
@@ -87,90 +73,80 @@ class ConnectorSettings:
     def node_config(self, rank: int = 0, world: int = 1) -> NodeConfig:
         """The mesh node of tensor-parallel rank ``rank`` of ``world`` (one per worker
         process), built and checked like ``kvmesh head``'s. With several ranks, a
-        fixed listen port is the first rank's (rank r listens on port + r) and an
+        fixed port (listen, data) is the first rank's (rank r's is port + r) and an
         alias gets ``-tp<r>``; without an alias each worker is ``vllm-HOST-PID``. A
         rank of several is a head only (no cache role): it keeps and serves its own
         pages to itself, and publishes to the fleet's caches, never to a sibling."""
         from ..mesh.node import pid_alias
-        from ..mesh.settings import node_config
+        from ..mesh.settings import node_from
 
-        v = dict(self.values)
-        if world > 1:
-            host, _, port = str(v["grpc_listen"]).rpartition(":")
-            if port.isdigit() and int(port):
-                v["grpc_listen"] = f"{host}:{int(port) + rank}"
-            if v["alias"]:
-                v["alias"] = f"{v['alias']}-tp{rank}"
+        v = self._for_rank(rank) if world > 1 else dict(self.values)
         v["alias"] = v["alias"] or f"vllm-{pid_alias()}"
-        sec = {k: v[k] for k in _SECURITY}
+        # a rank of several is no cache for others: its siblings (which die with
+        # it) would be publish targets; its own pages stay its own
+        roles = ("head", "cache") if world == 1 else ("head",)
         try:
-            return node_config(
-                v["grpc_listen"],
-                str(v["budget"]),
-                tuple(v["seed"]),
-                v["alias"],
-                tuple(v["advertise"]),
-                # a rank of several is no cache for others: its siblings (which die
-                # with it) would be publish targets; its own pages stay its own
-                ("head", "cache") if world == 1 else ("head",),
-                sec,
-                gossip_interval=v["gossip_interval"],
-                ttl=v["ttl"],
-                region=v["region"],
-                lookup_deadline=v["lookup_timeout"],
-                fetch_deadline=v["fetch_timeout"],
-            )
-        except ConfigError as e:
-            raise ConfigError(f"kv_connector_extra_config: {e}") from None
-        except (ValueError, OSError) as e:
-            raise ConfigError(f"kv_connector_extra_config: {e}") from None
+            return node_from(v, roles)
+        except (ConfigError, ValueError, OSError) as e:
+            raise ConfigError(f"{_PREFIX}: {e}") from None
+
+    def _for_rank(self, rank: int) -> dict[str, Any]:
+        v = dict(self.values)
+        host, _, port = str(v["grpc_listen"]).rpartition(":")
+        if port.isdigit() and int(port):
+            v["grpc_listen"] = f"{host}:{int(port) + rank}"
+        for key in _PER_RANK_PORTS:
+            if v[key]:
+                v[key] += rank
+        if v["alias"]:
+            v["alias"] = f"{v['alias']}-tp{rank}"
+        return v
 
 
 def parse_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
-    """Validate ``kv_connector_extra_config``; unknown keys and bad types are errors."""
-    values = dict(DEFAULTS)
+    """Validate ``kv_connector_extra_config``; unknown keys and bad values are errors."""
+    values = defaults()
     for raw_key, value in (extra or {}).items():
         key = ALIASES.get(raw_key, raw_key.replace("-", "_"))
-        if key not in DEFAULTS:
-            valid = ", ".join(sorted([*DEFAULTS, *ALIASES]))
-            raise ConfigError(f"kv_connector_extra_config: unknown key {raw_key!r}; valid: {valid}")
-        values[key] = _coerce(key, value)
+        if key not in KEYS:
+            valid = ", ".join(sorted([*KEYS, *ALIASES]))
+            raise ConfigError(f"{_PREFIX}: unknown key {raw_key!r}; valid: {valid}")
+        values[key] = _parse(KEYS[key], value)
     return ConnectorSettings(values)
 
 
-def _coerce(key: str, value: Any) -> Any:
-    bad = ConfigError(f"kv_connector_extra_config: {key} = {value!r} is not valid")
-    if key in _LISTS:
-        if isinstance(value, str):  # one seed list may be comma-separated; an advertise has commas
-            parts = value.split(",") if key == "seed" else [value]
-            return [s for s in (p.strip() for p in parts) if s]
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return list(value)
-        raise bad
-    if key in _FLAGS:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        raise bad
-    if key in _NUMBERS:
-        try:
-            out = float(value)
-        except (TypeError, ValueError):
-            raise bad from None
-        if out <= 0:
-            raise bad
-        return out
-    if key in _INTS:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise bad
-        try:
-            n = int(value)
-        except ValueError:
-            raise bad from None
-        if n < 1:
-            raise bad
-        return n
-    if value is not None and not isinstance(value, (str, int)):
-        raise bad
-    return None if value is None else str(value)
+def _parse(opt: Option, value: object) -> Value:
+    if opt.name in _COMMA_SEPARATED and isinstance(value, str):
+        value = value.split(",")
+    try:
+        out = opt.parse(value)
+    except ValueError as e:
+        raise ConfigError(f"{_PREFIX}: {opt.name} = {value!r} is not valid: {e}") from None
+    if isinstance(out, list):  # an empty entry ("a,,b", "") is no entry
+        return [s for s in (p.strip() for p in out) if s]
+    return out
+
+
+_SHOWN_DEFAULT = {"alias": "`vllm-HOST-PID`"}  # what an unset key turns into
+
+
+def settings_table() -> str:
+    """The keys as docs/vllm.md's markdown table, from the declarations."""
+    rows = ["| key | meaning | default |", "|---|---|---|"]
+    for name, opt in KEYS.items():
+        key = f"`{name}`" + "".join(f" (or `{a}`)" for a, k in ALIASES.items() if k == name)
+        meaning = opt.help.replace("|", "\\|")
+        if opt.multiple:
+            meaning += " A string or a list" + (
+                " (comma-separated)." if name in _COMMA_SEPARATED else "."
+            )
+        rows.append(f"| {key} | {meaning} | {_shown(opt)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _shown(opt: Option) -> str:
+    if opt.name in _SHOWN_DEFAULT:
+        return _SHOWN_DEFAULT[opt.name]
+    if opt.kind == "flag":
+        return "false"
+    return "none" if opt.default in (None, "") else f"`{opt.default}`"
