@@ -364,7 +364,7 @@ class OpenAIService:
         vocab = self.runtime.card.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in p):
             raise APIError(400, f"token ids must be integers in [0, {vocab})", param="prompt")
-        return [int(t) for t in p]  # type: ignore[arg-type]
+        return [int(t) for t in p]
 
     def chat_tokens(self, req: ChatRequest) -> list[int]:
         msgs = [{"role": m.role, "content": _text(m.content)} for m in req.messages]

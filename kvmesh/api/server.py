@@ -19,6 +19,10 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
+    from ..mesh.node import NodeConfig
 
 log = logging.getLogger("kvmesh.head")
 
@@ -76,7 +80,7 @@ def bind(listen: str) -> socket.socket:
     return sock
 
 
-def run_head(opts: HeadOptions, node_config) -> None:  # type: ignore[no-untyped-def]
+def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
     import uvicorn
 
     from ..engine import load_engine

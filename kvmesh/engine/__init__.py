@@ -7,6 +7,7 @@ implementing :class:`~kvmesh.engine.base.Engine`; :func:`load_engine` picks one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConfigError
 from .base import Decoded, Engine, KVState, Sampling, TokenLogprob
@@ -72,11 +73,14 @@ def load_engine(
     progress: Callable[[str], None] | None = None,
     device: str | None = None,
     dtype: str | None = None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> Engine:
     """Load ``model`` (``demo``, ``demo-tiny`` or a local directory) on ``engine``.
     ``device`` and ``dtype`` take :data:`DEVICES` / :data:`DTYPES` (``auto``: see
-    :func:`pick_device`, :func:`pick_dtype`); None is the CPU and the engine's dtype."""
+    :func:`pick_device`, :func:`pick_dtype`); None is the CPU and the engine's dtype.
+    ``kwargs`` are the engine's own options (``block_digest``; torch ``threads``; mlx
+    ``kv_bits``, ``kv_group_size``), checked by its constructor: one the engine does
+    not take is a TypeError."""
     from .demo import resolve_model
 
     if engine not in ENGINES:
@@ -92,11 +96,11 @@ def load_engine(
             block_tokens=block_tokens,
             device=where or "cpu",
             dtype=weights,
-            **kwargs,  # type: ignore[arg-type]
+            **kwargs,
         )
     from .mlx import MLXEngine
 
-    return MLXEngine(path, block_tokens=block_tokens, **kwargs)  # type: ignore[arg-type]
+    return MLXEngine(path, block_tokens=block_tokens, **kwargs)
 
 
 __all__ = [

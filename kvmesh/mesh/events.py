@@ -64,13 +64,13 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker, as vL
 # -- vLLM's wire format (vllm/distributed/kv_events.py, 0.32) -----------------
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base class of the events (a tagged map: ``{"type": "BlockStored", ...}``)."""
 
 

@@ -101,9 +101,9 @@ class Telemetry:
         self.recent: deque[dict[str, Any]] = deque(maxlen=history)  # per-request rows
         self.started = time.time()
 
-    def count(self, name: str, n: float = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self.counters[name] += n  # type: ignore[assignment]
+            self.counters[name] += n
 
     def record(self, report: PrefillReport, completion_tokens: int) -> None:
         with self._lock:

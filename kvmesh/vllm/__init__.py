@@ -14,7 +14,7 @@ CONNECTOR_MODULE = "kvmesh.vllm.connector"
 
 def register() -> None:
     """vLLM plugin entry point: register the connector by name (idempotent)."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import (  # type: ignore[import-not-found]
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
         KVConnectorFactory,
     )
 

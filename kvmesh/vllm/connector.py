@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -82,13 +82,13 @@ from .config import parse_settings
 from .pages import DTYPES, CacheSpec, Pages, check_position, model_card, page_layout
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig  # type: ignore[import-not-found]
-    from vllm.forward_context import ForwardContext  # type: ignore[import-not-found]
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # type: ignore[import-not-found]
-    from vllm.v1.core.sched.output import SchedulerOutput  # type: ignore[import-not-found]
-    from vllm.v1.kv_cache_interface import KVCacheConfig  # type: ignore[import-not-found]
-    from vllm.v1.outputs import KVConnectorOutput  # type: ignore[import-not-found]
-    from vllm.v1.request import Request  # type: ignore[import-not-found]
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 log = logging.getLogger("kvmesh.vllm")
 IDLE_YIELD_S = 0.002
@@ -124,7 +124,7 @@ class SaveSpec:
 
 
 @dataclass
-class KVMeshMetadata(KVConnectorMetadata):  # type: ignore[misc]
+class KVMeshMetadata(KVConnectorMetadata):
     asks: list[Ask] = field(default_factory=list)  # find these prompts' pages
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
@@ -136,7 +136,7 @@ class KVMeshMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 @dataclass
-class KVMeshWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+class KVMeshWorkerMeta(KVConnectorWorkerMetadata):
     answers: dict[str, dict[int, int]] = field(default_factory=dict)  # req -> rank -> pages
     reports: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # load results
     cards: dict[int, list[str]] = field(default_factory=dict)  # rank -> [engine, namespace]
@@ -163,7 +163,7 @@ class EventBuffer:
     blocks from a router's view)."""
 
     def __init__(self, max_events: int = MAX_EVENTS) -> None:
-        from vllm.distributed import kv_events as kv  # type: ignore[import-not-found]
+        from vllm.distributed import kv_events as kv
 
         self.max_events = max_events
         self.dropped = 0  # by a worker's sink, or here
@@ -253,7 +253,7 @@ class _Tracked:
     saved: bool = False
 
 
-class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVMeshConnector(KVConnectorBase_V1):
     """Both roles; each uses only its half. The scheduler (vLLM's engine core)
     decides from the workers' answers; each worker (one per tensor-parallel rank)
     finds, fetches, loads and saves its own shard of every page."""
@@ -307,7 +307,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==========================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import (  # type: ignore[import-not-found]
+        from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
         )
 
@@ -773,7 +773,7 @@ def _keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
 def _cache_spec(kv_cache_config: KVCacheConfig) -> CacheSpec:
     """One group of plain full-attention layers, or a clear error: sliding windows,
     hybrid (Mamba) models, MLA and quantized KV are not served."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec  # type: ignore[import-not-found]
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -826,8 +826,8 @@ def _local_dir(name: str, revision: str | None) -> Path:
 def _engine_name(vllm_config: VllmConfig, layer: str, kind: str, rank: int, world: int) -> str:
     """vLLM version, platform, attention backend, page layout, model dtype, compilation,
     and which tensor-parallel shard of the KV heads (rank of world size) the pages hold."""
-    import vllm  # type: ignore[import-not-found]
-    from vllm.platforms import current_platform  # type: ignore[import-not-found]
+    import vllm
+    from vllm.platforms import current_platform
 
     ctx = vllm_config.compilation_config.static_forward_context.get(layer)
     backend = getattr(getattr(ctx, "attn_backend", None), "get_name", lambda: "unknown")()
