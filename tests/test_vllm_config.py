@@ -71,8 +71,12 @@ def test_an_unknown_key_lists_every_valid_one():
         ({"fleet_key_file": "/nonexistent/fleet.key"}, "fleet_key_file = .* no such file"),
         ({"max_members": 0}, "max_members = 0 is not valid"),
         ({"max_members": 2.5}, "max_members = 2.5 is not valid: expected an integer"),
-        ({"data_port": 70000}, "data_port = 70000"),
         ({"ttl": 0}, "ttl = 0 is not valid: expected a positive number"),
+        ({"gossip_interval": "inf"}, "gossip_interval = 'inf' is not valid: expected a finite"),
+        (
+            {"data_port": 70000},
+            "data_port = 70000 is not valid: expected an integer >= 0 and <= 65535",
+        ),
         ({"lookup_timeout": "soon"}, "lookup_timeout"),
         ({"prefill_tps": -5}, "prefill_tps"),
         ({"no_bulk": "maybe"}, "no_bulk = 'maybe' is not valid: expected true or false"),

@@ -55,8 +55,8 @@ def _type(opt: Option) -> click.ParamType | type | None:
 
 
 def _checked(opt: Option) -> Callable[[click.Context, click.Parameter, Any], Any]:
-    """The declaration's own check, for what click's type cannot say (a size,
-    a positive number); the value itself is passed on as click made it."""
+    """The declaration's own check, for what click's type cannot say (a size, a
+    positive or finite number); the value itself is passed on as click made it."""
 
     def check(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
         if value is not None:
@@ -80,7 +80,7 @@ def option(opt: Option) -> Callable[[F], F]:
         kw.update(default=opt.default, type=_type(opt))
         # what click prints as "[default: ...]": a real value, not an empty one
         kw["show_default"] = opt.default not in (None, "")
-    if opt.kind in ("size", "positive"):
+    if opt.kind in ("size", "positive", "float"):  # click lets "lots", 0 and nan through
         kw["callback"] = _checked(opt)
     return click.option(*(opt.flags or (opt.flag,)), opt.name, **kw)
 

@@ -14,6 +14,7 @@ untyped (JSON, TOML) and raises ``ValueError`` saying what was expected.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
@@ -79,21 +80,28 @@ def _flag(_: Option, value: object) -> bool:
     raise ValueError("expected true or false")
 
 
-def _number(opt: Option, value: object) -> float:
+def _number(opt: Option, value: object) -> int | float:
     whole = opt.kind == "int"
+    what = "an integer" if whole else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, str) if whole else (int, float, str)):
-        raise ValueError(f"expected {'an integer' if whole else 'a number'}")
+        raise ValueError(f"expected {what}")
     try:
         n = int(value) if whole else float(value)
     except ValueError:
-        raise ValueError(f"expected {'an integer' if whole else 'a number'}") from None
-    low = opt.low if opt.low is not None else float("-inf")
-    high = opt.high if opt.high is not None else float("inf")
+        raise ValueError(f"expected {what}") from None
+    if not math.isfinite(n):  # an infinite interval or timeout would never fire
+        raise ValueError(f"expected a finite {what.split()[-1]}")
     if opt.kind == "positive" and n <= 0:
         raise ValueError("expected a positive number")
-    if not low <= n <= high:
-        raise ValueError(f"expected a number from {opt.low} to {opt.high}")
+    if (opt.low is not None and n < opt.low) or (opt.high is not None and n > opt.high):
+        raise ValueError(f"expected {what} {_bounds(opt)}")
     return n
+
+
+def _bounds(opt: Option) -> str:
+    low = f">= {opt.low}" if opt.low is not None else ""
+    high = f"<= {opt.high}" if opt.high is not None else ""
+    return " and ".join(b for b in (low, high) if b)
 
 
 def _text(opt: Option, value: object) -> str:
