@@ -45,7 +45,12 @@ def test_peer_and_head_share_option_declarations():
     assert {"disk", "kv_events", "verbose"} <= shared
     for name in shared:
         a, b = peer[name], head[name]
-        assert (a.opts, a.default, a.help, repr(a.type)) == (b.opts, b.default, b.help, repr(b.type))
+        assert (a.opts, a.default, a.help, repr(a.type)) == (
+            b.opts,
+            b.default,
+            b.help,
+            repr(b.type),
+        )
     for role, opts in (("peer", peer), ("head", head)):
         assert not [n for n, o in opts.items() if not o.help], role
     text = " ".join(_kvmesh("head", "--help").stdout.split())
@@ -94,7 +99,10 @@ def test_node_options_are_made_from_the_library_declarations():
         (["head", "--tenant-budget", "0"], "--tenant-budget"),
     ):
         out = runner.invoke(main, args)
-        assert out.exit_code == 2 and f"Invalid value for '{flag}'" in out.output, (args, out.output)
+        assert out.exit_code == 2 and f"Invalid value for '{flag}'" in out.output, (
+            args,
+            out.output,
+        )
 
 
 def test_help_and_bad_model():
@@ -125,9 +133,20 @@ def test_a_non_loopback_listener_needs_client_authentication(tmp_path):
     key.write_text("k" * 64)
     for extra in (["--fleet-key-file", str(key)], ["--allow-unauthenticated"]):
         ok = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "peer", "--listen", "0.0.0.0:0", "--plaintext",
-             *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "peer",
+                "--listen",
+                "0.0.0.0:0",
+                "--plaintext",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         try:
             assert "listening on" in ok.stdout.readline()
         finally:

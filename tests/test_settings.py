@@ -32,8 +32,10 @@ def test_refusals_are_config_errors_naming_the_option():
 
 
 def test_the_library_does_not_load_the_command_line():
-    code = ("import sys, kvmesh.mesh.settings, kvmesh.vllm.config; "
-            "print(any(m in sys.modules for m in ('kvmesh.cli', 'click')))")  # fmt: skip
+    code = (
+        "import sys, kvmesh.mesh.settings, kvmesh.vllm.config; "
+        "print(any(m in sys.modules for m in ('kvmesh.cli', 'click')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

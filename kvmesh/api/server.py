@@ -133,15 +133,22 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
         aliases=aliases,
         max_tokens_default=opts.max_tokens_default,
         limits=Limits(opts.max_queue, opts.max_body_bytes, opts.api_key_scope),
-        tenant_options=TenantOptions(opts.tenant_header, opts.shared_tenants,
-                                     opts.tenant_secret_file, opts.tenant_budget_bytes),
-    )  # fmt: skip
+        tenant_options=TenantOptions(
+            opts.tenant_header,
+            opts.shared_tenants,
+            opts.tenant_secret_file,
+            opts.tenant_budget_bytes,
+        ),
+    )
     sock = bind(opts.listen)
     host, port = sock.getsockname()[:2]
     tls = bool(opts.http_tls_cert)
     if not tls and not is_loopback(host):
-        log.warning("HTTP on %s is plaintext: API keys and prompts cross the network in clear "
-                    "(--http-tls-cert/--http-tls-key)", host)  # fmt: skip
+        log.warning(
+            "HTTP on %s is plaintext: API keys and prompts cross the network in clear "
+            "(--http-tls-cert/--http-tls-key)",
+            host,
+        )
     print(
         f"kvmesh head {node.node.alias} {'https' if tls else 'http'}://{host}:{port} "
         f"grpc {node.node.address} epoch {node.node.store.epoch} model {engine.card.summary()}"
@@ -149,9 +156,12 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
         flush=True,
     )
     config = uvicorn.Config(
-        app, log_level="warning", lifespan="off",
-        ssl_certfile=opts.http_tls_cert, ssl_keyfile=opts.http_tls_key,
-    )  # fmt: skip
+        app,
+        log_level="warning",
+        lifespan="off",
+        ssl_certfile=opts.http_tls_cert,
+        ssl_keyfile=opts.http_tls_key,
+    )
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

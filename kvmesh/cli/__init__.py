@@ -400,6 +400,14 @@ def status(address: str, as_json: bool, **sec: str | None) -> None:
         used = f"{r['used_bytes'] / 2**20:.1f} / {r['budget_bytes'] / 2**30:.1f} GiB"
         hit = "–" if r["hit_ratio"] is None else f"{r['hit_ratio']:.0%}"
         name = r["alias"] + (" *" if r["answering"] else "")
-        t.add_row(name, ",".join(r["roles"]), r["epoch"][:8], f"{r['card_age_s']:.1f} s", eps, used,
-                  str(r["entries"]), hit)  # fmt: skip
+        t.add_row(
+            name,
+            ",".join(r["roles"]),
+            r["epoch"][:8],
+            f"{r['card_age_s']:.1f} s",
+            eps,
+            used,
+            str(r["entries"]),
+            hit,
+        )
     Console(width=None if sys.stdout.isatty() else 200).print(t)

@@ -24,9 +24,15 @@ ENGINE = "vllm/0.32.0/cpu/CPU_ATTN/paged/float32/compile=NONE"
 
 def test_settings_use_the_head_flag_names():
     s = parse_settings(
-        {"seed": "10.0.0.2:7070,10.0.0.3:7070", "budget": "4GiB", "alias": "gpu-1",
-         "listen": "127.0.0.1:0", "no-publish": "true", "advertise": "10.0.0.9:7070,interface=ethernet"}
-    )  # fmt: skip
+        {
+            "seed": "10.0.0.2:7070,10.0.0.3:7070",
+            "budget": "4GiB",
+            "alias": "gpu-1",
+            "listen": "127.0.0.1:0",
+            "no-publish": "true",
+            "advertise": "10.0.0.9:7070,interface=ethernet",
+        }
+    )
     assert s["seed"] == ["10.0.0.2:7070", "10.0.0.3:7070"]
     assert s["advertise"] == ["10.0.0.9:7070,interface=ethernet"]
     assert s["grpc_listen"] == "127.0.0.1:0" and not s.publish
@@ -36,9 +42,16 @@ def test_settings_use_the_head_flag_names():
 
 @pytest.mark.parametrize(
     "extra",
-    [{"sed": "x:1"}, {"budget": "lots"}, {"seed": 7}, {"ttl": -1}, {"plaintext": "maybe"},
-     {"listen": "0.0.0.0:7070"}, {"max_pending_publishes": 0}],
-)  # fmt: skip
+    [
+        {"sed": "x:1"},
+        {"budget": "lots"},
+        {"seed": 7},
+        {"ttl": -1},
+        {"plaintext": "maybe"},
+        {"listen": "0.0.0.0:7070"},
+        {"max_pending_publishes": 0},
+    ],
+)
 def test_bad_settings_are_one_clear_error(extra):
     with pytest.raises(ConfigError, match="kv_connector_extra_config"):
         parse_settings(extra).node_config()
