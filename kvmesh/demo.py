@@ -7,7 +7,7 @@ local block store; the two-node scenario lives in :mod:`kvmesh.runtime.demo`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from .blocks import BlockKeyer
@@ -58,8 +58,11 @@ def run_local(
     prompt_tokens: int = 1000,
     gen_tokens: int = DEMO_TOKENS,
     progress: Callable[[str], None] = lambda _: None,
+    tokens: Sequence[int] | None = None,
 ) -> LocalResult:
-    tokens = demo_prompt(engine, prompt_tokens)
+    """Cold prefill, then an import of the same prefix from a local store, of
+    ``tokens`` (default: :func:`demo_prompt` of ``prompt_tokens``)."""
+    tokens = list(tokens) if tokens is not None else demo_prompt(engine, prompt_tokens)
     sampling = Sampling(max_tokens=gen_tokens)
     keyer = BlockKeyer(engine.card.namespace, engine.card.block_tokens)
     engine.prefill(tokens[:8])  # warm up kernels: the baseline is the engine's best path

@@ -259,28 +259,43 @@ def _settle(cache: Any, new: int) -> None:
 
 
 class _TorchImporter(Importer):
+    """The buffers are allocated when the first block arrives, on the thread that
+    copies it (a fetch's hasher: see :meth:`kvmesh.mesh.client.MeshClient.warm`),
+    so their pages come from that thread's pre-faulted heap rather than the cold
+    heap of whichever request thread opened the importer."""
+
     def __init__(self, engine: TransformersEngine, n_tokens: int) -> None:
         super().__init__(n_tokens, engine.layout)
-        c = engine.card
         self.engine = engine
-        dtype = _BY_NAME[c.kv_dtype]  # the card's (probed) dtype, which the cache really has
-        shape = (1, c.num_kv_heads, n_tokens, c.head_dim)
-        self.ks = [torch.empty(shape, dtype=dtype) for _ in range(c.num_layers)]
-        self.vs = [torch.empty(shape, dtype=dtype) for _ in range(c.num_layers)]
-        self._np_dtype = _NP[dtype]
-        self._dsts = [_np(t)[0] for pair in zip(self.ks, self.vs, strict=True) for t in pair]
+        self._dtype = _BY_NAME[engine.card.kv_dtype]  # the card's (probed) dtype: the cache's
+        self._np_dtype = _NP[self._dtype]
+        self._alloc = threading.Lock()
+        self._bufs: tuple[list[torch.Tensor], list[torch.Tensor], list[np.ndarray]] | None = None
+
+    def _buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[np.ndarray]]:
+        """(K buffers, V buffers, their NumPy views K then V per layer), made once."""
+        with self._alloc:
+            if self._bufs is None:
+                c = self.engine.card
+                shape = (1, c.num_kv_heads, self.n_tokens, c.head_dim)
+                ks = [torch.empty(shape, dtype=self._dtype) for _ in range(c.num_layers)]
+                vs = [torch.empty(shape, dtype=self._dtype) for _ in range(c.num_layers)]
+                dsts = [_np(t)[0] for pair in zip(ks, vs, strict=True) for t in pair]
+                self._bufs = (ks, vs, dsts)
+            return self._bufs
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
         # numpy slice assignment: ~1 µs per copy instead of torch's ~10 µs dispatch
         # add() checked the block against the card: K/V match the buffers one to one
-        for dst, (spec, view) in zip(self._dsts, block.kv_tensors(), strict=True):
+        for dst, (spec, view) in zip(self._buffers()[2], block.kv_tensors(), strict=True):
             dst[:, a : a + t] = np.frombuffer(view, self._np_dtype).reshape(spec.shape)
 
     def cache(self) -> Any:
         cache = self.engine._new_cache()
         dev = self.engine.device
-        for layer, k, v in zip(cache.layers, self.ks, self.vs, strict=True):
+        ks, vs, _ = self._buffers()
+        for layer, k, v in zip(cache.layers, ks, vs, strict=True):
             _restore(layer, k.to(dev), v.to(dev), self.n_tokens)
         return cache
 

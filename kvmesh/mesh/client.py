@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import random
+import socket
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection
@@ -52,7 +53,7 @@ from typing import Any, NoReturn
 import grpc
 
 from ..blocks import PrefixKeys
-from ..codec import CHUNK_BYTES, Assembler, Block, Layout, chunks
+from ..codec import CHUNK_BYTES, Assembler, Block, Layout, chunks, decode_block
 from ..compat import CompatCard
 from ..errors import (
     ChecksumMismatch,
@@ -63,7 +64,7 @@ from ..errors import (
     PeerUnavailable,
 )
 from . import bulk
-from .bulk import FetchStalled
+from .bulk import FetchStalled, StreamTimes
 from .hits import PeerHit, Transfer, validated
 from .membership import Membership
 from .placement import (
@@ -240,6 +241,21 @@ class MeshClient:
             method, request_serializer=None, response_deserializer=response.FromString
         )
         return await call(raw, timeout=timeout, metadata=self._md(method, dest, raw))
+
+    async def warm(self, layout: Layout, sample: Block, nbytes: int) -> None:
+        """Pay a new process's first-use costs of a fetch now, not in its first
+        request (a head calls this at start): start the stream thread and both
+        hashers, resolve a numeric address (Python's first lookup imports its IDNA
+        codec), verify ``sample`` on each hasher (the digest and parsing paths),
+        and pre-fault ``nbytes`` of heap (:func:`bulk.prefault`) where a fetch
+        allocates: on the stream thread (received blocks) and on the first hasher
+        (a sink that allocates when its first block arrives does so there). An
+        idle pool hands its next task to the thread that ran this, so the first
+        fetch finds both warm."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._streams, _warm_stream, nbytes, sample.nbytes)
+        for i, h in enumerate(self._hashers):
+            await loop.run_in_executor(h, _warm_hasher, layout, sample, nbytes if i == 0 else 0)
 
     async def close(self) -> None:
         if self._publisher:
@@ -523,6 +539,7 @@ class MeshClient:
         lease_ttl: float | None = None,
         on_block: Callable[[Block], None] | None = None,
         deadline: float | None = None,
+        times: StreamTimes | None = None,
     ) -> list[Block]:
         """Stream ``hit``'s blocks from index ``start`` on, verified, within ``deadline``
         seconds (at most the client's fetch deadline), each wait for bytes within
@@ -532,7 +549,8 @@ class MeshClient:
         stream gets the rest, counted from when it starts.
 
         ``on_block`` is called on a worker thread with each block as soon as its
-        digest has been checked, so the caller can import while the rest arrives."""
+        digest has been checked, so the caller can import while the rest arrives.
+        ``times`` hears when the stream connected, received and verified it all."""
         infos = hit.infos[start:]
         cap = layout.max_block_bytes
         if any(len(i.digest) != 32 for i in infos):
@@ -551,7 +569,9 @@ class MeshClient:
         t0 = time.perf_counter()
         self._fetching[hit.node_id] += 1
         try:
-            blocks = await self._fetch_from(layout, hit, infos, raw, on_block, limit)
+            blocks = await self._fetch_from(
+                layout, hit, infos, raw, on_block, limit, times or StreamTimes()
+            )
         finally:
             self._fetching[hit.node_id] -= 1
             if not self._fetching[hit.node_id]:
@@ -586,6 +606,7 @@ class MeshClient:
         raw: bytes,
         on_block: Callable[[Block], None] | None,
         limit: float,
+        times: StreamTimes,
     ) -> list[Block]:
         """The stream itself: the bulk data path when the peer has one, else gRPC."""
         if hit.data_address:
@@ -594,9 +615,10 @@ class MeshClient:
             blocks: list[Block] = await self._on_stream(
                 bulk.fetch, hit.data_address, self._dialer, cred, raw, infos, layout,
                 self._hashers, on_block, self.progress_timeout, limit_s=limit, digest=digest,
+                times=times,
             )  # fmt: skip
             return blocks
-        return await self._fetch_grpc(layout, hit, infos, raw, on_block, limit)
+        return await self._fetch_grpc(layout, hit, infos, raw, on_block, limit, times)
 
     async def _fetch_grpc(
         self,
@@ -606,9 +628,12 @@ class MeshClient:
         raw: bytes,
         on_block: Callable[[Block], None] | None,
         limit: float,
+        times: StreamTimes,
     ) -> list[Block]:
-        """The fetch as a gRPC stream of raw chunks (a peer without a data path)."""
+        """The fetch as a gRPC stream of raw chunks (a peer without a data path);
+        ``connected`` is when the call started (the channel is long-lived)."""
         loop = asyncio.get_running_loop()
+        times.started = times.connected = time.perf_counter()
         call = self.channel(hit.address).unary_stream(
             FETCH, request_serializer=None, response_deserializer=None
         )(raw, timeout=limit, metadata=self._md(FETCH, hit.node_id, raw))
@@ -639,9 +664,11 @@ class MeshClient:
                     i, booked = i + 1, 0
                 if len(pending) > 16:
                     await pending.pop(0)
+            times.received = time.perf_counter()
             for f in pending:
                 await f
             pending.clear()
+            times.verified = time.perf_counter()
             if i < len(asms):
                 raise MalformedPayload(f"stream ended after {i} of {len(asms)} blocks")
             blocks = [b for b in done if b is not None]
@@ -863,6 +890,16 @@ class _Ask:
     on_failure: Callable[[str, str], None] | None
     on_success: Callable[[str], None] | None
     skip: Callable[[str], bool] | None = None
+
+
+def _warm_stream(nbytes: int, chunk: int) -> None:
+    socket.getaddrinfo("127.0.0.1", 0, 0, socket.SOCK_STREAM)
+    bulk.prefault(nbytes, chunk)
+
+
+def _warm_hasher(layout: Layout, sample: Block, nbytes: int) -> None:
+    decode_block(sample.blob, layout, sample.digest)
+    bulk.prefault(nbytes, 1 << 20)
 
 
 def _chain(keys: PrefixKeys) -> list[bytes]:

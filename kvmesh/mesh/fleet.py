@@ -19,6 +19,7 @@ from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..errors import KVMeshError
 from ..store import BlockStore, Match
+from .bulk import StreamTimes
 from .hits import PeerHit
 from .node import NodeThread
 
@@ -77,16 +78,21 @@ class Fleet:
         start: int,
         on_block: Callable[[Block], None],
         timeout: float,
+        times: StreamTimes | None = None,
     ) -> list[Block]:
         """Stream ``hit``'s blocks from index ``start``, verified, within ``timeout``
         seconds in all (the wait for a local stream included: one that uses it up
         is :class:`~kvmesh.errors.LocalBusy`). Raises a :class:`KVMeshError`
         (:class:`~kvmesh.errors.PeerBusy` and ``LocalBusy`` are no peer failure) or
-        ``TimeoutError``."""
-        return self._node.call(
-            self._client.fetch(layout, hit, start, on_block=on_block, deadline=timeout),
-            timeout=timeout + 1,
+        ``TimeoutError``. ``times`` hears when the stream reached each stage."""
+        fetch = self._client.fetch(
+            layout, hit, start, on_block=on_block, deadline=timeout, times=times
         )
+        return self._node.call(fetch, timeout=timeout + 1)
+
+    def warm(self, layout: Layout, sample: Block, nbytes: int, timeout: float = 10.0) -> None:
+        """Pay the first-use costs of a fetch now (see :meth:`MeshClient.warm`)."""
+        self._node.call(self._client.warm(layout, sample, nbytes), timeout=timeout)
 
     def keep(self, blocks: Sequence[Block], owner: str | None = None) -> int:
         """Store ``blocks`` (a chain from the root) locally; stop at the first refusal

@@ -37,6 +37,7 @@ from ..blocks import PrefixKeys
 from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..errors import Reason
+from ..mesh.bulk import StreamTimes
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..store import Match
@@ -80,6 +81,7 @@ class Fetched:
     nbytes: int = 0
     fetch_s: float = 0.0
     fallback: str | None = None
+    times: StreamTimes = field(default_factory=StreamTimes)  # the working stream's stages
 
 
 class Acquirer:
@@ -167,8 +169,9 @@ class Acquirer:
         if on_start is not None:
             on_start(hit)
         t0 = time.perf_counter()
+        times = StreamTimes()
         try:
-            blocks = self.fleet.fetch(layout, hit, start, timed, left)
+            blocks = self.fleet.fetch(layout, hit, start, timed, left, times)
         except Exception as e:  # the cache never decides correctness
             # counted; only the peer's own failures back it off (busy or ours do not)
             out.fallback = self.planner.fetch_failed(hit.node_id, e, self.count, hit.alias)
@@ -179,6 +182,7 @@ class Acquirer:
         self.planner.peer_succeeded(hit.node_id)
         self.count("fetched_bytes", nbytes)
         out.hit, out.sink, out.blocks, out.nbytes, out.fallback = hit, sink, blocks, nbytes, None
+        out.times = times
         if start == len(local.blocks):  # the fetched blocks continue the stored chain
             self.fleet.keep(blocks, owner)
         return True

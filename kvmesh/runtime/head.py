@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..blocks import BlockKeyer
-from ..codec import Block
+from ..codec import Block, new_blob
 from ..engine import Decoded, Engine, KVState, Sampling
-from ..engine.base import Importer
+from ..engine.base import Decoder, Importer
 from ..errors import CacheMiss
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
@@ -60,6 +60,8 @@ from .telemetry import PrefillReport, Source, Telemetry
 log = logging.getLogger("kvmesh.head")
 
 MAX_TENANT_STATS = 1024  # tenants counted by name; the rest are counted together
+WARM_TOKENS = 2048  # a fetch of this many tokens' KV finds its heap pre-faulted (see warm_up)
+MAX_WARM_BYTES = 128 << 20  # ... at most this much, in each of two threads
 OTHER_TENANTS = "_other"
 
 
@@ -96,6 +98,47 @@ class Generation:
     @property
     def finish_reason(self) -> str:
         return self.choices[0].finish_reason
+
+
+#: The stages of one request's path to its first token, in order (see :class:`Stamps`).
+STAGES = ("lookup", "connect", "transfer", "verify", "queue", "import", "first_token")
+
+
+@dataclass
+class Stamps:
+    """When one request reached each point on its way to the first token
+    (``time.perf_counter()``; 0.0: not reached). :meth:`breakdown` turns them into
+    the stages of :data:`STAGES`, which sum to the TTFT:
+
+    - ``lookup``: keys, the local store and the fleet's lookup, until candidates are known;
+    - ``connect``: plan, open the importer, hand the fetch to a stream, connect;
+    - ``transfer``: connected until the last byte of the last block is in;
+    - ``verify``: the digests and import copies not yet done then (they run while
+      bytes arrive), keeping the blocks locally, back on the request's thread;
+    - ``queue``: waiting for the engine thread;
+    - ``import``: the imported prefix made a cache, and any suffix computed;
+    - ``first_token``: sampling the first token.
+
+    A stage a request did not reach takes 0 s (a local hit has no connect); time
+    spent on a fetch that failed falls in ``verify``."""
+
+    start: float
+    looked_up: float = 0.0
+    connected: float = 0.0
+    received: float = 0.0
+    acquired: float = 0.0
+    engine: float = 0.0
+    state: float = 0.0
+    first: float = 0.0
+
+    def breakdown(self) -> dict[str, float]:
+        marks = (self.looked_up, self.connected, self.received, self.acquired, self.engine,
+                 self.state, self.first)  # fmt: skip
+        out, prev = {}, self.start
+        for name, t in zip(STAGES, marks, strict=True):
+            t = max(t, prev)  # not reached: the stage took nothing
+            out[name], prev = t - prev, t
+        return out
 
 
 @dataclass
@@ -173,6 +216,38 @@ class HeadRuntime:
         self.publisher = Publisher(self.fleet, self.card, max_pending_publishes, count)
         if self.fleet is not None:
             self.fleet.advertise(self.card)
+        self.warm_s = self.warm_up()
+
+    def warm_up(self) -> float:
+        """Pay a new process's first-use costs now rather than in its first request:
+        the fetch path's threads, code paths and pre-faulted heap
+        (:meth:`~kvmesh.mesh.fleet.Fleet.warm`, sized for :data:`WARM_TOKENS` of KV,
+        at most :data:`MAX_WARM_BYTES`), and the engine's import and first-token
+        paths (a one-token synthetic tail imported, its token sampled). Bounded in
+        memory by that size and in time by a short deadline; a failure is logged,
+        never raised (a cold first request is still correct). Returns the seconds
+        it took."""
+        t0 = time.perf_counter()
+        try:
+            sample = self._warm_block()
+            if self.fleet is not None:
+                nbytes = min(self.card.kv_bytes_per_token * WARM_TOKENS, MAX_WARM_BYTES)
+                self.fleet.warm(self.engine.layout, sample, nbytes, timeout=5.0)
+            importer = self.engine.importer(sample.header.tokens)
+            importer.add(sample)
+            tokens = [0] * sample.header.tokens
+            state = self.engine.prefill(tokens, (sample,), importer)
+            Decoder(self.engine, state, Sampling(max_tokens=1)).next()
+        except Exception as e:  # only the first request's speed is at stake
+            log.warning("warm-up failed: %r", e)
+        return time.perf_counter() - t0
+
+    def _warm_block(self) -> Block:
+        """A one-token tail of zeros under a key no prompt has (never stored)."""
+        layout = self.engine.layout
+        header = layout.header("tail", bytes(32), self.card.namespace, 0, 1)
+        blob, _ = new_blob(header)
+        return layout.seal(header, blob)
 
     # -- the request path ------------------------------------------------------
 
@@ -201,20 +276,27 @@ class HeadRuntime:
             return
         scope = scope or Scope()
         keyer = self.keyer_for(scope, client)
+        stamps = Stamps(t0)
         # network waits happen here, never on the engine thread
-        got = self._acquire(tokens, keyer, client, scope.tenant)
+        got = self._acquire(tokens, keyer, client, scope.tenant, stamps)
+        stamps.acquired = time.perf_counter()
         done = _Prefilled()
 
         def prefill(between: Callable[[], None]) -> KVState:  # on the engine thread
+            stamps.engine = time.perf_counter()
             with self._lock:
                 state, done.report, done.chain = self._compute(tokens, got, between)
+            stamps.state = time.perf_counter()
             out.report = done.report
             done.prompt = KVState(list(tokens), state.cache, state.logits, len(tokens))
             return state
 
         def first_token() -> None:
             if not out.ttft_s:
-                out.ttft_s = time.perf_counter() - t0
+                stamps.first = time.perf_counter()
+                out.ttft_s = stamps.first - t0
+                if done.report is not None:
+                    done.report.breakdown.update(stamps.breakdown())
 
         job = Job(sampling, out.choices, prefill, self._kv_bytes(len(tokens), sampling),
                   cancel, on_start, first_token, client)  # fmt: skip
@@ -291,13 +373,20 @@ class HeadRuntime:
             return self._compute(list(tokens), got)
 
     def _acquire(
-        self, tokens: list[int], keyer: BlockKeyer, client: str = "", tenant: str | None = None
+        self,
+        tokens: list[int],
+        keyer: BlockKeyer,
+        client: str = "",
+        tenant: str | None = None,
+        stamps: Stamps | None = None,
     ) -> _Acquired:
         """Gather the best prefix. Sources: a live session, the local store and,
         when the prompt is longer than both, the fleet (never skipped because a
         session holds a shorter prefix), through the shared acquisition core
         (:mod:`.acquire`): failed remote candidates give way to the next within
-        one cache-time budget."""
+        one cache-time budget. ``stamps`` hears when candidates were known and
+        when the stream connected and received."""
+        stamps = stamps or Stamps(time.perf_counter())
         keys = keyer.keys(tokens)
         got = _Acquired(session=self._best_session(tokens, keyer.root, client), owner=tenant)
         local = self.acquirer.local(keys) if self.acquirer else Match((), None)
@@ -307,8 +396,10 @@ class HeadRuntime:
             got.source, got.prefix = Source.DISK if local.from_disk else Source.LOCAL, local.all()
         have = max(got.session_tokens, local.tokens)
         if self.acquirer is None or have >= len(tokens) - 1:
+            stamps.looked_up = time.perf_counter()
             return got
         found = self.acquirer.candidates(self.card, keys, have)
+        stamps.looked_up = time.perf_counter()
         got.lookup_s, got.fallback = found.lookup_s, found.fallback
         # a tail is matched token-exactly: after one, the fetch starts from the root
         skip = len(local.blocks) if local.tail is None else 0
@@ -328,6 +419,7 @@ class HeadRuntime:
         if done.hit is None:
             got.fallback = done.fallback or got.fallback
             return got
+        stamps.connected, stamps.received = done.times.connected, done.times.received
         got.source, got.importer, got.fetched_bytes = Source.REMOTE, done.sink, done.nbytes
         got.peer, got.peer_id, got.fetch_s = done.hit.alias, done.hit.node_id, done.fetch_s
         got.fetched = tuple(enumerate(done.blocks, start=skip))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -85,6 +85,8 @@ class PrefillReport:
     compute_s: float = 0.0
     saved_s: float = 0.0
     used_stored_logits: bool = False
+    # seconds per stage to the first token (runtime.head.STAGES), filled in at it
+    breakdown: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source", Source(self.source))  # an unknown one: ValueError
