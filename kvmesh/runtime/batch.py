@@ -79,6 +79,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState, Sampling
 
 log = logging.getLogger("kvmesh.batch")
@@ -213,6 +215,7 @@ class BatchRunner:
         self.prefill_forwards = 0
         self.peak_prefill_batch = 0  # most prompts in one prefill forward
         self.shared_tokens = 0  # prompt positions taken from another job's state
+        self.share_waits = 0  # jobs that waited for another's prefill of their common blocks
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
@@ -531,6 +534,7 @@ class BatchRunner:
         elif producer is not None:  # a running state holds all it has: only a prefill waits
             pre.producer, pre.want = producer, m
             pre.deadline = time.monotonic() + SHARE_WAIT_S
+            self.share_waits += 1
 
     def _settle_waits(self) -> None:
         """Jobs whose producer computed what they wait for take it; those whose
@@ -685,12 +689,9 @@ def _pads_within(pasts: Sequence[int], chunk: int) -> bool:
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
 
 
 def _similar_lengths(seqs: list[_Seq]) -> list[list[_Seq]]:
