@@ -183,3 +183,42 @@ def _until(cond, limit: float = 60.0) -> None:
         done.wait(0.01)
         limit -= 0.01
     assert cond()
+
+
+def test_a_failing_batched_prefill_fails_only_the_prompt_whose_own_forward_fails():
+    eng = engine("torch", "llama")
+    toks = zoo.prompt_tokens(zoo.hf_model("llama"), 120)
+    bad = toks[:20] + [10**6] + toks[21:100]  # no such token: its embedding lookup raises
+    h = HeadRuntime(eng, publish=False, max_sessions=0)
+    h.batch.prefill_chunk = 40
+    try:
+        greedy = Sampling(max_tokens=4, stop_on_eos=False)
+        want = h.complete(toks[:100], greedy).tokens
+        outs, errors, started = [Generation(), Generation()], [], threading.Event()
+
+        def bad_request() -> None:
+            try:
+                list(h.generate(bad, greedy, outs[1], client="b"))
+            except Exception as e:
+                errors.append(e)
+
+        # the good one computes its first 40 tokens alone, then its next 40 share a
+        # forward with the bad one's first 40
+        with h._lock:
+            threads = [_generate(h, toks[:100], greedy, outs[0], on_start=started.set)]
+            assert started.wait(60)
+            threads.append(threading.Thread(target=bad_request, daemon=True))
+            threads[-1].start()
+            _until(lambda: h.batch.waiting == 1)
+        for t in threads:
+            t.join(120)
+        # the shared forward raised; each alone: the good one answers as alone (every
+        # chunk of it computed alone), the bad one starts over from nothing (its
+        # fallback), fails again, and ends
+        assert h.batch.prefill_retries == 1 and h.batch.peak_prefill_batch == 1
+        assert outs[0].tokens == want and isinstance(errors[0], IndexError)
+        assert h.engine_failure is None
+        assert h.batch.prefilling == h.batch.running == 0 and h.batch.held_bytes == 0
+        assert h.complete(toks[:30], greedy).tokens  # the engine goes on
+    finally:
+        h.close()

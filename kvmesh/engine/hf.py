@@ -528,7 +528,6 @@ class TransformersEngine(Engine):
         for s, q in zip(states, chunks, strict=True):
             if q < 1 or s.cached + q > len(s.tokens):
                 raise ValueError(f"chunk of {q} tokens at {s.cached} of {len(s.tokens)}")
-        self._drop(states)  # a decode batch holding one of them would be stale
         width, q_max, rows = max(pasts), max(chunks), len(states)
         cache = self._new_cache()
         if width:

@@ -21,7 +21,8 @@ thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
   old and the new copy alive together), and a forward only batches lengths whose padding stays
   within :data:`PAD_SLACK` of their KV plus :data:`PAD_TOKENS` a sequence (one
   16k-token sequence never pads seven short ones to 16k), so a job is charged
-  ``STEP_FACTOR`` times its KV plus ``PAD_TOKENS`` a sequence. Other
+  ``STEP_FACTOR`` times its KV plus ``PAD_TOKENS`` a sequence (a batched prefill
+  forward pads its prompts by the same rule, then each keeps a copy of its row). Other
   holders (the head's kept sessions) reserve through :meth:`BatchRunner.reserve`,
   and are asked to give room back (``make_room``) before a job is made to wait.
 - **Prefill.** Admitting a job asks it for its :class:`PrefillPlan` (its acquired
@@ -214,6 +215,7 @@ class BatchRunner:
         self.peak_padding = (0, 0, 0)  # (padding, real, rows) tokens of the most padded forward
         self.prefill_forwards = 0
         self.peak_prefill_batch = 0  # most prompts in one prefill forward
+        self.prefill_retries = 0  # batched prefill forwards that raised: retried one by one
         self.shared_tokens = 0  # prompt positions taken from another job's state
         self.share_waits = 0  # jobs that waited for another's prefill of their common blocks
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
@@ -452,6 +454,7 @@ class BatchRunner:
                 self._prefill_failed(group[0], e)
                 return
             log.warning("batched prefill failed (%r): each prompt alone", e)
+            self.prefill_retries += 1
             for pre in group:
                 if pre in self._prefilling and pre.left > 0:
                     self._prefill_forward([pre], min(chunk, pre.left))
