@@ -10,7 +10,9 @@ read as plan → fetch → compute:
   from where the local blocks end, and a failed peer gives way to the next one
   within one cache-time budget, then backs off (circuit breaker).
 - *compute* (on the engine thread, :mod:`.batch`): import the acquired prefix or
-  resume the session, compute the suffix, then decode locally, batched with every
+  resume the session, compute the suffix (in chunks that share forwards with other
+  prompts' and alternate with decode steps; whole blocks another request in flight
+  under the same chain root holds are taken from it), then decode locally, batched with every
   other running request (continuous batching: one forward per step for all of
   them; a request running alone decodes exactly as it would unbatched).
 
