@@ -419,19 +419,14 @@ class Engine(abc.ABC):
 
     # -- engine-neutral -------------------------------------------------------
 
-    def prefill(
-        self,
-        tokens: Sequence[int],
-        prefix: Sequence[Block] = (),
-        imported: Importer | None = None,
-        between: Callable[[], None] | None = None,
-        chunk: int = PREFILL_CHUNK,
+    def begin_prefill(
+        self, tokens: Sequence[int], prefix: Sequence[Block] = (), imported: Importer | None = None
     ) -> KVState:
-        """KV and next-token logits for ``tokens``, importing ``prefix`` first.
-        ``imported`` is ``prefix`` already copied in (see :meth:`importer`). With
-        ``between``, a suffix longer than ``chunk`` tokens is computed ``chunk`` at
-        a time and ``between()`` runs after each chunk but the last (a batch keeps
-        decoding while a long prompt is prefilled)."""
+        """The state of ``tokens`` before its computed suffix: ``prefix`` imported
+        (``imported``: already copied in, see :meth:`importer`), ``cached`` the
+        positions it holds, ``logits`` None until :meth:`prefill_batch` computed the
+        rest. An exact tail (stored logits) leaves nothing to compute: the state is
+        whole (``cached == len(tokens)``, logits set)."""
         tokens = list(tokens)
         if not tokens:
             raise ValueError("cannot prefill an empty sequence")
@@ -449,13 +444,52 @@ class Engine(abc.ABC):
         if p == len(tokens):  # no stored logits: recompute the last token
             p -= 1
             cache = self._crop(cache, p) if p else None
-        at = p
-        while between is not None and len(tokens) - at > chunk:
-            cache, _ = self._forward(cache, tokens[at : at + chunk], at)
-            at += chunk
+        return KVState(tokens, cache, None, p, p, len(tokens) - p)
+
+    def begin_resume(self, state: KVState, keep: int, tokens: Sequence[int]) -> KVState:
+        """:meth:`begin_prefill` from the first ``keep`` cached positions of a live
+        ``state`` (their common prefix with ``tokens``). Nothing is mutated in place."""
+        tokens = list(tokens)
+        keep = min(keep, len(tokens) - 1, state.cached)
+        cache = self._crop(state.cache, keep) if keep else None
+        return KVState(tokens, cache, None, keep, keep, len(tokens) - keep)
+
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        prefix: Sequence[Block] = (),
+        imported: Importer | None = None,
+        between: Callable[[], None] | None = None,
+        chunk: int = PREFILL_CHUNK,
+    ) -> KVState:
+        """KV and next-token logits for ``tokens``, importing ``prefix`` first.
+        ``imported`` is ``prefix`` already copied in (see :meth:`importer`). With
+        ``between``, a suffix longer than ``chunk`` tokens is computed ``chunk`` at
+        a time and ``between()`` runs after each chunk but the last (a batch keeps
+        decoding while a long prompt is prefilled)."""
+        state = self.begin_prefill(tokens, prefix, imported)
+        while between is not None and len(state.tokens) - state.cached > chunk:
+            self.prefill_batch([state], [chunk])
             between()
-        cache, logits = self._forward(cache, tokens[at:], at)
-        return KVState(tokens, cache, logits, len(tokens), p, len(tokens) - p)
+        if state.cached < len(state.tokens):
+            self.prefill_batch([state], [len(state.tokens) - state.cached])
+        return state
+
+    def prefill_batch(self, states: Sequence[KVState], chunks: Sequence[int]) -> None:
+        """Compute the next ``chunks[i]`` prompt tokens of each ``states[i]``
+        (``tokens[cached : cached + chunks[i]]``), updating its cache, ``cached`` and
+        logits (those of its last computed position). Engines that can run several
+        prompts in one forward override this; one state alone always takes the
+        single-sequence path (:meth:`_forward`), so a lone prompt computes exactly
+        as unbatched. This default runs them one after another."""
+        if len(states) != len(chunks):
+            raise ValueError("one chunk per state")
+        for state, n in zip(states, chunks, strict=True):
+            at = state.cached
+            if n < 1 or at + n > len(state.tokens):
+                raise ValueError(f"chunk of {n} tokens at {at} of {len(state.tokens)}")
+            state.cache, state.logits = self._forward(state.cache, state.tokens[at : at + n], at)
+            state.cached = at + n
 
     def extend(self, state: KVState, tokens: Sequence[int]) -> KVState:
         """Append ``tokens`` to a live state (sessions: no lookup needed)."""
@@ -470,11 +504,9 @@ class Engine(abc.ABC):
     def resume(self, state: KVState, keep: int, tokens: Sequence[int]) -> KVState:
         """Reuse the first ``keep`` cached positions of a live ``state`` for ``tokens``
         (their common prefix), computing the rest. Nothing is mutated in place."""
-        tokens = list(tokens)
-        keep = min(keep, len(tokens) - 1, state.cached)
-        cache = self._crop(state.cache, keep) if keep else None
-        cache, logits = self._forward(cache, tokens[keep:], keep)
-        return KVState(tokens, cache, logits, len(tokens), keep, len(tokens) - keep)
+        out = self.begin_resume(state, keep, tokens)
+        self.prefill_batch([out], [len(out.tokens) - out.cached])
+        return out
 
     def fork(self, state: KVState) -> KVState:
         """An independent copy of a live ``state`` (``n`` sequences from one

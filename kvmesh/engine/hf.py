@@ -525,6 +525,66 @@ class TransformersEngine(Engine):
         while len(self._batches) > MAX_BATCHES:  # the least recently stepped goes
             self._batches.pop(next(iter(self._batches)))
 
+    # -- batched prefill ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill_batch(self, states: Sequence[KVState], chunks: Sequence[int]) -> None:
+        """One forward for the next ``chunks[i]`` prompt tokens of every state: each
+        row's cached positions right-aligned at the longest (zeros before, hidden by
+        the attention mask), its chunk after them, right-padded to the longest chunk
+        (a pad query comes after its row's real tokens, so it attends to them and
+        never to nothing); each row at its own positions. Each state then owns a
+        copy of its row (the padded batch is freed at once) and the logits of its
+        last computed position. One state alone is the single-sequence forward."""
+        if len(states) < 2 or not self.batches:
+            super().prefill_batch(states, chunks)
+            return
+        pasts = [s.cached for s in states]
+        for s, q in zip(states, chunks, strict=True):
+            if q < 1 or s.cached + q > len(s.tokens):
+                raise ValueError(f"chunk of {q} tokens at {s.cached} of {len(s.tokens)}")
+        width, q_max, rows = max(pasts), max(chunks), len(states)
+        cache = self._new_cache()
+        if width:
+            self._pad_pasts(cache, states, width)
+        ids = torch.zeros((rows, q_max), dtype=torch.long, device=self.device)
+        pos = torch.arange(q_max, device=self.device).repeat(rows, 1)
+        mask = torch.zeros((rows, width + q_max), dtype=torch.long, device=self.device)
+        for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
+            ids[row, :q] = torch.tensor(s.tokens[n : n + q], device=self.device)
+            pos[row] += n
+            mask[row, width - n : width + q] = 1
+        last = sorted({q - 1 for q in chunks})  # the positions whose logits are kept
+        keep = torch.tensor(last, dtype=torch.long, device=self.device)
+        kw = {self._cache_kw: cache}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+            logits_to_keep=keep, **kw,
+        )  # fmt: skip
+        for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
+            own = self._new_cache()
+            span = slice(width - n, width + q)
+            for src, dst in zip(cache.layers, own.layers, strict=True):
+                k = src.keys[row : row + 1, :, span].clone()
+                v = src.values[row : row + 1, :, span].clone()
+                _restore(dst, k, v, n + q)
+            s.cache, s.logits, s.cached = own, out.logits[row, last.index(q - 1)].float(), n + q
+
+    def _pad_pasts(self, cache: Any, states: Sequence[KVState], width: int) -> None:
+        """Fill ``cache`` with every state's cached positions right-aligned at
+        ``width``, zeros before (a state with none: a row of zeros)."""
+        ref = next(s.cache for s in states if s.cached)
+        for i, layer in enumerate(cache.layers):
+            k0 = ref.layers[i].keys
+            shape = (len(states), k0.shape[1], width, k0.shape[3])
+            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
+            for row, s in enumerate(states):
+                n = s.cached
+                if n:
+                    ks[row, :, width - n :] = s.cache.layers[i].keys[0, :, :n]
+                    vs[row, :, width - n :] = s.cache.layers[i].values[0, :, :n]
+            _restore(layer, ks, vs, width)
+
     def _drop(self, states: Sequence[KVState]) -> None:
         """Forget the live batches holding any of ``states``: so live batches never
         share a state, and their buffers are at most one copy of each state's KV."""

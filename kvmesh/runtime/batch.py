@@ -21,12 +21,33 @@ thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
   old and the new copy alive together), and a forward only batches lengths whose padding stays
   within :data:`PAD_SLACK` of their KV plus :data:`PAD_TOKENS` a sequence (one
   16k-token sequence never pads seven short ones to 16k), so a job is charged
-  ``STEP_FACTOR`` times its KV plus ``PAD_TOKENS`` a sequence. Other
+  ``STEP_FACTOR`` times its KV plus ``PAD_TOKENS`` a sequence (a batched prefill
+  forward pads its prompts by the same rule, then each keeps a copy of its row). Other
   holders (the head's kept sessions) reserve through :meth:`BatchRunner.reserve`,
   and are asked to give room back (``make_room``) before a job is made to wait.
-- **Steps.** Admitting a job prefills it (imported prefix, computed suffix; a
-  suffix longer than ``prefill_chunk`` tokens is computed one chunk per step) and
-  forks its ``n`` sequences. A step decodes at most ``max_batch`` sequences: when
+- **Prefill.** Admitting a job asks it for its :class:`PrefillPlan` (its acquired
+  prefix imported or its session resumed: a state holding some positions) and
+  leaves the rest of its prompt to compute. A loop turn runs one prefill forward,
+  then one decode step, so decoding never waits for a whole prompt. That forward
+  takes the prefilling job that advanced least recently (a newcomer first: a short
+  prompt's first token never waits behind another's whole prefill), at most
+  ``prefill_chunk`` of its tokens, and beside it (up to ``max_batch`` rows) the
+  prefilling jobs whose next chunks are within :data:`PAD_SLACK` of its length and
+  whose positions pad within the decode rule below (every row then computes the
+  shortest of those chunks): :meth:`Engine.prefill_batch`, one forward for
+  several prompts. A job alone in its forward computes exactly as unbatched; a
+  session resume computes its rest in one forward, as before.
+- **Shared prefixes.** A job whose whole blocks (``card.block_tokens``) a job of
+  the same chain root (:attr:`PrefillPlan.share`; docs/design.md invariant 11) is
+  prefilling or has prefilled, beyond the prefix it brought, takes them from that
+  job's state (a crop: the producer's very bytes, as its published blocks would be)
+  and computes only the rest; when the producer has not computed them yet it waits,
+  without being scheduled, until it has (at most :data:`SHARE_WAIT_S`); if the
+  producer fails or is cancelled first, it computes them itself. Never with
+  ``max_batch`` 1 (each prompt computes as if alone), never across roots, never
+  finer than whole blocks.
+- **Steps.** A computed prompt forks its job's ``n`` sequences. A step decodes at
+  most ``max_batch`` sequences: when
   more are resident, slots are dealt to clients in turn, and within a client to
   the sequences that have decoded least. Each chosen sequence samples its next
   token (handed to its job at once), then one forward per group of similar
@@ -34,14 +55,17 @@ thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
   alone is the single-sequence forward, so a request running alone decodes
   exactly as before batching).
 - **Failures.** A sequence whose sampling raises fails its own job only; a
-  batched forward that raises is retried one sequence at a time, so only the jobs
-  whose forward fails end. If the loop itself dies (a bug), every waiting and
-  running job fails with :class:`EngineFailed`, later submits raise it, and
+  batched forward (decode or prefill) that raises is retried one sequence at a
+  time, so only the jobs whose forward fails end (a prefill first starts over once
+  through :attr:`PrefillPlan.fallback`, computing everything: invariant 1). If the
+  loop itself dies (a bug), every waiting, prefilling and running job fails with
+  :class:`EngineFailed`, later submits raise it, and
   :attr:`BatchRunner.failure` says why (``/healthz`` turns red): nothing hangs.
 
-The engine lock is held for each step, so other engine work (audits) runs between
-steps. A job's cancel event is checked every step: a waiting job never runs, a
-running one stops after the token being decoded.
+The engine lock is held for each forward and step, so other engine work (audits)
+runs between them. A job's cancel event is checked every turn: a waiting job
+never runs, a prefilling one stops before its next chunk (no state: nothing
+decoded), a running one stops after the token being decoded.
 """
 
 from __future__ import annotations
@@ -49,13 +73,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..engine.base import Decoded, Decoder, Engine, KVState, Sampling
+import numpy as np
+
+from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState, Sampling
 
 log = logging.getLogger("kvmesh.batch")
 
@@ -63,6 +90,7 @@ DEFAULT_MAX_BATCH = 8
 PAD_SLACK = 0.25  # a forward's padding stays within 25% of its real KV ...
 PAD_TOKENS = 256  # ... plus this many tokens a sequence (short chats stay one batch)
 STEP_FACTOR = 2.0 + PAD_SLACK  # a sequence's KV + its padded working copy in a step
+SHARE_WAIT_S = 60.0  # the longest a job waits for another's prefill of their common blocks
 
 
 class OverBudget(ValueError):
@@ -73,11 +101,19 @@ class EngineFailed(RuntimeError):
     """The engine thread died; no request can run on this head."""
 
 
-class _StepBroke(BaseException):
-    """A decode step that raised inside another job's chunked prefill. Not an
-    ``Exception``: that prefill's own fallback must not swallow it and blame the
-    job being prefilled (the step's sequences may be half advanced); it ends the
-    loop, whose supervisor fails every job."""
+@dataclass(eq=False)
+class PrefillPlan:
+    """A prompt's prefill as the engine thread drives it: ``state`` holds the
+    prompt's tokens and ``cached`` positions (imported, resumed); the runner
+    computes the rest (:meth:`Engine.prefill_batch`), then calls ``done``."""
+
+    state: KVState
+    whole: bool = False  # the rest in one forward, alone (a session resume, as unbatched)
+    share: bytes | None = None  # chain root: whole blocks are shared within it (None: never)
+    done: Callable[[KVState], None] | None = None  # the prompt is computed (engine thread)
+    fallback: Callable[[BaseException], PrefillPlan] | None = None  # a forward failed: all anew
+    shared: int = 0  # positions taken from another job's state (set by the runner)
+    compute_s: float = 0.0  # this prompt's share of the forwards' seconds (set by the runner)
 
 
 @dataclass(frozen=True)
@@ -91,7 +127,7 @@ class Job:
 
     sampling: Sampling
     choices: list[Decoded]
-    prefill: Callable[[Callable[[], None]], KVState]  # (between chunks) -> state; engine thread
+    prefill: Callable[[], PrefillPlan]  # its prefix imported, the rest to compute; engine thread
     kv_bytes: int  # the KV its sequences may hold at their longest
     cancel: threading.Event | None = None
     on_start: Callable[[], None] | None = None
@@ -102,6 +138,7 @@ class Job:
     _items: queue.SimpleQueue[int | _Done] = field(default_factory=queue.SimpleQueue)
     _running: int = 0
     _charged: int = 0  # bytes held against the budget while admitted
+    _root: bytes | None = None  # its plan's chain root, for sharing once it runs
 
     def tokens(self) -> Iterator[int]:
         """The job's tokens as they are decoded (all choices, interleaved); raises
@@ -125,6 +162,23 @@ class _Seq:
     decoder: Decoder
 
 
+@dataclass(eq=False)
+class _Pre:
+    """A job whose prompt is being computed."""
+
+    job: Job
+    plan: PrefillPlan
+    turn: int = 0  # the prefill forward it last took part in (0: none yet)
+    producer: _Pre | None = None  # whose prefill of ``want`` positions it waits for
+    want: int = 0
+    deadline: float = 0.0
+    restarted: bool = False  # its fallback was used
+
+    @property
+    def left(self) -> int:
+        return len(self.plan.state.tokens) - self.plan.state.cached
+
+
 class BatchRunner:
     def __init__(
         self,
@@ -133,6 +187,7 @@ class BatchRunner:
         max_batch: int = DEFAULT_MAX_BATCH,
         kv_budget_bytes: int | None = None,
         make_room: Callable[[int], None] | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -141,9 +196,13 @@ class BatchRunner:
         self.max_batch = max_batch
         self.kv_budget_bytes = kv_budget_bytes
         self.make_room = make_room  # asked to free reserved bytes before a job waits
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
+        self.prefill_chunk = prefill_chunk
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._starting: list[Job] = []  # admitted, not yet prefilled
+        self._starting: list[Job] = []  # admitted, not yet planned
+        self._prefilling: list[_Pre] = []  # planned, their prompts being computed
         self._running: list[_Seq] = []
         self._kv_held = 0
         self._reserved = 0  # held by others (sessions) against the same budget
@@ -154,6 +213,11 @@ class BatchRunner:
         self.peak_batch = 0
         self.peak_resident = 0
         self.peak_padding = (0, 0, 0)  # (padding, real, rows) tokens of the most padded forward
+        self.prefill_forwards = 0
+        self.peak_prefill_batch = 0  # most prompts in one prefill forward
+        self.prefill_retries = 0  # batched prefill forwards that raised: retried one by one
+        self.shared_tokens = 0  # prompt positions taken from another job's state
+        self.share_waits = 0  # jobs that waited for another's prefill of their common blocks
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
@@ -215,6 +279,10 @@ class BatchRunner:
         return len(self._running)
 
     @property
+    def prefilling(self) -> int:
+        return len(self._prefilling)
+
+    @property
     def held_bytes(self) -> int:
         """Budget bytes held now: admitted jobs (charged) and reservations."""
         return self._kv_held + self._reserved
@@ -241,15 +309,17 @@ class BatchRunner:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting and not self._running and not self._closed:
+                while not (self._waiting or self._prefilling or self._running or self._closed):
                     self._cv.wait()
                 if self._closed:
                     self._fail_all(RuntimeError("the engine is shut down"))
                     return
             self._starting = self._admissible()
             while self._starting:  # each stays listed while it starts: a death ends it too
-                self._start(self._starting[0])
+                self._begin(self._starting[0])
                 self._starting.pop(0)
+            if self._prefilling:
+                self._prefill_turn()
             if self._running:
                 self._step()
 
@@ -284,6 +354,8 @@ class BatchRunner:
         counts: dict[str, int] = {}
         for seq in self._running:
             counts[seq.job.client] = counts.get(seq.job.client, 0) + 1
+        for pre in self._prefilling:  # its sequences are coming
+            counts[pre.job.client] = counts.get(pre.job.client, 0) + pre.job.sampling.n
         return counts
 
     def _fairest(self, resident: dict[str, int]) -> Job | None:
@@ -307,14 +379,115 @@ class BatchRunner:
         if self.kv_budget_bytes is None or need <= self._free_kv():
             return True
         # alone it runs whatever else holds reservations (submit checked need <= budget)
-        return not self._running and not admitted_now
+        return not self._running and not self._prefilling and not admitted_now
 
-    def _start(self, job: Job) -> None:
+    # -- prefill ---------------------------------------------------------------------
+
+    def _begin(self, job: Job) -> None:
+        """Plan ``job``'s prefill (its prefix imported); a prompt with nothing left
+        to compute starts decoding at once."""
         try:
             if job.on_start is not None:
                 job.on_start()
-            # a long suffix is computed in chunks, the running sequences stepping between
-            state = job.prefill(self._between)
+            plan = job.prefill()
+        except Exception as e:  # this job's import or plan: it alone fails
+            self._release(job)
+            self._end(job, error=e)
+            return
+        job._root = plan.share
+        pre = _Pre(job, plan)
+        if pre.left <= 0:
+            self._prefilled(pre)
+            return
+        self._prefilling.append(pre)
+        self._find_share(pre)
+
+    def _prefill_turn(self) -> None:
+        """End cancelled prefills, settle shared prefixes, then one prefill forward."""
+        for pre in [p for p in self._prefilling if p.job._gone()]:
+            self._prefilling.remove(pre)
+            self._release(pre.job)
+            self._end(pre.job, cancelled=True)
+        self._settle_waits()
+        ready = [p for p in self._prefilling if p.producer is None]
+        if not ready:
+            return
+        group, chunk = self._prefill_group(ready)
+        self._prefill_forward(group, chunk)
+        for pre in group:
+            if pre in self._prefilling and pre.left <= 0:
+                self._prefilling.remove(pre)
+                self._prefilled(pre)
+
+    def _next_chunk(self, pre: _Pre) -> int:
+        return pre.left if pre.plan.whole else min(pre.left, self.prefill_chunk)
+
+    def _prefill_group(self, ready: list[_Pre]) -> tuple[list[_Pre], int]:
+        """The least recently advanced prompt and those that share its forward (see
+        the module docstring), and the chunk each of them computes."""
+        lead = min(ready, key=lambda p: p.turn)  # the first listed wins ties: arrival order
+        group, q = [lead], self._next_chunk(lead)
+        if lead.plan.whole or not self.engine.batches:
+            return group, q
+        for pre in sorted(ready, key=lambda p: p.turn):
+            if len(group) >= self.max_batch:
+                break
+            n = self._next_chunk(pre)
+            if pre is lead or pre.plan.whole or max(n, q) > (1 + PAD_SLACK) * min(n, q):
+                continue
+            if _pads_within([p.plan.state.cached for p in [*group, pre]], min(n, q)):
+                group.append(pre)
+                q = min(n, q)
+        return group, q
+
+    def _prefill_forward(self, group: list[_Pre], chunk: int) -> None:
+        """One forward of ``chunk`` tokens of each prompt in ``group``; if it raises,
+        each alone, and a prompt whose own forward fails starts over once (its
+        fallback), else its job fails."""
+        states = [p.plan.state for p in group]
+        t0 = time.perf_counter()
+        try:
+            with self.lock:
+                self.engine.prefill_batch(states, [chunk] * len(group))
+        except Exception as e:
+            if len(group) == 1:
+                self._prefill_failed(group[0], e)
+                return
+            log.warning("batched prefill failed (%r): each prompt alone", e)
+            self.prefill_retries += 1
+            for pre in group:
+                if pre in self._prefilling and pre.left > 0:
+                    self._prefill_forward([pre], min(chunk, pre.left))
+            return
+        dt = time.perf_counter() - t0
+        self.prefill_forwards += 1
+        self.peak_prefill_batch = max(self.peak_prefill_batch, len(group))
+        for pre in group:
+            pre.turn = self.prefill_forwards
+            pre.plan.compute_s += dt / len(group)  # equal chunks: an equal share
+
+    def _prefill_failed(self, pre: _Pre, error: Exception) -> None:
+        fallback = pre.plan.fallback
+        if fallback is not None and not pre.restarted:
+            log.info("prefill failed (%r): computing all of the prompt", error)
+            try:
+                with self.lock:
+                    pre.plan = fallback(error)
+                pre.restarted, pre.producer, pre.turn = True, None, 0
+                return
+            except Exception as e:
+                error = e
+        log.warning("prefill failed: %r", error)
+        self._prefilling.remove(pre)
+        self._release(pre.job)
+        self._end(pre.job, error=error)
+
+    def _prefilled(self, pre: _Pre) -> None:
+        """``pre``'s prompt is computed: report it and fork its sequences."""
+        job, state = pre.job, pre.plan.state
+        try:
+            if pre.plan.done is not None:
+                pre.plan.done(state)
             job.state = state
             if job._gone():
                 self._release(job)
@@ -323,7 +496,7 @@ class BatchRunner:
             n = job.sampling.n
             states = [state] + [self.engine.fork(state) for _ in range(n - 1)]
             job.choices.extend(Decoded() for _ in range(n - len(job.choices)))
-        except Exception as e:  # this job's prefill or forks: it alone fails
+        except Exception as e:  # this job's report or forks: it alone fails
             self._release(job)
             self._end(job, error=e)
             return
@@ -334,12 +507,72 @@ class BatchRunner:
         job._running = n
         self.peak_resident = max(self.peak_resident, len(self._running))
 
-    def _between(self) -> None:
-        if self._running:
-            try:
-                self._step()
-            except Exception as e:
-                raise _StepBroke(e) from e
+    # -- shared prefixes -------------------------------------------------------------
+
+    def _find_share(self, pre: _Pre) -> None:
+        """Take the longest run of whole blocks another job of ``pre``'s root holds
+        beyond ``pre``'s own prefix, or wait for a prefilling one to compute it."""
+        root, state = pre.plan.share, pre.plan.state
+        if root is None or self.max_batch == 1 or pre.plan.whole:
+            return
+        b = self.engine.card.block_tokens
+        cap = (len(state.tokens) - 1) // b * b  # at least one token is computed
+        sources: list[tuple[KVState, _Pre | None, int]] = [
+            (p.plan.state, p, len(p.plan.state.tokens))
+            for p in self._prefilling
+            if p is not pre and p.producer is None and p.job._root == root
+        ]
+        sources += [(s.state, None, s.state.cached) for s in self._running if s.job._root == root]
+        best: tuple[int, bool, KVState, _Pre | None] | None = None
+        for src, producer, upto in sources:
+            m = min(_common_prefix(src.tokens[:upto], state.tokens) // b * b, cap)
+            key = (m, src.cached >= m)  # the longest; at a tie, one that holds it now
+            if m > state.cached and (best is None or key > best[:2]):
+                best = (m, src.cached >= m, src, producer)
+        if best is None:
+            return
+        m, ready, src, producer = best
+        if ready:
+            self._share(pre, src, m)
+        elif producer is not None:  # a running state holds all it has: only a prefill waits
+            pre.producer, pre.want = producer, m
+            pre.deadline = time.monotonic() + SHARE_WAIT_S
+            self.share_waits += 1
+
+    def _settle_waits(self) -> None:
+        """Jobs whose producer computed what they wait for take it; those whose
+        producer left without it (failed, cancelled, started over) or took too long
+        look again, or compute it themselves."""
+        now = time.monotonic()
+        for pre in list(self._prefilling):
+            producer = pre.producer
+            if producer is None:
+                continue
+            src = producer.plan.state
+            want = pre.want
+            if src.cached >= want and src.tokens[:want] == pre.plan.state.tokens[:want]:
+                pre.producer = None
+                self._share(pre, src, want)
+            elif (producer not in self._prefilling or producer.producer is not None
+                  or now > pre.deadline):  # fmt: skip
+                pre.producer = None
+                if now <= pre.deadline:
+                    self._find_share(pre)
+
+    def _share(self, pre: _Pre, src: KVState, m: int) -> None:
+        """``pre`` continues from the first ``m`` positions of ``src``."""
+        try:
+            with self.lock:
+                state = self.engine.begin_resume(src, m, pre.plan.state.tokens)
+                self.engine.detach(state)  # its own tensors, never a view of a batch
+        except Exception as e:  # the prompt is computed as it was planned
+            log.warning("sharing a prefix failed: %r", e)
+            return
+        state.imported_tokens, state.computed_tokens = m, len(state.tokens) - m
+        pre.plan.state, pre.plan.shared = state, m
+        self.shared_tokens += m
+
+    # -- decode ----------------------------------------------------------------------
 
     def _chosen(self) -> list[_Seq]:
         """At most ``max_batch`` sequences for this step: slots dealt to clients in
@@ -442,11 +675,26 @@ class BatchRunner:
         for job in {seq.job for seq in self._running}:
             self._fail(job, error)
         with self._cv:
-            waiting, self._waiting = [*self._starting, *self._waiting], deque()
-            self._starting = []
+            pending = [*self._starting, *(p.job for p in self._prefilling), *self._waiting]
+            waiting = list(dict.fromkeys(pending))  # a job starting may be prefilling already
+            self._waiting, self._starting, self._prefilling = deque(), [], []
         for job in waiting:
             self._release(job)
             self._end(job, error=error)
+
+
+def _pads_within(pasts: Sequence[int], chunk: int) -> bool:
+    """Whether rows of ``pasts`` cached positions, each computing ``chunk`` more,
+    pad within the rule of :func:`_similar_lengths`."""
+    widths = [n + chunk for n in pasts]
+    padding = len(widths) * max(widths) - sum(widths)
+    return padding <= PAD_SLACK * sum(widths) + PAD_TOKENS * len(widths)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
 
 
 def _similar_lengths(seqs: list[_Seq]) -> list[list[_Seq]]:
@@ -465,4 +713,11 @@ def _similar_lengths(seqs: list[_Seq]) -> list[list[_Seq]]:
     return groups
 
 
-__all__ = ["DEFAULT_MAX_BATCH", "BatchRunner", "EngineFailed", "Job", "OverBudget"]
+__all__ = [
+    "DEFAULT_MAX_BATCH",
+    "BatchRunner",
+    "EngineFailed",
+    "Job",
+    "OverBudget",
+    "PrefillPlan",
+]

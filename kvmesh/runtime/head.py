@@ -10,7 +10,9 @@ read as plan → fetch → compute:
   from where the local blocks end, and a failed peer gives way to the next one
   within one cache-time budget, then backs off (circuit breaker).
 - *compute* (on the engine thread, :mod:`.batch`): import the acquired prefix or
-  resume the session, compute the suffix, then decode locally, batched with every
+  resume the session, compute the suffix (in chunks that share forwards with other
+  prompts' and alternate with decode steps; whole blocks another request in flight
+  under the same chain root holds are taken from it), then decode locally, batched with every
   other running request (continuous batching: one forward per step for all of
   them; a request running alone decodes exactly as it would unbatched).
 
@@ -53,7 +55,7 @@ from ..mesh.node import NodeThread
 from ..store import Match
 from .acquire import Acquirer, Publisher
 from .audit import AuditJob, Auditor
-from .batch import DEFAULT_MAX_BATCH, BatchRunner, Job
+from .batch import DEFAULT_MAX_BATCH, BatchRunner, Job, PrefillPlan
 from .planner import Planner, failure_reason
 from .telemetry import PrefillReport, Source, Telemetry
 
@@ -161,6 +163,17 @@ class _Acquired:
     @property
     def session_tokens(self) -> int:
         return self.session[1] if self.session else 0
+
+
+@dataclass(frozen=True)
+class _Begun:
+    """A prompt's prefill before its suffix is computed (see :meth:`HeadRuntime._begin`)."""
+
+    state: KVState
+    source: Source
+    prefix: tuple[Block, ...]
+    fallback: str | None
+    begin_s: float  # the import (or crop) took this long
 
 
 @dataclass
@@ -282,14 +295,11 @@ class HeadRuntime:
         stamps.acquired = time.perf_counter()
         done = _Prefilled()
 
-        def prefill(between: Callable[[], None]) -> KVState:  # on the engine thread
+        def prefill() -> PrefillPlan:  # on the engine thread: the batch computes the rest
             stamps.engine = time.perf_counter()
             with self._lock:
-                state, done.report, done.chain = self._compute(tokens, got, between)
-            stamps.state = time.perf_counter()
-            out.report = done.report
-            done.prompt = KVState(list(tokens), state.cache, state.logits, len(tokens))
-            return state
+                begun = self._begin(tokens, got)
+            return self._plan(tokens, got, begun, done, out, keyer.root, stamps)
 
         def first_token() -> None:
             if not out.ttft_s:
@@ -428,22 +438,76 @@ class HeadRuntime:
         return got
 
     def _compute(
-        self, tokens: list[int], got: _Acquired, between: Callable[[], None] | None = None
+        self, tokens: list[int], got: _Acquired
     ) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
         """Under the engine lock: import the acquired prefix (or resume the session)
-        and compute the rest (in chunks with ``between`` run after each: see
-        :meth:`Engine.prefill`). Any failure to use the prefix computes it all."""
+        and compute the rest in one forward. Any failure to use the prefix computes
+        it all."""
+        begun = self._begin(tokens, got)
         t0 = time.perf_counter()
-        fallback, source, prefix = got.fallback, got.source, got.prefix
         try:
-            if source == Source.SESSION:
+            self._finish(begun.state)
+        except Exception as e:  # invariant 1: compute it all
+            if begun.source == Source.COMPUTE:
+                raise
+            begun = self._anew(tokens, e)
+            self._finish(begun.state)
+        return begun.state, *self._report(tokens, got, begun, time.perf_counter() - t0)
+
+    def _finish(self, state: KVState) -> None:
+        if state.cached < len(state.tokens):
+            self.engine.prefill_batch([state], [len(state.tokens) - state.cached])
+
+    def _begin(self, tokens: list[int], got: _Acquired) -> _Begun:
+        """Under the engine lock: the prompt's state with the acquired prefix imported
+        (or the session resumed), its suffix still to compute. A prefix that cannot
+        be used is dropped (invariant 1: everything is computed)."""
+        t0 = time.perf_counter()
+        try:
+            if got.source == Source.SESSION:
                 state = self._resume(tokens, got)
             else:
-                state = self.engine.prefill(tokens, prefix, got.importer, between)
+                state = self.engine.begin_prefill(tokens, got.prefix, got.importer)
         except Exception as e:  # invariant 1: compute it all
-            fallback, source, prefix = failure_reason(e), Source.COMPUTE, ()
-            state = self.engine.prefill(tokens, between=between)
-        dt = time.perf_counter() - t0
+            return self._anew(tokens, e, t0)
+        return _Begun(state, got.source, got.prefix, got.fallback, time.perf_counter() - t0)
+
+    def _anew(self, tokens: list[int], error: BaseException, t0: float | None = None) -> _Begun:
+        """A prompt computed from nothing, after ``error`` made its prefix unusable."""
+        t0 = time.perf_counter() if t0 is None else t0
+        state = self.engine.begin_prefill(tokens)
+        return _Begun(state, Source.COMPUTE, (), failure_reason(error), time.perf_counter() - t0)
+
+    def _plan(
+        self, tokens: list[int], got: _Acquired, begun: _Begun, done: _Prefilled,
+        out: Generation, root: bytes, stamps: Stamps,
+    ) -> PrefillPlan:  # fmt: skip
+        """The batch's plan for a request's prefill: reported into ``done`` and
+        ``out`` once computed; a failed forward starts over computing everything."""
+        plan = PrefillPlan(begun.state, whole=begun.source == Source.SESSION, share=root)
+
+        def finished(state: KVState) -> None:  # on the engine thread
+            stamps.state = time.perf_counter()
+            b = begun
+            if plan.shared:  # whole blocks of another request's state, still in memory
+                b = _Begun(state, Source.SESSION, (), begun.fallback, begun.begin_s)
+            done.report, done.chain = self._report(tokens, got, b, plan.compute_s)
+            out.report = done.report
+            done.prompt = KVState(list(tokens), state.cache, state.logits, len(tokens))
+
+        def anew(error: BaseException) -> PrefillPlan:
+            return self._plan(tokens, got, self._anew(tokens, error), done, out, root, stamps)
+
+        plan.done, plan.fallback = finished, anew
+        return plan
+
+    def _report(
+        self, tokens: list[int], got: _Acquired, begun: _Begun, compute_s: float
+    ) -> tuple[PrefillReport, tuple[Block, ...]]:
+        """How ``begun``'s prompt was obtained, now that it is computed; and the
+        reused block chain."""
+        state, fallback, source, prefix = begun.state, begun.fallback, begun.source, begun.prefix
+        dt = begun.begin_s + compute_s
         if state.computed_tokens:
             self.planner.observe_prefill(state.computed_tokens, dt)
         if fallback:
@@ -464,7 +528,7 @@ class HeadRuntime:
             used_stored_logits=state.used_stored_logits,
         )
         chain = () if source == Source.SESSION else prefix
-        return state, report, tuple(b for b in chain if b.header.kind == "block")
+        return report, tuple(b for b in chain if b.header.kind == "block")
 
     def _resume(self, tokens: list[int], got: _Acquired) -> KVState:
         assert got.session is not None
@@ -472,7 +536,7 @@ class HeadRuntime:
         session = self._take_session(sid)
         if session is None:
             raise CacheMiss("the session was taken by another request")
-        return self.engine.resume(session, keep, tokens)
+        return self.engine.begin_resume(session, keep, tokens)
 
     # -- sessions --------------------------------------------------------------
 

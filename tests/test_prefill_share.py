@@ -1,0 +1,163 @@
+"""Prefix-aware scheduling (kvmesh/runtime/batch.py, "Shared prefixes"): requests
+that share whole blocks which neither has cached compute them once, on a real
+engine with real forward passes.
+
+- The later request waits (unscheduled) for the earlier one's prefill of their
+  common whole blocks, takes them from its state, computes only the rest (beside
+  the earlier one's last chunk, in one forward), and both answer as alone.
+- A request reuses the whole blocks of one still decoding.
+- Never across chain roots (tenants), never with ``max_batch`` 1 (answers bitwise
+  as alone, whatever runs beside them).
+- If the earlier request is cancelled while the later one waits, the later one
+  computes everything itself.
+
+Outcomes are asserted in tokens and reports, never in wall-clock time.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvmesh.blocks import chain_root, tenant_root
+from kvmesh.engine import Sampling, load_engine
+from kvmesh.runtime.head import Generation, HeadRuntime, Scope
+
+from . import zoo
+
+_engine: list = []
+GREEDY = Sampling(max_tokens=6, stop_on_eos=False)
+CHUNK = 64  # the head's prefill chunk here: the 256 common tokens take four
+
+
+def engine():
+    if not _engine:
+        _engine.append(load_engine(str(zoo.hf_model("qwen2")), "torch"))
+    return _engine[0]
+
+
+def prompts() -> tuple[list[int], list[int]]:
+    """Two prompts with 256 tokens (8 blocks of 32) in common, then 40 of their own."""
+    assert engine().card.block_tokens == 32
+    toks = zoo.prompt_tokens(zoo.hf_model("qwen2"), 500)
+    return toks[:296], toks[:256] + toks[400:440]
+
+
+def head(**kw) -> HeadRuntime:
+    h = HeadRuntime(engine(), publish=False, max_sessions=0, **kw)
+    h.batch.prefill_chunk = CHUNK
+    return h
+
+
+def start(h: HeadRuntime, tokens, out: Generation, **kw) -> threading.Thread:
+    t = threading.Thread(target=lambda: list(h.generate(tokens, GREEDY, out, **kw)), daemon=True)
+    t.start()
+    return t
+
+
+def queued_together(h: HeadRuntime, a, b, kw_a=None, kw_b=None):
+    """Request ``a`` takes the engine first; ``b`` is queued before ``a``'s first
+    forward (the engine lock is held until both are in)."""
+    outs, started = (Generation(), Generation()), threading.Event()
+    kw_a = {"client": "a", **(kw_a or {})}
+    kw_b = {"client": "b", **(kw_b or {})}
+    with h._lock:
+        threads = [start(h, a, outs[0], on_start=started.set, **kw_a)]
+        assert started.wait(60)  # ``a`` is admitted, waiting for the lock to import
+        threads.append(start(h, b, outs[1], **kw_b))
+        _until(lambda: h.batch.waiting == 1)
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive()
+    return outs
+
+
+def alone(tokens) -> list[int]:
+    h = head()
+    try:
+        return h.complete(tokens, GREEDY).tokens
+    finally:
+        h.close()
+
+
+def test_a_common_prefix_is_computed_once_and_both_answer_as_alone():
+    a, b = prompts()
+    h = head()
+    try:
+        out_a, out_b = queued_together(h, a, b)
+        assert out_a.report.source == "compute" and out_a.report.computed_tokens == 296
+        # b came in after a's first 64-token chunk, waited for all 256 common tokens
+        assert out_b.report.source == "session" and out_b.report.reused_tokens == 256
+        assert out_b.report.computed_tokens == 40 and h.batch.shared_tokens == 256
+        assert h.batch.share_waits == 1
+        assert h.batch.peak_prefill_batch == 2  # their last 40 tokens in one forward
+        assert out_a.tokens == alone(a) and out_b.tokens == alone(b)
+    finally:
+        h.close()
+
+
+def test_a_request_reuses_the_blocks_of_one_still_decoding():
+    a, b = prompts()
+    h = head()
+    try:
+        cancel, first = threading.Event(), threading.Event()
+        out_a, out_b = Generation(), Generation()
+        long = Sampling(max_tokens=10_000, stop_on_eos=False)
+
+        def decode_a() -> None:
+            for _ in h.generate(a, long, out_a, cancel, client="a"):
+                first.set()
+
+        t = threading.Thread(target=decode_a, daemon=True)
+        t.start()
+        assert first.wait(60)
+        start(h, b, out_b, client="b").join(120)
+        cancel.set()
+        t.join(60)
+        assert out_b.report.reused_tokens == 256 and out_b.report.computed_tokens == 40
+        assert h.batch.share_waits == 0  # a decoding state holds its prompt: no wait
+        assert out_b.tokens == alone(b)
+    finally:
+        h.close()
+
+
+def test_tenants_never_share_and_max_batch_one_computes_each_alone():
+    a, b = prompts()
+    ns = engine().card.namespace
+    alice, bob = (Scope(chain_root(ns, tenant_root(b"secret", t)), t) for t in ("alice", "bob"))
+    for kw, scopes in (({}, (alice, bob)), ({"max_batch": 1}, (None, None))):
+        h = head(**kw)
+        try:
+            out_a, out_b = queued_together(h, a, b, {"scope": scopes[0]}, {"scope": scopes[1]})
+            assert h.batch.shared_tokens == 0
+            assert out_a.report.reused_tokens == out_b.report.reused_tokens == 0
+            assert out_a.tokens == alone(a) and out_b.tokens == alone(b)
+            if kw:  # nothing batched: each answer is bitwise its lone answer
+                assert h.batch.peak_prefill_batch == 1 and h.batch.peak_batch == 1
+        finally:
+            h.close()
+
+
+def test_a_cancelled_producer_leaves_the_waiting_request_to_compute_it_all():
+    a, b = prompts()
+    h = head()
+    try:
+        gone = threading.Event()
+        # a is cancelled as b is admitted: b first waits on a's 64 computed
+        # tokens, then finds a gone before its next chunk
+        out_a, out_b = queued_together(h, a, b, {"cancel": gone}, {"on_start": gone.set})
+        assert out_a.cancelled and not out_a.tokens
+        assert out_b.report.source == "compute" and out_b.report.computed_tokens == 296
+        assert h.batch.share_waits == 1 and h.batch.shared_tokens == 0
+        assert h.batch.prefilling == 0
+        assert out_b.tokens == alone(b)
+    finally:
+        h.close()
+
+
+def _until(cond, limit: float = 60.0) -> None:
+    """Wait (a hang guard, not a time assertion) until ``cond()``."""
+    pause = threading.Event()
+    while not cond() and limit > 0:
+        pause.wait(0.01)
+        limit -= 0.01
+    assert cond()
