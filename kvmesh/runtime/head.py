@@ -253,7 +253,9 @@ class HeadRuntime:
             Decoder(self.engine, state, Sampling(max_tokens=1)).next()
         except Exception as e:  # only the first request's speed is at stake
             log.warning("warm-up failed: %r", e)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        log.info("warm-up took %.0f ms", took * 1000)
+        return took
 
     def _warm_block(self) -> Block:
         """A one-token tail of zeros under a key no prompt has (never stored)."""
