@@ -10,7 +10,9 @@ uses (:func:`bench.vllm.serve_bench`: ``prefix_repetition`` 2 prefixes x 512 +
 so the same prompts for both):
 
   vllm   ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve``
-         runs): vLLM's defaults, its prefix cache on, ``--max-model-len``
+         runs): vLLM's defaults (its model compiled: minutes at a first start,
+         cached after), its prefix cache on, ``--max-model-len``; ``--eager``
+         (and ``--smoke``) add ``--enforce-eager``
   head   ``kvmesh head`` alone (no peers; it publishes into its own store, its
          prefix cache), its defaults, ``--dtype float32``
 
@@ -36,6 +38,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +52,11 @@ sys.path[0:1] = [str(ROOT)]  # not bench/: bench/vllm.py would shadow the vllm p
 from bench._common import popen, run_main, stop  # noqa: E402
 from bench.vllm import FULL, SMOKE, serve_bench  # noqa: E402
 from kvmesh.engine.demo import ensure_demo  # noqa: E402
-from tests.vllm.serve import APIServer  # noqa: E402
+from tests.procs import free_port  # noqa: E402
 
 MARK, END = "<!-- bench/serve_compare.py -->", "<!-- /bench/serve_compare.py -->"
 HEAD_START_S = 300.0  # loading the model and warming up on a loaded 2-core machine
+VLLM_START_S = 900.0  # vLLM compiles the model at its first start (minutes when loaded)
 # the head's /metrics counters read before and after a run: their difference is the run's
 HEAD_COUNTERS = (
     "kvmesh_requests_total", "kvmesh_prompt_tokens_total", "kvmesh_kv_assisted_tokens_total",
@@ -110,8 +114,8 @@ def start_head(python: str, model: str, log: Path) -> tuple[Any, str]:
            "--listen", "127.0.0.1:0"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT),
            os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
-    out = open(log, "w")  # noqa: SIM115 (the child writes it; closed with it)
-    proc = popen(cmd, stdout=out, stderr=out, env=env, text=True)
+    with open(log, "w") as out:  # the child keeps its own copy
+        proc = popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + HEAD_START_S
     while time.monotonic() < deadline:
         m = re.search(r"kvmesh head \S+ (http://\S+) grpc", log.read_text(errors="replace"))
@@ -139,13 +143,40 @@ def run_head(python: str, model: str, shape: dict[str, Any], logs: Path) -> dict
     return r
 
 
-def run_vllm(model: str, shape: dict[str, Any], logs: Path) -> dict[str, Any]:
+def start_vllm(model: str, shape: dict[str, Any], eager: bool, log: Path) -> tuple[Any, str]:
+    """``vllm serve`` (its OpenAI server module) on a free loopback port once it is
+    healthy; (process, URL). vLLM's defaults (its compiled model) unless ``eager``."""
+    url = f"http://127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--dtype", "float32",
+           "--max-model-len", str(shape["len"]), "--seed", "0", "--enable-prefix-caching"]  # fmt: skip
+    cmd += ["--enforce-eager"] if eager else []
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:  # the child keeps its own copy
+        proc = popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + VLLM_START_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"vllm serve did not start (log: {log})")
+
+
+def run_vllm(model: str, shape: dict[str, Any], eager: bool, logs: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
-    with APIServer(model, None, logs / "vllm.log", "--enable-prefix-caching",
-                   "--shutdown-timeout", "10", max_model_len=shape["len"]) as srv:  # fmt: skip
+    proc, url = start_vllm(model, shape, eager, logs / "vllm.log")
+    try:
         start_s = time.perf_counter() - t0
-        res = serve_bench(srv.url, model, shape, seed=0)
-    return row("vllm", res, shape["out"], start_s)
+        res = serve_bench(url, model, shape, seed=0)
+    finally:
+        stop(proc, grace_s=30)
+    r = row("vllm", res, shape["out"], start_s)
+    r["compiled"] = not eager
+    return r
 
 
 def ratios(head: dict[str, Any], vllm: dict[str, Any]) -> dict[str, float]:
@@ -206,11 +237,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and prompts (about a minute)")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the two servers N times")
+    ap.add_argument("--eager", action="store_true",
+                    help="vLLM with --enforce-eager (the default in --smoke: no compile wait)")  # fmt: skip
     ap.add_argument("--head-python", default=sys.executable,
                     help="interpreter that runs the head (default: this one)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--markdown", type=Path, default=None, help="update this file's section")
     a = ap.parse_args()
+    a.eager = a.eager or a.smoke
     shape = dict(SMOKE if a.smoke else FULL)
     model = str(ensure_demo(shape["model"]))
     logs = Path(tempfile.mkdtemp(prefix="kvmesh-bench-compare-"))
@@ -223,7 +257,7 @@ def main() -> None:
         order = ("vllm", "head") if i % 2 == 0 else ("head", "vllm")
         rnd: dict[str, Any] = {}
         for name in order:
-            rnd[name] = (run_vllm(model, shape, rnd_logs) if name == "vllm"
+            rnd[name] = (run_vllm(model, shape, a.eager, rnd_logs) if name == "vllm"
                          else run_head(a.head_python, model, shape, rnd_logs))  # fmt: skip
             print(json.dumps(rnd[name]), flush=True)
         rnd["ratios"] = ratios(rnd["head"], rnd["vllm"])
