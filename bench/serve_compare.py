@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,18 @@ HEAD_COUNTERS = (
 )  # fmt: skip
 
 
-def row(server: str, res: dict[str, Any], out_tokens: int, start_s: float) -> dict[str, Any]:
+def loadavg() -> str:
+    """The 1-minute load average now (the CPU is shared: said next to each figure)."""
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+def row(server: str, res: dict[str, Any], out_tokens: int, start_s: float,
+        load: str) -> dict[str, Any]:  # fmt: skip
     """One server's figures from vLLM's result dict."""
     ttft, e2el = res["mean_ttft_ms"], res["mean_e2el_ms"]
     return {
         "server": server,
+        "load": load,
         "start_s": round(start_s, 1),
         "completed": res["completed"],
         "failed": res.get("failed", 0),
@@ -81,7 +89,7 @@ def row(server: str, res: dict[str, Any], out_tokens: int, start_s: float) -> di
         # decodes out_tokens (--ignore-eos), so the mean of those is this
         "mean_tpot_ms": round((e2el - ttft) / max(1, out_tokens - 1), 1),
         "mean_e2el_ms": round(e2el, 1),
-        "duration_s": round(res["duration"], 2),
+        "duration_s": round(res["duration"], 3),
     }
 
 
@@ -133,12 +141,12 @@ def run_head(python: str, model: str, shape: dict[str, Any], logs: Path) -> dict
     proc, url = start_head(python, model, logs / "head.log")
     try:
         start_s = time.perf_counter() - t0
-        before = scrape(url)
+        before, load = scrape(url), loadavg()
         res = serve_bench(url, model, shape, seed=0)
         after = settled(url, before["requests"] + res["completed"])
     finally:
         stop(proc, grace_s=30)
-    r = row("head", res, shape["out"], start_s)
+    r = row("head", res, shape["out"], start_s, load)
     r["metrics"] = {k: round(after[k] - before[k], 3) for k in after}
     return r
 
@@ -170,11 +178,11 @@ def run_vllm(model: str, shape: dict[str, Any], eager: bool, logs: Path) -> dict
     t0 = time.perf_counter()
     proc, url = start_vllm(model, shape, eager, logs / "vllm.log")
     try:
-        start_s = time.perf_counter() - t0
+        start_s, load = time.perf_counter() - t0, loadavg()
         res = serve_bench(url, model, shape, seed=0)
     finally:
         stop(proc, grace_s=30)
-    r = row("vllm", res, shape["out"], start_s)
+    r = row("vllm", res, shape["out"], start_s, load)
     r["compiled"] = not eager
     return r
 
@@ -198,23 +206,23 @@ def markdown(out: dict[str, Any]) -> str:
         f"its defaults), `{s['model']}` float32, one after the other; "
         f"`vllm.benchmarks.serve` prefix_repetition (2 prefixes x {s['prefix']} + "
         f"{s['suffix']} tokens, {s['prompts']} prompts, concurrency 2, {s['out']} output "
-        f"tokens, `--ignore-eos`, seed 0); {out['cpus']} CPU cores, load before the run "
-        f"`{out['loadavg']}`. Compare the rows of one round.",
+        f"tokens, `--ignore-eos`, seed 0); {out['cpus']} CPU cores shared with other work "
+        "(load: the 1-minute load average as each run began). Compare the rows of one round.",
         "",
-        "| round | server | mean TTFT | p50 | p99 | mean TPOT | duration | completed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| round | server | mean TTFT | p50 | p99 | mean TPOT | duration | completed | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, rnd in enumerate(out["rounds"], 1):
         for r in (rnd["vllm"], rnd["head"]):
             lines.append(
                 f"| {i} | {r['server']} | {r['mean_ttft_ms']:.0f} ms | {r['p50_ttft_ms']:.0f} ms | "
                 f"{r['p99_ttft_ms']:.0f} ms | {r['mean_tpot_ms']:.0f} ms | "
-                f"{r['duration_s']:.1f} s | {r['completed']} |"
+                f"{r['duration_s']:.1f} s | {r['completed']} | {r.get('load', '?')} |"
             )
         q = rnd["ratios"]
         lines.append(
             f"| {i} | **head / vLLM** | **{q['mean_ttft_ms']:.2f}x** | | "
-            f"{q['p99_ttft_ms']:.2f}x | {q['mean_tpot_ms']:.2f}x | **{q['duration_s']:.2f}x** | |"
+            f"{q['p99_ttft_ms']:.2f}x | {q['mean_tpot_ms']:.2f}x | **{q['duration_s']:.2f}x** | | |"
         )
     lines += ["", "The head's counters over each run (its `/metrics`):", ""]
     lines += [f"- round {i}: `{json.dumps(r['head']['metrics'])}`"
@@ -248,7 +256,6 @@ def main() -> None:
     shape = dict(SMOKE if a.smoke else FULL)
     model = str(ensure_demo(shape["model"]))
     logs = Path(tempfile.mkdtemp(prefix="kvmesh-bench-compare-"))
-    loadavg = Path("/proc/loadavg").read_text().split(" ")[:3]
     rounds = []
     for i in range(max(1, a.rounds)):
         rnd_logs = logs / f"round{i + 1}"
@@ -270,7 +277,6 @@ def main() -> None:
         "vllm": vllm.__version__,
         "cpus": len(os.sched_getaffinity(0)),
         "platform": platform.platform(),
-        "loadavg": " ".join(loadavg),
         "rounds": rounds,
         "head_over_vllm": rounds[-1]["ratios"],
         "logs": str(logs),
@@ -282,5 +288,24 @@ def main() -> None:
         write_markdown(a.markdown, markdown(out))
 
 
+def exit_quietly() -> None:
+    """Run ``main`` and leave without the interpreter's teardown: vLLM's Triton
+    bindings print pages of "leaked" lines then, which would bury a failure's
+    traceback (and the tests read stderr's tail). Cleanup is ``run_main``'s."""
+    code: int | str | None = 0
+    try:
+        run_main(main)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001 (reported here, then the exit status says it)
+        traceback.print_exc()
+        code = 1
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
 if __name__ == "__main__":
-    run_main(main)
+    exit_quietly()
