@@ -5,7 +5,9 @@ namespace behind. A benchmark made to fail on purpose after its peers started
 (``KVMESH_BENCH_FAIL``), or stopped by SIGTERM / Ctrl-C, leaves nothing behind
 either. ``bench/vllm.py`` needs vLLM: it runs where ``import vllm`` works
 (``$KVMESH_VLLM_PYTHON``, ``.venv-vllm`` or this interpreter), else it is skipped
-with that reason.
+with that reason. ``bench/serve_compare.py`` needs vLLM too and runs in the vLLM
+venv's own suite (``tests/vllm/test_serve_compare.py``, which reuses :func:`start`
+and :func:`finish`), not twice.
 
 Children are recognised by a marker in their environment (each run's own
 ``KVMESH_BENCH_TAG``), inherited by everything a benchmark starts, so other
@@ -32,6 +34,8 @@ from .helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = sorted(p for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
+# benches whose smoke run is another suite's test (the file named)
+ELSEWHERE = {"serve_compare.py": "tests/vllm/test_serve_compare.py"}
 TIMEOUT_S = 600  # one smoke run; they take seconds to a minute on a loaded 2-core machine
 
 
@@ -161,6 +165,8 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
 @pytest.mark.parametrize("bench", BENCHES, ids=lambda p: p.stem)
 def test_every_benchmark_runs_in_smoke_mode_and_cleans_up(bench: Path, tmp_path: Path) -> None:
     python = sys.executable
+    if bench.name in ELSEWHERE:
+        pytest.skip(f"bench/{bench.name} needs vLLM: its smoke run is {ELSEWHERE[bench.name]}")
     if bench.name == "vllm.py":
         found = vllm_python()
         if found is None:

@@ -25,6 +25,9 @@ Contracts:
   first ``--served-model-name``), whichever alias the request used, as vLLM does.
 - A request the head could never run (``n`` beyond ``--max-batch``, a worst case
   beyond ``--kv-budget``) is a 400 before anything starts, streamed or not.
+- A stream sends a chunk as soon as a token is decoded, its text empty while that
+  text is held back (an unfinished UTF-8 character, a possible start of a stop
+  string), as vLLM does: a client's first chunk marks the first token.
 - A stream that fails after its headers are sent ends with an OpenAI-style
   ``data: {"error": {...}}`` event and then ``data: [DONE]``, never a cut stream.
 - Logprobs are finite: one that is not (-inf) is reported as ``LOGPROB_FLOOR``.
@@ -486,7 +489,8 @@ class OpenAIService:
     ) -> AsyncIterator[str]:  # fmt: skip
         """Each choice's text as the engine detokenizes it (text that could start a
         stop string is held back until it cannot) with the logprobs of the tokens
-        that text accounts for; then the finish reasons, and usage if asked."""
+        that text accounts for, a chunk whenever a token was decoded (its text
+        possibly empty); then the finish reasons, and usage if asked."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         top = req.want_logprobs()
@@ -509,15 +513,20 @@ class OpenAIService:
 
         sent_text = [0] * len(out.choices)
         sent_tokens = [0] * len(out.choices)
+        decoded = [0] * len(out.choices)  # tokens a chunk has been sent for, text or not
 
         def news(final: bool) -> Iterator[str]:
             for i, c in enumerate(out.choices):
+                n = len(c.tokens)  # before the text: a token counted here has been sampled
                 shown, text = c.shown, c.text  # shown first: text only grows after it
                 lp = self._logprobs(c, sent_tokens[i], shown, chat, top)
                 new = text[sent_text[i] :]
-                if new or (lp and shown > sent_tokens[i]) or final:
+                # a new token is a chunk even when its text is held back (an unfinished
+                # character, a possible stop string), as vLLM sends it: the client's
+                # first chunk is the first token, not the first printable text
+                if new or (lp and shown > sent_tokens[i]) or n > decoded[i] or final:
                     yield chunk(i, new, lp, c.finish_reason if final else None)
-                sent_text[i], sent_tokens[i] = len(text), shown
+                sent_text[i], sent_tokens[i], decoded[i] = len(text), shown, n
 
         if chat:
             for i in range(len(out.choices)):
