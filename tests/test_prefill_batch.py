@@ -9,7 +9,9 @@
 - A short prompt submitted while a long prompt is being prefilled gets its first
   token after one of the long prompt's chunks, not after all of them; both answer
   exactly as alone (each prefilled alone, in the same chunks).
-- Two prompts prefilled together share forwards and answer as alone (greedy).
+- Two short prompts prefilled together share forwards and answer as alone
+  (greedy); a batched forward that raises is retried one prompt at a time and
+  fails only the prompt whose own forward fails.
 
 Outcomes are asserted in tokens, positions and counters, never in wall-clock time.
 """
@@ -133,8 +135,9 @@ def test_a_short_prompt_is_answered_between_a_long_prompts_chunks():
             runner.submit(long)
             runner.submit(short)
         long_tokens, short_tokens = list(long.tokens()), list(short.tokens())
-        # the short prompt was computed after the long one's first chunk, not its 21st
-        assert seen[0] == 64 < len(toks)
+        # the short prompt was computed (fewest tokens left first) at most after the
+        # long one's first chunk (the one under way when it came), never its 21st
+        assert seen[0] in (0, 64)
         assert runner.peak_prefill_batch == 1  # 20 and 64 tokens never share a forward
         for tokens, got in ((toks, long_tokens), (toks[:20], short_tokens)):
             want = Decoded()
@@ -150,8 +153,8 @@ def test_concurrent_prompts_share_prefill_forwards_and_answer_as_alone():
     h = HeadRuntime(eng, publish=False, max_sessions=0)
     try:
         toks = zoo.prompt_tokens(zoo.hf_model("qwen2"), 400)
-        # no common block (nothing shared); 150 and 160 tokens: within the padding rule
-        prompts = [toks[:150], toks[200:350], toks[100:260]]
+        # no common block (nothing shared); 60 and 70 tokens: within the padding rule
+        prompts = [toks[:60], toks[200:260], toks[100:170]]
         greedy = Sampling(max_tokens=6, stop_on_eos=False)
         alone = [h.complete(p, greedy).tokens for p in prompts]
         outs, started = [Generation() for _ in prompts], threading.Event()

@@ -29,14 +29,17 @@ thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
   prefix imported or its session resumed: a state holding some positions) and
   leaves the rest of its prompt to compute. A loop turn runs one prefill forward,
   then one decode step, so decoding never waits for a whole prompt. That forward
-  takes the prefilling job that advanced least recently (a newcomer first: a short
-  prompt's first token never waits behind another's whole prefill), at most
-  ``prefill_chunk`` of its tokens, and beside it (up to ``max_batch`` rows) the
-  prefilling jobs whose next chunks are within :data:`PAD_SLACK` of its length and
-  whose positions pad within the decode rule below (every row then computes the
-  shortest of those chunks): :meth:`Engine.prefill_batch`, one forward for
-  several prompts. A job alone in its forward computes exactly as unbatched; a
-  session resume computes its rest in one forward, as before.
+  takes the prefilling job with the fewest tokens left (the least mean time to a
+  first token: a short prompt never waits behind another's whole prefill; one
+  passed over for :data:`STARVE_TURNS` forwards goes first), at most
+  ``prefill_chunk`` of its tokens, and beside it (up to ``max_batch`` rows, while
+  the forward holds at most ``prefill_batch_tokens``: past that a CPU gains
+  nothing from batching) the prefilling jobs whose next chunks are within
+  :data:`PAD_SLACK` of its length and whose positions pad within the decode rule
+  below (each row computes its own chunk, right-padded to the longest):
+  :meth:`Engine.prefill_batch`, one forward for several prompts. A job alone in
+  its forward computes exactly as unbatched; a session resume computes its rest
+  in one forward, as before.
 - **Shared prefixes.** A job whose whole blocks (``card.block_tokens``) a job of
   the same chain root (:attr:`PrefillPlan.share`; docs/design.md invariant 11) is
   prefilling or has prefilled, beyond the prefix it brought, takes them from that
@@ -91,6 +94,12 @@ PAD_SLACK = 0.25  # a forward's padding stays within 25% of its real KV ...
 PAD_TOKENS = 256  # ... plus this many tokens a sequence (short chats stay one batch)
 STEP_FACTOR = 2.0 + PAD_SLACK  # a sequence's KV + its padded working copy in a step
 SHARE_WAIT_S = 60.0  # the longest a job waits for another's prefill of their common blocks
+# A prefill forward takes more prompts while it holds at most this many tokens: on a
+# 2-core Xeon (demo model, one thread) a forward costs 77 / 45 / 31 / 26 / 24 / 25 ms a
+# token at 16 / 32 / 64 / 128 / 256 / 512 tokens: past ~256 batching saves nothing and
+# only delays the first prompt's first token.
+PREFILL_BATCH_TOKENS = 256
+STARVE_TURNS = 8  # a prompt passed over for this many prefill forwards goes next
 
 
 class OverBudget(ValueError):
@@ -168,7 +177,7 @@ class _Pre:
 
     job: Job
     plan: PrefillPlan
-    turn: int = 0  # the prefill forward it last took part in (0: none yet)
+    since: int = 0  # the prefill forward count when it was planned or last advanced
     producer: _Pre | None = None  # whose prefill of ``want`` positions it waits for
     want: int = 0
     deadline: float = 0.0
@@ -188,6 +197,7 @@ class BatchRunner:
         kv_budget_bytes: int | None = None,
         make_room: Callable[[int], None] | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -199,6 +209,7 @@ class BatchRunner:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         self.prefill_chunk = prefill_chunk
+        self.prefill_batch_tokens = prefill_batch_tokens
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._starting: list[Job] = []  # admitted, not yet planned
@@ -395,7 +406,7 @@ class BatchRunner:
             self._end(job, error=e)
             return
         job._root = plan.share
-        pre = _Pre(job, plan)
+        pre = _Pre(job, plan, since=self.prefill_forwards)
         if pre.left <= 0:
             self._prefilled(pre)
             return
@@ -412,8 +423,8 @@ class BatchRunner:
         ready = [p for p in self._prefilling if p.producer is None]
         if not ready:
             return
-        group, chunk = self._prefill_group(ready)
-        self._prefill_forward(group, chunk)
+        group, chunks = self._prefill_group(ready)
+        self._prefill_forward(group, chunks)
         for pre in group:
             if pre in self._prefilling and pre.left <= 0:
                 self._prefilling.remove(pre)
@@ -422,49 +433,60 @@ class BatchRunner:
     def _next_chunk(self, pre: _Pre) -> int:
         return pre.left if pre.plan.whole else min(pre.left, self.prefill_chunk)
 
-    def _prefill_group(self, ready: list[_Pre]) -> tuple[list[_Pre], int]:
-        """The least recently advanced prompt and those that share its forward (see
-        the module docstring), and the chunk each of them computes."""
-        lead = min(ready, key=lambda p: p.turn)  # the first listed wins ties: arrival order
-        group, q = [lead], self._next_chunk(lead)
+    def _lead(self, ready: list[_Pre]) -> _Pre:
+        """The prompt with the fewest tokens left (the first listed at a tie: arrival
+        order), unless one was passed over too long."""
+        starved = [p for p in ready if self.prefill_forwards - p.since >= STARVE_TURNS]
+        if starved:
+            return min(starved, key=lambda p: p.since)
+        return min(ready, key=lambda p: p.left)
+
+    def _prefill_group(self, ready: list[_Pre]) -> tuple[list[_Pre], list[int]]:
+        """The next prompt and those that share its forward (see the module
+        docstring), and the chunk each of them computes."""
+        lead = self._lead(ready)
+        group, chunks = [lead], [self._next_chunk(lead)]
         if lead.plan.whole or not self.engine.batches:
-            return group, q
-        for pre in sorted(ready, key=lambda p: p.turn):
+            return group, chunks
+        for pre in sorted(ready, key=lambda p: p.left):
             if len(group) >= self.max_batch:
                 break
             n = self._next_chunk(pre)
-            if pre is lead or pre.plan.whole or max(n, q) > (1 + PAD_SLACK) * min(n, q):
+            qs = [*chunks, n]
+            if pre is lead or pre.plan.whole or max(qs) > (1 + PAD_SLACK) * min(qs):
                 continue
-            if _pads_within([p.plan.state.cached for p in [*group, pre]], min(n, q)):
+            if len(qs) * max(qs) > self.prefill_batch_tokens:
+                break
+            if _pads_within([p.plan.state.cached for p in [*group, pre]], qs):
                 group.append(pre)
-                q = min(n, q)
-        return group, q
+                chunks.append(n)
+        return group, chunks
 
-    def _prefill_forward(self, group: list[_Pre], chunk: int) -> None:
-        """One forward of ``chunk`` tokens of each prompt in ``group``; if it raises,
-        each alone, and a prompt whose own forward fails starts over once (its
-        fallback), else its job fails."""
+    def _prefill_forward(self, group: list[_Pre], chunks: list[int]) -> None:
+        """One forward of ``chunks[i]`` tokens of each prompt ``group[i]``; if it
+        raises, each alone, and a prompt whose own forward fails starts over once
+        (its fallback), else its job fails."""
         states = [p.plan.state for p in group]
         t0 = time.perf_counter()
         try:
             with self.lock:
-                self.engine.prefill_batch(states, [chunk] * len(group))
+                self.engine.prefill_batch(states, chunks)
         except Exception as e:
             if len(group) == 1:
                 self._prefill_failed(group[0], e)
                 return
             log.warning("batched prefill failed (%r): each prompt alone", e)
             self.prefill_retries += 1
-            for pre in group:
+            for pre, n in zip(group, chunks, strict=True):
                 if pre in self._prefilling and pre.left > 0:
-                    self._prefill_forward([pre], min(chunk, pre.left))
+                    self._prefill_forward([pre], [min(n, pre.left)])
             return
         dt = time.perf_counter() - t0
         self.prefill_forwards += 1
         self.peak_prefill_batch = max(self.peak_prefill_batch, len(group))
-        for pre in group:
-            pre.turn = self.prefill_forwards
-            pre.plan.compute_s += dt / len(group)  # equal chunks: an equal share
+        for pre, n in zip(group, chunks, strict=True):
+            pre.since = self.prefill_forwards
+            pre.plan.compute_s += dt * n / sum(chunks)  # its share of the forward
 
     def _prefill_failed(self, pre: _Pre, error: Exception) -> None:
         fallback = pre.plan.fallback
@@ -473,7 +495,7 @@ class BatchRunner:
             try:
                 with self.lock:
                     pre.plan = fallback(error)
-                pre.restarted, pre.producer, pre.turn = True, None, 0
+                pre.restarted, pre.producer = True, None
                 return
             except Exception as e:
                 error = e
@@ -683,12 +705,14 @@ class BatchRunner:
             self._end(job, error=error)
 
 
-def _pads_within(pasts: Sequence[int], chunk: int) -> bool:
-    """Whether rows of ``pasts`` cached positions, each computing ``chunk`` more,
-    pad within the rule of :func:`_similar_lengths`."""
-    widths = [n + chunk for n in pasts]
-    padding = len(widths) * max(widths) - sum(widths)
-    return padding <= PAD_SLACK * sum(widths) + PAD_TOKENS * len(widths)
+def _pads_within(pasts: Sequence[int], chunks: Sequence[int]) -> bool:
+    """Whether rows of ``pasts`` cached positions, computing ``chunks`` more, pad
+    (cached positions right-aligned, chunks after them) within the rule of
+    :func:`_similar_lengths`."""
+    widths = [max(pasts) + max(chunks)] * len(pasts)  # what the padded batch holds
+    real = [n + q for n, q in zip(pasts, chunks, strict=True)]
+    padding = sum(widths) - sum(real)
+    return padding <= PAD_SLACK * sum(real) + PAD_TOKENS * len(real)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
