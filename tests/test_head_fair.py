@@ -254,11 +254,9 @@ def test_a_failing_choice_ends_its_siblings_without_touching_the_engine(monkeypa
 
 
 def test_failures_during_another_prompts_chunked_prefill_change_no_stream(monkeypatch):
-    import kvmesh.engine.base as base
-
     eng = engine()
-    monkeypatch.setattr(base.Engine.prefill, "__defaults__", ((), None, None, 8))  # 8-token chunks
     h = HeadRuntime(eng, publish=False, max_sessions=0)
+    h.batch.prefill_chunk = 8  # b's 60-token prefill runs in chunks between z's steps
     poison(monkeypatch, eng)
     try:
         alone = h.complete(toks(5), Sampling(max_tokens=20, stop_on_eos=False))
@@ -274,6 +272,7 @@ def test_failures_during_another_prompts_chunked_prefill_change_no_stream(monkey
         assert isinstance(e1[0], FloatingPointError) and not e0 and not e2
         assert texts(first) == texts(alone) and chunked.report.source == "compute"
         assert chunked.report.fallback is None and h.engine_failure is None
+        assert h.batch.prefill_forwards >= 60 // 8  # b was computed in chunks
     finally:
         h.close()
 
