@@ -58,6 +58,7 @@ from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..codec import Block, Layout
 from ..errors import CacheMiss, ConfigError
 from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
+from .compiled import streamed_linear
 from .sampling import distribution, greedy, safe_temperature
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -112,6 +113,7 @@ def _onednn(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.T
 KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]] = {
     "rows_first": _rows_first,  # W @ x.T
     "onednn": _onednn,  # oneDNN's linear, the weights as they are (no packed copy)
+    "streamed": streamed_linear,  # compiled C: each weight row read once for 4 rows
 }
 
 
