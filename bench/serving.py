@@ -18,7 +18,8 @@ reuses another's prefix and decode, not prefill, is what is measured):
   sequences, the median of a few rounds run interleaved, wall and CPU time; for
   torch also where one step's time goes (a profiled step: linear layers,
   attention, cache copies) and the LM head alone on that many rows, and the
-  linear kernel the engine measured fastest at start for each batch size.
+  linear kernel the engine measured fastest at start for each batch size; then
+  the same steps with each linear kernel forced in turn, side by side.
 
 Every request is greedy, so each wave's work is the same on every run; what
 differs between waves is only how many sequences share the engine's steps.
@@ -199,6 +200,8 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
             times[k].append(step(states))
     kernels = getattr(eng, "kernels", {})  # batch size -> linear kernel, measured at start
     out: dict = {"kernels": {k: kernels.get(k, "linear") for k in SIZE.waves}, "steps": {}}  # type: ignore[type-arg]
+    if isinstance(getattr(eng, "model", None), torch.nn.Module):
+        out["by_kernel"] = kernel_steps(eng, batches, step)
     for k, ts in times.items():
         row = {
             "wall_ms": 1000 * sorted(t for t, _ in ts)[len(ts) // 2],
@@ -212,6 +215,31 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
         out["steps"][k] = row
     for row in out["steps"].values():
         row["vs_one"] = row["wall_ms"] / out["steps"][SIZE.waves[0]]["wall_ms"]
+    return out
+
+
+def kernel_steps(eng, batches, step) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """Each linear kernel forced in turn for every batched size, interleaved: the
+    median step (wall and CPU ms) of each, side by side, so one run shows what the
+    start-up choice gained and what it left (the choice is restored after)."""
+    from kvmesh.engine.hf import KERNELS
+
+    chosen = eng.kernels
+    names = ["linear", *KERNELS]
+    times: dict = {(k, n): [] for k in batches if k > 1 for n in names}  # type: ignore[type-arg]
+    try:
+        for _ in range(SIZE.rounds):
+            for k, n in times:
+                eng.kernels = {} if n == "linear" else {k: n}
+                times[k, n].append(step(batches[k]))
+    finally:
+        eng.kernels = chosen
+    out: dict = {}  # type: ignore[type-arg]
+    for (k, n), ts in times.items():
+        out.setdefault(k, {})[n] = {
+            "wall_ms": 1000 * sorted(t for t, _ in ts)[len(ts) // 2],
+            "cpu_ms": 1000 * sorted(c for _, c in ts)[len(ts) // 2],
+        }
     return out
 
 
@@ -256,6 +284,9 @@ def print_steps(engine: str, costs: dict) -> None:  # type: ignore[type-arg]
             parts += f"  (LM head alone {r['lm_head_ms']:.1f} ms)"
         print(f"  {k} seq: {r['wall_ms']:.1f} ms wall ({r['vs_one']:.2f}x one), "
               f"{r['cpu_ms']:.1f} ms CPU; profiled: {parts}", flush=True)  # fmt: skip
+    for k, by in costs.get("by_kernel", {}).items():
+        text = "  ".join(f"{n} {v['wall_ms']:.0f}/{v['cpu_ms']:.0f}" for n, v in by.items())
+        print(f"  {k} seq, each kernel forced (wall/CPU ms): {text}", flush=True)
 
 
 def main() -> None:

@@ -22,8 +22,10 @@ def built():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("shape", [(131, 37), (64, 896), (200, 48)])  # (out, in)
+@pytest.mark.parametrize("shape", [(131, 37), (64, 896), (600, 447)])  # (out, in)
 def test_matches_linear_for_every_row_count(built, shape, threads):
+    if shape == (600, 447):  # large enough to be split between threads
+        assert shape[0] * shape[1] >= compiled.PARALLEL_MIN
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

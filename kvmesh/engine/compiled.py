@@ -40,6 +40,9 @@ import torch
 
 GROUP = 4  # rows per pass over the weights: 4 x 4 accumulators fill the vector registers
 BUILD_TIMEOUT_S = 120.0
+# weights below this many elements run on one thread: waking a second one costs
+# more than it saves, and on a busy machine it may wait a whole time slice for it
+PARALLEL_MIN = 1 << 18
 
 _SOURCE = r"""
 #include <stddef.h>
@@ -194,7 +197,8 @@ def streamed_linear(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) ->
     y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     rc = lib.kvmesh_linear(
         w.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-        x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads(),
+        x.shape[0], w.shape[0], w.shape[1],
+        torch.get_num_threads() if w.numel() >= PARALLEL_MIN else 1,
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"linear: the kernel refused shapes {tuple(x.shape)} x {tuple(w.shape)}")
