@@ -161,7 +161,7 @@ def throughput(url: str, texts) -> dict:  # type: ignore[no-untyped-def, type-ar
 
 # aten ops by where a decode step spends them (self CPU time of a profiled step)
 PARTS = {
-    "linear": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
+    "linear": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvmesh::streamed_linear"),
     "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::_softmax", "aten::where"),
     "cache_copy": ("aten::cat", "aten::copy_", "aten::zeros", "aten::new_zeros", "aten::fill_"),
 }

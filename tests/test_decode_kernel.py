@@ -58,3 +58,13 @@ def test_the_library_is_cached_by_digest(built):
     path = compiled._library_path(compiled._compiler())
     assert path.exists() and path.parent.name == "kernels"
     assert compiled.load() is compiled.load()  # built once per process
+
+
+def test_a_profiled_call_is_named_for_the_step_costs(built):
+    from torch.profiler import profile
+
+    w, x = torch.ones((8, 16)), torch.ones((2, 16))
+    with profile() as prof:
+        y = built(w, None, x)
+    assert {ev.key for ev in prof.key_averages()} >= {compiled.PROFILE_NAME}
+    torch.testing.assert_close(y, torch.full((2, 8), 16.0))  # the same result as unprofiled
