@@ -20,6 +20,8 @@ reuses another's prefix and decode, not prefill, is what is measured):
   attention, cache copies) and the LM head alone on that many rows, and the
   linear kernel the engine measured fastest at start for each batch size; then
   the same steps with each linear kernel forced in turn, side by side.
+  ``--step-threads 1`` measures them on one thread, whose CPU time a busy machine
+  hardly moves (wall time it stretches by whole time slices).
 
 Every request is greedy, so each wave's work is the same on every run; what
 differs between waves is only how many sequences share the engine's steps.
@@ -52,6 +54,7 @@ class Size:
     stream: int = 32
     waves: tuple[int, ...] = (1, 2, 4, 8)
     rounds: int = 5  # step-cost rounds (the median is reported)
+    step_threads: int = 0  # torch threads for the step costs (0: torch's default)
 
 
 SIZE = Size()
@@ -181,7 +184,8 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
     """One decode step at each wave size, in this process (see the docstring)."""
     import torch
 
-    eng = load_engine(SIZE.model, engine)
+    extra = {"threads": SIZE.step_threads} if SIZE.step_threads else {}
+    eng = load_engine(SIZE.model, engine, **extra)  # type: ignore[arg-type]
     batches = {k: step_states(eng, k) for k in SIZE.waves}
 
     def step(states: list[KVState]) -> tuple[float, float]:
@@ -200,6 +204,7 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
             times[k].append(step(states))
     kernels = getattr(eng, "kernels", {})  # batch size -> linear kernel, measured at start
     out: dict = {"kernels": {k: kernels.get(k, "linear") for k in SIZE.waves}, "steps": {}}  # type: ignore[type-arg]
+    out["threads"] = torch.get_num_threads()
     if isinstance(getattr(eng, "model", None), torch.nn.Module):
         out["by_kernel"] = kernel_steps(eng, batches, step)
     for k, ts in times.items():
@@ -277,7 +282,8 @@ def step_parts(states: list[KVState], step) -> dict[str, float]:  # type: ignore
 
 
 def print_steps(engine: str, costs: dict) -> None:  # type: ignore[type-arg]
-    print(f"{engine}: one decode step (~60-token sequences; linear kernels {costs['kernels']}):")
+    print(f"{engine}: one decode step (~60-token sequences, {costs.get('threads')} threads; "
+          f"linear kernels {costs['kernels']}):")  # fmt: skip
     for k, r in costs["steps"].items():
         parts = "  ".join(f"{p} {100 * r[p + '_share']:.0f}%" for p in PARTS if p + "_share" in r)
         if "lm_head_ms" in r:
@@ -297,8 +303,14 @@ def main() -> None:
     ap.add_argument("--engines", default="torch,mlx")
     ap.add_argument("--model", default="demo")
     ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, torch, short waves")
+    ap.add_argument(
+        "--step-threads", type=int, default=0,
+        help="torch threads for the in-process step costs (1: CPU time is stable on a busy "
+        "machine; the head keeps its default)",
+    )  # fmt: skip
     args = ap.parse_args()
     SIZE.model = args.model
+    SIZE.step_threads = args.step_threads
     if args.smoke:
         args.engines = "torch"
         SIZE.model, SIZE.long, SIZE.stream, SIZE.waves = "demo-tiny", 12, 8, (1, 2)
