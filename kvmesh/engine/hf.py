@@ -131,8 +131,8 @@ def _calibrate(model: Any, reps: int = 3) -> dict[int, str]:
     beats ``F.linear``: for each bucket of :data:`_BUCKETS`, every kernel runs every
     linear layer of the model once (the weight traffic of a decode step), interleaved,
     ``reps`` rounds. A kernel replaces ``F.linear`` only if it beats it by
-    :data:`MARGIN` in every round (the fastest such). A kernel this torch lacks is
-    not a candidate.
+    :data:`MARGIN` in every round (the fastest such; one that lost a round is not
+    timed again). A kernel this torch lacks is not a candidate.
 
     Each pass is timed as the CPU time of one thread (``torch.set_num_threads(1)``
     for the measurement, restored after): on a shared CPU another process's burst
@@ -162,10 +162,11 @@ def _calibrate_buckets(
     for rows in _BUCKETS:
         xs = {m.in_features: torch.zeros((rows, 1, m.in_features), dtype=m.weight.dtype)
               for m in layers}  # fmt: skip
+        alive = list(KERNELS)  # those that beat F.linear in every round so far
         rounds: list[dict[str | None, float]] = []
         for rep in range(reps + 1):  # round 0 warms up (oneDNN builds its kernels), untimed
             times: dict[str | None, float] = {}
-            for kernel in (None, *KERNELS):
+            for kernel in (None, *alive):
                 _batched.kernels = {rows: kernel} if kernel else {}
                 try:
                     if rep == 0:
@@ -180,15 +181,12 @@ def _calibrate_buckets(
                     continue  # not built into this torch (or not for this dtype)
                 finally:
                     _batched.kernels = {}
-            if rep:
+            if rep:  # a kernel that lost a round cannot win: not timed again
                 rounds.append(times)
-        wins = [
-            k for k in KERNELS
-            if all(k in r and r[k] < MARGIN * r[None] for r in rounds)
-        ]  # fmt: skip
-        if wins:
+                alive = [k for k in alive if k in times and times[k] < MARGIN * times[None]]
+        if alive and rounds:
             chosen.update(dict.fromkeys(range(low, rows + 1), min(
-                wins, key=lambda k: sum(r[k] for r in rounds))))  # fmt: skip
+                alive, key=lambda k: sum(r[k] for r in rounds))))  # fmt: skip
         low = rows + 1
     return chosen
 
