@@ -2,7 +2,9 @@
 built here with the system compiler, it matches ``F.linear`` for every row count
 and odd shapes (tails of the 16-wide vectors, of the 4-row groups, of the 64-row
 chunks), with and without bias, on one and two threads; it refuses what it does
-not compute (other dtypes) and mismatched shapes before the C code sees them."""
+not compute (other dtypes) and mismatched shapes before the C code sees them; a
+profiled call is named. The start-up measurement runs every kernel on one thread
+(CPU time) and gives the thread count back."""
 
 from __future__ import annotations
 
@@ -68,3 +70,27 @@ def test_a_profiled_call_is_named_for_the_step_costs(built):
         y = built(w, None, x)
     assert {ev.key for ev in prof.key_averages()} >= {compiled.PROFILE_NAME}
     torch.testing.assert_close(y, torch.full((2, 8), 16.0))  # the same result as unprofiled
+
+
+def test_calibration_times_one_thread_and_restores_the_count(tiny_engine):
+    from kvmesh.engine.hf import KERNELS, _calibrate
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+    kernel = KERNELS["streamed"]
+
+    def counting(w, b, x):  # the real kernel, recording the thread count it ran under
+        seen.append(torch.get_num_threads())
+        return kernel(w, b, x)
+
+    KERNELS["streamed"] = counting
+    try:
+        with torch.inference_mode():
+            chosen = _calibrate(tiny_engine.model, reps=1)
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        KERNELS["streamed"] = kernel
+        torch.set_num_threads(saved)
+    assert seen and set(seen) == {1}  # measured on one thread
+    assert set(chosen.values()) <= set(KERNELS)
