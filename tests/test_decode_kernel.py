@@ -1,6 +1,6 @@
 """The compiled linear kernel of batched decode steps (kvmesh/engine/compiled.py):
 built here with the system compiler, it matches ``F.linear`` for every row count
-and odd shapes (tails of the 16-wide vectors, of the 4-row groups, of the 64-row
+and odd shapes (tails of the 16-wide vectors, of the 4-row groups, of the 48-row
 chunks), with and without bias, on one and two threads; it refuses what it does
 not compute (other dtypes) and mismatched shapes before the C code sees them; a
 profiled call is named. The start-up measurement runs every kernel on one thread
