@@ -18,7 +18,10 @@ reuses another's prefix and decode, not prefill, is what is measured):
   sequences, the median of a few rounds run interleaved, wall and CPU time; for
   torch also where one step's time goes (a profiled step: linear layers,
   attention, cache copies) and the LM head alone on that many rows, and the
-  linear kernel the engine measured fastest at start for each batch size.
+  linear kernel the engine measured fastest at start for each batch size; then
+  the same steps with each linear kernel forced in turn, side by side.
+  ``--step-threads 1`` measures them on one thread, whose CPU time a busy machine
+  hardly moves (wall time it stretches by whole time slices).
 
 Every request is greedy, so each wave's work is the same on every run; what
 differs between waves is only how many sequences share the engine's steps.
@@ -51,6 +54,7 @@ class Size:
     stream: int = 32
     waves: tuple[int, ...] = (1, 2, 4, 8)
     rounds: int = 5  # step-cost rounds (the median is reported)
+    step_threads: int = 0  # torch threads for the step costs (0: torch's default)
 
 
 SIZE = Size()
@@ -160,7 +164,7 @@ def throughput(url: str, texts) -> dict:  # type: ignore[no-untyped-def, type-ar
 
 # aten ops by where a decode step spends them (self CPU time of a profiled step)
 PARTS = {
-    "linear": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
+    "linear": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvmesh::streamed_linear"),
     "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::_softmax", "aten::where"),
     "cache_copy": ("aten::cat", "aten::copy_", "aten::zeros", "aten::new_zeros", "aten::fill_"),
 }
@@ -180,7 +184,8 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
     """One decode step at each wave size, in this process (see the docstring)."""
     import torch
 
-    eng = load_engine(SIZE.model, engine)
+    extra = {"threads": SIZE.step_threads} if SIZE.step_threads else {}
+    eng = load_engine(SIZE.model, engine, **extra)  # type: ignore[arg-type]
     batches = {k: step_states(eng, k) for k in SIZE.waves}
 
     def step(states: list[KVState]) -> tuple[float, float]:
@@ -199,6 +204,9 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
             times[k].append(step(states))
     kernels = getattr(eng, "kernels", {})  # batch size -> linear kernel, measured at start
     out: dict = {"kernels": {k: kernels.get(k, "linear") for k in SIZE.waves}, "steps": {}}  # type: ignore[type-arg]
+    out["threads"] = torch.get_num_threads()
+    if isinstance(getattr(eng, "model", None), torch.nn.Module):
+        out["by_kernel"] = kernel_steps(eng, batches, step)
     for k, ts in times.items():
         row = {
             "wall_ms": 1000 * sorted(t for t, _ in ts)[len(ts) // 2],
@@ -212,6 +220,31 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
         out["steps"][k] = row
     for row in out["steps"].values():
         row["vs_one"] = row["wall_ms"] / out["steps"][SIZE.waves[0]]["wall_ms"]
+    return out
+
+
+def kernel_steps(eng, batches, step) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """Each linear kernel forced in turn for every batched size, interleaved: the
+    median step (wall and CPU ms) of each, side by side, so one run shows what the
+    start-up choice gained and what it left (the choice is restored after)."""
+    from kvmesh.engine.hf import KERNELS
+
+    chosen = eng.kernels
+    names = ["linear", *KERNELS]
+    times: dict = {(k, n): [] for k in batches if k > 1 for n in names}  # type: ignore[type-arg]
+    try:
+        for _ in range(SIZE.rounds):
+            for k, n in times:
+                eng.kernels = {} if n == "linear" else {k: n}
+                times[k, n].append(step(batches[k]))
+    finally:
+        eng.kernels = chosen
+    out: dict = {}  # type: ignore[type-arg]
+    for (k, n), ts in times.items():
+        out.setdefault(k, {})[n] = {
+            "wall_ms": 1000 * sorted(t for t, _ in ts)[len(ts) // 2],
+            "cpu_ms": 1000 * sorted(c for _, c in ts)[len(ts) // 2],
+        }
     return out
 
 
@@ -249,13 +282,17 @@ def step_parts(states: list[KVState], step) -> dict[str, float]:  # type: ignore
 
 
 def print_steps(engine: str, costs: dict) -> None:  # type: ignore[type-arg]
-    print(f"{engine}: one decode step (~60-token sequences; linear kernels {costs['kernels']}):")
+    print(f"{engine}: one decode step (~60-token sequences, {costs.get('threads')} threads; "
+          f"linear kernels {costs['kernels']}):")  # fmt: skip
     for k, r in costs["steps"].items():
         parts = "  ".join(f"{p} {100 * r[p + '_share']:.0f}%" for p in PARTS if p + "_share" in r)
         if "lm_head_ms" in r:
             parts += f"  (LM head alone {r['lm_head_ms']:.1f} ms)"
         print(f"  {k} seq: {r['wall_ms']:.1f} ms wall ({r['vs_one']:.2f}x one), "
               f"{r['cpu_ms']:.1f} ms CPU; profiled: {parts}", flush=True)  # fmt: skip
+    for k, by in costs.get("by_kernel", {}).items():
+        text = "  ".join(f"{n} {v['wall_ms']:.0f}/{v['cpu_ms']:.0f}" for n, v in by.items())
+        print(f"  {k} seq, each kernel forced (wall/CPU ms): {text}", flush=True)
 
 
 def main() -> None:
@@ -266,8 +303,14 @@ def main() -> None:
     ap.add_argument("--engines", default="torch,mlx")
     ap.add_argument("--model", default="demo")
     ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, torch, short waves")
+    ap.add_argument(
+        "--step-threads", type=int, default=0,
+        help="torch threads for the in-process step costs (1: CPU time is stable on a busy "
+        "machine; the head keeps its default)",
+    )  # fmt: skip
     args = ap.parse_args()
     SIZE.model = args.model
+    SIZE.step_threads = args.step_threads
     if args.smoke:
         args.engines = "torch"
         SIZE.model, SIZE.long, SIZE.stream, SIZE.waves = "demo-tiny", 12, 8, (1, 2)
