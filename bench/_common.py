@@ -41,11 +41,20 @@ def demo_card(
     block_tokens: int = 32, layers: int = 24, kv_heads: int = 2, head_dim: int = 64
 ) -> CompatCard:
     return CompatCard(
-        engine="transformers", model_id="bench", weights_digest="0" * 64,
-        tokenizer_digest="0" * 64, quantization="none", kv_dtype="float32", rope="{}",
-        num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-        sliding_windows=(0,) * layers, vocab_size=320, block_tokens=block_tokens,
-    )  # fmt: skip
+        engine="transformers",
+        model_id="bench",
+        weights_digest="0" * 64,
+        tokenizer_digest="0" * 64,
+        quantization="none",
+        kv_dtype="float32",
+        rope="{}",
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        sliding_windows=(0,) * layers,
+        vocab_size=320,
+        block_tokens=block_tokens,
+    )
 
 
 def fake_engine(card: CompatCard) -> TransformersEngine:
@@ -69,14 +78,20 @@ def fake_engine(card: CompatCard) -> TransformersEngine:
 def random_state(card: CompatCard, n_tokens: int, seed: int = 0) -> SimpleNamespace:
     g = torch.Generator().manual_seed(seed)
     shape = (1, card.num_kv_heads, n_tokens, card.head_dim)
-    cache = SimpleNamespace(layers=[
-        SimpleNamespace(keys=torch.randn(shape, generator=g), values=torch.randn(shape, generator=g))
-        for _ in range(card.num_layers)
-    ])  # fmt: skip
+    cache = SimpleNamespace(
+        layers=[
+            SimpleNamespace(
+                keys=torch.randn(shape, generator=g), values=torch.randn(shape, generator=g)
+            )
+            for _ in range(card.num_layers)
+        ]
+    )
     return SimpleNamespace(
-        tokens=[(seed * 7919 + i) % 256 for i in range(n_tokens)], cached=n_tokens, cache=cache,
+        tokens=[(seed * 7919 + i) % 256 for i in range(n_tokens)],
+        cached=n_tokens,
+        cache=cache,
         logits=torch.zeros(card.vocab_size),
-    )  # fmt: skip
+    )
 
 
 def synthetic_blocks(
@@ -94,8 +109,13 @@ def machine() -> dict[str, object]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
-    return {"cpu": cpu, "cores": __import__("os").cpu_count(), "python": sys.version.split()[0],
-            "torch": torch.__version__, "platform": platform.platform()}  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cores": __import__("os").cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
 
 
 FAIL_ENV = "KVMESH_BENCH_FAIL"
@@ -189,8 +209,7 @@ def own_netns(name: str) -> None:
 def own_link(name: str, *spec: str) -> None:
     """``ip link add NAME SPEC...`` (e.g. a veth pair), deleted at exit."""
     subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
-    subprocess.run(["ip", "link", "add", name, *spec], check=True, capture_output=True,
-                   timeout=30)  # fmt: skip
+    subprocess.run(["ip", "link", "add", name, *spec], check=True, capture_output=True, timeout=30)
     OWNED.links.append(name)
 
 
@@ -226,8 +245,10 @@ def spawn_kvmesh(
     exec NS``), once its first line matches ``pattern``."""
     p = popen(
         [*prefix, sys.executable, "-m", "kvmesh.cli", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     assert p.stdout is not None
     ready, _, _ = select.select([p.stdout], [], [], START_TIMEOUT_S)
     line = p.stdout.readline() if ready else ""

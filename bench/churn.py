@@ -56,8 +56,11 @@ async def run(pid: int, address: str, budget: int, factor: int) -> dict[str, obj
         )
         i += 1
         if i % 20 == 0:
-            print(f"sent {sent / 2**20:7.0f} MiB  stored {me.used_bytes / 2**20:6.1f} MiB  "
-                  f"rss {samples[-1]['rss'] / 2**20:6.1f} MiB", flush=True)  # fmt: skip
+            print(
+                f"sent {sent / 2**20:7.0f} MiB  stored {me.used_bytes / 2**20:6.1f} MiB  "
+                f"rss {samples[-1]['rss'] / 2**20:6.1f} MiB",
+                flush=True,
+            )
     await c.close()
     max_used = max(s["used"] for s in samples)
     max_rss = max(s["rss"] for s in samples)

@@ -49,8 +49,14 @@ from tests.helpers import small_card, synthetic_chain  # noqa: E402
 if TYPE_CHECKING:
     from kvmesh.engine import KVState
 
-DEMO = small_card(num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24,
-                  vocab_size=151936, block_tokens=32)  # fmt: skip
+DEMO = small_card(
+    num_layers=24,
+    num_kv_heads=2,
+    head_dim=64,
+    sliding_windows=(0,) * 24,
+    vocab_size=151936,
+    block_tokens=32,
+)
 TINY = small_card()  # 4-token blocks of a few hundred bytes: the rebuild test
 
 
@@ -163,12 +169,22 @@ def file_cache_row(root: Path, model: str, state: KVState, n: int) -> dict[str, 
 
     path = root / "prompt.safetensors"
     layers = state.cache.layers
-    save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous() for i, lay in enumerate(layers)},
-               **{f"v{i}": lay.values[:, :, :n].contiguous() for i, lay in enumerate(layers)},
-               "logits": state.logits}, str(path))  # fmt: skip
+    save_file(
+        {
+            **{f"k{i}": lay.keys[:, :, :n].contiguous() for i, lay in enumerate(layers)},
+            **{f"v{i}": lay.values[:, :, :n].contiguous() for i, lay in enumerate(layers)},
+            "logits": state.logits,
+        },
+        str(path),
+    )
     helper = Path(__file__).parent / "_filecache.py"
-    out = subprocess.run([sys.executable, str(helper), model, "cpu", str(path), str(n), "[]", ""],
-                         capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(helper), model, "cpu", str(path), str(n), "[]", ""],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     fc = json.loads(out.stdout.strip().splitlines()[-1])
     path.unlink()
     row = {"file_cache_s": fc["read"], "file_cache_mmap_s": fc["lazy"]}

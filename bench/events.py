@@ -120,9 +120,14 @@ def per_block(prompts: int, repeats: int) -> dict[str, Any]:
         evented.append(run(True))
     n = prompts * CHAIN
     p, e = statistics.median(plain), statistics.median(evented)
-    return {"blocks": n, "repeats": repeats, "plain_us_per_block": p / n * 1e6,
-            "events_us_per_block": e / n * 1e6, "added_us_per_block": (e - p) / n * 1e6,
-            "ratio": e / p}  # fmt: skip
+    return {
+        "blocks": n,
+        "repeats": repeats,
+        "plain_us_per_block": p / n * 1e6,
+        "events_us_per_block": e / n * 1e6,
+        "added_us_per_block": (e - p) / n * 1e6,
+        "ratio": e / p,
+    }
 
 
 def rate(changes: int) -> dict[str, Any]:
@@ -142,9 +147,16 @@ def rate(changes: int) -> dict[str, Any]:
     while reader.hashes < changes and time.time() < deadline:
         time.sleep(0.01)
     dt = time.perf_counter() - t0
-    out = {"changes": changes, "received": reader.hashes, "seconds": dt,
-           "events_per_s": reader.hashes / dt, "listener_us_per_change": pushed / changes * 1e6,
-           "batches": reader.batches, "gaps": reader.gaps, "dropped": sink.dropped}  # fmt: skip
+    out = {
+        "changes": changes,
+        "received": reader.hashes,
+        "seconds": dt,
+        "events_per_s": reader.hashes / dt,
+        "listener_us_per_change": pushed / changes * 1e6,
+        "batches": reader.batches,
+        "gaps": reader.gaps,
+        "dropped": sink.dropped,
+    }
     reader.close()
     pub.close()
     ctx.destroy(linger=0)
@@ -153,9 +165,21 @@ def rate(changes: int) -> dict[str, Any]:
 
 def start_head(*args: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen",
-         "127.0.0.1:0", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "head",
+            "--model",
+            "demo-tiny",
+            "--listen",
+            "127.0.0.1:0",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     PROCS.append(proc)
     assert proc.stdout is not None
     m = re.search(r"(https?://\S+) grpc", proc.stdout.readline())
@@ -199,9 +223,13 @@ def head(requests: int) -> dict[str, Any]:
             out[f"{side}_median_s"] = statistics.median(lat)
             if reader is not None:
                 time.sleep(1.0)  # the last batches arrive
-                out.update(events_received=reader.events, blocks_announced=reader.hashes,
-                           events_per_s=reader.events / wall, gaps=reader.gaps,
-                           dropped=metric(url, 'kvmesh_kv_events_total{outcome="dropped"}'))  # fmt: skip
+                out.update(
+                    events_received=reader.events,
+                    blocks_announced=reader.hashes,
+                    events_per_s=reader.events / wall,
+                    gaps=reader.gaps,
+                    dropped=metric(url, 'kvmesh_kv_events_total{outcome="dropped"}'),
+                )
         finally:
             if reader is not None:
                 reader.close()

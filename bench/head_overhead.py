@@ -73,8 +73,11 @@ def frozen_peer(model: str, n: int, tokens: int, loaded: Engine | None = None) -
             name = "paired" if i % 2 == 0 else "alone"  # the frozen side goes first
             times[name].append(ttft(heads[name], toks))
             lookups[name].append(heads[name].telemetry.recent[-1]["lookup_s"])
-            print(f"frozen: {name:6s} ttft {times[name][-1]:.3f} s lookup "
-                  f"{lookups[name][-1] * 1e3:.1f} ms", flush=True)  # fmt: skip
+            print(
+                f"frozen: {name:6s} ttft {times[name][-1]:.3f} s lookup "
+                f"{lookups[name][-1] * 1e3:.1f} ms",
+                flush=True,
+            )
         failed = dict(paired.node.node.client.counters)  # type: ignore[union-attr]
     finally:
         proc.send_signal(signal.SIGCONT)
@@ -101,7 +104,7 @@ def frozen_peer(model: str, n: int, tokens: int, loaded: Engine | None = None) -
             "paired": times["paired"],
             "alone": times["alone"],
             "paired_lookup_s": lookups["paired"],
-        },  # fmt: skip
+        },
     }
 
 
@@ -186,7 +189,7 @@ def main() -> None:
             args.freeze_n,
             args.freeze_tokens,
             engine if args.freeze_model == args.model else None,
-        ),  # fmt: skip
+        ),
     }
     print(
         f"publishing: TTFT {out['publish_on_ttft_s']:.3f} s vs {out['publish_off_ttft_s']:.3f} s "

@@ -42,17 +42,34 @@ PROMPT = "The head stays responsive while its request queue is full. " * 4
 
 def start_head(model: str, max_queue: int, max_batch: int) -> tuple[subprocess.Popen[str], str]:
     proc, m = spawn_kvmesh(
-        "head", "--model", model, "--listen", "127.0.0.1:0", "--max-queue", str(max_queue),
-        "--max-batch", str(max_batch), "--no-publish", pattern=r"(http://\S+) grpc",
-    )  # fmt: skip
+        "head",
+        "--model",
+        model,
+        "--listen",
+        "127.0.0.1:0",
+        "--max-queue",
+        str(max_queue),
+        "--max-batch",
+        str(max_batch),
+        "--no-publish",
+        pattern=r"(http://\S+) grpc",
+    )
     return proc, m.group(1)
 
 
 def long_request(url: str, model: str, stream: bool) -> socket.socket:
     """A generation that decodes for minutes unless its client leaves."""
     u = urlsplit(url)
-    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 20000, "ignore_eos": True,
-                       "temperature": 0, "stream": stream}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 20000,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": stream,
+        }
+    ).encode()
     sock = socket.create_connection((u.hostname, u.port))
     sock.sendall(
         f"POST /v1/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
@@ -87,10 +104,15 @@ def timed(http: httpx.Client, path: str, n: int, overflow_url: str | None = None
     worst = max(range(n), key=ms.__getitem__)
     ms.sort()
     return {
-        "path": path, "samples": n, "p50_ms": round(statistics.median(ms), 2),
-        "p90_ms": round(ms[int(0.9 * (n - 1))], 2), "p99_ms": round(ms[int(0.99 * (n - 1))], 2),
-        "max_ms": round(ms[-1], 2), "max_at_sample": worst, **({"overflow_503": refused} if overflow_url else {}),
-    }  # fmt: skip
+        "path": path,
+        "samples": n,
+        "p50_ms": round(statistics.median(ms), 2),
+        "p90_ms": round(ms[int(0.9 * (n - 1))], 2),
+        "p99_ms": round(ms[int(0.99 * (n - 1))], 2),
+        "max_ms": round(ms[-1], 2),
+        "max_at_sample": worst,
+        **({"overflow_503": refused} if overflow_url else {}),
+    }
 
 
 def cancelled(http: httpx.Client) -> float:
@@ -137,8 +159,12 @@ def main() -> None:
     ap.add_argument("--max-queue", type=int, default=8)
     ap.add_argument("--deep", type=int, default=46)
     ap.add_argument("--samples", type=int, default=200)
-    ap.add_argument("--max-batch", type=int, default=8, help="the head's --max-batch: "
-                    "this many generations decode before requests wait")  # fmt: skip
+    ap.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="the head's --max-batch: this many generations decode before requests wait",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, a queue of 2, no deep")
     a = ap.parse_args()

@@ -58,9 +58,15 @@ BUDGET, MAX_BLOCK, INFLIGHT = 64 * MiB, 8 * MiB, 16 * MiB
 
 def spawn(metrics: str) -> tuple[subprocess.Popen[str], str]:
     p, address = spawn_peer(
-        "--budget", "64MiB", "--max-block-bytes", "8MiB", "--max-inflight", "16MiB",
-        "--metrics", metrics,
-    )  # fmt: skip
+        "--budget",
+        "64MiB",
+        "--max-block-bytes",
+        "8MiB",
+        "--max-inflight",
+        "16MiB",
+        "--metrics",
+        metrics,
+    )
     for _ in range(100):
         try:
             scrape(metrics)
@@ -73,7 +79,7 @@ def spawn(metrics: str) -> tuple[subprocess.Popen[str], str]:
 def target(address: str) -> Target:
     card = small_card(
         num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24, block_tokens=256
-    )  # fmt: skip  (6 MiB blocks)
+    )  # 6 MiB blocks
     honest = synthetic_chain(card, list(range(256 * 10)), tail=False)
     foreign = synthetic_chain(card, [7] * 256 * 3, tail=False)
     return Target(address, card, honest, foreign, MAX_BLOCK)
@@ -165,8 +171,11 @@ def main() -> None:
     lat: list[float] = got["lookup_s"]  # type: ignore[assignment]
     matched: list[int] = got["matched"]  # type: ignore[assignment]
     bound = baseline + BUDGET + INFLIGHT
-    rejected = {k.split("reason=")[1].split(",")[0]: v for k, v in seen.items()
-                if k.startswith("kvmesh_rejections_total") and "surface=publish" in k and v}  # fmt: skip
+    rejected = {
+        k.split("reason=")[1].split(",")[0]: v
+        for k, v in seen.items()
+        if k.startswith("kvmesh_rejections_total") and "surface=publish" in k and v
+    }
     by_kind: dict[str, dict[str, int]] = {}
     for (kind, reason), n in Counter(results).items():
         by_kind.setdefault(kind, {})[reason] = n

@@ -46,8 +46,13 @@ def text_of(n_tokens: int) -> str:
 
 
 def request(url: str, prompt: str, max_tokens: int, errors: list[str]) -> None:
-    body = {"model": "demo-tiny", "prompt": prompt, "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "demo-tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     try:
         r = httpx.post(url + "/v1/completions", json=body, timeout=1800)
         if r.status_code != 200:
@@ -58,17 +63,28 @@ def request(url: str, prompt: str, max_tokens: int, errors: list[str]) -> None:
 
 def run(long_tokens: int, short_tokens: int, budget_mib: int) -> dict:
     proc, m = spawn_kvmesh(
-        "head", "--model", "demo-tiny", "--listen", "127.0.0.1:0", "--no-publish",
-        "--max-batch", "8", "--kv-budget", f"{budget_mib}MiB", pattern=r"(http://\S+) grpc",
-    )  # fmt: skip
+        "head",
+        "--model",
+        "demo-tiny",
+        "--listen",
+        "127.0.0.1:0",
+        "--no-publish",
+        "--max-batch",
+        "8",
+        "--kv-budget",
+        f"{budget_mib}MiB",
+        pattern=r"(http://\S+) grpc",
+    )
     url = m.group(1)
     try:
         errors: list[str] = []
         request(url, text_of(64), 8, errors)  # warm: every code path once
         base = rss(proc.pid, "VmRSS")
         t0 = time.perf_counter()
-        shorts = [threading.Thread(target=request, args=(url, text_of(40 + i), short_tokens,
-                                                         errors)) for i in range(7)]  # fmt: skip
+        shorts = [
+            threading.Thread(target=request, args=(url, text_of(40 + i), short_tokens, errors))
+            for i in range(7)
+        ]
         for t in shorts:
             t.start()
         time.sleep(0.5)  # the short ones decode, then the long one joins them
@@ -84,14 +100,19 @@ def run(long_tokens: int, short_tokens: int, budget_mib: int) -> dict:
         real_kv = kv_per_token * (long_tokens + 16 + 7 * (60 + short_tokens))
         growth = peak - base
         return {
-            "long_tokens": long_tokens, "short_requests": 7, "short_max_tokens": short_tokens,
-            "budget_mib": budget_mib, "overhead_mib": OVERHEAD_MIB,
-            "rss_base_mib": round(base / MIB, 1), "rss_peak_mib": round(peak / MIB, 1),
-            "growth_mib": round(growth / MIB, 1), "real_kv_mib": round(real_kv / MIB, 1),
+            "long_tokens": long_tokens,
+            "short_requests": 7,
+            "short_max_tokens": short_tokens,
+            "budget_mib": budget_mib,
+            "overhead_mib": OVERHEAD_MIB,
+            "rss_base_mib": round(base / MIB, 1),
+            "rss_peak_mib": round(peak / MIB, 1),
+            "growth_mib": round(growth / MIB, 1),
+            "real_kv_mib": round(real_kv / MIB, 1),
             "growth_over_real_kv": round(growth / real_kv, 2),
             "within_budget_plus_overhead": growth <= (budget_mib + OVERHEAD_MIB) * MIB,
             "wall_s": round(wall, 1),
-        }  # fmt: skip
+        }
     finally:
         stop(proc, grace_s=15)
 

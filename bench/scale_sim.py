@@ -219,8 +219,11 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/scale_sim.json")
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--smoke", action="store_true", help="10 and 100 nodes, 3,000 requests")
-    ap.add_argument("--distinct-roots", action="store_true",
-                    help="no shared template block (each conversation its own root)")  # fmt: skip
+    ap.add_argument(
+        "--distinct-roots",
+        action="store_true",
+        help="no shared template block (each conversation its own root)",
+    )
     args = ap.parse_args()
     sizes = (10, 100) if args.smoke else (10, 30, 100, 300, 1000)
     requests = 3000 if args.smoke else args.requests
@@ -230,10 +233,13 @@ def main() -> None:
             for k in (1, 2, 3):
                 r = simulate(n, k, policy, requests, n, not args.distinct_roots)
                 rows.append(r)
-                print(f"{n:5d} nodes  {r['policy']:6s} k={k}: busiest/mean "
-                      f"{r['max_over_mean_served']:6.1f}  hit {r['hit_rate']:.3f}  fan-out "
-                      f"{r['fanout_per_lookup']:4.2f} (max {r['max_fanout']}, bound "
-                      f"{r['fanout_bound']})", flush=True)  # fmt: skip
+                print(
+                    f"{n:5d} nodes  {r['policy']:6s} k={k}: busiest/mean "
+                    f"{r['max_over_mean_served']:6.1f}  hit {r['hit_rate']:.3f}  fan-out "
+                    f"{r['fanout_per_lookup']:4.2f} (max {r['max_fanout']}, bound "
+                    f"{r['fanout_bound']})",
+                    flush=True,
+                )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = [{k: v for k, v in r.items() if k != "served_sorted"} for r in rows]
@@ -258,15 +264,26 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     for r in rows:
         if r["nodes"] == n and r["k"] in (1, 3):
             served = r["served_sorted"]
-            axes[0].plot(range(1, len(served) + 1), served,  # type: ignore[arg-type]
-                         label=f"{r['policy']} k={r['k']}")  # fmt: skip
+            axes[0].plot(
+                range(1, len(served) + 1),
+                served,  # type: ignore[arg-type]
+                label=f"{r['policy']} k={r['k']}",
+            )
     axes[0].set_yscale("symlog", linthresh=1)
-    axes[0].set(xscale="log", ylim=(0, None), xlabel=f"node (busiest first, {n} nodes)",
-                ylabel="fetches served")  # fmt: skip
+    axes[0].set(
+        xscale="log",
+        ylim=(0, None),
+        xlabel=f"node (busiest first, {n} nodes)",
+        ylabel="fetches served",
+    )
     for policy in ("before", "after"):
         sel = [r for r in rows if r["policy"] == policy and r["k"] == 1]
-        axes[1].plot([r["nodes"] for r in sel], [r["max_over_mean_served"] for r in sel],
-                     marker="o", label=f"{policy} k=1")  # fmt: skip
+        axes[1].plot(
+            [r["nodes"] for r in sel],
+            [r["max_over_mean_served"] for r in sel],
+            marker="o",
+            label=f"{policy} k=1",
+        )
     axes[1].set(xscale="log", yscale="log", xlabel="nodes", ylabel="busiest node / mean")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)

@@ -60,10 +60,14 @@ HEAD_START_S = 300.0  # loading the model and warming up on a loaded 2-core mach
 VLLM_START_S = 900.0  # vLLM compiles the model at its first start (minutes when loaded)
 # the head's /metrics counters read before and after a run: their difference is the run's
 HEAD_COUNTERS = (
-    "kvmesh_requests_total", "kvmesh_prompt_tokens_total", "kvmesh_kv_assisted_tokens_total",
-    "kvmesh_computed_prompt_tokens_total", "kvmesh_completion_tokens_total",
-    "kvmesh_prefill_seconds_total", "kvmesh_batch_steps_total",
-)  # fmt: skip
+    "kvmesh_requests_total",
+    "kvmesh_prompt_tokens_total",
+    "kvmesh_kv_assisted_tokens_total",
+    "kvmesh_computed_prompt_tokens_total",
+    "kvmesh_completion_tokens_total",
+    "kvmesh_prefill_seconds_total",
+    "kvmesh_batch_steps_total",
+)
 
 
 def loadavg() -> str:
@@ -71,8 +75,9 @@ def loadavg() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
-def row(server: str, res: dict[str, Any], out_tokens: int, start_s: float,
-        load: str) -> dict[str, Any]:  # fmt: skip
+def row(
+    server: str, res: dict[str, Any], out_tokens: int, start_s: float, load: str
+) -> dict[str, Any]:
     """One server's figures from vLLM's result dict."""
     ttft, e2el = res["mean_ttft_ms"], res["mean_e2el_ms"]
     return {
@@ -118,10 +123,24 @@ def settled(url: str, requests: float, timeout_s: float = 30.0) -> dict[str, flo
 
 def start_head(python: str, model: str, log: Path) -> tuple[Any, str]:
     """``kvmesh head`` on a free loopback port once it serves; (process, URL)."""
-    cmd = [python, "-m", "kvmesh.cli", "head", "--model", model, "--dtype", "float32",
-           "--listen", "127.0.0.1:0"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT),
-           os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+    cmd = [
+        python,
+        "-m",
+        "kvmesh.cli",
+        "head",
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--listen",
+        "127.0.0.1:0",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
     with open(log, "w") as out:  # the child keeps its own copy
         proc = popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + HEAD_START_S
@@ -155,9 +174,24 @@ def start_vllm(model: str, shape: dict[str, Any], eager: bool, log: Path) -> tup
     """``vllm serve`` (its OpenAI server module) on a free loopback port once it is
     healthy; (process, URL). vLLM's defaults (its compiled model) unless ``eager``."""
     url = f"http://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--dtype", "float32",
-           "--max-model-len", str(shape["len"]), "--seed", "0", "--enable-prefix-caching"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        url.rsplit(":", 1)[1],
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(shape["len"]),
+        "--seed",
+        "0",
+        "--enable-prefix-caching",
+    ]
     cmd += ["--enforce-eager"] if eager else []
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:  # the child keeps its own copy
@@ -225,8 +259,9 @@ def markdown(out: dict[str, Any]) -> str:
             f"{q['p99_ttft_ms']:.2f}x | {q['mean_tpot_ms']:.2f}x | **{q['duration_s']:.2f}x** | | |"
         )
     lines += ["", "The head's counters over each run (its `/metrics`):", ""]
-    lines += [f"- round {i}: `{json.dumps(r['head']['metrics'])}`"
-              for i, r in enumerate(out["rounds"], 1)]  # fmt: skip
+    lines += [
+        f"- round {i}: `{json.dumps(r['head']['metrics'])}`" for i, r in enumerate(out["rounds"], 1)
+    ]
     lines.append(END)
     return "\n".join(lines)
 
@@ -245,10 +280,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and prompts (about a minute)")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the two servers N times")
-    ap.add_argument("--eager", action="store_true",
-                    help="vLLM with --enforce-eager (the default in --smoke: no compile wait)")  # fmt: skip
-    ap.add_argument("--head-python", default=sys.executable,
-                    help="interpreter that runs the head (default: this one)")  # fmt: skip
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="vLLM with --enforce-eager (the default in --smoke: no compile wait)",
+    )
+    ap.add_argument(
+        "--head-python",
+        default=sys.executable,
+        help="interpreter that runs the head (default: this one)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--markdown", type=Path, default=None, help="update this file's section")
     a = ap.parse_args()
@@ -264,8 +305,11 @@ def main() -> None:
         order = ("vllm", "head") if i % 2 == 0 else ("head", "vllm")
         rnd: dict[str, Any] = {}
         for name in order:
-            rnd[name] = (run_vllm(model, shape, a.eager, rnd_logs) if name == "vllm"
-                         else run_head(a.head_python, model, shape, rnd_logs))  # fmt: skip
+            rnd[name] = (
+                run_vllm(model, shape, a.eager, rnd_logs)
+                if name == "vllm"
+                else run_head(a.head_python, model, shape, rnd_logs)
+            )
             print(json.dumps(rnd[name]), flush=True)
         rnd["ratios"] = ratios(rnd["head"], rnd["vllm"])
         print(json.dumps({"round": i + 1, "head_over_vllm": rnd["ratios"]}), flush=True)

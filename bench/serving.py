@@ -81,8 +81,13 @@ def prompt(i: int, words: int = 8) -> str:
 
 
 def complete(url: str, text: str, max_tokens: int) -> dict:  # type: ignore[type-arg]
-    body = {"model": SIZE.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": SIZE.model,
+        "prompt": text,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -116,9 +121,18 @@ def wave(url: str, texts: list[str], max_tokens: int, delays: list[float] | None
 
 def bench_engine(engine: str, seq: int) -> dict:  # type: ignore[type-arg]
     head, m = spawn_kvmesh(
-        "head", "--model", SIZE.model, "--engine", engine, "--listen", "127.0.0.1:0",
-        "--no-publish", "--max-batch", "8", pattern=r"(http://\S+)",
-    )  # fmt: skip
+        "head",
+        "--model",
+        SIZE.model,
+        "--engine",
+        engine,
+        "--listen",
+        "127.0.0.1:0",
+        "--no-publish",
+        "--max-batch",
+        "8",
+        pattern=r"(http://\S+)",
+    )
     url = m.group(1)
     n = [seq]
 
@@ -282,14 +296,19 @@ def step_parts(states: list[KVState], step) -> dict[str, float]:  # type: ignore
 
 
 def print_steps(engine: str, costs: dict) -> None:  # type: ignore[type-arg]
-    print(f"{engine}: one decode step (~60-token sequences, {costs.get('threads')} threads; "
-          f"linear kernels {costs['kernels']}):")  # fmt: skip
+    print(
+        f"{engine}: one decode step (~60-token sequences, {costs.get('threads')} threads; "
+        f"linear kernels {costs['kernels']}):"
+    )
     for k, r in costs["steps"].items():
         parts = "  ".join(f"{p} {100 * r[p + '_share']:.0f}%" for p in PARTS if p + "_share" in r)
         if "lm_head_ms" in r:
             parts += f"  (LM head alone {r['lm_head_ms']:.1f} ms)"
-        print(f"  {k} seq: {r['wall_ms']:.1f} ms wall ({r['vs_one']:.2f}x one), "
-              f"{r['cpu_ms']:.1f} ms CPU; profiled: {parts}", flush=True)  # fmt: skip
+        print(
+            f"  {k} seq: {r['wall_ms']:.1f} ms wall ({r['vs_one']:.2f}x one), "
+            f"{r['cpu_ms']:.1f} ms CPU; profiled: {parts}",
+            flush=True,
+        )
     for k, by in costs.get("by_kernel", {}).items():
         text = "  ".join(f"{n} {v['wall_ms']:.0f}/{v['cpu_ms']:.0f}" for n, v in by.items())
         print(f"  {k} seq, each kernel forced (wall/CPU ms): {text}", flush=True)
@@ -304,10 +323,12 @@ def main() -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--smoke", action="store_true", help="CI: demo-tiny, torch, short waves")
     ap.add_argument(
-        "--step-threads", type=int, default=0,
+        "--step-threads",
+        type=int,
+        default=0,
         help="torch threads for the in-process step costs (1: CPU time is stable on a busy "
         "machine; the head keeps its default)",
-    )  # fmt: skip
+    )
     args = ap.parse_args()
     SIZE.model = args.model
     SIZE.step_threads = args.step_threads

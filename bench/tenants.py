@@ -38,10 +38,24 @@ from _common import machine
 
 def start_head(model: str, keys: Path, secret: Path) -> tuple[subprocess.Popen[str], str]:
     p = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "head", "--model", model, "--listen", "127.0.0.1:0",
-         "--api-key-file", str(keys), "--tenant-secret-file", str(secret)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "head",
+            "--model",
+            model,
+            "--listen",
+            "127.0.0.1:0",
+            "--api-key-file",
+            str(keys),
+            "--tenant-secret-file",
+            str(secret),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     assert p.stdout is not None
     m = re.search(r"(https?://\S+) grpc", p.stdout.readline())
     if not m:
@@ -56,12 +70,19 @@ def prompt(n_words: int, salt: str) -> str:
 
 def ttft(http: httpx.Client, key: str, text: str, model: str) -> tuple[float, int, int]:
     """(seconds to the first streamed token, cached_tokens, prompt_tokens)."""
-    body = {"model": model, "max_tokens": 1, "prompt": text, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "max_tokens": 1,
+        "prompt": text,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first, usage = 0.0, None
-    with http.stream("POST", "/v1/completions", json=body,
-                     headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+    with http.stream(
+        "POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -102,8 +123,12 @@ def run(model: str, words: int, trials: int) -> dict[str, Any]:
                 for t in range(trials):
                     p, q = prompt(words, f"p{t}"), prompt(words, f"q{t}")
                     row: dict[str, Any] = {}
-                    for name, key, text in (("cold", "key-b", q), ("first", "key-a", p),
-                                            ("cross", "key-b", p), ("repeat", "key-a", p)):  # fmt: skip
+                    for name, key, text in (
+                        ("cold", "key-b", q),
+                        ("first", "key-a", p),
+                        ("cross", "key-b", p),
+                        ("repeat", "key-a", p),
+                    ):
                         s, cached, n = ttft(http, key, text, model)
                         row[f"{name}_s"], row[f"{name}_cached"], row["prompt_tokens"] = s, cached, n
                         wait_idle(http)
@@ -140,12 +165,14 @@ def main() -> None:
     a = ap.parse_args()
     model, n, trials = ("demo-tiny", 256, 2) if a.smoke else (a.model, a.prompt_tokens, a.trials)
     result = run(model, max(1, n // 32), trials)  # a "note" is ~32 byte-level tokens
-    print(f"{result['model']} {result['prompt_tokens']} prompt tokens, {trials} trials: "
-          f"cold {result['cold_median_s'] * 1e3:.0f} ms, cross-tenant "
-          f"{result['median_s']['cross'] * 1e3:.0f} ms (x{result['cross_vs_cold']:.2f} of cold), "
-          f"own repeat {result['median_s']['repeat'] * 1e3:.0f} ms "
-          f"(x{result['repeat_vs_cold']:.2f}); cross-tenant cached_tokens "
-          f"{result['cross_cached_tokens']}")  # fmt: skip
+    print(
+        f"{result['model']} {result['prompt_tokens']} prompt tokens, {trials} trials: "
+        f"cold {result['cold_median_s'] * 1e3:.0f} ms, cross-tenant "
+        f"{result['median_s']['cross'] * 1e3:.0f} ms (x{result['cross_vs_cold']:.2f} of cold), "
+        f"own repeat {result['median_s']['repeat'] * 1e3:.0f} ms "
+        f"(x{result['repeat_vs_cold']:.2f}); cross-tenant cached_tokens "
+        f"{result['cross_cached_tokens']}"
+    )
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=1) + "\n")

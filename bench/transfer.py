@@ -191,8 +191,16 @@ def main() -> None:
         stop(proc)
     out = {"machine": machine(), "chunk_bytes": args.chunk_kib << 10, "results": rows}
     if rows:
-        keys = ("fetch_gbps", "publish_gbps", "socket_gbps", "blake3_gbps", "sha256_gbps",
-                "memcpy_gbps", "fetch_vs_socket", "publish_vs_socket")  # fmt: skip
+        keys = (
+            "fetch_gbps",
+            "publish_gbps",
+            "socket_gbps",
+            "blake3_gbps",
+            "sha256_gbps",
+            "memcpy_gbps",
+            "fetch_vs_socket",
+            "publish_vs_socket",
+        )
         out.update({k: rows[-1][k] for k in keys})
     with open(args.json, "w") as fh:
         json.dump(out, fh, indent=1)

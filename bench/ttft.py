@@ -101,8 +101,13 @@ def sliding_variant(model: str, window: int) -> str:
                 os.link(f, dst / f.name)
             except OSError:
                 shutil.copy2(f, dst / f.name)
-    cfg.update(sliding_window=window, use_sliding_window=True, max_window_layers=layers,
-               layer_types=types, _name_or_path=dst.name)  # fmt: skip
+    cfg.update(
+        sliding_window=window,
+        use_sliding_window=True,
+        max_window_layers=layers,
+        layer_types=types,
+        _name_or_path=dst.name,
+    )
     (dst / "config.json").unlink(missing_ok=True)  # a link to the source's: never write through it
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return str(dst)
@@ -138,13 +143,17 @@ def fresh_head(engine, peer: str, ns_hex: str, security: Security) -> HeadRuntim
             ttl=5,
             alias=f"bench-{time.time_ns()}",
             security=security,
-        )  # fmt: skip
+        )
     )
-    head = HeadRuntime(engine, node, max_sessions=0, publish=False,
-                       hash_key=security.block_hash_key)  # fmt: skip
+    head = HeadRuntime(
+        engine, node, max_sessions=0, publish=False, hash_key=security.block_hash_key
+    )
     try:
-        wait_for(lambda: any(ns_hex in c.namespaces for c in node.node.membership.live()), 10,
-                 "the peer to advertise the namespace")  # fmt: skip
+        wait_for(
+            lambda: any(ns_hex in c.namespaces for c in node.node.membership.live()),
+            10,
+            "the peer to advertise the namespace",
+        )
     except BaseException:
         close(head)
         raise
@@ -174,21 +183,55 @@ class NetnsPeer:
         run("ip", "link", "set", self.peer_if, "netns", self.ns)
         run("ip", "addr", "add", f"{self.HOST}/24", "dev", self.host_if)
         run("ip", "link", "set", self.host_if, "up")
-        for c in (["ip", "addr", "add", f"{self.PEER}/24", "dev", self.peer_if],
-                  ["ip", "link", "set", self.peer_if, "up"], ["ip", "link", "set", "lo", "up"]):  # fmt: skip
+        for c in (
+            ["ip", "addr", "add", f"{self.PEER}/24", "dev", self.peer_if],
+            ["ip", "link", "set", self.peer_if, "up"],
+            ["ip", "link", "set", "lo", "up"],
+        ):
             run("ip", "netns", "exec", self.ns, *c)
         fail_point("netns")
         self.proc, _ = spawn_kvmesh(
-            "peer", "--listen", self.address, "--plaintext", "--fleet-key-file", key_file,
-            "--budget", "8GiB", "--gossip-interval", "0.2",
-            "--advertise", f"{self.address},interface=ethernet",
-            pattern="listening", prefix=("ip", "netns", "exec", self.ns),
-        )  # fmt: skip
+            "peer",
+            "--listen",
+            self.address,
+            "--plaintext",
+            "--fleet-key-file",
+            key_file,
+            "--budget",
+            "8GiB",
+            "--gossip-interval",
+            "0.2",
+            "--advertise",
+            f"{self.address},interface=ethernet",
+            pattern="listening",
+            prefix=("ip", "netns", "exec", self.ns),
+        )
 
     def shape(self, rate: str) -> None:
         """Cap the peer->head direction with a token bucket."""
-        subprocess.run(["ip", "netns", "exec", self.ns, "tc", "qdisc", "replace", "dev", self.peer_if, "root",
-                        "tbf", "rate", rate, "burst", "4mb", "latency", "50ms"], check=True, timeout=30)  # fmt: skip
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.ns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                self.peer_if,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "4mb",
+                "latency",
+                "50ms",
+            ],
+            check=True,
+            timeout=30,
+        )
 
 
 def file_cache(args: argparse.Namespace, live: KVState, n: int, ext: list[int]) -> dict:  # type: ignore[type-arg]
@@ -196,14 +239,35 @@ def file_cache(args: argparse.Namespace, live: KVState, n: int, ext: list[int]) 
     row = {}
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "prompt.safetensors")
-        save_file({**{f"k{i}": lay.keys[:, :, :n].contiguous().cpu() for i, lay in enumerate(live.cache.layers)},
-                   **{f"v{i}": lay.values[:, :, :n].contiguous().cpu() for i, lay in enumerate(live.cache.layers)},
-                   "logits": live.logits.cpu()}, path)  # fmt: skip
+        save_file(
+            {
+                **{
+                    f"k{i}": lay.keys[:, :, :n].contiguous().cpu()
+                    for i, lay in enumerate(live.cache.layers)
+                },
+                **{
+                    f"v{i}": lay.values[:, :, :n].contiguous().cpu()
+                    for i, lay in enumerate(live.cache.layers)
+                },
+                "logits": live.logits.cpu(),
+            },
+            path,
+        )
         out = subprocess.run(
-            [sys.executable, str(HERE / "_filecache.py"), args.model, args.device, path, str(n), json.dumps(ext),
-             args.dtype or ""],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(HERE / "_filecache.py"),
+                args.model,
+                args.device,
+                path,
+                str(n),
+                json.dumps(ext),
+                args.dtype or "",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         fc = json.loads(out.stdout.strip().splitlines()[-1])
     row["file_cache_s"], row["file_cache_extend_s"] = fc["read"], fc["read_extend"]
     row["file_cache_mmap_s"], row["file_cache_mmap_extend_s"] = fc["lazy"], fc["lazy_extend"]
@@ -225,12 +289,21 @@ def main() -> None:
         default=None,
         help="float32 | float16 | bfloat16 (default: the model's on GPU, float32 on CPU)",
     )
-    ap.add_argument("--sliding-window", type=int, default=0,
-                    help="run on --model's weights with Gemma-3's sliding/full layer pattern")  # fmt: skip
-    ap.add_argument("--netns", action=argparse.BooleanOptionalAction, default=os.geteuid() == 0,
-                    help="also measure a peer in another network namespace (needs root)")  # fmt: skip
-    ap.add_argument("--smoke", action="store_true",
-                    help="CI: demo-tiny, one 64-token prompt, every path once")  # fmt: skip
+    ap.add_argument(
+        "--sliding-window",
+        type=int,
+        default=0,
+        help="run on --model's weights with Gemma-3's sliding/full layer pattern",
+    )
+    ap.add_argument(
+        "--netns",
+        action=argparse.BooleanOptionalAction,
+        default=os.geteuid() == 0,
+        help="also measure a peer in another network namespace (needs root)",
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="CI: demo-tiny, one 64-token prompt, every path once"
+    )
     args = ap.parse_args()
     if args.smoke:  # the page cache is the whole machine's: a smoke run leaves it alone
         os.environ["KVMESH_BENCH_NO_DROP_CACHES"] = "1"
@@ -241,9 +314,20 @@ def main() -> None:
         key_file, security = fleet_key(keys)
         rows, card = measure(args, key_file, security)
     with open(args.json, "w") as fh:
-        json.dump({"machine": machine(), "model": args.model, "device": args.device, "card": card.summary(),
-                   "sliding_windows": list(card.sliding_windows),
-                   "extension_tokens": EXT, "fleet_key": True, "results": rows}, fh, indent=1)  # fmt: skip
+        json.dump(
+            {
+                "machine": machine(),
+                "model": args.model,
+                "device": args.device,
+                "card": card.summary(),
+                "sliding_windows": list(card.sliding_windows),
+                "extension_tokens": EXT,
+                "fleet_key": True,
+                "results": rows,
+            },
+            fh,
+            indent=1,
+        )
     plot(rows, Path(args.json).with_suffix(".png"))
 
 
@@ -257,8 +341,9 @@ def measure(
     proc, peer = spawn_peer(
         "--gossip-interval", "0.2", "--budget", "8GiB", "--fleet-key-file", key_file
     )
-    publisher = NodeThread(NodeConfig(seeds=[peer], gossip_interval=0.2, alias="bench-publisher",
-                                      security=security))  # fmt: skip
+    publisher = NodeThread(
+        NodeConfig(seeds=[peer], gossip_interval=0.2, alias="bench-publisher", security=security)
+    )
     netns = NetnsPeer(key_file) if args.netns else None
 
     def publish_to(address: str, blocks) -> None:  # type: ignore[no-untyped-def]
@@ -291,8 +376,9 @@ def measure(
             row["cold_s"] = min(timed(cold, args.device) for _ in range(1 if n >= 2048 else 2))
             assert state is not None
             live = state
-            row["inprocess_s"] = min(timed(lambda: engine.sample(live.logits, ONE, None), args.device)
-                                     for _ in range(5))  # fmt: skip
+            row["inprocess_s"] = min(
+                timed(lambda: engine.sample(live.logits, ONE, None), args.device) for _ in range(5)
+            )
             row["inprocess_extend_s"] = min(
                 timed(
                     lambda: engine.sample(engine.extend(live, ext).logits, ONE, None), args.device
@@ -342,7 +428,7 @@ def measure(
                     f"  netns {r}: {row[f'kvmesh_netns_{r}_s'] * 1e3:.1f}ms"
                     for r in ("10gbit", "40gbit")
                     if f"kvmesh_netns_{r}_s" in row
-                ),  # fmt: skip
+                ),
                 flush=True,
             )
     finally:
@@ -361,11 +447,14 @@ def plot(rows: list[dict], path: Path) -> None:  # type: ignore[type-arg]
         return
     n = [r["prompt_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for key, label in (("cold_s", "cold local prefill"), ("file_cache_s", "file prompt cache, read (fresh process)"),
-                       ("file_cache_mmap_s", "file prompt cache, mmap (fresh process)"),
-                       ("kvmesh_remote_s", "kvmesh remote hit (loopback)"),
-                       ("kvmesh_extend_s", "kvmesh hit + 64 new tokens"),
-                       ("inprocess_extend_s", "in-process + 64 new tokens (floor)")):  # fmt: skip
+    for key, label in (
+        ("cold_s", "cold local prefill"),
+        ("file_cache_s", "file prompt cache, read (fresh process)"),
+        ("file_cache_mmap_s", "file prompt cache, mmap (fresh process)"),
+        ("kvmesh_remote_s", "kvmesh remote hit (loopback)"),
+        ("kvmesh_extend_s", "kvmesh hit + 64 new tokens"),
+        ("inprocess_extend_s", "in-process + 64 new tokens (floor)"),
+    ):
         if all(key in r for r in rows):
             ax.plot(n, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)

@@ -56,16 +56,41 @@ def serve_bench(url: str, model: str, shape: dict[str, Any], seed: int) -> dict[
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(
-        ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
-         "--model", model, "--tokenizer", model, "--dataset-name", "prefix_repetition",
-         "--prefix-repetition-prefix-len", str(shape["prefix"]),
-         "--prefix-repetition-suffix-len", str(shape["suffix"]),
-         "--prefix-repetition-num-prefixes", "2",
-         "--prefix-repetition-output-len", str(shape["out"]),
-         "--num-prompts", str(shape["prompts"]), "--max-concurrency", "2",
-         "--seed", str(seed), "--percentile-metrics", "ttft,e2el",
-         "--metric-percentiles", "50,99", "--ignore-eos", "--disable-tqdm"]
-    )  # fmt: skip
+        [
+            "--backend",
+            "vllm",
+            "--base-url",
+            url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            model,
+            "--tokenizer",
+            model,
+            "--dataset-name",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            str(shape["prefix"]),
+            "--prefix-repetition-suffix-len",
+            str(shape["suffix"]),
+            "--prefix-repetition-num-prefixes",
+            "2",
+            "--prefix-repetition-output-len",
+            str(shape["out"]),
+            "--num-prompts",
+            str(shape["prompts"]),
+            "--max-concurrency",
+            "2",
+            "--seed",
+            str(seed),
+            "--percentile-metrics",
+            "ttft,e2el",
+            "--metric-percentiles",
+            "50,99",
+            "--ignore-eos",
+            "--disable-tqdm",
+        ]
+    )
     return main(args)
 
 
@@ -79,12 +104,20 @@ def counters(log: Path) -> dict[str, int]:
     return found
 
 
-def run(name: str, model: str, kvmesh: dict[str, Any] | None, shape: dict[str, Any],
-        logs: Path) -> dict[str, Any]:  # fmt: skip
+def run(
+    name: str, model: str, kvmesh: dict[str, Any] | None, shape: dict[str, Any], logs: Path
+) -> dict[str, Any]:
     log = logs / f"{name}.log"
     t0 = time.perf_counter()
-    with APIServer(model, kvmesh, log, "--enable-prefix-caching", "--shutdown-timeout", "10",
-                   max_model_len=shape["len"]) as srv:  # fmt: skip
+    with APIServer(
+        model,
+        kvmesh,
+        log,
+        "--enable-prefix-caching",
+        "--shutdown-timeout",
+        "10",
+        max_model_len=shape["len"],
+    ) as srv:
         start_s = time.perf_counter() - t0
         res = serve_bench(srv.url, model, shape, seed=0)
     row = {
@@ -118,8 +151,11 @@ def markdown(out: dict[str, Any]) -> str:
         "| server | mean TTFT | p50 | p99 | mean E2E |",
         "|---|---:|---:|---:|---:|",
     ]
-    label = {"plain": "plain vLLM", "A": "vLLM + kvmesh, cold fleet (A)",
-             "B": "fresh vLLM + kvmesh, warm fleet (B)"}  # fmt: skip
+    label = {
+        "plain": "plain vLLM",
+        "A": "vLLM + kvmesh, cold fleet (A)",
+        "B": "fresh vLLM + kvmesh, warm fleet (B)",
+    }
     for name in ("plain", "A", "B"):
         r = rows[name]
         lines.append(

@@ -577,10 +577,14 @@ class BlockStore:
         self._expire_leases()
         while self.owned.get(e.owner, [0, 0])[1] + e.nbytes > budget:
             victim = next(
-                (k for k in self._disk_leaves if self._entries[k].owner == e.owner
-                 and (self._entries[k].in_ram or self._entries[k].leases == 0)),
+                (
+                    k
+                    for k in self._disk_leaves
+                    if self._entries[k].owner == e.owner
+                    and (self._entries[k].in_ram or self._entries[k].leases == 0)
+                ),
                 None,
-            )  # fmt: skip
+            )
             if victim is None:
                 return False
             self._evict_disk(victim)

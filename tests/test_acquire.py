@@ -86,9 +86,15 @@ def test_a_failed_candidate_gives_way_to_the_next_and_the_planner_learns(nodes):
     started: list[str] = []
     prior = planner.import_bandwidth
     done = acq.fetch(
-        Layout(CARD), found.hits, local, 0, 0, acq.budget(len(TOKENS)),
-        lambda hit: Sink(got), lambda hit: started.append(hit.alias),
-    )  # fmt: skip
+        Layout(CARD),
+        found.hits,
+        local,
+        0,
+        0,
+        acq.budget(len(TOKENS)),
+        lambda hit: Sink(got),
+        lambda hit: started.append(hit.alias),
+    )
     assert done.hit is not None and done.hit.alias == "good"
     assert started == ["bad", "good"]
     assert [b.key for b in done.blocks] == list(keys.blocks[:8]) and len(got) >= 8

@@ -21,10 +21,25 @@ class Head:
 
     def __init__(self, *args: str, log=None, model: str = "demo-tiny", verify=True) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "head", "--model", model, "--listen", "127.0.0.1:0",
-             "--gossip-interval", "0.3", "--ttl", "2", *args],
-            stdout=subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "head",
+                "--model",
+                model,
+                "--listen",
+                "127.0.0.1:0",
+                "--gossip-interval",
+                "0.3",
+                "--ttl",
+                "2",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log or subprocess.DEVNULL,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         m = re.search(r"(https?://\S+) grpc (\S+)", line)
         if not m:
@@ -117,9 +132,13 @@ def test_openai_client_streaming_and_not(head):
     assert full.choices[0].message.role == "assistant"
     assert full.usage.completion_tokens == 6
     stream = client.chat.completions.create(
-        model="demo-tiny", messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+        model="demo-tiny",
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content, (
@@ -134,9 +153,15 @@ def test_openai_client_streaming_and_not(head):
     )
     assert comp.usage.prompt_tokens == len(b"The cache never decides")
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(
-            model="demo-tiny", prompt="The cache never decides", max_tokens=5, stream=True, temperature=0)
-    )  # fmt: skip
+        c.choices[0].text
+        for c in client.completions.create(
+            model="demo-tiny",
+            prompt="The cache never decides",
+            max_tokens=5,
+            stream=True,
+            temperature=0,
+        )
+    )
     assert streamed == comp.choices[0].text
 
 
@@ -192,26 +217,82 @@ def test_peer_killed_before_request_same_answer(tmp_path):
     [
         ("/v1/completions", b"{not json", 400, None),
         ("/v1/completions", b"[1, 2]", 400, None),
-        ("/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "model_not_found"),
-        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x", "max_tokens": -1}).encode(), 400, None),
-        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x" * 40000}).encode(), 400,
-         "context_length_exceeded"),
-        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": [99999]}).encode(), 400, None),
+        (
+            "/v1/completions",
+            json.dumps({"model": "nope", "prompt": "x"}).encode(),
+            404,
+            "model_not_found",
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": "demo-tiny", "prompt": "x", "max_tokens": -1}).encode(),
+            400,
+            None,
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": "demo-tiny", "prompt": "x" * 40000}).encode(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": "demo-tiny", "prompt": [99999]}).encode(),
+            400,
+            None,
+        ),
         ("/v1/completions", json.dumps({"model": "demo-tiny"}).encode(), 400, None),
-        ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": []}).encode(), 400, None),
-        ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": [{"role": "wizard"}]}).encode(),
-         400, None),
-        ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
-                                             "temperature": 9}).encode(), 400, None),
+        (
+            "/v1/chat/completions",
+            json.dumps({"model": "demo-tiny", "messages": []}).encode(),
+            400,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps({"model": "demo-tiny", "messages": [{"role": "wizard"}]}).encode(),
+            400,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps(
+                {
+                    "model": "demo-tiny",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "temperature": 9,
+                }
+            ).encode(),
+            400,
+            None,
+        ),
         ("/v1/nothing-here", b"{}", 404, None),
-        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x", "logit_bias": {"1": 5}}).encode(), 400,
-         None),
-        ("/v1/chat/completions", json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
-                                             "tools": [{"type": "function"}]}).encode(), 400, None),
-        ("/v1/completions", json.dumps({"model": "demo-tiny", "prompt": "x", "presence_penalty": 2.5}).encode(), 400,
-         None),
+        (
+            "/v1/completions",
+            json.dumps({"model": "demo-tiny", "prompt": "x", "logit_bias": {"1": 5}}).encode(),
+            400,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps(
+                {
+                    "model": "demo-tiny",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "tools": [{"type": "function"}],
+                }
+            ).encode(),
+            400,
+            None,
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": "demo-tiny", "prompt": "x", "presence_penalty": 2.5}).encode(),
+            400,
+            None,
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_get_openai_errors_and_the_head_keeps_serving(head, path, body, status, code):
     r = head.http.post(path, content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
@@ -273,8 +354,15 @@ def test_served_names_default_max_tokens_and_a_model_without_a_chat_template(tmp
     cfg_path.write_text(json.dumps(cfg))
     for f in model.glob("chat_template.*"):
         f.unlink()
-    h = Head("--served-model-name", "house-model", "--served-model-name", "alias-2",
-             "--max-tokens-default", "40", model=str(model))  # fmt: skip
+    h = Head(
+        "--served-model-name",
+        "house-model",
+        "--served-model-name",
+        "alias-2",
+        "--max-tokens-default",
+        "40",
+        model=str(model),
+    )
     try:
         assert [m["id"] for m in h.http.get("/v1/models").json()["data"]] == ["house-model"]
         for name in ("house-model", "alias-2", str(model), "plain-model"):

@@ -51,8 +51,13 @@ def as_np(logits) -> np.ndarray:
     return np.asarray(logits, dtype=np.float32)
 
 
-CASES = [("torch", "llama"), ("torch", "qwen2"), ("torch", "phi3"), ("mlx", "llama"),
-         ("mlx", "qwen2")]  # fmt: skip
+CASES = [
+    ("torch", "llama"),
+    ("torch", "qwen2"),
+    ("torch", "phi3"),
+    ("mlx", "llama"),
+    ("mlx", "qwen2"),
+]
 
 
 @pytest.mark.parametrize("kind, arch", CASES)

@@ -50,11 +50,17 @@ NETNS = _netns_works()
 
 def vllm_python() -> str | None:
     """An interpreter where ``import vllm`` works, if there is one."""
-    candidates = (os.environ.get("KVMESH_VLLM_PYTHON", ""), str(ROOT / ".venv-vllm/bin/python"),
-                  sys.executable)  # fmt: skip
+    candidates = (
+        os.environ.get("KVMESH_VLLM_PYTHON", ""),
+        str(ROOT / ".venv-vllm/bin/python"),
+        sys.executable,
+    )
     for py in candidates:
-        if py and os.path.exists(py) and subprocess.run([py, "-c", "import vllm"],
-                                                 capture_output=True).returncode == 0:  # fmt: skip
+        if (
+            py
+            and os.path.exists(py)
+            and subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0
+        ):
             return py
     return None
 
@@ -81,8 +87,11 @@ def netns_of(pid: int) -> list[str]:
     prefix = f"kvmb{pid}"
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    return [w for w in (names + links).replace(":", " ").replace("@", " ").split()
-            if w.startswith(prefix)]  # fmt: skip
+    return [
+        w
+        for w in (names + links).replace(":", " ").replace("@", " ").split()
+        if w.startswith(prefix)
+    ]
 
 
 def start(
@@ -90,10 +99,13 @@ def start(
 ) -> tuple[subprocess.Popen[str], str]:
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
-        [python, str(bench), "--smoke", "--json", str(out)], cwd=ROOT, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [python, str(bench), "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         env={**os.environ, "KVMESH_BENCH_TAG": tag, **env},
-    )  # fmt: skip
+    )
     return proc, tag
 
 
@@ -125,11 +137,15 @@ def _events(d: dict[str, Any]) -> bool:
     announces every full block of every prompt (4 a prompt, 2 warm-up prompts)."""
     rate, head, per = d["rate"], d["head"], d["per_block"]
     return (
-        rate["received"] == rate["changes"] and rate["gaps"] == 0 and rate["dropped"] == 0
-        and head["gaps"] == 0 and head["dropped"] == 0
+        rate["received"] == rate["changes"]
+        and rate["gaps"] == 0
+        and rate["dropped"] == 0
+        and head["gaps"] == 0
+        and head["dropped"] == 0
         and head["blocks_announced"] == (head["requests"] + 2) * 4
-        and per["blocks"] > 0 and per["ratio"] > 0
-    )  # fmt: skip
+        and per["blocks"] > 0
+        and per["ratio"] > 0
+    )
 
 
 # each benchmark's own claim, read back from its JSON
@@ -196,6 +212,7 @@ def test_a_benchmark_failing_after_its_peers_started_leaves_none_running(tmp_pat
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_benchmark_stopped_by_a_signal_leaves_none_running(sig: int, tmp_path: Path) -> None:
     proc, tag = start(ROOT / "bench" / "lookup.py", tmp_path / "x.json")
+
     def first_peer_up() -> bool:
         if proc.poll() is not None:
             raise AssertionError("the benchmark ended before starting a peer")

@@ -57,9 +57,15 @@ def resealed(block: Block, **over: Any) -> Block:
 
 def _replace(h: BlockHeader, **over: Any) -> BlockHeader:
     fields = dict(
-        namespace=h.namespace, key=h.key, parent=h.parent, kind=h.kind, start=h.start,
-        tokens=h.tokens, layers=h.layers, logits=h.logits,
-    )  # fmt: skip
+        namespace=h.namespace,
+        key=h.key,
+        parent=h.parent,
+        kind=h.kind,
+        start=h.start,
+        tokens=h.tokens,
+        layers=h.layers,
+        logits=h.logits,
+    )
     fields.update(over)
     return BlockHeader(**fields)  # type: ignore[arg-type]
 

@@ -90,15 +90,31 @@ class Served:
 
     def fetch(self, raw=None, want=CHAIN, cred="", dialer=None, progress=5.0):
         return bulk.fetch(
-            self.address, dialer or Dialer(None), cred, raw or self.fetch_raw(), infos(want),
-            LAYOUT, HASHERS, None, progress, 30.0, Cancel(),
-        )  # fmt: skip
+            self.address,
+            dialer or Dialer(None),
+            cred,
+            raw or self.fetch_raw(),
+            infos(want),
+            LAYOUT,
+            HASHERS,
+            None,
+            progress,
+            30.0,
+            Cancel(),
+        )
 
     def publish(self, blocks=CHAIN, cred="", body=None, dialer=None):
         body = body or publish_body(blocks)
         return bulk.publish(
-            self.address, dialer or Dialer(None), cred, body, blocks, 5.0, 30.0, Cancel(),
-        )  # fmt: skip
+            self.address,
+            dialer or Dialer(None),
+            cred,
+            body,
+            blocks,
+            5.0,
+            30.0,
+            Cancel(),
+        )
 
     def close(self):
         self.server.stop()
@@ -536,8 +552,12 @@ def test_a_refused_credential_is_answered_before_any_body_is_read():
     s = Served(auth=FleetAuth(KEY, "srv"), progress_s=600.0)
     try:
         body = b"\0" * bulk.MAX_BODY
-        for cred in ("", FleetAuth(b"x" * 32, "cli").call_metadata(
-            bulk.METHODS[bulk.FETCH], "srv", body_digest(body))[0][1]):  # fmt: skip
+        for cred in (
+            "",
+            FleetAuth(b"x" * 32, "cli").call_metadata(
+                bulk.METHODS[bulk.FETCH], "srv", body_digest(body)
+            )[0][1],
+        ):
             reply = raw_exchange(s.address, hello(bulk.FETCH, body, cred), timeout=60.0)
             assert error_reason(reply) == "unauthenticated"
             code, n = FRAME.unpack_from(reply)
@@ -576,9 +596,19 @@ def test_a_fetch_limit_counts_from_when_its_thread_starts(served):
     try:
         pool.submit(gate.wait, 60)  # the only thread, busy
         fut = pool.submit(
-            bulk.fetch, served.address, Dialer(None), "", served.fetch_raw(), infos(CHAIN),
-            LAYOUT, HASHERS, None, 5.0, 0.5, Cancel(),
-        )  # fmt: skip
+            bulk.fetch,
+            served.address,
+            Dialer(None),
+            "",
+            served.fetch_raw(),
+            infos(CHAIN),
+            LAYOUT,
+            HASHERS,
+            None,
+            5.0,
+            0.5,
+            Cancel(),
+        )
         queued = time.monotonic()
         while time.monotonic() < queued + 1.0:  # longer than its limit, in the queue
             time.sleep(0.05)
@@ -597,12 +627,22 @@ def test_a_fetch_that_cannot_get_a_local_stream_is_local_busy_not_the_peers_faul
     nowhere = f"127.0.0.1:{silent.getsockname()[1]}"
 
     def hit(address: str) -> PeerHit:
-        return PeerHit("p", "p", address, "loopback", served.store.epoch, tuple(infos(CHAIN)),
-                       None, 41, data_address=address)  # fmt: skip
+        return PeerHit(
+            "p",
+            "p",
+            address,
+            "loopback",
+            served.store.epoch,
+            tuple(infos(CHAIN)),
+            None,
+            41,
+            data_address=address,
+        )
 
     async def run() -> None:
-        client = MeshClient(Membership("me", pb.CapabilityCard), fetch_deadline=600.0,
-                            progress_timeout=600.0)  # fmt: skip
+        client = MeshClient(
+            Membership("me", pb.CapabilityCard), fetch_deadline=600.0, progress_timeout=600.0
+        )
         stuck = [asyncio.create_task(client.fetch(LAYOUT, hit(nowhere))) for _ in range(STREAMS)]
         try:
             while not client._stream_slots.locked():
@@ -692,8 +732,17 @@ def test_a_request_body_is_hashed_once_for_its_credential_and_its_hello(monkeypa
 
     monkeypatch.setattr(client_mod, "body_digest", counting("client"))
     monkeypatch.setattr(bulk, "body_digest", counting("bulk"))
-    hit = PeerHit("srv", "srv", s.address, "loopback", s.store.epoch, tuple(infos(CHAIN)),
-                  None, 41, data_address=s.address)  # fmt: skip
+    hit = PeerHit(
+        "srv",
+        "srv",
+        s.address,
+        "loopback",
+        s.store.epoch,
+        tuple(infos(CHAIN)),
+        None,
+        41,
+        data_address=s.address,
+    )
 
     async def run():
         client = MeshClient(Membership("cli", pb.CapabilityCard), FleetAuth(KEY, "cli"))
@@ -718,8 +767,17 @@ def test_a_node_id_too_long_for_a_bulk_credential_is_refused_at_setup(served):
     MeshClient(Membership(long_id, pb.CapabilityCard))  # no key: no credential at all
 
     # a peer whose id is too long for ours is that peer's problem, found before any stream
-    hit = PeerHit("p" * 500, "p", served.address, "loopback", served.store.epoch,
-                  tuple(infos(CHAIN)), None, 41, data_address=served.address)  # fmt: skip
+    hit = PeerHit(
+        "p" * 500,
+        "p",
+        served.address,
+        "loopback",
+        served.store.epoch,
+        tuple(infos(CHAIN)),
+        None,
+        41,
+        data_address=served.address,
+    )
 
     async def run():
         client = MeshClient(Membership("cli", pb.CapabilityCard), FleetAuth(KEY, "cli"))
@@ -777,9 +835,18 @@ def _fetch_from(fake, progress=5.0, deadline=20.0, cancel=None):
     raw = pb.FetchRequest(keys=[b.key for b in CHAIN[:3]]).SerializeToString()
     try:
         return bulk.fetch(
-            fake.address, Dialer(None), "", raw, infos(CHAIN[:3]), LAYOUT, HASHERS, None,
-            progress, deadline, cancel or Cancel(),
-        )  # fmt: skip
+            fake.address,
+            Dialer(None),
+            "",
+            raw,
+            infos(CHAIN[:3]),
+            LAYOUT,
+            HASHERS,
+            None,
+            progress,
+            deadline,
+            cancel or Cancel(),
+        )
     finally:
         fake.close()
 
@@ -794,11 +861,17 @@ HOSTILE = {
     "wrong_size": (lambda f, c: _block(c, CHAIN[0].blob + b"x"), MalformedPayload),
     "flipped_byte": (lambda f, c: _block(c, _flipped(CHAIN[0].blob)), ChecksumMismatch),
     "another_block": (lambda f, c: _block(c, CHAIN[1].blob), ChecksumMismatch),
-    "closes_midway": (lambda f, c: c.sendall(FRAME.pack(bulk.BLOCK, CHAIN[0].nbytes)), PeerUnavailable),
+    "closes_midway": (
+        lambda f, c: c.sendall(FRAME.pack(bulk.BLOCK, CHAIN[0].nbytes)),
+        PeerUnavailable,
+    ),
     "huge_error": (lambda f, c: c.sendall(FRAME.pack(bulk.ERROR, 10**9)), MalformedPayload),
     "unknown_frame": (lambda f, c: c.sendall(FRAME.pack(7, 3) + b"abc"), MalformedPayload),
-    "typed_error": (lambda f, c: c.sendall(FRAME.pack(bulk.ERROR, 13) + b"stale_epoch: x"[:13]), StaleEpoch),
-}  # fmt: skip
+    "typed_error": (
+        lambda f, c: c.sendall(FRAME.pack(bulk.ERROR, 13) + b"stale_epoch: x"[:13]),
+        StaleEpoch,
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))

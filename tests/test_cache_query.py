@@ -120,8 +120,9 @@ def test_unknown_model_is_a_404_and_messages_use_the_chat_template(fleet):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     msgs = [{"role": "user", "content": "the same tokens as a chat completion"}]
     q = head.http.post("/v1/cache/query", json={"model": "demo-tiny", "messages": msgs}).json()
-    c = head.http.post("/v1/chat/completions", json={"model": "demo-tiny", "messages": msgs,
-                                                     "max_tokens": 1}).json()  # fmt: skip
+    c = head.http.post(
+        "/v1/chat/completions", json={"model": "demo-tiny", "messages": msgs, "max_tokens": 1}
+    ).json()
     assert q["prompt_tokens"] == c["usage"]["prompt_tokens"]
 
 

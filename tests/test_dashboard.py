@@ -14,8 +14,16 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(
     not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (.ci/run installs it)"
 )
-ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
@@ -96,8 +104,13 @@ def test_peer_health_in_metrics_and_on_the_dashboard(browser, tiny_engine, tmp_p
     forged = prompt(tiny_engine, 200, "forged for the dashboard ")
     _publish_wrong(tiny_engine, forger, forged)
     head = Head("--seed", forger.address, "--audit-rate", "1", "--alias", "health-head")
-    liar = Peer("--seed", head.grpc, alias="liar", log_dir=tmp_path,
-                command=("tests.hostile_peer", "wrong-bytes"))  # fmt: skip
+    liar = Peer(
+        "--seed",
+        head.grpc,
+        alias="liar",
+        log_dir=tmp_path,
+        command=("tests.hostile_peer", "wrong-bytes"),
+    )
     try:
         head.wait(lambda s: s["compatible_peers"] >= 2)
         body = {"model": "demo-tiny", "prompt": forged, "max_tokens": 2, "temperature": 0}
@@ -118,8 +131,11 @@ def test_peer_health_in_metrics_and_on_the_dashboard(browser, tiny_engine, tmp_p
         health = {
             n["alias"]: n["health"] for n in head.http.get("/v1/network/nodes").json()["nodes"]
         }
-        assert health == {"health-head": "ok", "forging-peer": "quarantined",
-                          "hostile-wrong-bytes": "backed off"}  # fmt: skip
+        assert health == {
+            "health-head": "ok",
+            "forging-peer": "quarantined",
+            "hostile-wrong-bytes": "backed off",
+        }
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(head.url + "/")
         page.wait_for_function(
@@ -145,8 +161,12 @@ def test_disk_tier_on_the_dashboard(browser, tmp_path):
 
     disk = tmp_path / "kv-disk-dir"
     args = ("--disk", str(disk), "--disk-budget", "64MiB", "--alias", "disk-head")
-    body = {"model": "demo-tiny", "prompt": "tiers on the dashboard " * 20, "max_tokens": 3,
-            "temperature": 0}  # fmt: skip
+    body = {
+        "model": "demo-tiny",
+        "prompt": "tiers on the dashboard " * 20,
+        "max_tokens": 3,
+        "temperature": 0,
+    }
     head = Head(*args)
     try:
         assert head.http.post("/v1/completions", json=body).json()["kvmesh"]["source"] == "compute"

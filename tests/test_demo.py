@@ -20,8 +20,10 @@ from kvmesh.runtime.head import STAGES
 def test_the_demo_reports_the_hits_stages_and_its_local_reference():
     out = subprocess.run(
         [sys.executable, "-m", "kvmesh.cli", "demo", "--json", "--model", "demo-tiny"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["source"] == "remote" and row["checksum_ok"] and row["outputs_identical"]

@@ -393,8 +393,14 @@ def test_a_bad_file_on_a_peer_fails_its_fetch_and_the_head_computes(tiny_engine,
     from .test_mesh import SAMPLING, close, fresh_head, make_head, prompt, wait_for
 
     disk = tmp_path / "disk"
-    cfg = dict(listen="127.0.0.1:0", alias="disk-peer", gossip_interval=0.3, ttl=2,
-               disk_path=str(disk), disk_budget_bytes=64 << 20)  # fmt: skip
+    cfg = dict(
+        listen="127.0.0.1:0",
+        alias="disk-peer",
+        gossip_interval=0.3,
+        ttl=2,
+        disk_path=str(disk),
+        disk_budget_bytes=64 << 20,
+    )
     toks = prompt(tiny_engine, 300, salt="badfile")
     p = NodeThread(NodeConfig(**cfg))  # type: ignore[arg-type]
     h = make_head(tiny_engine, [p.node.address])

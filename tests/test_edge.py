@@ -33,8 +33,10 @@ class Edge:
         port = free_port()
         self.proc = subprocess.Popen(
             ["node", str(EDGE / "serve.mjs"), "--origin", origin, "--port", str(port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         m = re.search(r"kvmesh edge (http://\S+) -> ", line)
@@ -139,9 +141,19 @@ def test_the_sdk_in_a_browser_reads_through_the_edge_cross_origin(fleet, tmp_pat
     head, _, edge = fleet
     bundle = tmp_path / "kvmesh-sdk.js"
     esbuild = EDGE / "node_modules" / ".bin" / "esbuild"
-    subprocess.run([str(esbuild), str(ROOT / "sdk/typescript/src/index.ts"), "--bundle",
-                    "--format=iife", "--global-name=kvmesh", f"--outfile={bundle}"],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [
+            str(esbuild),
+            str(ROOT / "sdk/typescript/src/index.ts"),
+            "--bundle",
+            "--format=iife",
+            "--global-name=kvmesh",
+            f"--outfile={bundle}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     before = head.http.get("/v1/network/groups").json()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)

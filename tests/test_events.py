@@ -105,12 +105,19 @@ def test_disk_tier_events_and_a_restart(tmp_path):
     store.put(two)  # RAM holds one block: the first leaves RAM, stays on disk
     store.flush(5)
     store.close()
-    got = [(type(e).__name__, getattr(e, "medium", None), getattr(e, "block_hashes", None))
-           for e in events_of(sink)]  # fmt: skip
+    got = [
+        (type(e).__name__, getattr(e, "medium", None), getattr(e, "block_hashes", None))
+        for e in events_of(sink)
+    ]
     k1, k2 = (external_hash(b.header.key) for b in (one, two))
-    assert got == [("AllBlocksCleared", None, None), ("BlockStored", "CPU", [k1]),
-                   ("BlockStored", "STORAGE", [k1]), ("BlockRemoved", "CPU", [k1]),
-                   ("BlockStored", "CPU", [k2]), ("BlockStored", "STORAGE", [k2])]  # fmt: skip
+    assert got == [
+        ("AllBlocksCleared", None, None),
+        ("BlockStored", "CPU", [k1]),
+        ("BlockStored", "STORAGE", [k1]),
+        ("BlockRemoved", "CPU", [k1]),
+        ("BlockStored", "CPU", [k2]),
+        ("BlockStored", "STORAGE", [k2]),
+    ]
     again = StoreEvents()
     BlockStore(size, disk=DiskConfig(str(tmp_path), 10 * size), listener=again).close()
     restarted = events_of(again)  # the new epoch, then the rebuilt tier
@@ -134,14 +141,26 @@ def test_a_full_queue_drops_counts_and_resyncs():
 def test_wire_format_is_vllms_field_by_field():
     ev = BlockStored([1, 2], None, [5] * 2 * B, B, None, "CPU", None)
     raw = msgspec.msgpack.decode(
-        msgspec.msgpack.encode(decode_batch(msgspec.msgpack.encode(
-            _batch([ev, BlockRemoved([2], "STORAGE"), AllBlocksCleared()]))))
-    )  # fmt: skip
+        msgspec.msgpack.encode(
+            decode_batch(
+                msgspec.msgpack.encode(
+                    _batch([ev, BlockRemoved([2], "STORAGE"), AllBlocksCleared()])
+                )
+            )
+        )
+    )
     ts, events, rank = raw  # EventBatch: array-like [ts, events, data_parallel_rank]
     assert isinstance(ts, float) and rank == 0
-    assert events[0] == {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
-                         "token_ids": [5] * 2 * B, "block_size": B, "lora_id": None,
-                         "medium": "CPU", "lora_name": None}  # fmt: skip
+    assert events[0] == {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": [5] * 2 * B,
+        "block_size": B,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
     assert events[1] == {"type": "BlockRemoved", "block_hashes": [2], "medium": "STORAGE"}
     assert events[2] == {"type": "AllBlocksCleared"}
     assert external_hash(bytes(range(32))) == int.from_bytes(bytes(range(24, 32)), "big")
@@ -213,8 +232,9 @@ def test_pub_frames_sequence_and_replay(publisher):
 def test_a_subscriber_that_stops_reading_never_blocks_the_store():
     port = free_port()
     memo = TokenMemo(max_blocks=64)
-    pub = EventPublisher(EventsConfig(f"tcp://*:{port}", "", "kv", hwm=4, max_batch_events=1),
-                         StoreEvents(memo))  # fmt: skip
+    pub = EventPublisher(
+        EventsConfig(f"tcp://*:{port}", "", "kv", hwm=4, max_batch_events=1), StoreEvents(memo)
+    )
     ctx = zmq.Context()
     try:
         stuck = subscribe(ctx, port, hwm=4, rcvbuf=4096)  # connected, never reads
@@ -278,8 +298,12 @@ def test_event_options_are_checked(sec, error):
 def test_event_options_make_a_config():
     from kvmesh.mesh.settings import node_config
 
-    sec = {"kv_events": "tcp://*:5557", "kv_events_replay": "tcp://*:5558",
-           "kv_events_topic": "t", "plaintext": True}  # fmt: skip
+    sec = {
+        "kv_events": "tcp://*:5557",
+        "kv_events_replay": "tcp://*:5558",
+        "kv_events_topic": "t",
+        "plaintext": True,
+    }
     cfg = node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), sec).kv_events
     assert cfg == EventsConfig("tcp://*:5557", "tcp://*:5558", "t")
     assert node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), {}).kv_events is None
@@ -298,8 +322,9 @@ def test_a_taken_endpoint_is_a_clear_error():
 
 
 def test_the_replay_ring_is_bounded_in_bytes():
-    pub = EventPublisher(EventsConfig(f"tcp://127.0.0.1:{free_port()}", buffer_bytes=4096),
-                         StoreEvents())  # fmt: skip
+    pub = EventPublisher(
+        EventsConfig(f"tcp://127.0.0.1:{free_port()}", buffer_bytes=4096), StoreEvents()
+    )
     try:
         big = [BlockStored([i], None, list(range(256)), 256, None, "CPU", None) for i in range(4)]
         for _ in range(20):

@@ -31,8 +31,9 @@ def our_decoder() -> Decode:
 class Subscriber:
     """A SUB socket on a node's endpoint, keeping (seq, batch) in arrival order."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, decode: Decode, hwm: int = 100_000,
-                 rcvbuf: int = -1) -> None:  # fmt: skip
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, decode: Decode, hwm: int = 100_000, rcvbuf: int = -1
+    ) -> None:
         self.sock = ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.RCVBUF, rcvbuf)
@@ -90,12 +91,30 @@ def nodes(tmp_path_factory):
     d = tmp_path_factory.mktemp("ev")
     ep = {n: f"ipc://{d}/{n}.sock" for n in ("head", "peer", "replay")}
     # RAM for about five blocks: four prompts of three blocks make it evict
-    peer = Peer("--kv-events", ep["peer"], "--kv-events-replay", ep["replay"],
-                "--kv-events-topic", "kv", "--budget", "180KiB", alias="evpeer", log_dir=d)  # fmt: skip
+    peer = Peer(
+        "--kv-events",
+        ep["peer"],
+        "--kv-events-replay",
+        ep["replay"],
+        "--kv-events-topic",
+        "kv",
+        "--budget",
+        "180KiB",
+        alias="evpeer",
+        log_dir=d,
+    )
     head = None
     try:
-        head = Head("--seed", peer.address, "--alias", "evhead", "--kv-events", ep["head"],
-                    "--kv-events-topic", "kv")  # fmt: skip
+        head = Head(
+            "--seed",
+            peer.address,
+            "--alias",
+            "evhead",
+            "--kv-events",
+            ep["head"],
+            "--kv-events-topic",
+            "kv",
+        )
         head.wait(lambda s: s["compatible_peers"] >= 1)
         yield head, peer, ep
     finally:
@@ -131,8 +150,11 @@ def run_stored_removed_restart(nodes: Any, decode: Decode) -> None:
         gone = [h for e in pev if kind(e) == "BlockRemoved" for h in e.block_hashes]
         assert all(e.token_ids == [] for e in pev if kind(e) == "BlockStored")  # hashes only
         assert sorted(put) == sorted(h for c in chains for h in c)  # the same keys as the head
-        still = {h for c, t in zip(chains, prompts, strict=True)
-                 for h in c[: held(head, t, "evpeer") // B]}  # fmt: skip
+        still = {
+            h
+            for c, t in zip(chains, prompts, strict=True)
+            for h in c[: held(head, t, "evpeer") // B]
+        }
         assert gone and set(gone) == set(put) - still and len(gone) == len(set(gone))
         peer.restart()
         # a fresh subscriber (libzmq's SUB may not resume after its publisher was
@@ -192,8 +214,12 @@ def run_stuck_subscriber(nodes: Any, decode: Decode) -> None:
         assert len(hashes) >= 24  # two full blocks a request
         assert grown < 64 << 10, grown  # KiB: the stuck reader holds nothing on the head
         changes = head.metric('kvmesh_kv_events_total{outcome="changes"}')
-        assert changes >= len(hashes) and head.metric('kvmesh_kv_events_total{outcome="dropped"}') == 0
-        assert head.metric('kvmesh_kv_events_total{outcome="send_failed"}') == 0  # PUB never refuses
+        assert (
+            changes >= len(hashes) and head.metric('kvmesh_kv_events_total{outcome="dropped"}') == 0
+        )
+        assert (
+            head.metric('kvmesh_kv_events_total{outcome="send_failed"}') == 0
+        )  # PUB never refuses
     finally:
         ctx.destroy(linger=0)
 

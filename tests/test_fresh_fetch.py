@@ -32,8 +32,14 @@ SAMPLING = Sampling(max_tokens=6)
 
 def head(engine, seeds=()) -> HeadRuntime:
     node = NodeThread(
-        NodeConfig(listen="127.0.0.1:0", seeds=list(seeds), alias="head", gossip_interval=0.3,
-                   ttl=2, roles=("head", "cache"))  # fmt: skip
+        NodeConfig(
+            listen="127.0.0.1:0",
+            seeds=list(seeds),
+            alias="head",
+            gossip_interval=0.3,
+            ttl=2,
+            roles=("head", "cache"),
+        )
     )
     return HeadRuntime(engine, node)
 
@@ -132,4 +138,6 @@ def test_an_importer_filled_from_many_threads_allocates_once_and_imports_exactly
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
     # and equal to the producer's own cache of those positions
     for la, lp in zip(b.layers, state.cache.layers, strict=True):
-        assert torch.equal(la.keys, lp.keys[:, :, :n]) and torch.equal(la.values, lp.values[:, :, :n])
+        assert torch.equal(la.keys, lp.keys[:, :, :n]) and torch.equal(
+            la.values, lp.values[:, :, :n]
+        )

@@ -42,9 +42,12 @@ HEALTH = "/grpc.health.v1.Health/Check"
 FUZZ = settings(
     max_examples=400,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                           HealthCheck.function_scoped_fixture],
-)  # fmt: skip
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 
 
 class Live:
@@ -60,11 +63,24 @@ def peers(tmp_path_factory):
     keyfile = d / "fleet.key"
     keyfile.write_bytes(KEY)
     live = []
-    for alias, extra, auth in (("plain", (), None),
-                               ("keyed", ("--fleet-key-file", str(keyfile)), FleetAuth(KEY, "fuzzer"))):  # fmt: skip
+    for alias, extra, auth in (
+        ("plain", (), None),
+        ("keyed", ("--fleet-key-file", str(keyfile)), FleetAuth(KEY, "fuzzer")),
+    ):
         metrics = f"127.0.0.1:{free_port()}"
-        peer = Peer("--budget", "64MiB", "--max-block-bytes", "8MiB", "--max-inflight", "16MiB",
-                    "--metrics", metrics, *extra, alias=alias, log_dir=d)  # fmt: skip
+        peer = Peer(
+            "--budget",
+            "64MiB",
+            "--max-block-bytes",
+            "8MiB",
+            "--max-inflight",
+            "16MiB",
+            "--metrics",
+            metrics,
+            *extra,
+            alias=alias,
+            log_dir=d,
+        )
         live.append(Live(peer, metrics, auth))
     yield live
     for p in live:
@@ -134,9 +150,11 @@ def keys(n: int) -> list[bytes]:
 CARD = small_card().to_json()
 json_value = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=8,
-)  # fmt: skip
+)
 
 
 @st.composite
@@ -159,11 +177,13 @@ def publish_stream(draw) -> list[bytes]:
     for i in range(draw(st.integers(0, 5))):
         msg = pb.PublishChunk(
             block=draw(st.integers(0, 2**32 - 1)),
-            nbytes=draw(st.sampled_from([0, 1, 10, 4096, 8 * MiB, 8 * MiB + 1, 2**64 - 1])
-                        | st.integers(0, 2**64 - 1)),
+            nbytes=draw(
+                st.sampled_from([0, 1, 10, 4096, 8 * MiB, 8 * MiB + 1, 2**64 - 1])
+                | st.integers(0, 2**64 - 1)
+            ),
             digest=draw(blob),
             data=draw(st.binary(max_size=8192)),
-        )  # fmt: skip
+        )
         if i == 0 or draw(st.booleans()):
             msg.card_json = draw(card_json())
         msgs.append(msg.SerializeToString())
@@ -178,17 +198,21 @@ def capability_card(draw) -> pb.CapabilityCard:
         alias=draw(st.text(max_size=40)),
         epoch=draw(st.text(max_size=20)),
         roles=draw(st.lists(st.sampled_from(["cache", "head", "leaving", "x"]), max_size=3)),
-        endpoints=[pb.Endpoint(address=f"127.0.0.1:{draw(st.integers(1, 65535))}",
-                               interface=draw(st.text(max_size=10)),
-                               priority=draw(st.integers(-(2**31), 2**31 - 1)))
-                   for _ in range(draw(st.integers(0, 3)))],
+        endpoints=[
+            pb.Endpoint(
+                address=f"127.0.0.1:{draw(st.integers(1, 65535))}",
+                interface=draw(st.text(max_size=10)),
+                priority=draw(st.integers(-(2**31), 2**31 - 1)),
+            )
+            for _ in range(draw(st.integers(0, 3)))
+        ],
         namespaces=[f"{i:064x}" for i in range(n_ns)],
         card_summaries=["s" * draw(st.integers(0, 300))] * draw(st.integers(0, 3)),
         budget_bytes=draw(st.integers(0, 2**64 - 1)),
         version=draw(st.integers(0, 2**64 - 1)),
         heartbeat=draw(st.floats()),
         mac=draw(blob),
-    )  # fmt: skip
+    )
 
 
 # -- the fuzz -------------------------------------------------------------------
@@ -227,8 +251,13 @@ def test_lookup(peers, i, ns, n, tails, mixed):
 def test_fetch(peers, i, ns, n, dup, real_epoch, epoch, chunk, ttl):
     live = peers[i]
     ks = keys(n) + (keys(1) if dup else [])
-    req = pb.FetchRequest(namespace=ns, keys=ks, epoch=live.peer.epoch if real_epoch else epoch,
-                          chunk_bytes=chunk, lease_ttl_s=ttl)  # fmt: skip
+    req = pb.FetchRequest(
+        namespace=ns,
+        keys=ks,
+        epoch=live.peer.epoch if real_epoch else epoch,
+        chunk_bytes=chunk,
+        lease_ttl_s=ttl,
+    )
     code, out = call(live, FETCH, [req.SerializeToString()])
     assert not out  # nothing stored: never a byte of a block
     if dup:

@@ -34,21 +34,41 @@ SETTINGS = settings(
     derandomize=False,
 )
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/metrics", "/",
-          "/docs", "/openapi.json", "/static/app.js", "/static/nope.js", "/v1/network/summary",
-          "/v1/network/nodes", "/v1/network/tokens", "/v1/network/prefill", "/v1/network/groups",
-          "/v1/network/groups/x", "/v1/network/nodes/register", "/v1/network/pair")  # fmt: skip
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/healthz",
+    "/metrics",
+    "/",
+    "/docs",
+    "/openapi.json",
+    "/static/app.js",
+    "/static/nope.js",
+    "/v1/network/summary",
+    "/v1/network/nodes",
+    "/v1/network/tokens",
+    "/v1/network/prefill",
+    "/v1/network/groups",
+    "/v1/network/groups/x",
+    "/v1/network/nodes/register",
+    "/v1/network/pair",
+)
 
 # any code point, lone surrogates included ("\\ud800" is valid JSON, not valid text)
 TEXT = st.text(st.characters(exclude_categories=()), max_size=40)
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80), st.floats(), TEXT,
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(),
+    TEXT,
+)
 JSONS = st.recursive(
     SCALARS,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
     max_leaves=10,
-)  # fmt: skip
+)
 # a decode stays short: a small count, an absurd one (refused), or the wrong type
 TOKEN_COUNTS = st.one_of(
     st.integers(max_value=6), st.integers(min_value=40_000), st.floats(), st.text(max_size=5)
@@ -58,23 +78,38 @@ MAX_BATCH = 8  # the head's default --max-batch: n above it is a 400
 EDGE_TEMPERATURES = [0.0, -0.0, 5e-324, 1e-300, 1e-40, 1e-6, 1e-5, 1e-3, 0.01, 2.0, 1e308]
 # in OpenAI's range, at its edges, or just past them (each must be a 200 or a 400)
 TEMPERATURE = st.one_of(
-    st.sampled_from(EDGE_TEMPERATURES), st.floats(min_value=0, max_value=2),
-    st.floats(min_value=0, max_value=1e-4), st.floats(), st.integers(-3, 3), st.none(),
-)  # fmt: skip
+    st.sampled_from(EDGE_TEMPERATURES),
+    st.floats(min_value=0, max_value=2),
+    st.floats(min_value=0, max_value=1e-4),
+    st.floats(),
+    st.integers(-3, 3),
+    st.none(),
+)
 TOP_P = st.one_of(
     st.sampled_from([5e-324, 1e-300, 1e-9, 1.0, 0.0, -0.0, 1.0000001]),
-    st.floats(min_value=0, max_value=1), st.floats(), st.none(),
-)  # fmt: skip
+    st.floats(min_value=0, max_value=1),
+    st.floats(),
+    st.none(),
+)
 PENALTY = st.one_of(
     st.sampled_from([-2.0, 2.0, -2.0000001, 2.0000001, 5e-324]),
-    st.floats(min_value=-2, max_value=2), st.floats(), st.none(),
-)  # fmt: skip
-SEED = st.one_of(st.integers(min_value=-2, max_value=2**64), st.sampled_from([0, 2**63 - 1, 2**63]),
-                 st.none())  # fmt: skip
+    st.floats(min_value=-2, max_value=2),
+    st.floats(),
+    st.none(),
+)
+SEED = st.one_of(
+    st.integers(min_value=-2, max_value=2**64), st.sampled_from([0, 2**63 - 1, 2**63]), st.none()
+)
 COUNT = st.one_of(st.integers(min_value=-1, max_value=MAX_BATCH + 2), st.none())
 LOGPROBS = st.one_of(st.integers(min_value=-1, max_value=22), st.none())
-SAMPLING = {"temperature": TEMPERATURE, "top_p": TOP_P, "presence_penalty": PENALTY,
-            "frequency_penalty": PENALTY, "seed": SEED, "n": COUNT}  # fmt: skip
+SAMPLING = {
+    "temperature": TEMPERATURE,
+    "top_p": TOP_P,
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "seed": SEED,
+    "n": COUNT,
+}
 FIELDS = {
     "model": st.one_of(st.just("demo-tiny"), st.text(max_size=20), JSONS),
     "max_tokens": TOKEN_COUNTS,
@@ -101,19 +136,39 @@ PROMPTS = st.one_of(
     JSONS,
 )
 MESSAGE = st.fixed_dictionaries(
-    {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "wizard"]), JSONS),
-     "content": st.one_of(TEXT, st.none(), JSONS,
-                          st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]),
-                                                          "text": st.one_of(st.text(), JSONS)}), max_size=3))},
-)  # fmt: skip
+    {
+        "role": st.one_of(
+            st.sampled_from(["system", "user", "assistant", "tool", "wizard"]), JSONS
+        ),
+        "content": st.one_of(
+            TEXT,
+            st.none(),
+            JSONS,
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.sampled_from(["text", "image"]),
+                        "text": st.one_of(st.text(), JSONS),
+                    }
+                ),
+                max_size=3,
+            ),
+        ),
+    },
+)
 
 
 # deep nesting, alone or as a field: a parser's or a validator's stack is not a 500
 NESTED = st.builds(
-    lambda n, wrap: (b'{"model": "demo-tiny", "prompt": ' if wrap else b"") + b"[" * n + b"]" * n
-    + (b"}" if wrap else b""),
-    st.integers(min_value=1, max_value=100_000), st.booleans(),
-)  # fmt: skip
+    lambda n, wrap: (
+        (b'{"model": "demo-tiny", "prompt": ' if wrap else b"")
+        + b"[" * n
+        + b"]" * n
+        + (b"}" if wrap else b"")
+    ),
+    st.integers(min_value=1, max_value=100_000),
+    st.booleans(),
+)
 
 
 @st.composite
@@ -135,8 +190,16 @@ def openai_bodies(draw: Any, chat: bool) -> dict[str, Any]:
 def head(tmp_path_factory):
     keys = tmp_path_factory.mktemp("fuzz") / "keys"
     keys.write_text(KEY + "\n")
-    h = Head("--api-key-file", str(keys), "--default-max-tokens", "4", "--max-queue", "4",
-             "--max-body-bytes", "256KiB")  # fmt: skip
+    h = Head(
+        "--api-key-file",
+        str(keys),
+        "--default-max-tokens",
+        "4",
+        "--max-queue",
+        "4",
+        "--max-body-bytes",
+        "256KiB",
+    )
     yield h
     idle = h.wait(lambda s: s["queue"]["waiting"] == 0 and s["queue"]["running"] == 0, 60)
     assert idle["status"] == "ok"
@@ -207,11 +270,15 @@ def in_openai_range(body: dict[str, Any]) -> bool:
         return v is None or (math.isfinite(v) and (lo < v if low_open else lo <= v) and v <= hi)
 
     return (
-        within("temperature", 0, 2) and within("top_p", 0, 1, low_open=True)
-        and within("presence_penalty", -2, 2) and within("frequency_penalty", -2, 2)
-        and within("seed", 0, 2**63 - 1) and within("n", 1, MAX_BATCH)
-        and within("logprobs", 0, 20) and within("top_logprobs", 0, 20)
-    )  # fmt: skip
+        within("temperature", 0, 2)
+        and within("top_p", 0, 1, low_open=True)
+        and within("presence_penalty", -2, 2)
+        and within("frequency_penalty", -2, 2)
+        and within("seed", 0, 2**63 - 1)
+        and within("n", 1, MAX_BATCH)
+        and within("logprobs", 0, 20)
+        and within("top_logprobs", 0, 20)
+    )
 
 
 @st.composite
@@ -265,7 +332,11 @@ def logprob_values(lp: dict[str, Any] | None) -> list[float]:
     if lp is None:
         return []
     if "content" in lp:  # chat
-        return [x for t in lp["content"] for x in [t["logprob"]] + [a["logprob"] for a in t["top_logprobs"]]]
+        return [
+            x
+            for t in lp["content"]
+            for x in [t["logprob"]] + [a["logprob"] for a in t["top_logprobs"]]
+        ]
     return [*lp["token_logprobs"], *(v for top in lp["top_logprobs"] for v in top.values())]
 
 

@@ -48,8 +48,9 @@ def run(h: HeadRuntime, tokens, sampling: Sampling, client: str = "", started=No
 
     def go() -> None:
         try:
-            for _ in h.generate(tokens, sampling, out, client=client,
-                                on_start=started.set if started else None):  # fmt: skip
+            for _ in h.generate(
+                tokens, sampling, out, client=client, on_start=started.set if started else None
+            ):
                 pass
         except Exception as e:
             errors.append(e)
@@ -87,8 +88,9 @@ def test_a_tiny_temperature_among_running_streams_changes_nothing():
         started = threading.Event()
         t1, first, e1 = run(h, toks(50), long, "a", started)
         assert started.wait(60)
-        t2, tiny, e2 = run(h, toks(30), Sampling(max_tokens=20, temperature=1e-40,
-                                                 stop_on_eos=False), "b")  # fmt: skip
+        t2, tiny, e2 = run(
+            h, toks(30), Sampling(max_tokens=20, temperature=1e-40, stop_on_eos=False), "b"
+        )
         t3, later, e3 = run(h, toks(50), long, "c")
         for t in (t1, t2, t3):
             t.join(120)
@@ -153,8 +155,9 @@ def test_if_the_engine_thread_dies_every_request_fails_and_nothing_hangs(monkeyp
     h = HeadRuntime(eng, publish=False, max_sessions=0, max_batch=1)
     try:
         started = threading.Event()
-        t1, running, e1 = run(h, toks(20), Sampling(max_tokens=5000, stop_on_eos=False),
-                              "a", started)  # fmt: skip
+        t1, running, e1 = run(
+            h, toks(20), Sampling(max_tokens=5000, stop_on_eos=False), "a", started
+        )
         assert started.wait(60)
         t2, _, e2 = run(h, toks(20), Sampling(max_tokens=3), "a")  # waits: one per batch
         while h.batch.waiting == 0 or not running.tokens:

@@ -27,10 +27,23 @@ from .test_api import Head
 
 PROMPT = "A head that stays responsive while its queue is full. " * 4
 # decodes for minutes unless cancelled: every test below ends it by leaving
-LONG = {"model": "demo-tiny", "prompt": PROMPT, "max_tokens": 20000, "ignore_eos": True,
-        "temperature": 0}  # fmt: skip
-READS = ("/healthz", "/metrics", "/", "/v1/network/summary", "/v1/network/nodes",
-         "/v1/network/tokens", "/v1/network/prefill", "/v1/network/groups")  # fmt: skip
+LONG = {
+    "model": "demo-tiny",
+    "prompt": PROMPT,
+    "max_tokens": 20000,
+    "ignore_eos": True,
+    "temperature": 0,
+}
+READS = (
+    "/healthz",
+    "/metrics",
+    "/",
+    "/v1/network/summary",
+    "/v1/network/nodes",
+    "/v1/network/tokens",
+    "/v1/network/prefill",
+    "/v1/network/groups",
+)
 
 
 class Raw:
@@ -40,8 +53,10 @@ class Raw:
         u = urlsplit(url)
         self.sock = socket.create_connection((u.hostname, u.port))
         data = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n")  # fmt: skip
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        )
         self.sock.sendall(head.encode() + data)
 
     def read_until(self, marker: bytes) -> bytes:
@@ -148,8 +163,11 @@ def test_api_key_scope_all_protects_openai_routes_and_no_local_path_is_public(tm
     try:
         body = {"model": "house-model", "prompt": "protected", "max_tokens": 2}
         for bad in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
-            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
-                                 ("POST", "/v1/chat/completions")):  # fmt: skip
+            for method, path in (
+                ("GET", "/v1/models"),
+                ("POST", "/v1/completions"),
+                ("POST", "/v1/chat/completions"),
+            ):
                 r = h.http.request(method, path, json=body, headers=bad)
                 assert r.status_code == 401, (path, bad, r.text)
                 assert r.json()["error"]["code"] == "invalid_api_key"
@@ -192,18 +210,25 @@ def test_api_key_scope_admin_leaves_openai_routes_open(tmp_path):
 def test_api_key_scope_all_without_a_key_file_is_refused():
     r = subprocess.run(
         [sys.executable, "-m", "kvmesh.cli", "head", "--api-key-scope", "all"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--api-key-file" in r.stderr
 
 
 @pytest.mark.parametrize(
     "scheme,client,fleet_key,refused",
-    [("http", "192.0.2.7", True, True), ("http", "10.1.2.3", True, True),
-     ("https", "192.0.2.7", True, False), ("http", "127.0.0.1", True, False),
-     ("http", "::1", True, False), ("http", "192.0.2.7", False, False),
-     ("http", None, True, True)],
-)  # fmt: skip
+    [
+        ("http", "192.0.2.7", True, True),
+        ("http", "10.1.2.3", True, True),
+        ("https", "192.0.2.7", True, False),
+        ("http", "127.0.0.1", True, False),
+        ("http", "::1", True, False),
+        ("http", "192.0.2.7", False, False),
+        ("http", None, True, True),
+    ],
+)
 def test_pairing_refusal_decision(scheme, client, fleet_key, refused):
     why = pairing_refusal(scheme, client, fleet_key)
     assert (why is not None) == refused
@@ -222,8 +247,16 @@ def _own_address() -> str:
 def _pairing_head(tmp_path, *extra: str, verify=True) -> Head:
     (tmp_path / "fleet.key").write_text("ab" * 32)
     (tmp_path / "keys").write_text(KEY + "\n")
-    return Head("--listen", "0.0.0.0:0", "--fleet-key-file", str(tmp_path / "fleet.key"),
-                "--api-key-file", str(tmp_path / "keys"), *extra, verify=verify)  # fmt: skip
+    return Head(
+        "--listen",
+        "0.0.0.0:0",
+        "--fleet-key-file",
+        str(tmp_path / "fleet.key"),
+        "--api-key-file",
+        str(tmp_path / "keys"),
+        *extra,
+        verify=verify,
+    )
 
 
 def _token(h: Head, url: str, verify=True) -> str:
@@ -263,8 +296,14 @@ def test_pairing_over_https_on_a_non_loopback_address(tmp_path):
         pem.write_to_path(str(tmp_path / "cert.pem"), append=True)
     ctx = ssl.create_default_context()
     ca.configure_trust(ctx)
-    h = _pairing_head(tmp_path, "--http-tls-cert", str(tmp_path / "cert.pem"),
-                      "--http-tls-key", str(tmp_path / "key.pem"), verify=ctx)  # fmt: skip
+    h = _pairing_head(
+        tmp_path,
+        "--http-tls-cert",
+        str(tmp_path / "cert.pem"),
+        "--http-tls-key",
+        str(tmp_path / "key.pem"),
+        verify=ctx,
+    )
     url = f"https://{ip}:{urlsplit(h.url).port}"
     try:
         assert h.url.startswith("https://")
@@ -302,8 +341,9 @@ def test_cancel_stops_decode_within_a_step_and_a_queued_request_never_runs(tiny_
     long_cancel, long_out, first = threading.Event(), Generation(), threading.Event()
 
     def long_request() -> None:
-        for _ in h.generate(toks, Sampling(max_tokens=10_000, stop_on_eos=False), long_out,
-                            long_cancel):  # fmt: skip
+        for _ in h.generate(
+            toks, Sampling(max_tokens=10_000, stop_on_eos=False), long_out, long_cancel
+        ):
             first.set()
 
     runner = threading.Thread(target=long_request)

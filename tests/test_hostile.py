@@ -39,7 +39,7 @@ from .hostile_peer import (
     reset_peak_rss,
     rss,
     scrape,
-)  # fmt: skip
+)
 from .procs import Peer, free_port
 from .test_mesh import SAMPLING, close, fresh_head, prompt, published, wait_for
 
@@ -50,9 +50,13 @@ STALLING = {"stall": ("timeout", "stalled"), "stall-mid": ("timeout", "stalled")
 
 def hostile(mode: str, seed: Peer, log_dir, path: str = "bulk") -> Peer:
     return Peer(
-        "--seed", seed.address, *(("--no-bulk",) if path == "grpc" else ()),
-        alias=f"hostile-{mode}", log_dir=log_dir, command=("tests.hostile_peer", mode),
-    )  # fmt: skip
+        "--seed",
+        seed.address,
+        *(("--no-bulk",) if path == "grpc" else ()),
+        alias=f"hostile-{mode}",
+        log_dir=log_dir,
+        command=("tests.hostile_peer", mode),
+    )
 
 
 def _cold(engine, toks):
@@ -116,9 +120,9 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
             v for k, v in h.telemetry.counters.items() if k.startswith("peer_failed:")
         )
         assert failed_after == 1  # backed off: not tried again
-        assert not h.planner.usable(next(
-            c.node_id for c in h.node.node.membership.live() if c.alias == f"hostile-{mode}"
-        ))  # fmt: skip
+        assert not h.planner.usable(
+            next(c.node_id for c in h.node.node.membership.live() if c.alias == f"hostile-{mode}")
+        )
     finally:
         close(h)
         bad.kill()
@@ -136,8 +140,9 @@ def test_a_silent_fetch_ends_on_the_progress_deadline(tmp_path, mode):
     bad = Peer(alias=f"silent-{mode}", log_dir=tmp_path, command=("tests.hostile_peer", mode))
 
     async def fetch() -> None:
-        client = MeshClient(Membership("me", pb.CapabilityCard), fetch_deadline=300.0,
-                            progress_timeout=0.5)  # fmt: skip
+        client = MeshClient(
+            Membership("me", pb.CapabilityCard), fetch_deadline=300.0, progress_timeout=0.5
+        )
         info = pb.BlockInfo(key=b"k" * 32, nbytes=FAKE_BLOCK_BYTES, digest=b"d" * 32, tokens=4)
         hit = PeerHit("bad", "bad", bad.address, "loopback", bad.epoch, (info,), None, 4)
         try:
@@ -162,14 +167,25 @@ BUDGET, MAX_BLOCK, INFLIGHT = 64 * MiB, 8 * MiB, 16 * MiB
 
 def big_card():
     """~6 MiB blocks: two fit in the 16 MiB in-flight cap, ten in the 64 MiB budget."""
-    return small_card(num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24,
-                      block_tokens=256)  # fmt: skip
+    return small_card(
+        num_layers=24, num_kv_heads=2, head_dim=64, sliding_windows=(0,) * 24, block_tokens=256
+    )
 
 
 def small_peer(tmp_path) -> tuple[Peer, str]:
     metrics = f"127.0.0.1:{free_port()}"
-    peer = Peer("--budget", "64MiB", "--max-block-bytes", "8MiB", "--max-inflight", "16MiB",
-                "--metrics", metrics, alias="small", log_dir=tmp_path)  # fmt: skip
+    peer = Peer(
+        "--budget",
+        "64MiB",
+        "--max-block-bytes",
+        "8MiB",
+        "--max-inflight",
+        "16MiB",
+        "--metrics",
+        metrics,
+        alias="small",
+        log_dir=tmp_path,
+    )
     wait_for(lambda: _scrapes(metrics), what="metrics")
     return peer, metrics
 
@@ -190,8 +206,9 @@ def target(peer: Peer) -> Target:
 
 async def _hold(card, block, release: asyncio.Event):
     """Half a block, then silence until ``release``; then the stream ends inside it."""
-    for m in messages(json.dumps(card.to_json()), block.nbytes, block.digest,
-                      block.blob[: block.nbytes // 2]):  # fmt: skip
+    for m in messages(
+        json.dumps(card.to_json()), block.nbytes, block.digest, block.blob[: block.nbytes // 2]
+    ):
         yield m
     await release.wait()
 
@@ -212,8 +229,11 @@ async def _attackers(t: Target, n: int, rounds: int, kinds: list[str]) -> list[t
     async def one(i: int) -> list[tuple[str, str]]:
         rng = random.Random(i)
         async with own_connection(t.address) as ch:
-            return [(k, await attack(ch, k, t, rng))
-                    for _ in range(rounds) for k in rng.sample(kinds, len(kinds))]  # fmt: skip
+            return [
+                (k, await attack(ch, k, t, rng))
+                for _ in range(rounds)
+                for k in rng.sample(kinds, len(kinds))
+            ]
 
     return [r for rs in await asyncio.gather(*(one(i) for i in range(n))) for r in rs]
 
@@ -223,8 +243,12 @@ async def _fill_the_cap(t: Target, metrics: str) -> tuple[str, str]:
     cannot be reserved. Then the two hang up inside their blocks."""
     release = asyncio.Event()
     chans = [own_connection(t.address) for _ in range(3)]
-    call = [ch.stream_unary(PUBLISH, request_serializer=None,
-                            response_deserializer=pb.PublishResponse.FromString) for ch in chans]  # fmt: skip
+    call = [
+        ch.stream_unary(
+            PUBLISH, request_serializer=None, response_deserializer=pb.PublishResponse.FromString
+        )
+        for ch in chans
+    ]
     held = [
         asyncio.ensure_future(c(_hold(t.card, t.honest[0], release), timeout=60)) for c in call[:2]
     ]
@@ -307,8 +331,9 @@ def test_a_frozen_peer_is_probed_in_the_background_not_waited_for(tmp_path):
         try:
             hits, errors = await client.lookup(card, keys, on_failure=lambda *f: failed.append(f))
             assert (hits, errors) == ([], ["timeout"]) and len(failed) == 1
-            hits, errors = await client.lookup(card, keys, skip=lambda n: True,
-                                               on_failure=lambda *f: failed.append(f))  # fmt: skip
+            hits, errors = await client.lookup(
+                card, keys, skip=lambda n: True, on_failure=lambda *f: failed.append(f)
+            )
             assert (hits, errors) == ([], []) and client.counters["lookup_skipped"] == 1
             for _ in range(100):  # the probe's answer comes later, on this loop
                 if len(failed) == 2:
@@ -335,12 +360,16 @@ def test_a_silent_publisher_is_cut_off_and_its_reservation_freed():
     async def run():
         store = BlockStore(BUDGET)
         cache = CacheService(store, MAX_BLOCK, INFLIGHT, publish_progress_s=0.3)
-        server, port, _ = await start_server("127.0.0.1:0", store, Membership("p", pb.CapabilityCard),
-                                             cache=cache)  # fmt: skip
+        server, port, _ = await start_server(
+            "127.0.0.1:0", store, Membership("p", pb.CapabilityCard), cache=cache
+        )
         try:
             async with own_connection(f"127.0.0.1:{port}") as ch:
-                call = ch.stream_unary(PUBLISH, request_serializer=None,
-                                       response_deserializer=pb.PublishResponse.FromString)  # fmt: skip
+                call = ch.stream_unary(
+                    PUBLISH,
+                    request_serializer=None,
+                    response_deserializer=pb.PublishResponse.FromString,
+                )
                 resp = await call(_hold(card, block, asyncio.Event()), timeout=30)
         finally:
             await server.stop(0)

@@ -48,8 +48,17 @@ def peers(tmp_path_factory):
         for i in range(N_PEERS):
             port = free_port()
             seed = ("--seed", out[0].address) if out else ()
-            p = Peer(*seed, "--metrics", f"127.0.0.1:{port}", "--gossip-interval", "0.5",
-                     "--ttl", "10", alias=f"hp{i}", log_dir=d)  # fmt: skip
+            p = Peer(
+                *seed,
+                "--metrics",
+                f"127.0.0.1:{port}",
+                "--gossip-interval",
+                "0.5",
+                "--ttl",
+                "10",
+                alias=f"hp{i}",
+                log_dir=d,
+            )
             p.metrics_port = port  # type: ignore[attr-defined]
             out.append(p)
         yield out
@@ -79,7 +88,7 @@ def make_head(engine, peers, alias, budget=2 << 30, sessions=8) -> HeadRuntime:
             ttl=10,
             budget_bytes=budget,
             lookup_deadline=2.0,
-        )  # fmt: skip
+        )
     )
     head = HeadRuntime(engine, node, max_sessions=sessions)
     live = node.node.membership.live
@@ -94,8 +103,10 @@ def close(head: HeadRuntime) -> None:
 
 
 def chat(engine, i: int) -> list[int]:
-    question = f"Question {i}: where does block {i * 7919 % 1009} of conversation {i} live, " \
-               f"and who serves it when peer {i % 13} is busy?"  # fmt: skip
+    question = (
+        f"Question {i}: where does block {i * 7919 % 1009} of conversation {i} live, "
+        f"and who serves it when peer {i % 13} is busy?"
+    )
     return engine.encode_chat(
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     )
@@ -119,8 +130,10 @@ def test_distinct_chats_spread_and_still_share_the_system_prompt(tiny_engine, pe
     grown = [scrape(p, "kvmesh_store_used_bytes") - b for p, b in zip(peers, before, strict=True)]
     mean = sum(grown) / len(grown)
     ratio = max(grown) / mean
-    print(f"stored bytes per peer max/mean {ratio:.2f} (peers storing: "
-          f"{sum(g > 0 for g in grown)} of {len(grown)})")  # fmt: skip
+    print(
+        f"stored bytes per peer max/mean {ratio:.2f} (peers storing: "
+        f"{sum(g > 0 for g in grown)} of {len(grown)})"
+    )
     assert ratio <= 2
 
     # a head that has seen nothing imports the shared preamble for a new conversation
@@ -146,8 +159,9 @@ def test_one_hot_prefix_spreads_over_holders_and_survives_its_busiest(tiny_engin
 
     # heads that keep nothing (a store smaller than a block, no sessions): every
     # request looks up and fetches, as a fleet of many heads would
-    heads = [make_head(e, peers, f"hot{i}", budget=16 << 10, sessions=0)
-             for i, e in enumerate(engines)]  # fmt: skip
+    heads = [
+        make_head(e, peers, f"hot{i}", budget=16 << 10, sessions=0) for i, e in enumerate(engines)
+    ]
     try:
         first = heads[0].complete(prompts[0], SAMPLING)
         heads[0].flush()
@@ -180,8 +194,9 @@ def test_one_hot_prefix_spreads_over_holders_and_survives_its_busiest(tiny_engin
             peers[busiest].kill()
 
         phase(list(range(120, 200)), kill_busiest)
-        final = [killed["served"] if i == busiest else served(p) - base[i]
-                 for i, p in enumerate(peers)]  # fmt: skip
+        final = [
+            killed["served"] if i == busiest else served(p) - base[i] for i, p in enumerate(peers)
+        ]
         sources = Counter(r.source for r in reports.values())
         print(f"sources {dict(sources)}, fallbacks {[h.telemetry.fallbacks for h in heads]}")
         mean = sum(final) / N_PEERS
@@ -196,8 +211,9 @@ def test_one_hot_prefix_spreads_over_holders_and_survives_its_busiest(tiny_engin
         assert ratio <= 3
         after = [r for i, r in reports.items() if i >= 120]
         for h in range(3):
-            fell_back = [r for i, r in reports.items() if i >= 120 and i % 3 == (120 + h) % 3
-                         and r.fallback]  # fmt: skip
+            fell_back = [
+                r for i, r in reports.items() if i >= 120 and i % 3 == (120 + h) % 3 and r.fallback
+            ]
             assert len(fell_back) <= 1, fell_back
         assert len(after) == 80
 

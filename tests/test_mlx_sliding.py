@@ -24,9 +24,15 @@ def swa_engine(tiny_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("swa") / "llama-swa-tiny"
     shutil.copytree(tiny_dir, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], _name_or_path="llama-swa-tiny",
-               sliding_window=WINDOW, attention_bias=False, mlp_bias=False,
-               layer_types=["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2))  # fmt: skip
+    cfg.update(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        _name_or_path="llama-swa-tiny",
+        sliding_window=WINDOW,
+        attention_bias=False,
+        mlp_bias=False,
+        layer_types=["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2),
+    )
     (d / "config.json").write_text(json.dumps(cfg))
     w = {
         k: v for k, v in load_file(str(d / "model.safetensors")).items() if not k.endswith(".bias")

@@ -95,8 +95,11 @@ FLEET_KEY.write_text(secrets.token_hex(32))
 def spawn(ns: str, *args: str, pattern: str) -> tuple[subprocess.Popen[str], re.Match[str]]:
     p = subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "kvmesh.cli", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy(),
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=os.environ.copy(),
+    )
     line = p.stdout.readline()
     m = re.search(pattern, line)
     if not m:
@@ -109,10 +112,24 @@ def spawn(ns: str, *args: str, pattern: str) -> tuple[subprocess.Popen[str], re.
 def peers(net):
     procs = []
     for name, addr in (("p1", "10.77.1.2"), ("p2", "10.77.2.2")):
-        p, _ = spawn(NS[name], "peer", "--listen", f"{addr}:7070", "--plaintext", "--alias", name,
-                     "--fleet-key-file", str(FLEET_KEY),
-                     "--advertise", f"{addr}:7070,interface=ethernet", "--gossip-interval", "0.3",
-                     "--ttl", "3", pattern=r"listening on")  # fmt: skip
+        p, _ = spawn(
+            NS[name],
+            "peer",
+            "--listen",
+            f"{addr}:7070",
+            "--plaintext",
+            "--alias",
+            name,
+            "--fleet-key-file",
+            str(FLEET_KEY),
+            "--advertise",
+            f"{addr}:7070,interface=ethernet",
+            "--gossip-interval",
+            "0.3",
+            "--ttl",
+            "3",
+            pattern=r"listening on",
+        )
         procs.append(p)
     yield
     for p in procs:
@@ -122,11 +139,31 @@ def peers(net):
 class NsHead:
     def __init__(self, alias: str) -> None:
         self.proc, m = spawn(
-            NS["head"], "head", "--model", "demo-tiny", "--listen", "0.0.0.0:8000", "--grpc-listen",
-            "0.0.0.0:7071", "--plaintext", "--fleet-key-file", str(FLEET_KEY), "--seed", "10.77.1.2:7070", "--seed", "10.77.2.2:7070",
-            "--alias", alias, "--gossip-interval", "0.3", "--ttl", "3", "--fetch-timeout", "2",
+            NS["head"],
+            "head",
+            "--model",
+            "demo-tiny",
+            "--listen",
+            "0.0.0.0:8000",
+            "--grpc-listen",
+            "0.0.0.0:7071",
+            "--plaintext",
+            "--fleet-key-file",
+            str(FLEET_KEY),
+            "--seed",
+            "10.77.1.2:7070",
+            "--seed",
+            "10.77.2.2:7070",
+            "--alias",
+            alias,
+            "--gossip-interval",
+            "0.3",
+            "--ttl",
+            "3",
+            "--fetch-timeout",
+            "2",
             pattern=r"http://",
-        )  # fmt: skip
+        )
         self.http = httpx.Client(base_url="http://10.77.0.2:8000", timeout=60)
 
     def wait(self, cond, timeout: float = 20) -> None:
@@ -183,8 +220,22 @@ def test_cutting_the_link_mid_stream_falls_back_with_the_same_answer(net, peers)
     links = net["head_peer_links"]
     try:
         for ns, dev in net["peer_links"]:  # slow peer->head so the stream is on the wire when cut
-            in_ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "4mbit",
-                  "burst", "16kbit", "latency", "500ms")  # fmt: skip
+            in_ns(
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                "4mbit",
+                "burst",
+                "16kbit",
+                "latency",
+                "500ms",
+            )
 
         def cut() -> None:
             time.sleep(0.4)

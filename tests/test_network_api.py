@@ -32,9 +32,14 @@ def fleet(tmp_path_factory):
 
 
 IP = re.compile(r"\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b")
-AUTH_CASES = [({}, False), ({"X-API-Key": KEY}, True), ({"Authorization": f"Bearer {KEY}"}, True),
-              ({"X-API-Key": "wrong"}, False), ({"Authorization": "Bearer"}, False),
-              ({"Authorization": f"Basic {KEY}"}, False)]  # fmt: skip
+AUTH_CASES = [
+    ({}, False),
+    ({"X-API-Key": KEY}, True),
+    ({"Authorization": f"Bearer {KEY}"}, True),
+    ({"X-API-Key": "wrong"}, False),
+    ({"Authorization": "Bearer"}, False),
+    ({"Authorization": f"Basic {KEY}"}, False),
+]
 
 
 @pytest.mark.parametrize("headers,private", AUTH_CASES)
@@ -81,8 +86,14 @@ def test_groups_create_list_delete(fleet):
     assert r.status_code == 201
     gid = r.json()["id"]
     assert any(g["id"] == gid for g in head.http.get("/v1/network/groups").json()["groups"])
-    for bad in (b"{nope", b'{"name": ""}', b'{"name": 5}', b'{"name": "a", "extra": 1}', b"[]",
-                b'{"name": "' + b"x" * 100 + b'"}'):  # fmt: skip
+    for bad in (
+        b"{nope",
+        b'{"name": ""}',
+        b'{"name": 5}',
+        b'{"name": "a", "extra": 1}',
+        b"[]",
+        b'{"name": "' + b"x" * 100 + b'"}',
+    ):
         r = head.http.post(
             "/v1/network/groups", content=bad, headers={**auth, "Content-Type": "application/json"}
         )
@@ -104,9 +115,22 @@ def test_pairing_token_joins_a_peer_once(fleet, tmp_path):
     finally:
         joined.kill()
     reuse = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "peer", "--listen", "127.0.0.1:0", "--join", head.url,
-         "--pairing-token", token], capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "peer",
+            "--listen",
+            "127.0.0.1:0",
+            "--join",
+            head.url,
+            "--pairing-token",
+            token,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert reuse.returncode != 0 and "403" in reuse.stderr
     assert (
         head.http.post("/v1/network/pair", json={"token": "never-issued-token"}).status_code == 403

@@ -63,20 +63,26 @@ def _no_nan(name: str) -> Any:
     raise AssertionError(f"{name} in a response")
 
 
-CHAT = {"model": "demo-tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
-        "temperature": 0}  # fmt: skip
+CHAT = {
+    "model": "demo-tiny",
+    "messages": [{"role": "user", "content": PROMPT}],
+    "max_tokens": 4,
+    "temperature": 0,
+}
 COMPLETION = {"model": "demo-tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
 
 
-@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT),
-                                       ("/v1/completions", COMPLETION)])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
+)
 def test_streamed_and_whole_answers_name_the_canonical_model(client, path, body):
     assert client.get("/v1/models").json()["data"][0]["id"] == "house-model"
     for name in ("demo-tiny", "house-model"):  # an alias or the canonical name
         whole = client.post(path, json={**body, "model": name})
         assert whole.status_code == 200 and whole.json()["model"] == "house-model", whole.text
-        chunks = events(client, path, {**body, "model": name,
-                                       "stream_options": {"include_usage": True}})  # fmt: skip
+        chunks = events(
+            client, path, {**body, "model": name, "stream_options": {"include_usage": True}}
+        )
         assert chunks[-1] == "[DONE]"
         assert {c["model"] for c in chunks[:-1]} == {"house-model"}
 
@@ -95,8 +101,9 @@ class FailingForward:
         self.real(states)
 
 
-@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT),
-                                       ("/v1/completions", COMPLETION)])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
+)
 def test_an_engine_failure_mid_stream_ends_with_an_error_event_then_done(
     client, runtime, monkeypatch, path, body
 ):

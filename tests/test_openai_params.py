@@ -110,20 +110,34 @@ def test_stop_strings_non_streaming_and_streaming_agree(head, client):
     assert c["text"] == free["text"][:cut] and c["finish_reason"] == "stop"
     assert "O," not in c["text"]
     stream = client.completions.create(
-        model="demo-tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop="O,", stream=True,
+        model="demo-tiny",
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop="O,",
+        stream=True,
         extra_body=MOVING,
-    )  # fmt: skip
+    )
     chunks = list(stream)
     assert "".join(ch.choices[0].text for ch in chunks) == c["text"]
     assert chunks[-1].choices[0].finish_reason == "stop"
     chat = client.chat.completions.create(
-        model="demo-tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=24,
-        temperature=0, stop=["O,"], frequency_penalty=0.1,
-    )  # fmt: skip
+        model="demo-tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=24,
+        temperature=0,
+        stop=["O,"],
+        frequency_penalty=0.1,
+    )
     streamed = client.chat.completions.create(
-        model="demo-tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=24,
-        temperature=0, stop=["O,"], frequency_penalty=0.1, stream=True,
-    )  # fmt: skip
+        model="demo-tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=24,
+        temperature=0,
+        stop=["O,"],
+        frequency_penalty=0.1,
+        stream=True,
+    )
     parts = list(streamed)
     assert (
         "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
@@ -157,8 +171,15 @@ def test_completions_logprobs_shape_and_values(head, tiny_engine):
 
 
 def test_chat_logprobs_shape_values_and_streaming(client):
-    kw = {"model": "demo-tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
-          "temperature": 0, "logprobs": True, "top_logprobs": 4, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": "demo-tiny",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 4,
+        "extra_body": {"ignore_eos": True},
+    }
     full = client.chat.completions.create(**kw)
     content = full.choices[0].logprobs.content
     assert len(content) == 6
@@ -220,8 +241,17 @@ def test_n_shares_one_prefill_and_choice_i_samples_with_seed_plus_i(head):
 
 
 def test_openai_client_n2_stop_logprobs_streaming_with_usage(client):
-    kw = {"model": "demo-tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 20,
-          "temperature": 0.7, "seed": 3, "n": 2, "stop": ["O,"], "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    kw = {
+        "model": "demo-tiny",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 20,
+        "temperature": 0.7,
+        "seed": 3,
+        "n": 2,
+        "stop": ["O,"],
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     full = client.chat.completions.create(**kw)
     assert [c.index for c in full.choices] == [0, 1]
     chunks = list(
@@ -250,10 +280,22 @@ def test_openai_client_n2_stop_logprobs_streaming_with_usage(client):
 
 
 # what common SDKs send by default: kvmesh implements none of these, and none changes the answer
-NO_OPS = [{"best_of": 1}, {"logit_bias": {}}, {"response_format": {"type": "text"}},
-          {"echo": False}, {"suffix": ""}, {"tools": []}, {"functions": []}, {"top_k": -1},
-          {"top_k": 0}, {"min_p": 0}, {"repetition_penalty": 1.0}, {"min_tokens": 0},
-          {"logit_bias": None}, {"stream_options": None}]  # fmt: skip
+NO_OPS = [
+    {"best_of": 1},
+    {"logit_bias": {}},
+    {"response_format": {"type": "text"}},
+    {"echo": False},
+    {"suffix": ""},
+    {"tools": []},
+    {"functions": []},
+    {"top_k": -1},
+    {"top_k": 0},
+    {"min_p": 0},
+    {"repetition_penalty": 1.0},
+    {"min_tokens": 0},
+    {"logit_bias": None},
+    {"stream_options": None},
+]
 
 
 def test_no_op_values_are_accepted_and_change_nothing(head):
@@ -262,33 +304,54 @@ def test_no_op_values_are_accepted_and_change_nothing(head):
     for extra in NO_OPS:
         assert complete(head, **base, **extra)["choices"][0]["text"] == plain, extra
     # null is the default for OpenAI's nullable fields (temperature 1, top_p 1, n 1 ...)
-    nulls = {k: None for k in ("top_p", "n", "presence_penalty", "frequency_penalty", "stream",
-                               "logprobs")}  # fmt: skip
+    nulls = {
+        k: None
+        for k in ("top_p", "n", "presence_penalty", "frequency_penalty", "stream", "logprobs")
+    }
     assert complete(head, **base, **nulls)["choices"][0]["text"] == plain
     default_t = complete(head, max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
     assert complete(head, **{**base, "temperature": None})["choices"] == default_t["choices"]
 
 
 def test_the_openai_sdk_defaults_pass_on_chat(client):
-    kw = {"model": "demo-tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
-          "temperature": 0}  # fmt: skip
+    kw = {
+        "model": "demo-tiny",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 5,
+        "temperature": 0,
+    }
     plain = client.chat.completions.create(**kw).choices[0].message.content
     same = client.chat.completions.create(
-        **kw, response_format={"type": "text"}, logit_bias={},
+        **kw,
+        response_format={"type": "text"},
+        logit_bias={},
         extra_body={"best_of": 1, "top_k": -1},
-    )  # fmt: skip
+    )
     assert same.choices[0].message.content == plain
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         client.chat.completions.create(**kw, stream_options={"include_usage": True})
 
 
 BAD = [
-    *[({name: value}, name) for name, value in (
-        ("logit_bias", {"1": 5}), ("logit_bias", []), ("tools", [{"type": "function"}]),
-        ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}),
-        ("response_format", "text"), ("best_of", 2), ("best_of", True), ("echo", True),
-        ("suffix", "x"), ("top_k", 40), ("min_p", 0.1), ("repetition_penalty", 1.2),
-        ("min_tokens", 3))],
+    *[
+        ({name: value}, name)
+        for name, value in (
+            ("logit_bias", {"1": 5}),
+            ("logit_bias", []),
+            ("tools", [{"type": "function"}]),
+            ("functions", [{"name": "f"}]),
+            ("response_format", {"type": "json_object"}),
+            ("response_format", "text"),
+            ("best_of", 2),
+            ("best_of", True),
+            ("echo", True),
+            ("suffix", "x"),
+            ("top_k", 40),
+            ("min_p", 0.1),
+            ("repetition_penalty", 1.2),
+            ("min_tokens", 3),
+        )
+    ],
     ({"best_of": 1, "n": 2}, "best_of"),  # OpenAI: best_of must be at least n
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # OpenAI: only with stream
     ({"stream_options": {}, "stream": False}, "stream_options"),
@@ -296,7 +359,7 @@ BAD = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"stop": 5}, "stop"),
-]  # fmt: skip
+]
 
 
 def test_every_unsupported_parameter_is_listed():
@@ -308,7 +371,11 @@ def test_unsupported_or_bad_parameters_are_400s(head, extra, param):
     r = head.http.post("/v1/completions", json={"model": "demo-tiny", "prompt": "x", **extra})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["message"] and err["type"] == "invalid_request_error" and err["param"].split(".")[0] == param
+    assert (
+        err["message"]
+        and err["type"] == "invalid_request_error"
+        and err["param"].split(".")[0] == param
+    )
 
 
 # OpenAI's ranges: outside is a 400 whatever the value (NaN and infinities are JSON here)
@@ -341,8 +408,9 @@ def test_sampling_parameters_at_their_bounds_all_decode(head):
     edges += [{name: v} for name in ("presence_penalty", "frequency_penalty") for v in (-2, 2)]
     edges += [{"seed": 0}, {"seed": (1 << 63) - 1}, {"logprobs": 0}, {"logprobs": 20}]
     for extra in edges:
-        out = complete(head, **{"max_tokens": 3, "ignore_eos": True, "logprobs": 2, "seed": 1,
-                                **extra})  # fmt: skip
+        out = complete(
+            head, **{"max_tokens": 3, "ignore_eos": True, "logprobs": 2, "seed": 1, **extra}
+        )
         lp = out["choices"][0]["logprobs"]
         assert out["usage"]["completion_tokens"] == 3, extra
         assert all(-1e4 <= v <= 0 for v in lp["token_logprobs"]), (extra, lp)
@@ -402,23 +470,42 @@ def test_auto_on_this_cpu_is_cpu_float32_and_dtypes_are_namespaces():
 def test_head_device_cuda_without_cuda_is_a_clear_startup_error():
     r = subprocess.run(
         [sys.executable, "-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--device", "cuda"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "CUDA is not available" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run(
         [sys.executable, "-m", "kvmesh.cli", "head", "--engine", "mlx", "--device", "cpu"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "does not apply to the mlx engine" in r.stderr, r.stderr
 
 
 def test_head_runs_the_device_and_dtype_it_is_told():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen", "127.0.0.1:0",
-         "--no-publish", "--device", "cpu", "--dtype", "bfloat16"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "head",
+            "--model",
+            "demo-tiny",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-publish",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert " bfloat16 " in line and line.rstrip().endswith("device cpu"), line

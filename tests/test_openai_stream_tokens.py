@@ -50,8 +50,14 @@ def chunks(client: TestClient, path: str, body: dict[str, Any]) -> list[dict[str
 @pytest.mark.parametrize("path", ROUTES)
 def test_a_token_whose_text_is_held_back_is_still_a_chunk(client, path):
     # a frequency penalty: greedy text that moves (demo-tiny repeats one token otherwise)
-    body = {"model": "demo-tiny", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
-            "frequency_penalty": 0.5, **ROUTES[path]}  # fmt: skip
+    body = {
+        "model": "demo-tiny",
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "frequency_penalty": 0.5,
+        **ROUTES[path],
+    }
     r = client.post(path, json=body)
     assert r.status_code == 200, r.text
     whole = text_of(r.json()["choices"][0])

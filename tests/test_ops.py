@@ -23,9 +23,12 @@ def kvmesh(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", *args], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "kvmesh.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def test_config_file_env_and_flags_layer_in_order(tmp_path):
@@ -51,8 +54,13 @@ def test_flags_beat_env_beat_file_on_a_real_peer(tmp_path):
     cfg.write_text('[peer]\nalias = "from-file"\nbudget = "3GiB"\n')
     port = __import__("tests.procs", fromlist=["free_port"]).free_port()
     env = {**os.environ, "KVMESH_CONFIG": str(cfg), "KVMESH_PEER_BUDGET": "1GiB"}
-    p = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "peer", "--listen", f"127.0.0.1:{port}"],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "peer", "--listen", f"127.0.0.1:{port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         line = p.stdout.readline()
         assert "from-file" in line
@@ -68,13 +76,13 @@ def test_flags_beat_env_beat_file_on_a_real_peer(tmp_path):
     "text,needle",
     [
         ("[peer]\nbudgte = 1\n", "unknown key 'budgte'"),
-        ("[peer]\nttl = \"soon\"\n", "[peer] ttl"),
-        ("[peer]\nseed = \"10.0.0.1:1\"\n", "seed must be a list"),
+        ('[peer]\nttl = "soon"\n', "[peer] ttl"),
+        ('[peer]\nseed = "10.0.0.1:1"\n', "seed must be a list"),
         ("[nodes]\nx = 1\n", "unknown section [nodes]"),
         ("[common]\nnope = 1\n", "[common] unknown key 'nope'"),
         ("[peer\n", "not valid TOML"),
     ],
-)  # fmt: skip
+)
 def test_bad_config_is_one_clear_error_naming_file_and_key(tmp_path, text, needle):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(text)
@@ -156,8 +164,13 @@ def test_systemd_units_have_the_keys_and_verify(role, tmp_path):
         assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("script,unit", [("install-systemd.sh", "etc/systemd/system/kvmesh-{role}.service"),
-                                         ("install-launchd.sh", "Library/LaunchDaemons/ai.kvmesh.{role}.plist")])  # fmt: skip
+@pytest.mark.parametrize(
+    "script,unit",
+    [
+        ("install-systemd.sh", "etc/systemd/system/kvmesh-{role}.service"),
+        ("install-launchd.sh", "Library/LaunchDaemons/ai.kvmesh.{role}.plist"),
+    ],
+)
 @pytest.mark.parametrize("role", ["peer", "head"])
 def test_install_scripts_write_config_and_service(tmp_path, script, unit, role):
     env = {"DESTDIR": str(tmp_path), "DRY_RUN": "1", "PATH": os.environ["PATH"]}

@@ -180,8 +180,12 @@ def test_peers_place_deep_count_demand_and_spread_a_hot_prefix():
 def test_the_simulation_runs_the_policy_and_meets_its_bounds(tmp_path):
     out = tmp_path / "scale_sim.json"
     bench = Path(__file__).resolve().parents[1] / "bench" / "scale_sim.py"
-    r = subprocess.run([sys.executable, str(bench), "--smoke", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(bench), "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     after = [x for x in rows if x["policy"] == "after"]

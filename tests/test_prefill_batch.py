@@ -109,9 +109,13 @@ def test_a_chunk_past_the_prompt_is_refused_before_any_forward():
 
 def _job(eng, tokens, sampling, on_token=None) -> Job:
     """A job whose prefill is the engine's own, nothing imported."""
-    return Job(sampling, [Decoded()], lambda: PrefillPlan(eng.begin_prefill(tokens)),
-               eng.card.kv_bytes_per_token * (len(tokens) + sampling.max_tokens),
-               on_token=on_token)  # fmt: skip
+    return Job(
+        sampling,
+        [Decoded()],
+        lambda: PrefillPlan(eng.begin_prefill(tokens)),
+        eng.card.kv_bytes_per_token * (len(tokens) + sampling.max_tokens),
+        on_token=on_token,
+    )
 
 
 def test_a_short_prompt_is_answered_between_a_long_prompts_chunks():

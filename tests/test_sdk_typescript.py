@@ -27,10 +27,21 @@ def npm(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float
     if shutil.which("npm") is None:
         pytest.fail("npm is not installed (Node 20 and npm: see .ci/run)")
     if not (cwd / "node_modules").is_dir():
-        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=cwd, check=True,
-                       capture_output=True, timeout=timeout)  # fmt: skip
-    r = subprocess.run(["npm", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "NO_COLOR": "1", "FORCE_COLOR": "0", **(env or {})})  # fmt: skip
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund"],
+            cwd=cwd,
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+    r = subprocess.run(
+        ["npm", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NO_COLOR": "1", "FORCE_COLOR": "0", **(env or {})},
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, f"npm {' '.join(args)} failed in {cwd}:\n{out[-6000:]}"
     return out
@@ -60,8 +71,12 @@ def test_sdk_suite_passes_against_a_real_head_with_coverage(head):
 
 def test_quickstart_streams_and_sees_the_cache(head):
     npm(SDK, "run", "build")
-    r = subprocess.run(["node", str(SDK / "dist" / "examples" / "quickstart.js"), head.url],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        ["node", str(SDK / "dist" / "examples" / "quickstart.js"), head.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert re.search(r"^summary: \d+ node\(s\), \d+ tokens completed", r.stdout, re.M), r.stdout
     warm = re.search(
@@ -80,14 +95,19 @@ def test_sdk_and_edge_ship_no_runtime_dependencies():
         lock = json.loads((pkg / "package-lock.json").read_text())
         assert not manifest.get("dependencies") and manifest["devDependencies"], pkg
         assert not lock["packages"][""].get("dependencies"), pkg
-        assert all(v.get("dev") or v.get("devOptional")
-                   for k, v in lock["packages"].items() if k), pkg  # fmt: skip
+        assert all(
+            v.get("dev") or v.get("devOptional") for k, v in lock["packages"].items() if k
+        ), pkg
 
 
 def test_dump_openapi_writes_the_schema_the_sdk_is_generated_from(head, tmp_path):
     out = tmp_path / "openapi.json"
-    r = subprocess.run([sys.executable, str(SDK / "scripts" / "dump_openapi.py"), str(out),
-                        "--url", head.url], capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(SDK / "scripts" / "dump_openapi.py"), str(out), "--url", head.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     live = json.loads(out.read_text())
     committed = json.loads((SDK / "openapi.json").read_text())

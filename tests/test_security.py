@@ -35,8 +35,16 @@ def keyfile(tmp_path):
 
 def _head(engine, seeds, security=None, alias="head"):
     security = security or Security()
-    node = NodeThread(NodeConfig(listen="127.0.0.1:0", seeds=seeds, alias=alias, gossip_interval=0.3,
-                                 ttl=2, security=security))  # fmt: skip
+    node = NodeThread(
+        NodeConfig(
+            listen="127.0.0.1:0",
+            seeds=seeds,
+            alias=alias,
+            gossip_interval=0.3,
+            ttl=2,
+            security=security,
+        )
+    )
     return HeadRuntime(engine, node, hash_key=security.block_hash_key)
 
 
@@ -228,10 +236,14 @@ def test_oversize_announcement_falls_back_before_allocating(tiny_engine):
     try:
         server, port = h.node.call(serve())
         liar = pb.CapabilityCard(
-            node_id="liar", alias="liar", epoch="e", roles=["cache"], version=1,
+            node_id="liar",
+            alias="liar",
+            epoch="e",
+            roles=["cache"],
+            version=1,
             namespaces=[tiny_engine.card.namespace_hex],
             endpoints=[pb.Endpoint(address=f"127.0.0.1:{port}", interface="loopback", priority=1)],
-        )  # fmt: skip
+        )
         h.node.node.membership.merge([liar])
         toks = prompt(tiny_engine, 100, "liar ")
         out = h.complete(toks, Sampling(max_tokens=4))
@@ -239,8 +251,16 @@ def test_oversize_announcement_falls_back_before_allocating(tiny_engine):
         assert out.tokens == list(
             tiny_engine.generate(tiny_engine.prefill(toks), Sampling(max_tokens=4))
         )
-        hit = PeerHit("liar", "liar", f"127.0.0.1:{port}", "loopback", "e",
-                      (pb.BlockInfo(key=b"k" * 32, nbytes=1 << 40, digest=b"d" * 32),), None, 32)  # fmt: skip
+        hit = PeerHit(
+            "liar",
+            "liar",
+            f"127.0.0.1:{port}",
+            "loopback",
+            "e",
+            (pb.BlockInfo(key=b"k" * 32, nbytes=1 << 40, digest=b"d" * 32),),
+            None,
+            32,
+        )
         client: MeshClient = h.node.node.client
         with pytest.raises(OversizePayload):
             h.node.call(client.fetch(tiny_engine.layout, hit))
@@ -308,13 +328,21 @@ def test_a_credential_is_bound_to_its_destination_and_its_request(keyfile, tmp_p
         assert asyncio.run(_call(a.address, LOOKUP, [LOOKUP_RAW], replayed)) == "OK"
         refused = {
             "replayed": asyncio.run(_call(a.address, LOOKUP, [LOOKUP_RAW], replayed)),
-            "for_a_at_b": asyncio.run(_call(b.address, LOOKUP, [LOOKUP_RAW], cred(LOOKUP, ida, LOOKUP_RAW))),
-            "lookup_body": asyncio.run(_call(a.address, LOOKUP, [other], cred(LOOKUP, ida, LOOKUP_RAW))),
+            "for_a_at_b": asyncio.run(
+                _call(b.address, LOOKUP, [LOOKUP_RAW], cred(LOOKUP, ida, LOOKUP_RAW))
+            ),
+            "lookup_body": asyncio.run(
+                _call(a.address, LOOKUP, [other], cred(LOOKUP, ida, LOOKUP_RAW))
+            ),
             "fetch_body": asyncio.run(_call(a.address, FETCH, [f2], cred(FETCH, ida, f1))),
             "publish_body": asyncio.run(_call(a.address, PUBLISH, [p2], cred(PUBLISH, ida, p1))),
-            "other_method": asyncio.run(_call(a.address, FETCH, [LOOKUP_RAW], cred(LOOKUP, ida, LOOKUP_RAW))),
-            "wildcard": asyncio.run(_call(a.address, LOOKUP, [LOOKUP_RAW], cred(LOOKUP, "*", LOOKUP_RAW))),
-        }  # fmt: skip
+            "other_method": asyncio.run(
+                _call(a.address, FETCH, [LOOKUP_RAW], cred(LOOKUP, ida, LOOKUP_RAW))
+            ),
+            "wildcard": asyncio.run(
+                _call(a.address, LOOKUP, [LOOKUP_RAW], cred(LOOKUP, "*", LOOKUP_RAW))
+            ),
+        }
         assert set(refused.values()) == {"UNAUTHENTICATED"}, refused
         # the same requests with their own credentials are served
         assert (

@@ -50,8 +50,11 @@ def test_a_long_prompt_past_the_window_is_reused_and_survives_a_restart(tmp_path
             assert _cached(again) >= 0.9 * n
             assert again["choices"][0]["message"]["content"] == answer
 
-            turn2 = [*turn1, {"role": "assistant", "content": answer},
-                     {"role": "user", "content": "And then?"}]  # fmt: skip
+            turn2 = [
+                *turn1,
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And then?"},
+            ]
             second = _chat(h1, model, turn2)
             assert second["kvmesh"]["source"] in ("session", "local")
             assert _cached(second) >= n >= 0.9 * second["usage"]["prompt_tokens"]

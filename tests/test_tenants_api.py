@@ -47,8 +47,9 @@ def keyfile(tmp_path_factory) -> Path:
 
 def make(engine, keyfile: Path, **opts: Any) -> tuple[HeadRuntime, TestClient]:
     rt = make_head(engine, [], alias="tenant-head")
-    app = create_app(rt, "demo-tiny", 4096, str(keyfile), b"f" * 32,
-                     tenant_options=TenantOptions(**opts))  # fmt: skip
+    app = create_app(
+        rt, "demo-tiny", 4096, str(keyfile), b"f" * 32, tenant_options=TenantOptions(**opts)
+    )
     return rt, TestClient(app, raise_server_exceptions=False)
 
 
@@ -105,8 +106,13 @@ def test_cache_salt_separates_within_a_tenant_and_never_crosses_one(head):
     assert again["choices"][0]["text"] == a1["choices"][0]["text"]
     # chat honours it too
     rt, client = head
-    body = {"model": "demo-tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 2,
-            "temperature": 0, "cache_salt": "chat"}  # fmt: skip
+    body = {
+        "model": "demo-tiny",
+        "messages": [{"role": "user", "content": p}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "cache_salt": "chat",
+    }
     first = client.post("/v1/chat/completions", json=body, headers=hdr("alice-1")).json()
     rt.flush()
     other = client.post("/v1/chat/completions", json=body, headers=hdr("bob-1")).json()
@@ -130,8 +136,11 @@ def test_guessing_attack_learns_nothing_finer_than_a_block(head):
     s = "Account notes for the support desk, keep private. " * 2
     victim = ask(head, "alice-1", s + "PIN=4829 name=Alice")
     n = victim["usage"]["prompt_tokens"]
-    guesses = {"alice-2": "PIN=48__ name=Alice", "alice-3": "PIN=47__ name=Alice",
-               "alice-4": "PIN=4829 name=Alice"}  # fmt: skip
+    guesses = {
+        "alice-2": "PIN=48__ name=Alice",
+        "alice-3": "PIN=47__ name=Alice",
+        "alice-4": "PIN=4829 name=Alice",
+    }
     seen = {k: cached(ask(head, k, s + g)) for k, g in guesses.items()}
     assert len(set(seen.values())) == 1, seen  # two digits, one, all: indistinguishable
     got = seen["alice-2"]
@@ -150,8 +159,12 @@ BAD_SALTS = ["", "x" * (MAX_CACHE_SALT_CHARS + 1), "x" * 200_000, 5, 1.5, True, 
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_salts_are_400s_naming_the_field(head, salt, path, stream):
     _, client = head
-    body: dict[str, Any] = {"model": "demo-tiny", "max_tokens": 1, "cache_salt": salt,
-                            "stream": stream}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": "demo-tiny",
+        "max_tokens": 1,
+        "cache_salt": salt,
+        "stream": stream,
+    }
     if "chat" in path:
         body["messages"] = [{"role": "user", "content": "hi"}]
     else:
@@ -169,8 +182,16 @@ def test_a_lone_surrogate_salt_is_a_400(head):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(salt=st.one_of(st.none(), st.text(max_size=40), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
-                      st.lists(st.text(max_size=3), max_size=2), st.booleans()))  # fmt: skip
+@given(
+    salt=st.one_of(
+        st.none(),
+        st.text(max_size=40),
+        st.integers(),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.lists(st.text(max_size=3), max_size=2),
+        st.booleans(),
+    )
+)
 def test_fuzzed_salts_are_200_or_400_never_500(head, salt):
     _, client = head
     body = {"model": "demo-tiny", "prompt": "fuzz", "max_tokens": 1, "cache_salt": salt}
@@ -199,16 +220,23 @@ def test_a_trusted_header_names_the_tenant(tiny_engine, keyfile):
             assert by("alice", "bob-1") == 0  # the header wins over the key's tenant (bob)...
             assert cached(ask(h, "alice-1", p, max_tokens=1)) >= 64  # ...it filled alice's
             for bad in ("", "a b", "x" * 129, "é".encode("latin-1")):
-                r = client.post("/v1/completions", headers={"x-tenant-id": bad},
-                                json={"model": "demo-tiny", "prompt": "hi", "max_tokens": 1})  # fmt: skip
+                r = client.post(
+                    "/v1/completions",
+                    headers={"x-tenant-id": bad},
+                    json={"model": "demo-tiny", "prompt": "hi", "max_tokens": 1},
+                )
                 assert r.status_code == 400 and r.json()["error"]["param"] == "x-tenant-id", bad
 
             @settings(max_examples=30, deadline=None)
-            @given(value=st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF),
-                                 max_size=200))  # fmt: skip
+            @given(
+                value=st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=200)
+            )
             def fuzz(value: str) -> None:
-                r = client.post("/v1/completions", headers={"x-tenant-id": value.encode("latin-1")},
-                                json={"model": "demo-tiny", "prompt": "hi", "max_tokens": 1})  # fmt: skip
+                r = client.post(
+                    "/v1/completions",
+                    headers={"x-tenant-id": value.encode("latin-1")},
+                    json={"model": "demo-tiny", "prompt": "hi", "max_tokens": 1},
+                )
                 assert r.status_code in (200, 400), (value, r.text)
 
             fuzz()
@@ -226,8 +254,7 @@ def test_metrics_show_tenants_only_to_key_holders(head):
     private = client.get("/metrics", headers=hdr("alice-1")).text
     m = re.search(r'^kvmesh_tenant_requests_total\{tenant="bob"\} (\S+)$', private, re.M)
     assert m and float(m.group(1)) >= 1
-    assert re.search(r'^kvmesh_tenant_stored_bytes\{tenant="bob",tier="ram"\} [1-9]', private,
-                     re.M)  # fmt: skip
+    assert re.search(r'^kvmesh_tenant_stored_bytes\{tenant="bob",tier="ram"\} [1-9]', private, re.M)
     assert client.get("/v1/admin/tenants").status_code == 401
     rows = client.get("/v1/admin/tenants", headers=hdr("bob-1")).json()["tenants"]
     assert rows["bob"]["reused_tokens"] > 0 and rows["bob"]["hits"] >= 1
@@ -256,10 +283,17 @@ def test_a_tenant_over_its_budget_evicts_only_its_own(tiny_engine, keyfile):
 
 @pytest.mark.parametrize(
     "text, why",
-    [("k1 a b\n", "fields"), ("k1 tenant with space\n", "fields"), ("k1 ténant\n", "ASCII"),
-     ("k1 " + "t" * 129 + "\n", "1 to"), ("k1 a\nk1 b\n", "twice"), ("k\x01 a\n", "printable"),
-     ("k1 #alice\n", "#"), ("k" * 5000 + "\n", "printable")],
-)  # fmt: skip
+    [
+        ("k1 a b\n", "fields"),
+        ("k1 tenant with space\n", "fields"),
+        ("k1 ténant\n", "ASCII"),
+        ("k1 " + "t" * 129 + "\n", "1 to"),
+        ("k1 a\nk1 b\n", "twice"),
+        ("k\x01 a\n", "printable"),
+        ("k1 #alice\n", "#"),
+        ("k" * 5000 + "\n", "printable"),
+    ],
+)
 def test_bad_key_files_are_start_up_errors(tmp_path, text, why):
     p = tmp_path / "keys"
     p.write_text(text)

@@ -20,8 +20,9 @@ def test_a_peer_holds_salted_keys_only_and_never_the_tenant(tiny_engine):
     head = make_head(tiny_engine, [peer.node.address], alias="t-head")
     try:
         wait_for(lambda: len(head.node.node.membership.live()) >= 1, what="gossip")
-        for _ in head.generate(toks, SAMPLING, Generation(), client="key:acme",
-                               scope=Scope(root, "acme-corp")):  # fmt: skip
+        for _ in head.generate(
+            toks, SAMPLING, Generation(), client="key:acme", scope=Scope(root, "acme-corp")
+        ):
             pass
         head.flush()
         store = peer.node.store

@@ -37,8 +37,14 @@ def test_two_tenants_a_peer_and_a_restart(tmp_path):
     keys, secret = tmp_path / "keys", tmp_path / "tenant.secret"
     keys.write_text(KEYS)
     peer = Peer(alias="tenant-peer", log_dir=tmp_path)
-    args = ("--seed", peer.address, "--api-key-file", str(keys), "--tenant-secret-file",
-            str(secret))  # fmt: skip
+    args = (
+        "--seed",
+        peer.address,
+        "--api-key-file",
+        str(keys),
+        "--tenant-secret-file",
+        str(secret),
+    )
     texts = []
     try:
         h = Head(*args, "--alias", "tenant-head")
@@ -86,14 +92,38 @@ def test_a_bad_key_file_is_a_start_up_error(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("key-a tenant a\n")
     r = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen",
-         "127.0.0.1:0", "--api-key-file", str(keys)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "head",
+            "--model",
+            "demo-tiny",
+            "--listen",
+            "127.0.0.1:0",
+            "--api-key-file",
+            str(keys),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--api-key-file" in r.stderr and ":1:" in r.stderr, r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen",
-         "127.0.0.1:0", "--tenant-budget", "lots"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "head",
+            "--model",
+            "demo-tiny",
+            "--listen",
+            "127.0.0.1:0",
+            "--tenant-budget",
+            "lots",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--tenant-budget" in r.stderr, r.stderr

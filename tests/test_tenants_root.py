@@ -27,8 +27,15 @@ def test_no_tenant_no_salt_is_the_namespace_chain():
 
 def test_roots_separate_every_key_and_the_tail():
     a, b = tenant_root(b"secret", "alice"), tenant_root(b"secret", "bob")
-    roots = [NS, chain_root(NS, a), chain_root(NS, b), chain_root(NS, a, "s1"),
-             chain_root(NS, a, "s2"), chain_root(NS, None, "s1"), chain_root(NS, b, "s1")]  # fmt: skip
+    roots = [
+        NS,
+        chain_root(NS, a),
+        chain_root(NS, b),
+        chain_root(NS, a, "s1"),
+        chain_root(NS, a, "s2"),
+        chain_root(NS, None, "s1"),
+        chain_root(NS, b, "s1"),
+    ]
     assert len(set(roots)) == len(roots)
     chains = [_keys(r) for r in roots]
     every = [k for c in chains for k in (*c.blocks, c.tail)]
@@ -70,8 +77,10 @@ def test_headers_name_the_namespace_not_the_root():
     assert fk.rooted(k.root).keys(TOKS) != keys  # the fleet key still applies
 
 
-@pytest.mark.parametrize("bad", [None, "", 5, 1.5, ["s"], {"a": 1}, b"s", True,
-                                 "x" * (MAX_CACHE_SALT_CHARS + 1), "\ud800"])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [None, "", 5, 1.5, ["s"], {"a": 1}, b"s", True, "x" * (MAX_CACHE_SALT_CHARS + 1), "\ud800"],
+)
 def test_bad_salts_are_value_errors(bad):
     with pytest.raises(ValueError, match="cache_salt"):
         check_cache_salt(bad)

@@ -158,8 +158,9 @@ def test_one_cold_pass_is_close_not_bitwise(arch, dtype):
     bound = BOUND_32 if dtype == "float32" else BOUND_16
     for n in LENGTHS:
         longer = all_toks[: n + SUFFIX]
-        wire = over_the_wire(producer.export(producer.prefill(all_toks[:n]), keyer(producer)),
-                             consumer)  # fmt: skip
+        wire = over_the_wire(
+            producer.export(producer.prefill(all_toks[:n]), keyer(producer)), consumer
+        )
         ext = remote_prefill(consumer, longer, wire)
         cold = producer.prefill(longer)
         assert float((ext.logits - cold.logits).abs().max()) <= bound, (n, bound)

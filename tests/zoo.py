@@ -250,7 +250,7 @@ TOKENIZERS: dict[str, dict] = {
             "<|start_header_id|>",
             "<|end_header_id|>",
             "<|eot_id|>",
-        ],  # fmt: skip
+        ],
         "bos": "<|begin_of_text|>",
         "eos": "<|eot_id|>",
         "pad": None,
@@ -611,10 +611,13 @@ def _build_tokenizer(arch: str, out: Path):
     )
     fast.save_pretrained(out)
     if arch in TOKENIZER_CLASS:  # as on the hub; transformers 5 rebuilds Qwen2's pipeline anyway
-        _write_json(out / "tokenizer_config.json", {
-            **json.loads((out / "tokenizer_config.json").read_text()),
-            "tokenizer_class": TOKENIZER_CLASS[arch],
-        })  # fmt: skip
+        _write_json(
+            out / "tokenizer_config.json",
+            {
+                **json.loads((out / "tokenizer_config.json").read_text()),
+                "tokenizer_class": TOKENIZER_CLASS[arch],
+            },
+        )
     return {t: tokens.index(t) for t in specials}
 
 

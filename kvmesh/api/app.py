@@ -77,30 +77,36 @@ class HeadCollector(Collector):
         ):
             yield CounterMetricFamily(name, doc, value=t.get(timer, 0.0))
         yield GaugeMetricFamily(
-            "kvmesh_prefill_tokens_per_second", "Learned local prefill speed",
+            "kvmesh_prefill_tokens_per_second",
+            "Learned local prefill speed",
             value=self.runtime.planner.prefill_tps or 0.0,
-        )  # fmt: skip
+        )
         yield CounterMetricFamily(
-            "kvmesh_checksum_failures", "Fetches refused because a block failed SHA-256",
+            "kvmesh_checksum_failures",
+            "Fetches refused because a block failed SHA-256",
             value=c.get(labelled(Family.FALLBACK, Reason.CHECKSUM_MISMATCH), 0),
-        )  # fmt: skip
+        )
         yield from self._requests(c)
         yield from self._peers(c)
 
     def _requests(self, c: dict[str, Any]) -> Any:
         s = self.scheduler
-        yield GaugeMetricFamily("kvmesh_queue_waiting", "Requests admitted, waiting for the engine",
-                                value=s.waiting)  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvmesh_queue_waiting", "Requests admitted, waiting for the engine", value=s.waiting
+        )
         yield GaugeMetricFamily("kvmesh_queue_running", "Requests on the engine", value=s.running)
         yield GaugeMetricFamily("kvmesh_queue_max", "--max-queue", value=s.max_queue)
         batch = self.runtime.batch
-        yield GaugeMetricFamily("kvmesh_batch_sequences", "Sequences decoding together now",
-                                value=batch.running)  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvmesh_batch_sequences", "Sequences decoding together now", value=batch.running
+        )
         yield GaugeMetricFamily("kvmesh_batch_max", "--max-batch", value=batch.max_batch)
-        yield CounterMetricFamily("kvmesh_batch_steps", "Decode steps (one forward each)",
-                                  value=batch.steps)  # fmt: skip
-        yield CounterMetricFamily("kvmesh_queue_rejected", "Requests refused with 503 (queue full)",
-                                  value=s.rejected)  # fmt: skip
+        yield CounterMetricFamily(
+            "kvmesh_batch_steps", "Decode steps (one forward each)", value=batch.steps
+        )
+        yield CounterMetricFamily(
+            "kvmesh_queue_rejected", "Requests refused with 503 (queue full)", value=s.rejected
+        )
         cancelled = CounterMetricFamily(
             "kvmesh_requests_cancelled", "Requests whose client left, by stage", labels=["stage"]
         )
@@ -111,25 +117,32 @@ class HeadCollector(Collector):
     def _peers(self, c: dict[str, Any]) -> Any:
         """Per-peer health (circuit breaker and audits), peers named by alias."""
         planner, alias = self.runtime.planner, self._aliases()
-        off = GaugeMetricFamily("kvmesh_peer_backoff_seconds",
-                                "Seconds a failed peer is still avoided", labels=["peer"])  # fmt: skip
+        off = GaugeMetricFamily(
+            "kvmesh_peer_backoff_seconds", "Seconds a failed peer is still avoided", labels=["peer"]
+        )
         for peer, left in sorted(planner.backed_off().items()):
             off.add_metric([alias.get(peer, peer[:12])], left)
         yield off
-        quarantined = GaugeMetricFamily("kvmesh_peer_quarantined",
-                                        "Peers whose KV failed an audit", labels=["peer"])  # fmt: skip
+        quarantined = GaugeMetricFamily(
+            "kvmesh_peer_quarantined", "Peers whose KV failed an audit", labels=["peer"]
+        )
         for peer in sorted(planner.quarantined):
             quarantined.add_metric([alias.get(peer, peer[:12])], 1)
         yield quarantined
-        failed = CounterMetricFamily("kvmesh_peer_failures", "Failed fetches by reason",
-                                     labels=["reason"])  # fmt: skip
+        failed = CounterMetricFamily(
+            "kvmesh_peer_failures", "Failed fetches by reason", labels=["reason"]
+        )
         for reason, n in sorted(self.runtime.telemetry.family(Family.PEER_FAILED).items()):
             failed.add_metric([reason], n)
         yield failed
-        yield CounterMetricFamily("kvmesh_audits", "Imported blocks recomputed and compared",
-                                  value=c.get(Count.AUDITS, 0))  # fmt: skip
-        yield CounterMetricFamily("kvmesh_audit_mismatches", "Audits whose recompute disagreed",
-                                  value=c.get(Count.AUDIT_MISMATCH, 0))  # fmt: skip
+        yield CounterMetricFamily(
+            "kvmesh_audits", "Imported blocks recomputed and compared", value=c.get(Count.AUDITS, 0)
+        )
+        yield CounterMetricFamily(
+            "kvmesh_audit_mismatches",
+            "Audits whose recompute disagreed",
+            value=c.get(Count.AUDIT_MISMATCH, 0),
+        )
 
     def _aliases(self) -> dict[str, str]:
         node = self.runtime.node.node if self.runtime.node else None
@@ -144,16 +157,19 @@ class TenantCollector(Collector):
 
     def collect(self) -> Any:
         rows = tenant_rows(self.runtime)
-        for name, doc in (("requests", "Requests completed"),
-                          ("hits", "Requests that reused cached prompt tokens"),
-                          ("prompt_tokens", "Prompt tokens received"),
-                          ("reused_tokens", "Prompt tokens reused, not recomputed")):  # fmt: skip
+        for name, doc in (
+            ("requests", "Requests completed"),
+            ("hits", "Requests that reused cached prompt tokens"),
+            ("prompt_tokens", "Prompt tokens received"),
+            ("reused_tokens", "Prompt tokens reused, not recomputed"),
+        ):
             fam = CounterMetricFamily(f"kvmesh_tenant_{name}", doc, labels=["tenant"])
             for tenant, row in rows.items():
                 fam.add_metric([tenant], row.get(name, 0))
             yield fam
-        stored = GaugeMetricFamily("kvmesh_tenant_stored_bytes", "Bytes a tenant holds",
-                                   labels=["tenant", "tier"])  # fmt: skip
+        stored = GaugeMetricFamily(
+            "kvmesh_tenant_stored_bytes", "Bytes a tenant holds", labels=["tenant", "tier"]
+        )
         for tenant, row in rows.items():
             for tier in ("ram", "disk"):
                 stored.add_metric([tenant, tier], row.get(f"{tier}_bytes", 0))
@@ -212,22 +228,32 @@ def create_app(
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
     scheduler = Scheduler(runtime, limits.max_queue)
     service = OpenAIService(
-        runtime, scheduler, model_name, max_context, aliases, max_tokens_default, keys.check,
+        runtime,
+        scheduler,
+        model_name,
+        max_context,
+        aliases,
+        max_tokens_default,
+        keys.check,
         tenants,
-    )  # fmt: skip
+    )
     app.state.runtime = runtime
     app.state.openai = service
     app.state.scheduler = scheduler
     scope = OPENAI_ROUTES if limits.api_key_scope == "all" else ()
-    app.add_middleware(Guard, keys=keys, protected=scope.__contains__,
-                       max_body_bytes=limits.max_body_bytes)  # fmt: skip
+    app.add_middleware(
+        Guard, keys=keys, protected=scope.__contains__, max_body_bytes=limits.max_body_bytes
+    )
 
     @app.exception_handler(QueueFull)
     async def _full(request: Request, exc: QueueFull) -> Any:
         return error_response(
-            503, f"the request queue is full ({limits.max_queue} waiting); retry later",
-            "server_error", code="queue_full", headers={"Retry-After": str(exc.retry_after)},
-        )  # fmt: skip
+            503,
+            f"the request queue is full ({limits.max_queue} waiting); retry later",
+            "server_error",
+            code="queue_full",
+            headers={"Retry-After": str(exc.retry_after)},
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Any:
@@ -248,14 +274,22 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Any:
         code = "body_too_large" if exc.status_code == 413 else None
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
-                              code=code, headers=exc.headers)  # fmt: skip
+        return error_response(
+            exc.status_code,
+            str(exc.detail),
+            "invalid_request_error",
+            code=code,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(EngineFailed)
     async def _engine_failed(request: Request, exc: EngineFailed) -> Any:
-        return error_response(503, "the engine failed: no request can run on this head "
-                              "(see /healthz and the server log)", "server_error",
-                              code="engine_failed")  # fmt: skip
+        return error_response(
+            503,
+            "the engine failed: no request can run on this head (see /healthz and the server log)",
+            "server_error",
+            code="engine_failed",
+        )
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> Any:
@@ -282,10 +316,13 @@ def create_app(
             "peers": len(node.membership.live()) if node else 0,
             "compatible_peers": len(node.client.compatible_peers(runtime.card)) if node else 0,
             "publish_pending": runtime.publish_pending(),
-            "queue": {"waiting": scheduler.waiting, "running": scheduler.running,
-                      "max": scheduler.max_queue},
+            "queue": {
+                "waiting": scheduler.waiting,
+                "running": scheduler.running,
+                "max": scheduler.max_queue,
+            },
             "batch": {"sequences": runtime.batch.running, "max": runtime.batch.max_batch},
-        }  # fmt: skip
+        }
         if failure is None:
             return body
         body["error"] = f"the engine thread died: {failure!r}"  # red: no request can run
@@ -302,8 +339,13 @@ def create_app(
     @app.get("/v1/admin/tenants")
     async def tenant_stats(request: Request) -> Any:
         if not keys.check(presented_key(request.headers)):
-            return error_response(401, INVALID_KEY, "authentication_error", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return error_response(
+                401,
+                INVALID_KEY,
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return {"tenants": tenant_rows(runtime)}
 
     app.include_router(router(service))

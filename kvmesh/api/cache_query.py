@@ -65,19 +65,30 @@ def router(runtime: HeadRuntime, service: OpenAIService) -> APIRouter:
         scope = service.scope_of(request, req.cache_salt)  # the caller's own tenant and salt
         client = client_of(request, service.key_is_valid)
         if req.model not in service.names():
-            raise APIError(404, f"The model '{req.model}' does not exist", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist",
+                param="model",
+                code="model_not_found",
+            )
         given = [f for f in ("prompt", "messages", "token_ids") if getattr(req, f) is not None]
         if len(given) != 1:
-            raise APIError(400, "give exactly one of prompt, messages or token_ids",
-                           param=given[1] if len(given) > 1 else "prompt")  # fmt: skip
+            raise APIError(
+                400,
+                "give exactly one of prompt, messages or token_ids",
+                param=given[1] if len(given) > 1 else "prompt",
+            )
         tokens = await asyncio.to_thread(_tokens, service, req)
         if not tokens:
             raise APIError(400, "the prompt is empty", param=given[0])
         if len(tokens) > service.max_context:
-            raise APIError(400, f"the prompt has {len(tokens)} tokens, more than this model's "
-                           f"context of {service.max_context}", param=given[0],
-                           code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"the prompt has {len(tokens)} tokens, more than this model's "
+                f"context of {service.max_context}",
+                param=given[0],
+                code="context_length_exceeded",
+            )
         answer = await asyncio.to_thread(cached_prefix, runtime, tokens, scope, client)
         return {"model": service.model_name, **answer}
 
@@ -110,23 +121,33 @@ def cached_prefix(
     keys = keyer.keys(tokens)
     session = runtime.session_prefix(tokens, keyer.root, client)
     prefix: dict[str, int] = {"session": session, "local": 0, "disk": 0}
-    out: dict[str, Any] = {"prompt_tokens": n, "block_size": runtime.card.block_tokens,
-                           "cached_tokens": 0, "source": "compute", "peer": None}  # fmt: skip
+    out: dict[str, Any] = {
+        "prompt_tokens": n,
+        "block_size": runtime.card.block_tokens,
+        "cached_tokens": 0,
+        "source": "compute",
+        "peer": None,
+    }
     fleet = runtime.fleet
     peek = fleet.store.peek(keys) if fleet is not None else Peek(0, 0, False)
     prefix.update(local=peek.ram_tokens, disk=peek.tokens)
     if session and session >= peek.tokens:  # resuming is a crop: sessions win ties
         out.update(cached_tokens=session, source="session")
     elif peek.tokens:
-        out.update(cached_tokens=_imported(peek.tokens, peek.whole, n),
-                   source="disk" if peek.tokens > peek.ram_tokens else "local")  # fmt: skip
+        out.update(
+            cached_tokens=_imported(peek.tokens, peek.whole, n),
+            source="disk" if peek.tokens > peek.ram_tokens else "local",
+        )
     if fleet is not None:
         have = max(session, peek.tokens)
         skip = 0 if peek.whole else peek.tokens // runtime.card.block_tokens
         hit = _remote(runtime, keys, n, have, skip, prefix)
         if hit is not None:
-            out.update(cached_tokens=_imported(hit.tokens, hit.tail is not None, n),
-                       source="remote", peer=hit.alias)  # fmt: skip
+            out.update(
+                cached_tokens=_imported(hit.tokens, hit.tail is not None, n),
+                source="remote",
+                peer=hit.alias,
+            )
     return {**out, "prefix": prefix}
 
 
@@ -136,8 +157,9 @@ def _imported(held: int, whole: bool, n: int) -> int:
     return n if whole and held == n else min(held, n - 1)
 
 
-def _remote(runtime: HeadRuntime, keys: PrefixKeys, n: int, have: int, skip: int,
-            prefix: dict[str, int]) -> PeerHit | None:  # fmt: skip
+def _remote(
+    runtime: HeadRuntime, keys: PrefixKeys, n: int, have: int, skip: int, prefix: dict[str, int]
+) -> PeerHit | None:
     """Ask the compatible peers (as a completion would, under the lookup deadline),
     note each one's prefix, and return the hit the acquisition would fetch."""
     fleet, node = runtime.fleet, runtime.node

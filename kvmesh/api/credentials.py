@@ -178,6 +178,11 @@ class Tenants:
 
 
 __all__ = [
-    "BadTenant", "KeyFileError", "Tenants", "check_tenant_name", "head_secret",
-    "presented_key", "read_key_file",
-]  # fmt: skip
+    "BadTenant",
+    "KeyFileError",
+    "Tenants",
+    "check_tenant_name",
+    "head_secret",
+    "presented_key",
+    "read_key_file",
+]

@@ -69,9 +69,14 @@ class Guard:
         return max(4 * self.max_body_bytes, DRAIN_MIN)
 
     async def _refuse(
-        self, receive: Receive, send: Send, status: int, body: bytes, length: str,
+        self,
+        receive: Receive,
+        send: Send,
+        status: int,
+        body: bytes,
+        length: str,
         extra: dict[str, str],
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not length.isdigit() or int(length) <= self.drain_limit:  # chunked: drop up to the limit
             await _discard(receive, self.drain_limit)
         await _send(send, status, body, {**extra, "connection": "close"})

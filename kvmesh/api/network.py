@@ -103,8 +103,13 @@ class NetworkState:
     def add_group(self, g: GroupIn) -> dict[str, Any]:
         with self._lock:
             gid = secrets.token_hex(6)
-            self.groups[gid] = {"id": gid, "name": g.name, "members": g.members,
-                                "description": g.description, "created": time.time()}  # fmt: skip
+            self.groups[gid] = {
+                "id": gid,
+                "name": g.name,
+                "members": g.members,
+                "description": g.description,
+                "created": time.time(),
+            }
             self._save()
             return self.groups[gid]
 
@@ -161,12 +166,12 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
                 "budget_bytes": card.budget_bytes,
                 "used_bytes": card.used_bytes,
                 "entries": card.entries,
-            },  # fmt: skip
+            },
             "served": {
                 "fetches": card.fetches_served,
                 "bytes": card.bytes_served,
                 "per_s": round(card.load, 2),
-            },  # fmt: skip
+            },
             "hit_ratio": round(card.hits / (card.hits + card.misses), 3)
             if card.hits + card.misses
             else None,
@@ -177,11 +182,17 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
                 node_id=card.node_id,
                 epoch=card.epoch,
                 endpoints=[
-                    {"address": e.address, "interface": e.interface, "priority": e.priority,
-                     "rtt_ms": None if is_self or node is None else node.membership.rtt(card.node_id, e.address)}
+                    {
+                        "address": e.address,
+                        "interface": e.interface,
+                        "priority": e.priority,
+                        "rtt_ms": None
+                        if is_self or node is None
+                        else node.membership.rtt(card.node_id, e.address),
+                    }
                     for e in card.endpoints
                 ],
-            )  # fmt: skip
+            )
         rows.append(row)
     return rows
 
@@ -224,8 +235,16 @@ def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[s
     transfers = []
     if node is not None:
         for tr in list(node.client.transfers)[-20:]:
-            transfers.append({"peer": tr.peer, "bytes": tr.bytes, "seconds": round(tr.seconds, 4),
-                              "gbps": round(tr.gbps, 3), "at": tr.at, "blocks": tr.blocks})  # fmt: skip
+            transfers.append(
+                {
+                    "peer": tr.peer,
+                    "bytes": tr.bytes,
+                    "seconds": round(tr.seconds, 4),
+                    "gbps": round(tr.gbps, 3),
+                    "at": tr.at,
+                    "blocks": tr.blocks,
+                }
+            )
     return {
         "requests": total,
         "hit_ratio": round((total - sources[Source.COMPUTE]) / total, 3) if total else None,
@@ -260,7 +279,7 @@ def _tiers(runtime: HeadRuntime) -> list[dict[str, Any]]:
             "promotions": t.promotions,
             "corrupt": t.corrupt,
             "dropped": t.dropped,
-        }  # fmt: skip
+        }
         for t in node.store.tier_stats()
     ]
 
@@ -275,8 +294,12 @@ def router(
 
     def require_key(request: Request) -> None:
         if not private(request):
-            raise APIError(401, "a valid API key is required (X-API-Key or Authorization: Bearer)",
-                           "authentication_error", code="invalid_api_key")  # fmt: skip
+            raise APIError(
+                401,
+                "a valid API key is required (X-API-Key or Authorization: Bearer)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
 
     @r.get("/summary")
     async def summary(request: Request) -> dict[str, Any]:

@@ -83,8 +83,17 @@ NO_OP: dict[str, tuple[Any, ...]] = {
 }
 UNSUPPORTED = tuple(NO_OP)
 # OpenAI's schema makes these nullable: null means the default
-NULLABLE = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
-            "logprobs", "top_logprobs", "ignore_eos")  # fmt: skip
+NULLABLE = (
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+    "ignore_eos",
+)
 LOGPROB_FLOOR = -9999.0  # what OpenAI and vLLM report for a token of probability ~0
 MAX_N = 16  # sequences per request: each holds its own copy of the prompt's KV while decoding
 MAX_STOPS = 4  # as OpenAI
@@ -92,8 +101,14 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status,
@@ -107,9 +122,14 @@ class APIError(Exception):
         return error_response(self.status, self.message, self.type, self.param, self.code)
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:  # fmt: skip
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     message = _printable(message)  # it may quote the client's own (broken) text
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -230,16 +250,19 @@ def _refuse_unsupported(req: _Common) -> None:
         if value is not None and not _same_as_any(value, no_ops):
             allowed = " or ".join(json.dumps(v) for v in no_ops)
             raise APIError(
-                400, f"'{name}' is not supported by kvmesh (only {allowed} is accepted)",
-                param=name, code="unsupported_parameter",
-            )  # fmt: skip
+                400,
+                f"'{name}' is not supported by kvmesh (only {allowed} is accepted)",
+                param=name,
+                code="unsupported_parameter",
+            )
     if extra.get("best_of") is not None and req.n > 1:  # best_of 1 < n: as OpenAI
         raise APIError(400, "best_of must be at least n", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise APIError(
-            400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            400,
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
             param="stream_options",
-        )  # fmt: skip
+        )
 
 
 def _same_as_any(value: Any, no_ops: tuple[Any, ...]) -> bool:
@@ -317,15 +340,22 @@ class OpenAIService:
             raise APIError(400, "the prompt is empty", param="prompt")
         if req.n > self.runtime.batch.max_batch:  # its n sequences decode in one batch
             raise APIError(
-                400, f"n={req.n} exceeds this head's --max-batch {self.runtime.batch.max_batch}",
+                400,
+                f"n={req.n} exceeds this head's --max-batch {self.runtime.batch.max_batch}",
                 param="n",
-            )  # fmt: skip
+            )
         return Sampling(
-            max_tokens=self._max_tokens(req, n_prompt), temperature=req.temperature,
-            top_p=req.top_p, seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stops,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            logprobs=logprobs, n=req.n,
-        )  # fmt: skip
+            max_tokens=self._max_tokens(req, n_prompt),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop_on_eos=not req.ignore_eos,
+            stop=stops,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logprobs=logprobs,
+            n=req.n,
+        )
 
     def _max_tokens(self, req: _Common, n_prompt: int) -> int:
         """The request's own limit, else the operator's default cap, and never past
@@ -377,9 +407,13 @@ class OpenAIService:
             raise APIError(400, str(e), param="messages", code="no_chat_template") from None
 
     def start(
-        self, req: _Common, tokens: list[int], job: Job, client: str = "",
+        self,
+        req: _Common,
+        tokens: list[int],
+        job: Job,
+        client: str = "",
         scope: Scope | None = None,
-    ) -> tuple[Generation, TokenStream]:  # fmt: skip
+    ) -> tuple[Generation, TokenStream]:
         """Check ``req`` (4xx before anything runs) and start its generation as
         ``client``'s (see :func:`client_of`) in ``scope``'s cache."""
         sampling = self._check(req, len(tokens))
@@ -449,13 +483,22 @@ class OpenAIService:
         if chat:
             return {
                 "content": [
-                    {"token": name(e.token), "logprob": _finite(e.logprob),
-                     "bytes": list(name(e.token).encode()),
-                     "top_logprobs": [{"token": name(t), "logprob": _finite(lp),
-                                       "bytes": list(name(t).encode())} for t, lp in e.top]}
+                    {
+                        "token": name(e.token),
+                        "logprob": _finite(e.logprob),
+                        "bytes": list(name(e.token).encode()),
+                        "top_logprobs": [
+                            {
+                                "token": name(t),
+                                "logprob": _finite(lp),
+                                "bytes": list(name(t).encode()),
+                            }
+                            for t, lp in e.top
+                        ],
+                    }
                     for e in entries
                 ]
-            }  # fmt: skip
+            }
         tops = []
         for e in entries:
             alts = {name(t): _finite(lp) for t, lp in e.top}
@@ -469,9 +512,14 @@ class OpenAIService:
         }
 
     async def sse(
-        self, req: _Common, rid: str, n_prompt: int, chat: bool, out: Generation,
+        self,
+        req: _Common,
+        rid: str,
+        n_prompt: int,
+        chat: bool,
+        out: Generation,
         stream: TokenStream,
-    ) -> AsyncIterator[str]:  # fmt: skip
+    ) -> AsyncIterator[str]:
         """Server-sent events of a started generation, always ending with ``[DONE]``:
         a failure after the headers are sent (they carried 200) becomes an error
         event first. Starlette stops iterating when the client leaves, which
@@ -484,9 +532,14 @@ class OpenAIService:
         yield "data: [DONE]\n\n"
 
     async def _events(
-        self, req: _Common, rid: str, n_prompt: int, chat: bool, out: Generation,
+        self,
+        req: _Common,
+        rid: str,
+        n_prompt: int,
+        chat: bool,
+        out: Generation,
         stream: TokenStream,
-    ) -> AsyncIterator[str]:  # fmt: skip
+    ) -> AsyncIterator[str]:
         """Each choice's text as the engine detokenizes it (text that could start a
         stop string is held back until it cannot) with the logprobs of the tokens
         that text accounts for, a chunk whenever a token was decoded (its text
@@ -508,8 +561,15 @@ class OpenAIService:
                     choice["logprobs"] = logprobs
             else:
                 choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
-            return _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                         "choices": [choice]})  # fmt: skip
+            return _sse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [choice],
+                }
+            )
 
         sent_text = [0] * len(out.choices)
         sent_tokens = [0] * len(out.choices)
@@ -537,8 +597,16 @@ class OpenAIService:
         for event in news(final=True):
             yield event
         if include_usage:
-            yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                        "choices": [], "usage": self._usage(out, n_prompt)})  # fmt: skip
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": self._usage(out, n_prompt),
+                }
+            )
 
 
 def _sse(body: dict[str, Any]) -> str:
@@ -555,8 +623,12 @@ def _stream_error(rid: str, e: Exception) -> dict[str, Any]:
     else:
         log.error("stream %s failed after it began: %s: %s", rid, type(e).__name__, e)
         code = "engine_failed" if isinstance(e, EngineFailed) else "generation_failed"
-        err = {"message": "the generation failed on the server; the output is incomplete",
-               "type": "server_error", "param": None, "code": code}  # fmt: skip
+        err = {
+            "message": "the generation failed on the server; the output is incomplete",
+            "type": "server_error",
+            "param": None,
+            "code": code,
+        }
     return {"error": err}
 
 

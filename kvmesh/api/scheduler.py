@@ -87,9 +87,14 @@ class Scheduler:
                 self.waiting -= 1
 
     def start(
-        self, job: Job, tokens: Sequence[int], sampling: Sampling, out: Generation,
-        client: str = "", scope: Scope | None = None,
-    ) -> TokenStream:  # fmt: skip
+        self,
+        job: Job,
+        tokens: Sequence[int],
+        sampling: Sampling,
+        out: Generation,
+        client: str = "",
+        scope: Scope | None = None,
+    ) -> TokenStream:
         """Run ``job`` now (it owns its slot until it ends); read its tokens from
         the returned stream. The caller must not ``release`` it afterwards.
         ``client`` (a valid API key, else the client's address) takes a fair share of
@@ -106,9 +111,14 @@ class Scheduler:
         def produce() -> None:
             try:
                 gen = self.runtime.generate(
-                    tokens, sampling, out, cancel=job.cancel,
-                    on_start=lambda: self._started(job), client=client, scope=scope,
-                )  # fmt: skip
+                    tokens,
+                    sampling,
+                    out,
+                    cancel=job.cancel,
+                    on_start=lambda: self._started(job),
+                    client=client,
+                    scope=scope,
+                )
                 for tok in gen:
                     put(tok)
                 put(_End())

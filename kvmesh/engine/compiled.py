@@ -150,8 +150,10 @@ def _build(cc: str, out: Path) -> None:
         src.write_text(_SOURCE)
         subprocess.run(
             [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(lib), str(src)],
-            capture_output=True, timeout=BUILD_TIMEOUT_S, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=True,
+        )
         os.replace(lib, out)  # atomic: a concurrent builder's file is as good as ours
 
 
@@ -207,10 +209,15 @@ def _call(
 ) -> torch.Tensor:
     y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     rc = lib.kvmesh_linear(
-        w.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-        x.shape[0], w.shape[0], w.shape[1],
+        w.data_ptr(),
+        x.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        w.shape[0],
+        w.shape[1],
         torch.get_num_threads() if w.numel() >= PARALLEL_MIN else 1,
-    )  # fmt: skip
+    )
     if rc != 0:
         raise ValueError(f"linear: the kernel refused shapes {tuple(x.shape)} x {tuple(w.shape)}")
     return y

@@ -64,7 +64,7 @@ DEMOS = {
         max_positions=8192,
         rope_theta=500_000.0,
         dtype="float16",
-    ),  # fmt: skip
+    ),
 }
 
 

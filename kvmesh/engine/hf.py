@@ -160,8 +160,10 @@ def _calibrate_buckets(
     chosen: dict[int, str] = {}
     low = 2
     for rows in _BUCKETS:
-        xs = {m.in_features: torch.zeros((rows, 1, m.in_features), dtype=m.weight.dtype)
-              for m in layers}  # fmt: skip
+        xs = {
+            m.in_features: torch.zeros((rows, 1, m.in_features), dtype=m.weight.dtype)
+            for m in layers
+        }
         alive = list(KERNELS)  # those that beat F.linear in every round so far
         rounds: list[dict[str | None, float]] = []
         for rep in range(reps + 1):  # round 0 warms up (oneDNN builds its kernels), untimed
@@ -185,8 +187,11 @@ def _calibrate_buckets(
                 rounds.append(times)
                 alive = [k for k in alive if k in times and times[k] < MARGIN * times[None]]
         if alive and rounds:
-            chosen.update(dict.fromkeys(range(low, rows + 1), min(
-                alive, key=lambda k: sum(r[k] for r in rounds))))  # fmt: skip
+            chosen.update(
+                dict.fromkeys(
+                    range(low, rows + 1), min(alive, key=lambda k: sum(r[k] for r in rounds))
+                )
+            )
         low = rows + 1
     return chosen
 
@@ -393,8 +398,9 @@ class _Batch:
             own = engine._new_cache()
             for src, dst in zip(self.cache.layers, own.layers, strict=True):
                 span = slice(width - n, None)
-                _restore(dst, src.keys[row : row + 1, :, span], src.values[row : row + 1, :, span],
-                         n)  # fmt: skip
+                _restore(
+                    dst, src.keys[row : row + 1, :, span], src.values[row : row + 1, :, span], n
+                )
             s.cache, s.logits, s.cached = own, logits[row, -1].float(), n
             self.caches.append(own)
 
@@ -532,9 +538,13 @@ class TransformersEngine(Engine):
         _batched.kernels = self.kernels
         try:
             out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                logits_to_keep=1, **kw,
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **kw,
+            )
         finally:  # a failed forward leaves the batch half written: it is not kept
             _batched.kernels = {}
         batch.advanced(self, states, out.logits)
@@ -575,9 +585,13 @@ class TransformersEngine(Engine):
         keep = torch.tensor(last, dtype=torch.long, device=self.device)
         kw = {self._cache_kw: cache}
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-            logits_to_keep=keep, **kw,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=keep,
+            **kw,
+        )
         for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
             own = self._new_cache()
             span = slice(width - n, width + q)

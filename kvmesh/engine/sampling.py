@@ -64,5 +64,10 @@ def distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.nda
 
 
 __all__ = [
-    "GREEDY_BELOW", "MIN_TEMPERATURE", "clean", "distribution", "greedy", "safe_temperature",
+    "GREEDY_BELOW",
+    "MIN_TEMPERATURE",
+    "clean",
+    "distribution",
+    "greedy",
+    "safe_temperature",
 ]

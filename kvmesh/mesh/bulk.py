@@ -318,9 +318,11 @@ def check_credential(auth: FleetAuth | None) -> None:
         return
     cred = auth.call_metadata(METHODS[PUBLISH], auth.node_id, bytes(32))[0][1]
     if len(cred.encode()) > CRED_SLOT:
-        raise ConfigError(f"node id of {len(auth.node_id.encode())} bytes: its bulk credentials "
-                          f"would be {len(cred.encode())} bytes (at most {CRED_SLOT}); "
-                          "shorten the node id")  # fmt: skip
+        raise ConfigError(
+            f"node id of {len(auth.node_id.encode())} bytes: its bulk credentials "
+            f"would be {len(cred.encode())} bytes (at most {CRED_SLOT}); "
+            "shorten the node id"
+        )
 
 
 def hello(op: int, body: bytes, cred: str, digest: bytes | None = None) -> bytes:

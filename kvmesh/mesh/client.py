@@ -613,10 +613,20 @@ class MeshClient:
             digest = body_digest(raw)  # hashed once: the credential and the hello carry it
             cred = self._cred(bulk.METHODS[bulk.FETCH], hit.node_id, digest)
             blocks: list[Block] = await self._on_stream(
-                bulk.fetch, hit.data_address, self._dialer, cred, raw, infos, layout,
-                self._hashers, on_block, self.progress_timeout, limit_s=limit, digest=digest,
+                bulk.fetch,
+                hit.data_address,
+                self._dialer,
+                cred,
+                raw,
+                infos,
+                layout,
+                self._hashers,
+                on_block,
+                self.progress_timeout,
+                limit_s=limit,
+                digest=digest,
                 times=times,
-            )  # fmt: skip
+            )
             return blocks
         return await self._fetch_grpc(layout, hit, infos, raw, on_block, limit, times)
 
@@ -841,9 +851,16 @@ class MeshClient:
         digest = body_digest(body)  # hashed once: the credential and the hello carry it
         cred = self._cred(bulk.METHODS[bulk.PUBLISH], peer.node_id, digest)
         return await self._on_stream(
-            bulk.publish, bulk.data_address(address, peer.data_port), self._dialer, cred, body,
-            blocks, self.progress_timeout, limit_s=self.fetch_deadline, digest=digest,
-        )  # fmt: skip
+            bulk.publish,
+            bulk.data_address(address, peer.data_port),
+            self._dialer,
+            cred,
+            body,
+            blocks,
+            self.progress_timeout,
+            limit_s=self.fetch_deadline,
+            digest=digest,
+        )
 
     async def _publish_grpc(
         self, peer: pb.CapabilityCard, address: str, card_json: str, blocks: list[Block]

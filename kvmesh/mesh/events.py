@@ -146,8 +146,9 @@ class RecordingKeyer(BlockKeyer):
     """A :class:`BlockKeyer` that remembers each full block's tokens in a memo."""
 
     def __init__(self, keyer: BlockKeyer, memo: TokenMemo) -> None:
-        super().__init__(keyer.namespace, keyer.block_tokens, keyer._fleet_key,
-                         keyer.root, keyer.caller)  # fmt: skip
+        super().__init__(
+            keyer.namespace, keyer.block_tokens, keyer._fleet_key, keyer.root, keyer.caller
+        )
         self.memo = memo
 
     def block_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -179,8 +180,9 @@ class StoreEvents:
     ``sink.take()`` (vLLM's own classes, if wanted, from
     ``msgspec.structs.asdict(event)`` by ``type(event).__name__``)."""
 
-    def __init__(self, memo: TokenMemo | None = None, max_pending: int = 100_000,
-                 clears: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, memo: TokenMemo | None = None, max_pending: int = 100_000, clears: bool = True
+    ) -> None:
         self.memo = memo if memo is not None else TokenMemo()
         self.max_pending = max_pending
         self.clears = clears
@@ -247,8 +249,9 @@ class StoreEvents:
             last.block_hashes.append(external_hash(h.key))
             last.token_ids.extend(tokens or ())
             return
-        out.append(BlockStored([external_hash(h.key)], parent, tokens or [], h.tokens,
-                               None, medium, None))  # fmt: skip
+        out.append(
+            BlockStored([external_hash(h.key)], parent, tokens or [], h.tokens, None, medium, None)
+        )
 
     @staticmethod
     def _removed(out: list[Event], medium: str, h: BlockHeader) -> None:
@@ -322,7 +325,9 @@ class EventPublisher:
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:  # e.g. the port is taken: one clear line, not a traceback
             self._ctx.destroy(linger=0)
-            raise ConfigError(f"cannot open the KV events sockets ({config.endpoint}): {e}") from None
+            raise ConfigError(
+                f"cannot open the KV events sockets ({config.endpoint}): {e}"
+            ) from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-events", daemon=True)
         self._thread.start()

@@ -250,8 +250,10 @@ class Membership:
             self._full_logged = now
             log.warning(
                 "membership full (%d nodes): not adding %s (%s); raise --max-members",
-                self.max_members, card.alias, card.node_id[:8],
-            )  # fmt: skip
+                self.max_members,
+                card.alias,
+                card.node_id[:8],
+            )
 
     def expire(self) -> None:
         now = self._clock()

@@ -51,8 +51,13 @@ SURFACES: dict[str, tuple[str, ...]] = {
     "request": ("malformed",),
     "auth": ("missing", "malformed", "bad_mac", "wrong_destination", "stale", "replayed"),
 }
-PREFIXES = {"publish_rejected:": "publish", "fetch_rejected:": "fetch", "lookup_rejected:": "lookup",
-            "unauthenticated:": "auth", "request_rejected:": "request"}  # fmt: skip
+PREFIXES = {
+    "publish_rejected:": "publish",
+    "fetch_rejected:": "fetch",
+    "lookup_rejected:": "lookup",
+    "unauthenticated:": "auth",
+    "request_rejected:": "request",
+}
 
 
 def _by_prefix(counters: Mapping[str, int], prefix: str) -> dict[str, int]:
@@ -131,14 +136,49 @@ class NodeCollector(Collector):
             ("kvmesh_tier_budget_bytes", "budget_bytes", "Byte budget by tier", GaugeMetricFamily),
             ("kvmesh_tier_used_bytes", "used_bytes", "Bytes stored by tier", GaugeMetricFamily),
             ("kvmesh_tier_entries", "entries", "Blocks stored by tier", GaugeMetricFamily),
-            ("kvmesh_tier_hits", "hits", "Lookups answered (in part) from a tier", CounterMetricFamily),
-            ("kvmesh_tier_admissions", "admissions", "Blocks that entered a tier (RAM: stored or promoted; disk: files written)", CounterMetricFamily),
-            ("kvmesh_tier_evictions", "evictions", "Blocks that left a tier for its budget", CounterMetricFamily),
-            ("kvmesh_tier_promotions", "promotions", "Disk blocks copied back into RAM", CounterMetricFamily),
-            ("kvmesh_tier_corrupt", "corrupt", "Bad files found (header scan or digest on read) and deleted, never served", CounterMetricFamily),
-            ("kvmesh_tier_dropped", "dropped", "Disk writes refused (queue full, no room, I/O error)", CounterMetricFamily),
-            ("kvmesh_tier_queued_bytes", "queued_bytes", "Bytes waiting for the disk writer", GaugeMetricFamily),
-        ):  # fmt: skip
+            (
+                "kvmesh_tier_hits",
+                "hits",
+                "Lookups answered (in part) from a tier",
+                CounterMetricFamily,
+            ),
+            (
+                "kvmesh_tier_admissions",
+                "admissions",
+                "Blocks that entered a tier (RAM: stored or promoted; disk: files written)",
+                CounterMetricFamily,
+            ),
+            (
+                "kvmesh_tier_evictions",
+                "evictions",
+                "Blocks that left a tier for its budget",
+                CounterMetricFamily,
+            ),
+            (
+                "kvmesh_tier_promotions",
+                "promotions",
+                "Disk blocks copied back into RAM",
+                CounterMetricFamily,
+            ),
+            (
+                "kvmesh_tier_corrupt",
+                "corrupt",
+                "Bad files found (header scan or digest on read) and deleted, never served",
+                CounterMetricFamily,
+            ),
+            (
+                "kvmesh_tier_dropped",
+                "dropped",
+                "Disk writes refused (queue full, no room, I/O error)",
+                CounterMetricFamily,
+            ),
+            (
+                "kvmesh_tier_queued_bytes",
+                "queued_bytes",
+                "Bytes waiting for the disk writer",
+                GaugeMetricFamily,
+            ),
+        ):
             m = family(name, doc, labels=["tier"])
             for t in tiers:
                 m.add_metric([t.tier], getattr(t, attr))
@@ -159,13 +199,19 @@ class NodeCollector(Collector):
         ev = getattr(node, "events", None)
         if ev is None:
             return
-        c = CounterMetricFamily("kvmesh_kv_events", "KV events for routers, by outcome",
-                                labels=["outcome"])  # fmt: skip
+        c = CounterMetricFamily(
+            "kvmesh_kv_events", "KV events for routers, by outcome", labels=["outcome"]
+        )
         st = ev.publisher.stats
-        for outcome, v in (("changes", ev.source.changes), ("published", st.events),
-                           ("batches", st.batches), ("dropped", ev.source.dropped),
-                           ("send_failed", st.send_failed), ("replays", st.replays),
-                           ("bad_replays", st.bad_replays)):  # fmt: skip
+        for outcome, v in (
+            ("changes", ev.source.changes),
+            ("published", st.events),
+            ("batches", st.batches),
+            ("dropped", ev.source.dropped),
+            ("send_failed", st.send_failed),
+            ("replays", st.replays),
+            ("bad_replays", st.bad_replays),
+        ):
             c.add_metric([outcome], v)
         yield c
 

@@ -87,8 +87,11 @@ class MeshNode:
         self.alias = config.alias or f"node-{self.node_id[:6]}"
         # events first: AllBlocksCleared, then a rebuilt disk tier's blocks
         self.events = NodeEvents(config.kv_events) if config.kv_events else None
-        self.store = BlockStore(config.budget_bytes, disk=config.disk(),
-                                listener=self.events.source if self.events else None)  # fmt: skip
+        self.store = BlockStore(
+            config.budget_bytes,
+            disk=config.disk(),
+            listener=self.events.source if self.events else None,
+        )
         self.cache = CacheService(self.store, config.max_block_bytes, config.max_inflight_bytes)
         self.auth = config.security.auth(self.node_id)
         self.membership = Membership(
@@ -193,8 +196,11 @@ class MeshNode:
         # say goodbye, so peers drop this node now rather than after its TTL
         self.membership.leaving = True
         self.membership.bump()
-        targets = [(c.node_id, e[0].address) for c in self.membership.live()
-                   if (e := self.membership.ranked_endpoints(c))]  # fmt: skip
+        targets = [
+            (c.node_id, e[0].address)
+            for c in self.membership.live()
+            if (e := self.membership.ranked_endpoints(c))
+        ]
         if targets:
             await asyncio.wait(
                 [

@@ -249,9 +249,7 @@ class Publisher:
         """Other off-path work that should queue behind publishes (audits)."""
         self._pool.submit(fn, *args)
 
-    def _run(
-        self, make: Callable[[], list[list[Block]]], counter: str, owner: str | None
-    ) -> None:
+    def _run(self, make: Callable[[], list[list[Block]]], counter: str, owner: str | None) -> None:
         try:
             chains = make()
             if self.fleet is None:

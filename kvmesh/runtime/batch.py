@@ -575,8 +575,11 @@ class BatchRunner:
             if src.cached >= want and src.tokens[:want] == pre.plan.state.tokens[:want]:
                 pre.producer = None
                 self._share(pre, src, want)
-            elif (producer not in self._prefilling or producer.producer is not None
-                  or now > pre.deadline):  # fmt: skip
+            elif (
+                producer not in self._prefilling
+                or producer.producer is not None
+                or now > pre.deadline
+            ):
                 pre.producer = None
                 if now <= pre.deadline:
                     self._find_share(pre)

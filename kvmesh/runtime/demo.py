@@ -87,12 +87,33 @@ def run_two_node(model: str, engine: str, prompt_tokens: int, as_json: bool) -> 
     procs: list[subprocess.Popen[str]] = []
     with console.status("starting a cache peer") as status:
         try:
-            peer, m = _spawn(["peer", "--listen", "127.0.0.1:0", "--alias", "cache-peer",
-                              "--gossip-interval", "0.5"], r"listening on (\S+)")  # fmt: skip
+            peer, m = _spawn(
+                [
+                    "peer",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--alias",
+                    "cache-peer",
+                    "--gossip-interval",
+                    "0.5",
+                ],
+                r"listening on (\S+)",
+            )
             procs.append(peer)
             peer_addr = m.group(1)
-            head_args = ["head", "--model", model, "--engine", engine, "--listen", "127.0.0.1:0",
-                         "--seed", peer_addr, "--gossip-interval", "0.5"]  # fmt: skip
+            head_args = [
+                "head",
+                "--model",
+                model,
+                "--engine",
+                engine,
+                "--listen",
+                "127.0.0.1:0",
+                "--seed",
+                peer_addr,
+                "--gossip-interval",
+                "0.5",
+            ]
             status.update(f"starting head 1 on model {model} (building it on first use)")
             head, m = _spawn([*head_args, "--alias", "head-1"], r"(http://\S+)")
             procs.append(head)
@@ -114,8 +135,14 @@ def run_two_node(model: str, engine: str, prompt_tokens: int, as_json: bool) -> 
             status.update("same prompt on the restarted head")
             hit = _http(url + "/v1/chat/completions", body)
             status.update("two-turn chat")
-            turn1 = _http(url + "/v1/chat/completions", {**body, "messages": msgs[:1] + [
-                {"role": "user", "content": "Name three uses of idle memory in a fleet."}]})  # fmt: skip
+            turn1 = _http(
+                url + "/v1/chat/completions",
+                {
+                    **body,
+                    "messages": msgs[:1]
+                    + [{"role": "user", "content": "Name three uses of idle memory in a fleet."}],
+                },
+            )
             answer = turn1["choices"][0]["message"]["content"]
             turn2_msgs = msgs[:1] + [
                 {"role": "user", "content": "Name three uses of idle memory in a fleet."},
@@ -188,8 +215,10 @@ def _table(r: dict[str, Any], console: Any) -> None:
     t.add_row("remote snapshot import (TTFT)", f"{r['hit_ttft_s']:.3f} s")
     stages = ", ".join(f"{k} {v:.1f}" for k, v in r["hit_breakdown_ms"].items())
     t.add_row("  its stages (ms)", stages)
-    t.add_row("local import, same prompt (TTFT)",
-              f"{r['local_hit_ttft_s'] * 1000:.1f} ms (remote {r['hit_vs_local']:.2f}×)")  # fmt: skip
+    t.add_row(
+        "local import, same prompt (TTFT)",
+        f"{r['local_hit_ttft_s'] * 1000:.1f} ms (remote {r['hit_vs_local']:.2f}×)",
+    )
     t.add_row("observed acceleration", f"~{r['speedup']:.0f}×")
     t.add_row("reused tokens", f"{r['reused_tokens']} of {r['prompt_tokens']}")
     t.add_row(
@@ -197,6 +226,8 @@ def _table(r: dict[str, Any], console: Any) -> None:
     )
     t.add_row("checksum validated", "yes" if r["checksum_ok"] else "NO")
     t.add_row("identical output", "yes" if r["outputs_identical"] else "NO")
-    t.add_row("chat turn 2 reused", f"{r['turn2_cached_tokens']} of {r['turn2_prompt_tokens']} tokens "
-              f"({r['turn2_source']})")  # fmt: skip
+    t.add_row(
+        "chat turn 2 reused",
+        f"{r['turn2_cached_tokens']} of {r['turn2_prompt_tokens']} tokens ({r['turn2_source']})",
+    )
     Console().print(t)

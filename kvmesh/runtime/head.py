@@ -134,8 +134,15 @@ class Stamps:
     first: float = 0.0
 
     def breakdown(self) -> dict[str, float]:
-        marks = (self.looked_up, self.connected, self.received, self.acquired, self.engine,
-                 self.state, self.first)  # fmt: skip
+        marks = (
+            self.looked_up,
+            self.connected,
+            self.received,
+            self.acquired,
+            self.engine,
+            self.state,
+            self.first,
+        )
         out, prev = {}, self.start
         for name, t in zip(STAGES, marks, strict=True):
             t = max(t, prev)  # not reached: the stage took nothing
@@ -310,8 +317,16 @@ class HeadRuntime:
                 if done.report is not None:
                     done.report.breakdown.update(stamps.breakdown())
 
-        job = Job(sampling, out.choices, prefill, self._kv_bytes(len(tokens), sampling),
-                  cancel, on_start, first_token, client)  # fmt: skip
+        job = Job(
+            sampling,
+            out.choices,
+            prefill,
+            self._kv_bytes(len(tokens), sampling),
+            cancel,
+            on_start,
+            first_token,
+            client,
+        )
         yield from self.batch.submit(job).tokens()
         state = job.state
         if state is None:  # cancelled before it took the engine
@@ -342,9 +357,12 @@ class HeadRuntime:
             if tenant not in self.tenant_stats and len(self.tenant_stats) >= MAX_TENANT_STATS:
                 tenant = OTHER_TENANTS
             c = self.tenant_stats.setdefault(tenant, {})
-            for name, n in (("requests", 1), ("hits", int(report.reused_tokens > 0)),
-                            ("prompt_tokens", report.prompt_tokens),
-                            ("reused_tokens", report.reused_tokens)):  # fmt: skip
+            for name, n in (
+                ("requests", 1),
+                ("hits", int(report.reused_tokens > 0)),
+                ("prompt_tokens", report.prompt_tokens),
+                ("reused_tokens", report.reused_tokens),
+            ):
                 c[name] = c.get(name, 0) + n
 
     def tenant_counters(self) -> dict[str, dict[str, int]]:
@@ -425,7 +443,13 @@ class HeadRuntime:
 
         budget = self.acquirer.budget(len(tokens)) - found.lookup_s
         done = self.acquirer.fetch(
-            self.engine.layout, found.hits, local, skip, have, budget, open_importer,
+            self.engine.layout,
+            found.hits,
+            local,
+            skip,
+            have,
+            budget,
+            open_importer,
             owner=tenant,
         )
         if done.hit is None:
@@ -481,9 +505,15 @@ class HeadRuntime:
         return _Begun(state, Source.COMPUTE, (), failure_reason(error), time.perf_counter() - t0)
 
     def _plan(
-        self, tokens: list[int], got: _Acquired, begun: _Begun, done: _Prefilled,
-        out: Generation, root: bytes, stamps: Stamps,
-    ) -> PrefillPlan:  # fmt: skip
+        self,
+        tokens: list[int],
+        got: _Acquired,
+        begun: _Begun,
+        done: _Prefilled,
+        out: Generation,
+        root: bytes,
+        stamps: Stamps,
+    ) -> PrefillPlan:
         """The batch's plan for a request's prefill: reported into ``done`` and
         ``out`` once computed; a failed forward starts over computing everything."""
         plan = PrefillPlan(begun.state, whole=begun.source == Source.SESSION, share=root)
@@ -542,9 +572,7 @@ class HeadRuntime:
 
     # -- sessions --------------------------------------------------------------
 
-    def session_prefix(
-        self, tokens: list[int], root: bytes | None = None, client: str = ""
-    ) -> int:
+    def session_prefix(self, tokens: list[int], root: bytes | None = None, client: str = "") -> int:
         """Prompt tokens a live session would give ``tokens`` now (0: none)."""
         best = self._best_session(tokens, root, client)
         return best[1] if best else 0
@@ -635,9 +663,13 @@ class HeadRuntime:
     # -- publishing ------------------------------------------------------------
 
     def _publish_later(
-        self, prompt: KVState, final: KVState, reused: tuple[Block, ...],
-        keyer: BlockKeyer | None = None, owner: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        prompt: KVState,
+        final: KVState,
+        reused: tuple[Block, ...],
+        keyer: BlockKeyer | None = None,
+        owner: str | None = None,
+    ) -> None:
         if not self.publisher.reserve():
             return
         keyer = keyer or self.keyer

@@ -101,9 +101,13 @@ class VLLMProcess:
     """Client side: start ``serve.py`` in a fresh process and send it commands."""
 
     def __init__(
-        self, model: str, kvmesh: dict[str, Any] | None, log: Path,
-        env: dict[str, str] | None = None, **opts: Any,
-    ) -> None:  # fmt: skip
+        self,
+        model: str,
+        kvmesh: dict[str, Any] | None,
+        log: Path,
+        env: dict[str, str] | None = None,
+        **opts: Any,
+    ) -> None:
         if kvmesh is not None:  # a loaded CI machine must not turn a slow lookup into a miss
             kvmesh = {"lookup_timeout": 5.0, **kvmesh}
         arg = json.dumps({"model": model, "kvmesh": kvmesh, **opts})
@@ -165,20 +169,45 @@ class APIServer:
     back as ``token_id:N`` so outputs compare with :class:`VLLMProcess`'s exactly."""
 
     def __init__(
-        self, model: str, kvmesh: dict[str, Any] | None, log: Path, *extra: str,
-        max_model_len: int = 512, timeout: float = 600,
-    ) -> None:  # fmt: skip
+        self,
+        model: str,
+        kvmesh: dict[str, Any] | None,
+        log: Path,
+        *extra: str,
+        max_model_len: int = 512,
+        timeout: float = 600,
+    ) -> None:
         from ..procs import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--port", str(self.port), "--host", "127.0.0.1", "--dtype", "float32",
-               "--max-model-len", str(max_model_len), "--enforce-eager", "--seed", "0",
-               "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(max_model_len),
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--return-tokens-as-token-ids",
+            "--enable-prompt-tokens-details",
+            *extra,
+        ]
         if kvmesh is not None:
-            cfg = {"kv_connector": "KVMeshConnector", "kv_role": "kv_both",
-                   "kv_connector_extra_config": {"lookup_timeout": 5.0, **kvmesh}}  # fmt: skip
+            cfg = {
+                "kv_connector": "KVMeshConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lookup_timeout": 5.0, **kvmesh},
+            }
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -47,8 +47,9 @@ def complete(url: str, model: str, tokens: list[int], salt: str | None = None) -
     body: dict = {"model": model, "prompt": tokens, "max_tokens": 2, "temperature": 0}
     if salt is not None:
         body["cache_salt"] = salt
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
@@ -87,8 +88,9 @@ def cpu_chain(stream: Stream, full: list[int], skip: set[int]) -> list[kv.BlockS
     return out
 
 
-def await_chain(srv: APIServer, model: str, stream: Stream, tokens: list[int],
-                skip: set[int]) -> list[kv.BlockStored]:  # fmt: skip
+def await_chain(
+    srv: APIServer, model: str, stream: Stream, tokens: list[int], skip: set[int]
+) -> list[kv.BlockStored]:
     """Reads until the prompt's full blocks arrived as CPU events. A worker reports
     its store's changes with vLLM's steps, and a save lands just after its step: a
     short request (no full block, so nothing of kvmesh's) gives vLLM a step."""
@@ -139,29 +141,46 @@ def test_a_request_produces_cpu_block_stored_events_with_its_tokens(tiny_dir, tm
     sub.setsockopt(zmq.LINGER, 0)
     port = sub.bind_to_random_port("tcp://127.0.0.1")  # vLLM connects to a host:port
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
-    events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://127.0.0.1:{port}", "topic": TOPIC.decode()}  # fmt: skip
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "topic": TOPIC.decode(),
+    }
     model = str(tiny_dir)
     stream = Stream(sub)
     try:
         kvmesh = {"grpc_listen": f"127.0.0.1:{free_port()}", "budget": 3 * PAGE_BYTES + 4096}
-        with APIServer(model, kvmesh, tmp_path / "v.log",
-                       "--kv-events-config", json.dumps(events),
-                       "--enable-prefix-caching") as srv:  # fmt: skip
+        with APIServer(
+            model,
+            kvmesh,
+            tmp_path / "v.log",
+            "--kv-events-config",
+            json.dumps(events),
+            "--enable-prefix-caching",
+        ) as srv:
             sent = warm_up(srv, model, stream)  # kvmesh keys of every prompt sent
             plain = prompt(11)
             keys = kvmesh_keys(complete(srv.url, model, plain), plain)
             chain = await_chain(srv, model, stream, plain, set())
             salted = prompt(11)  # the same tokens, another key chain
-            salted_keys = kvmesh_keys(complete(srv.url, model, salted, salt="tenant-a"),
-                                      salted, "tenant-a")  # fmt: skip
+            salted_keys = kvmesh_keys(
+                complete(srv.url, model, salted, salt="tenant-a"), salted, "tenant-a"
+            )
             hashes = {h for e in chain for h in e.block_hashes}
             salted_chain = await_chain(srv, model, stream, salted, hashes)
     finally:
         ctx.destroy(linger=0)
     full = plain[: len(plain) // BLOCK * BLOCK]
-    seen = [(type(e).__name__, getattr(e, "medium", None), getattr(e, "token_ids", [])[:1],
-             len(getattr(e, "token_ids", ()))) for e in stream.events]  # fmt: skip
+    seen = [
+        (
+            type(e).__name__,
+            getattr(e, "medium", None),
+            getattr(e, "token_ids", [])[:1],
+            len(getattr(e, "token_ids", ())),
+        )
+        for e in stream.events
+    ]
     assert [t for e in chain for t in e.token_ids] == full, (seen, _kvmesh_lines(tmp_path))
     assert all(e.block_size == BLOCK for e in chain)
     assert [h for e in chain for h in e.block_hashes] == keys  # kvmesh's own keys
@@ -175,8 +194,12 @@ def test_a_request_produces_cpu_block_stored_events_with_its_tokens(tiny_dir, tm
     assert not hashes & set(salted_keys)
     # three pages of RAM: storing the salted chain evicted older blocks, announced by
     # kvmesh key; never one just stored
-    removed = [h for e in stream.events if isinstance(e, kv.BlockRemoved)
-               and e.medium == kv.MEDIUM_CPU for h in e.block_hashes]  # fmt: skip
+    removed = [
+        h
+        for e in stream.events
+        if isinstance(e, kv.BlockRemoved) and e.medium == kv.MEDIUM_CPU
+        for h in e.block_hashes
+    ]
     assert removed, seen
     assert set(removed) <= set(sent + keys) and len(set(removed)) == len(removed)
     assert not any(isinstance(e, kv.AllBlocksCleared) for e in stream.events)
@@ -201,10 +224,17 @@ def test_the_scheduler_buffer_is_bounded_and_speaks_vllms_classes():
     buf.keep(meta.events, meta.events_dropped)
     got = buf.take()
     assert got == [
-        kv.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(256)),
-                       block_size=BLOCK, lora_id=None, medium=kv.MEDIUM_CPU, lora_name=None),
+        kv.BlockStored(
+            block_hashes=[1, 2],
+            parent_block_hash=None,
+            token_ids=list(range(256)),
+            block_size=BLOCK,
+            lora_id=None,
+            medium=kv.MEDIUM_CPU,
+            lora_name=None,
+        ),
         kv.BlockRemoved(block_hashes=[1], medium=kv.MEDIUM_STORAGE),
-    ]  # fmt: skip
+    ]
     assert buf.dropped == 4 and buf.take() == []
     buf.keep([payload(stored, stored, removed), b"\xc1not msgpack"])
     assert len(buf) == 2 and buf.dropped == 5  # one over the bound

@@ -30,20 +30,42 @@ def vllm_decode(payload: bytes) -> object:
 
 
 def test_the_bytes_are_vllms_own():
-    mine = ours.KVEventBatch(2.5, [
-        ours.AllBlocksCleared(),
-        ours.BlockStored([7, 8], None, list(range(64)), 32, None, "CPU", None),
-        ours.BlockStored([9], 8, [], 32, None, "STORAGE", None),
-        ours.BlockRemoved([7], "CPU"),
-    ], 0)  # fmt: skip
-    theirs = kv.KVEventBatch(ts=2.5, events=[
-        kv.AllBlocksCleared(),
-        kv.BlockStored(block_hashes=[7, 8], parent_block_hash=None, token_ids=list(range(64)),
-                       block_size=32, lora_id=None, medium=kv.MEDIUM_CPU, lora_name=None),
-        kv.BlockStored(block_hashes=[9], parent_block_hash=8, token_ids=[], block_size=32,
-                       lora_id=None, medium=kv.MEDIUM_STORAGE, lora_name=None),
-        kv.BlockRemoved(block_hashes=[7], medium=kv.MEDIUM_CPU),
-    ], data_parallel_rank=0)  # fmt: skip
+    mine = ours.KVEventBatch(
+        2.5,
+        [
+            ours.AllBlocksCleared(),
+            ours.BlockStored([7, 8], None, list(range(64)), 32, None, "CPU", None),
+            ours.BlockStored([9], 8, [], 32, None, "STORAGE", None),
+            ours.BlockRemoved([7], "CPU"),
+        ],
+        0,
+    )
+    theirs = kv.KVEventBatch(
+        ts=2.5,
+        events=[
+            kv.AllBlocksCleared(),
+            kv.BlockStored(
+                block_hashes=[7, 8],
+                parent_block_hash=None,
+                token_ids=list(range(64)),
+                block_size=32,
+                lora_id=None,
+                medium=kv.MEDIUM_CPU,
+                lora_name=None,
+            ),
+            kv.BlockStored(
+                block_hashes=[9],
+                parent_block_hash=8,
+                token_ids=[],
+                block_size=32,
+                lora_id=None,
+                medium=kv.MEDIUM_STORAGE,
+                lora_name=None,
+            ),
+            kv.BlockRemoved(block_hashes=[7], medium=kv.MEDIUM_CPU),
+        ],
+        data_parallel_rank=0,
+    )
     enc = msgspec.msgpack.Encoder()
     assert enc.encode(mine) == enc.encode(theirs)
     assert VLLM.decode(enc.encode(mine)) == theirs

@@ -56,12 +56,19 @@ def mesh(tmp_path_factory, tiny_dir):
     logs = tmp_path_factory.mktemp("vllm")
     port, data_port = free_port(), free_port()
     grpc_proxy, proxy = FaultProxy(port), FaultProxy(data_port)
-    peer = Peer("--advertise", f"{grpc_proxy.address},interface=ethernet", "--data-port",
-                str(data_port), "--advertise-data-port", str(proxy.port), port=port,
-                alias="cache", log_dir=logs)  # fmt: skip
+    peer = Peer(
+        "--advertise",
+        f"{grpc_proxy.address},interface=ethernet",
+        "--data-port",
+        str(data_port),
+        "--advertise-data-port",
+        str(proxy.port),
+        port=port,
+        alias="cache",
+        log_dir=logs,
+    )
     try:
-        a = VLLMProcess(str(tiny_dir), {"seed": peer.address}, logs / "a.log",
-                        prefix_caching=True)  # fmt: skip
+        a = VLLMProcess(str(tiny_dir), {"seed": peer.address}, logs / "a.log", prefix_caching=True)
         try:
             cold = {name: a.generate(p) for name, p in PROMPTS.items()}
             # A again: vLLM's own prefix-cache hit, i.e. continuing from A's cache
@@ -75,8 +82,14 @@ def mesh(tmp_path_factory, tiny_dir):
         for out in cold.values():
             if out["kvmesh"] is not None:  # asked (A's own prefix-cache hit was not)
                 assert out["kvmesh"]["pages"] == 0 and out["kvmesh"]["loaded"] == 0
-        yield {"peer": peer, "proxy": proxy, "cold": cold, "logs": logs,
-               "cards": cold["hit"]["kvmesh"]["cards"], "dir": str(tiny_dir)}  # fmt: skip
+        yield {
+            "peer": peer,
+            "proxy": proxy,
+            "cold": cold,
+            "logs": logs,
+            "cards": cold["hit"]["kvmesh"]["cards"],
+            "dir": str(tiny_dir),
+        }
     finally:
         peer.kill()
         proxy.close()
@@ -86,8 +99,9 @@ def mesh(tmp_path_factory, tiny_dir):
 @pytest.fixture(scope="module")
 def b(mesh):
     """A fresh vLLM process with an empty cache, vLLM's prefix caching on."""
-    proc = VLLMProcess(mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "b.log",
-                       prefix_caching=True)  # fmt: skip
+    proc = VLLMProcess(
+        mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "b.log", prefix_caching=True
+    )
     yield proc
     proc.close()
 
@@ -116,8 +130,13 @@ def fresh_b(mesh):
     model (after one request it may rightly prefer computing a 420-token prompt to
     fetching it, and the corruption under test would never be on the wire). This one
     runs vLLM's engine and worker in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    proc = VLLMProcess(mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "b2.log",
-                       prefix_caching=True, inprocess=True)  # fmt: skip
+    proc = VLLMProcess(
+        mesh["dir"],
+        {"seed": mesh["peer"].address},
+        mesh["logs"] / "b2.log",
+        prefix_caching=True,
+        inprocess=True,
+    )
     yield proc
     proc.close()
 
@@ -142,8 +161,9 @@ def test_an_incompatible_card_is_a_miss_and_computes(mesh):
     prefix cache is off in this process). A ``cache_salt`` is a key chain of its
     own: the same prompt salted finds nothing unsalted, is saved under its salt, hit
     with that salt and never with another."""
-    c = VLLMProcess(mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "c.log",
-                    block_size=64)  # fmt: skip
+    c = VLLMProcess(
+        mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "c.log", block_size=64
+    )
     try:
         out = c.generate(PROMPTS["card"])
         again = c.generate(PROMPTS["card"])
@@ -172,8 +192,9 @@ def test_vllm_serve_gets_a_remote_hit_through_the_openai_client(mesh):
     peer = mesh["peer"]
     with APIServer(mesh["dir"], {"seed": peer.address}, mesh["logs"] / "serve.log") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=300)
-        resp = client.completions.create(model=mesh["dir"], prompt=PROMPTS["serve"],
-                                          max_tokens=4, temperature=0, logprobs=5)  # fmt: skip
+        resp = client.completions.create(
+            model=mesh["dir"], prompt=PROMPTS["serve"], max_tokens=4, temperature=0, logprobs=5
+        )
         assert srv.proc.pid not in vllm_node_pids(peer.address)
     tokens, top = token_ids(resp.choices[0])
     assert tokens == mesh["cold"]["serve"]["tokens"]
@@ -194,9 +215,13 @@ def test_tensor_parallel_ranks_save_and_load_their_own_shards(mesh):
     off), bit-identical; what a TP=1 server published is never offered to it.
     (``VLLM_CPU_OMP_THREADS_BIND``: vLLM's CPU workers bind one core each, here the
     first two this process may use; on one NUMA node vLLM cannot choose them itself.)"""
-    tp = VLLMProcess(mesh["dir"], {"seed": mesh["peer"].address}, mesh["logs"] / "tp.log",
-                     env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, CORES[:2]))},
-                     tensor_parallel_size=2)  # fmt: skip
+    tp = VLLMProcess(
+        mesh["dir"],
+        {"seed": mesh["peer"].address},
+        mesh["logs"] / "tp.log",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, CORES[:2]))},
+        tensor_parallel_size=2,
+    )
     try:
         other = tp.generate(PROMPTS["hit"])  # published by TP=1 servers only
         out = tp.generate(PROMPTS["tp"])
@@ -233,12 +258,14 @@ def test_vllm_and_head_cards_never_share_a_namespace(mesh, tiny_dir):
 
     engine, namespace = mesh["cards"]["0"]
     assert engine.endswith("/tp=0of1")  # one rank of one: never mixed with TP shards
-    spec = CacheSpec(num_layers=4, num_kv_heads=1, head_dim=32, block_size=BLOCK,
-                     kv_dtype="float32")  # fmt: skip
+    spec = CacheSpec(
+        num_layers=4, num_kv_heads=1, head_dim=32, block_size=BLOCK, kv_dtype="float32"
+    )
     vcard = model_card(tiny_dir, tiny_dir, spec, engine=engine)
     assert vcard.namespace_hex == namespace
-    geometry = CacheGeometry(vcard.kv_dtype, vcard.num_kv_heads, vcard.head_dim,
-                             vcard.sliding_windows)  # fmt: skip
+    geometry = CacheGeometry(
+        vcard.kv_dtype, vcard.num_kv_heads, vcard.head_dim, vcard.sliding_windows
+    )
     for engine in ("transformers/sdpa", "transformers/eager", "mlx"):
         hcard = card_from_hf_dir(tiny_dir, engine, geometry, "none", vcard.block_tokens)
         assert hcard.weights_digest == vcard.weights_digest

@@ -28,10 +28,21 @@ def fetch_schema(url: str) -> dict[str, Any]:
 
 def schema_of_a_new_head() -> dict[str, Any]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen",
-         "127.0.0.1:0", "--no-publish"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "head",
+            "--model",
+            "demo-tiny",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-publish",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
