@@ -1,8 +1,11 @@
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+
+from kvmesh.runtime.head import STAGES
 
 
 def _kvmesh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -121,6 +124,15 @@ def test_two_node_demo_json_on_tiny_model(engine):
     assert row["source"] == "remote" and row["reused_tokens"] == row["prompt_tokens"] >= 900
     assert row["bytes_transferred"] > 0
     assert row["turn2_cached_tokens"] > 0  # turn 2 reused turn 1's prompt and answer
+    # the hit's stages (issue #27): there, summing to its TTFT (each rounded to a
+    # microsecond), fetched over a stream; the local reference imported the same prompt
+    stages = row["hit_breakdown_ms"]
+    assert tuple(stages) == STAGES and all(v >= 0 for v in stages.values())
+    assert stages["transfer"] > 0 and stages["connect"] > 0
+    assert math.isclose(sum(stages.values()), row["hit_ttft_s"] * 1000, abs_tol=0.01)
+    assert row["local_reused_tokens"] == row["prompt_tokens"] and row["local_hit_ttft_s"] > 0
+    ratio = row["hit_ttft_s"] / row["local_hit_ttft_s"]
+    assert math.isclose(row["hit_vs_local"], ratio, abs_tol=0.006)  # rounded to 2 places
 
 
 def test_a_non_loopback_listener_needs_client_authentication(tmp_path):
