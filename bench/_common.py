@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -266,3 +267,14 @@ def spawn_peer(*args: str) -> tuple[subprocess.Popen[str], str]:
         "peer", "--listen", "127.0.0.1:0", "--budget", "4GiB", *args, pattern=r"listening on (\S+)"
     )
     return p, m.group(1)
+
+
+def write_section(path: Path, text: str, mark: str, end: str) -> None:
+    """Replace a benchmark's section of ``path`` (between ``mark`` and ``end``), or
+    append it: ``text`` carries the markers itself."""
+    old = path.read_text() if path.exists() else ""
+    if mark in old and end in old:
+        head, rest = old.split(mark, 1)
+        path.write_text(head + text + rest.split(end, 1)[1])
+    else:
+        path.write_text(old.rstrip() + "\n\n" + text + "\n")

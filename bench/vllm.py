@@ -39,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[0:1] = [str(ROOT)]  # not bench/: this file's name would shadow the vllm package
 
+from bench._common import write_section  # noqa: E402
 from kvmesh.engine.demo import ensure_demo  # noqa: E402
 from tests.procs import Peer  # noqa: E402
 from tests.vllm.serve import APIServer  # noqa: E402
@@ -174,16 +175,6 @@ def markdown(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, text: str) -> None:
-    """Replace this benchmark's section of ``path`` (between its markers), or append it."""
-    old = path.read_text() if path.exists() else ""
-    if MARK in old and END in old:
-        head, rest = old.split(MARK, 1)
-        path.write_text(head + text + rest.split(END, 1)[1])
-    else:
-        path.write_text(old.rstrip() + "\n\n" + text + "\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and prompts (seconds)")
@@ -221,7 +212,7 @@ def main() -> None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(out, indent=1))
     if a.markdown:
-        write_markdown(a.markdown, markdown(out))
+        write_section(a.markdown, markdown(out), MARK, END)
 
 
 if __name__ == "__main__":
