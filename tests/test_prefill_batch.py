@@ -24,24 +24,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.engine import Sampling, load_engine
+from kvmesh.engine import Sampling
 from kvmesh.engine.base import Decoded
 from kvmesh.runtime.batch import BatchRunner, Job, PrefillPlan
 from kvmesh.runtime.head import Generation, HeadRuntime
 
 from . import zoo
-
-_engines: dict[tuple[str, str], object] = {}
-
-
-def engine(kind: str, arch: str):
-    if (kind, arch) not in _engines:
-        if kind == "torch":
-            _engines[kind, arch] = load_engine(str(zoo.hf_model(arch)), "torch")
-        else:
-            pytest.importorskip("mlx_lm")
-            _engines[kind, arch] = load_engine(str(zoo.mlx_model(arch, "float32")), "mlx")
-    return _engines[kind, arch]
+from .test_batch import engine  # one loaded engine per (kind, arch) for both files
 
 
 def as_np(logits) -> np.ndarray:
