@@ -35,7 +35,11 @@ from .helpers import wait_for
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = sorted(p for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
 # benches whose smoke run is another suite's test (the file named)
-ELSEWHERE = {"serve_compare.py": "tests/vllm/test_serve_compare.py"}
+# benchmarks that need vLLM: CI runs their smoke in the vLLM venv (tests/vllm), after this suite
+ELSEWHERE = {
+    "serve_compare.py": "tests/vllm/test_serve_compare.py",
+    "vllm.py": "tests/vllm/test_bench_vllm.py",
+}
 TIMEOUT_S = 600  # one smoke run; they take seconds to a minute on a loaded 2-core machine
 
 
@@ -46,23 +50,6 @@ def _netns_works() -> bool:
 
 
 NETNS = _netns_works()
-
-
-def vllm_python() -> str | None:
-    """An interpreter where ``import vllm`` works, if there is one."""
-    candidates = (
-        os.environ.get("KVMESH_VLLM_PYTHON", ""),
-        str(ROOT / ".venv-vllm/bin/python"),
-        sys.executable,
-    )
-    for py in candidates:
-        if (
-            py
-            and os.path.exists(py)
-            and subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0
-        ):
-            return py
-    return None
 
 
 def survivors(tag: str) -> list[int]:
@@ -180,17 +167,11 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
 
 @pytest.mark.parametrize("bench", BENCHES, ids=lambda p: p.stem)
 def test_every_benchmark_runs_in_smoke_mode_and_cleans_up(bench: Path, tmp_path: Path) -> None:
-    python = sys.executable
     if bench.name in ELSEWHERE:
         pytest.skip(f"bench/{bench.name} needs vLLM: its smoke run is {ELSEWHERE[bench.name]}")
-    if bench.name == "vllm.py":
-        found = vllm_python()
-        if found is None:
-            pytest.skip("bench/vllm.py needs vLLM: `import vllm` fails here and in .venv-vllm")
-        python = found
     assert "--smoke" in bench.read_text(), f"bench/{bench.name} has no --smoke mode"
     out = tmp_path / f"{bench.stem}.json"
-    proc, tag = start(bench, out, python)
+    proc, tag = start(bench, out)
     text = finish(proc, tag)
     assert proc.returncode == 0, text
     result = json.loads(out.read_text())
