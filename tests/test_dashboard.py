@@ -92,6 +92,13 @@ def _backed_off(head, alias: str) -> bool:
     return f'kvmesh_peer_backoff_seconds{{peer="{alias}"}}' in head.http.get("/metrics").text
 
 
+def _peer_failures(head) -> float:
+    """The head's failed fetches, all reasons together (its /metrics)."""
+    text = head.http.get("/metrics").text
+    failures = re.findall(r'^kvmesh_peer_failures_total\{reason="(\w+)"\} (\S+)$', text, re.M)
+    return sum(float(n) for _, n in failures)
+
+
 def test_peer_health_in_metrics_and_on_the_dashboard(browser, tiny_engine, tmp_path):
     """A peer whose KV fails an audit is quarantined; a peer that sends bad bytes
     is backed off (longer on each failure). /metrics and the dashboard say so."""
@@ -118,15 +125,16 @@ def test_peer_health_in_metrics_and_on_the_dashboard(browser, tiny_engine, tmp_p
         wait_for(lambda: head.metric("kvmesh_audit_mismatches_total") == 1, what="the audit")
         assert head.metric('kvmesh_peer_quarantined{peer="forging-peer"}') == 1
         assert head.metric("kvmesh_audits_total") == 1
+        # the forged prompt's request may have tried the liar first (its hit can rank
+        # first): count the failures from here on
+        before = _peer_failures(head)
         # each failure doubles the liar's backoff (1, 2, 4, 8 s): long enough to see
         for i in range(4):
             wait_for(lambda: not _backed_off(head, "hostile-wrong-bytes"), what="backoff over")
             body = {"model": "demo-tiny", "prompt": f"bad bytes {i} " * 30, "max_tokens": 2}
             r = head.http.post("/v1/completions", json=body)
             assert r.status_code == 200 and r.json()["kvmesh"]["source"] == "compute"
-        text = head.http.get("/metrics").text
-        failures = re.findall(r'^kvmesh_peer_failures_total\{reason="(\w+)"\} (\S+)$', text, re.M)
-        assert sum(float(n) for _, n in failures) == 4, text
+        assert _peer_failures(head) == before + 4, head.http.get("/metrics").text
         assert _backed_off(head, "hostile-wrong-bytes")
         health = {
             n["alias"]: n["health"] for n in head.http.get("/v1/network/nodes").json()["nodes"]
