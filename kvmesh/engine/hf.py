@@ -56,6 +56,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..codec import Block, Layout
+from ..compat import kv_quant_params
 from ..errors import CacheMiss, ConfigError
 from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
 from .compiled import streamed_linear
@@ -281,43 +282,50 @@ def _settle(cache: Any, new: int) -> None:
 
 
 class _TorchImporter(Importer):
-    """The buffers are allocated when the first block arrives, on the thread that
+    """All layers' K and V live in one buffer ``[2 * layers, heads, n, head_dim]``
+    (K0, V0, K1, ...), so that a block, whose payload is those tensors back to back
+    in the same order, is imported with one strided copy (NumPy releases the GIL
+    for it) instead of one Python-level copy per tensor: ~4 ms instead of ~7 for
+    the demo's 27.6 MB, and no GIL traffic against the stream and hasher threads.
+    Each layer's K and V are views of that buffer.
+
+    The buffer is allocated when the first block arrives, on the thread that
     copies it (a fetch's hasher: see :meth:`kvmesh.mesh.client.MeshClient.warm`),
-    so their pages come from that thread's pre-faulted heap rather than the cold
+    so its pages come from that thread's pre-faulted heap rather than the cold
     heap of whichever request thread opened the importer."""
 
     def __init__(self, engine: TransformersEngine, n_tokens: int) -> None:
         super().__init__(n_tokens, engine.layout)
+        c = engine.card
+        if kv_quant_params(c.kv_quant) is not None:
+            raise ValueError("the torch engine keeps an unquantized KV cache")
         self.engine = engine
-        self._dtype = _BY_NAME[engine.card.kv_dtype]  # the card's (probed) dtype: the cache's
+        self._dtype = _BY_NAME[c.kv_dtype]  # the card's (probed) dtype: the cache's
         self._np_dtype = _NP[self._dtype]
+        self._shape = (2 * c.num_layers, c.num_kv_heads, n_tokens, c.head_dim)
         self._alloc = threading.Lock()
-        self._bufs: tuple[list[torch.Tensor], list[torch.Tensor], list[np.ndarray]] | None = None
+        self._kv: torch.Tensor | None = None
 
-    def _buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[np.ndarray]]:
-        """(K buffers, V buffers, their NumPy views K then V per layer), made once."""
+    def _buffer(self) -> torch.Tensor:
         with self._alloc:
-            if self._bufs is None:
-                c = self.engine.card
-                shape = (1, c.num_kv_heads, self.n_tokens, c.head_dim)
-                ks = [torch.empty(shape, dtype=self._dtype) for _ in range(c.num_layers)]
-                vs = [torch.empty(shape, dtype=self._dtype) for _ in range(c.num_layers)]
-                dsts = [_np(t)[0] for pair in zip(ks, vs, strict=True) for t in pair]
-                self._bufs = (ks, vs, dsts)
-            return self._bufs
+            if self._kv is None:
+                self._kv = torch.empty(self._shape, dtype=self._dtype)
+            return self._kv
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
-        # numpy slice assignment: ~1 µs per copy instead of torch's ~10 µs dispatch
-        # add() checked the block against the card: K/V match the buffers one to one
-        for dst, (spec, view) in zip(self._buffers()[2], block.kv_tensors(), strict=True):
-            dst[:, a : a + t] = np.frombuffer(view, self._np_dtype).reshape(spec.shape)
+        rows, heads, _, dim = self._shape
+        # add() checked the block against the card: its payload starts with exactly
+        # these K/V tensors, in the buffer's order
+        src = np.frombuffer(block.payload(), self._np_dtype, count=rows * heads * t * dim)
+        _np(self._buffer())[:, :, a : a + t] = src.reshape(rows, heads, t, dim)
 
     def cache(self) -> Any:
         cache = self.engine._new_cache()
         dev = self.engine.device
-        ks, vs, _ = self._buffers()
-        for layer, k, v in zip(cache.layers, ks, vs, strict=True):
+        kv = self._buffer()
+        for i, layer in enumerate(cache.layers):
+            k, v = kv[2 * i : 2 * i + 1], kv[2 * i + 1 : 2 * i + 2]
             _restore(layer, k.to(dev), v.to(dev), self.n_tokens)
         return cache
 
