@@ -245,8 +245,14 @@ def behind_proxy(engine, tmp_path, alias, path="bulk", **head_cfg):
     carries block bytes, peer, head, prompt tokens)."""
     port, data_port = free_port(), free_port()
     proxy, data_proxy = FaultProxy(port), FaultProxy(data_port)
-    if path == "bulk":
-        extra = ("--data-port", str(data_port), "--advertise-data-port", str(data_proxy.port))
+    if path == "bulk":  # a peer "across the network": no same-host socket around the proxy
+        extra = (
+            "--data-port",
+            str(data_port),
+            "--advertise-data-port",
+            str(data_proxy.port),
+            "--no-local-socket",
+        )
     else:
         extra = ("--no-bulk",)
     p = Peer(

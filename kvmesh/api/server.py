@@ -15,11 +15,14 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
     from ..mesh.node import NodeConfig
@@ -149,12 +152,6 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
             "(--http-tls-cert/--http-tls-key)",
             host,
         )
-    print(
-        f"kvmesh head {node.node.alias} {'https' if tls else 'http'}://{host}:{port} "
-        f"grpc {node.node.address} epoch {node.node.store.epoch} model {engine.card.summary()}"
-        f" device {getattr(engine, 'device', 'mlx')}",
-        flush=True,
-    )
     config = uvicorn.Config(
         app,
         log_level="warning",
@@ -163,9 +160,35 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
         ssl_keyfile=opts.http_tls_key,
     )
     server = uvicorn.Server(config)
+    restore = _exit_after_sigterm()  # before anyone is told we are up
     try:
+        print(
+            f"kvmesh head {node.node.alias} {'https' if tls else 'http'}://{host}:{port} "
+            f"grpc {node.node.address} epoch {node.node.store.epoch} "
+            f"model {engine.card.summary()} device {getattr(engine, 'device', 'mlx')}",
+            flush=True,
+        )
         server.run(sockets=[sock])
     finally:
         app.state.scheduler.close()
         runtime.close()
-        node.close()
+        node.close()  # goodbye to peers, queued disk writes finished, sockets removed
+        restore()
+
+
+def _exit_after_sigterm() -> Callable[[], None]:
+    """Make SIGTERM end the process through ``finally`` blocks: uvicorn shuts down
+    on it, then raises it again with the handler it found, which by default kills
+    the process before the node is closed. Returns what puts the old handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # uvicorn does not take signals off the main thread either
+
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore

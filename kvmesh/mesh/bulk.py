@@ -41,6 +41,14 @@ connection before the client has read the answer; connections answered ``busy``
 while they drain are at most ``max_conns`` more (any further one is closed at
 once) and are cut with the rest when the server stops.
 
+Two nodes on one host (the same kernel, filesystem and user: their cards carry the
+same :func:`host_identity`) speak the same protocol over a Unix socket instead of
+TCP on loopback: the server listens at :func:`local_socket_path` of its node id too,
+and a client that finds it there dials it, falling back to TCP when it cannot. The
+path is derived from the node id on both sides, never taken from a card, so a card
+cannot point a client at another program's socket. It saves the TCP stack's work
+(~30% of a loopback transfer's time); bytes are verified exactly as from anywhere.
+
 A server reserves publish bytes against the cache service's in-flight cap before
 allocating them and counts every refusal as ``bulk_rejected:<reason>``; a client
 turns every failure into a typed error. Neither side trusts the other. A client's
@@ -53,10 +61,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import logging
+import os
 import socket
 import ssl
+import stat
 import struct
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -273,24 +285,85 @@ def data_address(grpc_address: str, data_port: int) -> str:
     return f"{grpc_address.rpartition(':')[0]}:{data_port}"
 
 
+MAX_LOCAL_PEERS = 256  # data addresses known to have a Unix socket on this host
+_SUN_PATH_MAX = 107  # a Unix socket path's bytes (sun_path holds 108 with its NUL)
+
+
+def host_identity() -> bytes:
+    """What two nodes share exactly when each can reach the other's Unix socket by
+    the same path: this boot of the kernel, this mount namespace and this user.
+    Empty where it cannot be told (no ``/proc``): such a node never uses one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as fh:
+            boot = fh.read().strip()
+        mounts = os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return b""
+    return hashlib.sha256(b"kvmesh-host|%s|%d|%d" % (boot, mounts, os.getuid())).digest()[:16]
+
+
+def local_socket_path(node_id: str) -> str:
+    """Where the node ``node_id`` listens for same-host bulk streams: in a
+    directory of this user's (mode 0700), named by a digest of the node id, so
+    that no card can name the path ("" when it would not fit a socket address)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    name = hashlib.sha256(node_id.encode()).hexdigest()[:20]
+    path = os.path.join(base, f"kvmesh-{os.getuid()}", f"bulk-{name}.sock")
+    return path if len(path.encode()) <= _SUN_PATH_MAX else ""
+
+
 class Dialer:
     """How a client opens bulk streams: plain TCP, or TLS with the node's certificates
-    (the context is built once: loading certificates per stream would cost ms)."""
+    (the context is built once: loading certificates per stream would cost ms); to
+    a peer on this host (:meth:`add_local`), its Unix socket first."""
 
     def __init__(self, tls: TLSConfig | None) -> None:
         enabled = tls is not None and tls.enabled
         self.ssl = tls.client_ssl_context() if tls is not None and enabled else None
         self.server_name = tls.server_name if tls is not None else None
+        self._local: OrderedDict[str, str] = OrderedDict()  # data address -> socket path
+        self._lock = threading.Lock()  # stream threads read, the event loop writes
+        self.local_streams = 0  # streams that went over a Unix socket
+
+    def add_local(self, address: str, path: str) -> None:
+        """Dial ``path`` before ``address`` (the same node's TCP data address)."""
+        with self._lock:
+            self._local[address] = path
+            self._local.move_to_end(address)
+            while len(self._local) > MAX_LOCAL_PEERS:
+                self._local.popitem(last=False)
+
+    def local_path(self, address: str) -> str | None:
+        with self._lock:
+            return self._local.get(address)
+
+    def open(self, address: str, timeout: float) -> socket.socket:
+        """A connected socket to ``address``: the node's Unix socket when it is on
+        this host and listening there, else TCP (a Unix socket that is gone or
+        refuses is no failure of the peer: TCP is still tried)."""
+        path = self.local_path(address)
+        if path:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(path)
+            except OSError:
+                sock.close()
+            else:
+                self.local_streams += 1
+                return sock
+        host, port = _split(address)
+        return socket.create_connection((host, port), timeout=timeout)
 
 
 def _connect(address: str, dialer: Dialer, progress_s: float, cancel: Cancel) -> socket.socket:
-    host, port = _split(address)
     try:
-        sock = socket.create_connection((host, port), timeout=progress_s)
+        sock = dialer.open(address, progress_s)
     except OSError as e:
         raise PeerUnavailable(f"bulk connect to {address}: {e}") from None
     _tune(sock)
     if dialer.ssl is not None:
+        host = _split(address)[0]
         try:
             sock = dialer.ssl.wrap_socket(sock, server_hostname=dialer.server_name or host)
         except (OSError, ssl.SSLError) as e:
@@ -304,7 +377,8 @@ def _connect(address: str, dialer: Dialer, progress_s: float, cancel: Cancel) ->
 
 
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
@@ -566,13 +640,18 @@ class BulkServer:
         self._sock: socket.socket | None = None
         self._stopping = threading.Event()
         self._verify = ThreadPoolExecutor(2, thread_name_prefix="kvmesh-bulk-verify")
-        self._acceptor: threading.Thread | None = None
+        self._acceptors: list[threading.Thread] = []
+        self.local_path = ""  # the Unix socket it also listens on ("" if none)
+        self._local: socket.socket | None = None
 
     @property
     def counters(self) -> Any:
         return self.cache.counters
 
-    def start(self, host: str, port: int = 0) -> int:
+    def start(self, host: str, port: int = 0, local_path: str = "") -> int:
+        """Listen on ``host:port`` (0: any free port; returned), and at
+        ``local_path`` too when given (for nodes on this host; skipped, logged,
+        when it cannot be bound)."""
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -580,29 +659,47 @@ class BulkServer:
         sock.listen(64)
         sock.settimeout(0.25)  # the accept loop checks for stop this often
         self._sock, self.port = sock, sock.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept, name="kvmesh-bulk", daemon=True)
-        self._acceptor.start()
+        self._listen(sock, "kvmesh-bulk")
+        if local_path:
+            try:
+                self._local = _unix_listener(local_path)
+            except OSError as e:
+                log.warning("no same-host bulk socket at %s: %s", local_path, e)
+            else:
+                self.local_path = local_path
+                self._listen(self._local, "kvmesh-bulk-local")
         return self.port
+
+    def _listen(self, sock: socket.socket, name: str) -> None:
+        acceptor = threading.Thread(target=self._accept, args=(sock,), name=name, daemon=True)
+        self._acceptors.append(acceptor)
+        acceptor.start()
 
     def stop(self) -> None:
         self._stopping.set()
-        if self._acceptor is not None:
-            self._acceptor.join(2)
+        for acceptor in self._acceptors:
+            acceptor.join(2)
         if self._sock is not None:
             self._sock.close()
+        if self._local is not None:
+            self._local.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.local_path)
         self.gate.cut_all()
         self._verify.shutdown(wait=False, cancel_futures=True)
 
-    def _accept(self) -> None:
-        assert self._sock is not None
+    def _accept(self, listener: socket.socket) -> None:
         while not self._stopping.is_set():
             try:
-                sock, addr = self._sock.accept()
+                sock, addr = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
-            conn = _Conn(sock, addr[0], time.monotonic())
+            source = addr[0] if isinstance(addr, tuple) else "local"  # a Unix socket's is ""
+            if source == "local":
+                self.counters["bulk_local_connections"] += 1
+            conn = _Conn(sock, source, time.monotonic())
             self.gate.arrive(conn)
             try:
                 threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
@@ -770,6 +867,29 @@ class BulkServer:
                 sock.settimeout(left)
                 if not sock.recv_into(sink):
                     break
+
+
+def _unix_listener(path: str) -> socket.socket:
+    """A listening Unix socket at ``path``, in a directory only this user may use
+    (made mode 0700; refused when it is anyone else's or open to others). A file
+    left at ``path`` by a node that died is replaced."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{folder} is not a private directory of this user")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    sock.settimeout(0.25)
+    return sock
 
 
 def _parse(message: Any, body: bytes) -> Any:

@@ -111,6 +111,7 @@ class MeshClient:
         progress_timeout: float = 2.0,
         use_bulk: bool = True,
         policy: Policy = DEFAULT,
+        local_socket: bool = True,
     ) -> None:
         self.membership = membership
         self.policy = policy
@@ -139,6 +140,8 @@ class MeshClient:
             bulk.check_credential(auth)  # our own node id fits a bulk hello: ConfigError now
         self._clock = time.monotonic
         self._dialer = bulk.Dialer(tls)
+        # peers whose cards carry this are on this host: their Unix socket is dialled
+        self.local_host = bulk.host_identity() if use_bulk and local_socket else b""
         self._streams = ThreadPoolExecutor(STREAMS, thread_name_prefix="kvmesh-bulk")
         self._stream_slots = asyncio.Semaphore(STREAMS)  # a thread free for each holder
         self._queue: asyncio.Queue[tuple[CompatCard, list[Block], tuple[str, ...] | None]] = (
@@ -178,7 +181,21 @@ class MeshClient:
         return cred
 
     def _data_address(self, peer: pb.CapabilityCard, address: str) -> str:
-        return bulk.data_address(address, peer.data_port) if self.use_bulk else ""
+        """The peer's bulk address on ``address``'s host ("": none, or no bulk). A
+        peer on this host (the same :func:`~.bulk.host_identity`) is dialled at
+        its Unix socket first, by a path derived from its node id."""
+        if not self.use_bulk:
+            return ""
+        data = bulk.data_address(address, peer.data_port)
+        path = bulk.local_socket_path(peer.node_id) if self.local_host else ""
+        if data and path and peer.host == self.local_host:
+            self._dialer.add_local(data, path)
+        return data
+
+    @property
+    def local_streams(self) -> int:
+        """Bulk streams that went over a same-host Unix socket."""
+        return self._dialer.local_streams
 
     async def _on_stream(
         self, fn: Callable[..., Any], *args: Any, limit_s: float, **kwargs: Any
@@ -852,7 +869,7 @@ class MeshClient:
         cred = self._cred(bulk.METHODS[bulk.PUBLISH], peer.node_id, digest)
         return await self._on_stream(
             bulk.publish,
-            bulk.data_address(address, peer.data_port),
+            self._data_address(peer, address),
             self._dialer,
             cred,
             body,

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from ..disk import DiskConfig
 from ..store import BlockStore
-from .bulk import BulkServer
+from .bulk import BulkServer, local_socket_path
 from .client import MeshClient
 from .events import EventsConfig, NodeEvents
 from .membership import MAX_MEMBERS, Membership, detect_endpoints, parse_advertise
@@ -63,6 +63,7 @@ class NodeConfig:
     bulk: bool = True  # serve and use the bulk data path (else block bytes go over gRPC)
     data_port: int = 0  # the bulk path's port on the listen host (0: any free port)
     advertise_data_port: int = 0  # the port peers dial, if not data_port (forwarding)
+    local_socket: bool = True  # bulk over a Unix socket with nodes on this host
     kv_events: EventsConfig | None = None  # publish vLLM-format KV events (mesh/events.py)
 
     def disk(self) -> DiskConfig | None:
@@ -105,6 +106,7 @@ class MeshNode:
             lookup_deadline=config.lookup_deadline,
             fetch_deadline=config.fetch_deadline,
             use_bulk=config.bulk,
+            local_socket=config.local_socket,
         )
         self.endpoints: list[pb.Endpoint] = []
         self.port = 0
@@ -137,6 +139,7 @@ class MeshNode:
             hits=s.hits,
             misses=s.misses,
             data_port=self.data_port,
+            host=self.client.local_host if self.bulk is not None and self.bulk.local_path else b"",
             fetches_served=self.cache.counters["fetches"],
             bytes_served=self.cache.counters["bytes_served"],
         )
@@ -153,7 +156,8 @@ class MeshNode:
         host = self.config.listen.rpartition(":")[0].strip("[]")
         if self.config.bulk:
             self.bulk = BulkServer(self.cache, self.auth, self.config.security.tls)
-            bound = self.bulk.start(host, self.config.data_port)
+            local = local_socket_path(self.node_id) if self.client.local_host else ""
+            bound = self.bulk.start(host, self.config.data_port, local)
             self.data_port = self.config.advertise_data_port or bound
         if self.config.advertise:
             self.endpoints = [parse_advertise(a) for a in self.config.advertise]

@@ -209,6 +209,12 @@ SECURITY = CLIENT_SECURITY | _rows(
         "allow one port only).",
         kind="flag",
     ),
+    Option(
+        "no_local_socket",
+        "Nodes on one host (same kernel, filesystem and user) send block bytes over "
+        "TCP like any peer, not over a Unix socket (which skips the TCP stack).",
+        kind="flag",
+    ),
 )
 
 #: A disk tier under the RAM store.

@@ -124,6 +124,7 @@ def node_config(
         **_disk(sec),
         **_events(sec),
         bulk=not sec.get("no_bulk"),
+        local_socket=not sec.get("no_local_socket"),
         data_port=int(str(sec.get("data_port") or 0)),
         advertise_data_port=int(str(sec.get("advertise_data_port") or 0)),
         max_block_bytes=_size(sec.get("max_block_bytes"), "max_block_bytes"),

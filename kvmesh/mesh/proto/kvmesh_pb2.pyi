@@ -113,7 +113,7 @@ class Endpoint(_message.Message):
     def __init__(self, address: _Optional[str] = ..., interface: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CapabilityCard(_message.Message):
-    __slots__ = ("node_id", "alias", "epoch", "roles", "endpoints", "namespaces", "card_summaries", "budget_bytes", "used_bytes", "entries", "load", "version", "heartbeat", "region", "hits", "misses", "mac", "data_port", "fetches_served", "bytes_served")
+    __slots__ = ("node_id", "alias", "epoch", "roles", "endpoints", "namespaces", "card_summaries", "budget_bytes", "used_bytes", "entries", "load", "version", "heartbeat", "region", "hits", "misses", "mac", "data_port", "fetches_served", "bytes_served", "host")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ALIAS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class CapabilityCard(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     FETCHES_SERVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     alias: str
     epoch: str
@@ -154,7 +155,8 @@ class CapabilityCard(_message.Message):
     data_port: int
     fetches_served: int
     bytes_served: int
-    def __init__(self, node_id: _Optional[str] = ..., alias: _Optional[str] = ..., epoch: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., card_summaries: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., load: _Optional[float] = ..., version: _Optional[int] = ..., heartbeat: _Optional[float] = ..., region: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., mac: _Optional[bytes] = ..., data_port: _Optional[int] = ..., fetches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ...) -> None: ...
+    host: bytes
+    def __init__(self, node_id: _Optional[str] = ..., alias: _Optional[str] = ..., epoch: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., card_summaries: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., load: _Optional[float] = ..., version: _Optional[int] = ..., heartbeat: _Optional[float] = ..., region: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., mac: _Optional[bytes] = ..., data_port: _Optional[int] = ..., fetches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., host: _Optional[bytes] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("cards",)

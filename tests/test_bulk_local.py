@@ -1,0 +1,185 @@
+"""Nodes on one host exchange block bytes over a Unix socket (kvmesh/mesh/bulk.py).
+
+A real cache peer process and a real head node: the peer's card says it is on this
+host, so the head's fetch dials the peer's Unix socket, at a path both derive from
+the peer's node id, and gets the producer's output from verified bytes. A peer
+that opts out (``--no-local-socket``), a socket file that is gone, and a node of
+another host identity all fall back to TCP with nothing lost and no peer blamed.
+The socket lives in a private directory, and a head ended by SIGTERM removes it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from kvmesh.engine import Sampling
+from kvmesh.mesh import bulk
+from kvmesh.mesh.bulk import BulkServer, local_socket_path
+from kvmesh.mesh.server import CacheService
+from kvmesh.runtime.telemetry import Source
+from kvmesh.store import BlockStore
+
+from .helpers import wait_for
+from .procs import Peer
+from .test_fresh_fetch import close, head
+
+PROMPT = [3 + (i * 11) % 200 for i in range(150)]  # 4 blocks of 32 and a tail
+SAMPLING = Sampling(max_tokens=4)
+
+
+@pytest.fixture
+def runtime_dir(tmp_path, monkeypatch):
+    """Socket files of this test's nodes (and of its peer processes) go here."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    return tmp_path / f"kvmesh-{os.getuid()}"
+
+
+def publish_then_fetch(engine, peer):
+    """A head computes PROMPT and publishes it; a fresh head fetches it. Returns
+    (cold output, fresh head's output, fresh head's client) with the head closed."""
+    first = head(engine, [peer.address])
+    try:
+        wait_for(lambda: first.node.node.membership.live(), 10)
+        cold = first.complete(PROMPT, SAMPLING)
+        first.flush(30)
+    finally:
+        close(first)
+    fresh = head(engine, [peer.address])
+    try:
+        ns = engine.card.namespace_hex
+        wait_for(lambda: any(ns in c.namespaces for c in fresh.node.node.membership.live()), 10)
+        return cold, fresh.complete(PROMPT, SAMPLING), fresh.node.node.client
+    finally:
+        close(fresh)
+
+
+def test_a_fetch_from_a_peer_on_this_host_goes_over_its_unix_socket(tiny_engine, runtime_dir):
+    peer = Peer(alias="cache", log_dir=runtime_dir.parent)
+    try:
+        wait_for(lambda: any(runtime_dir.glob("bulk-*.sock")), 10)
+        cold, hit, client = publish_then_fetch(tiny_engine, peer)
+    finally:
+        peer.kill()
+    r = hit.report
+    assert r is not None and r.source == Source.REMOTE and r.fallback is None
+    assert r.reused_tokens == len(PROMPT) and hit.tokens == cold.tokens
+    assert client.local_streams >= 1  # the fetch (and the first head's publish) went local
+
+
+def test_a_peer_that_opts_out_is_fetched_over_tcp(tiny_engine, runtime_dir):
+    peer = Peer("--no-local-socket", alias="cache", log_dir=runtime_dir.parent)
+    try:
+        cold, hit, client = publish_then_fetch(tiny_engine, peer)
+        assert not any(runtime_dir.glob("bulk-*.sock"))  # the heads' went; the peer made none
+    finally:
+        peer.kill()
+    assert hit.report is not None and hit.report.source == Source.REMOTE
+    assert hit.tokens == cold.tokens
+    assert client.local_streams == 0
+
+
+def test_a_socket_that_is_gone_or_another_hosts_falls_back_to_tcp(tiny_engine, runtime_dir):
+    peer = Peer(alias="cache", log_dir=runtime_dir.parent)
+    try:
+        first = head(tiny_engine, [peer.address])
+        try:
+            wait_for(lambda: first.node.node.membership.live(), 10)
+            cold = first.complete(PROMPT, SAMPLING)
+            first.flush(30)
+        finally:
+            close(first)
+        for socket_file in runtime_dir.glob("bulk-*.sock"):
+            socket_file.unlink()  # the peer's (the head's own went when it closed)
+        ns = tiny_engine.card.namespace_hex
+        for other_host in (False, True):
+            fresh = head(tiny_engine, [peer.address])
+            try:
+                client = fresh.node.node.client
+                if other_host:
+                    client.local_host = b"another host"
+                wait_for(
+                    lambda f=fresh: any(ns in c.namespaces for c in f.node.node.membership.live()),
+                    10,
+                )
+                hit = fresh.complete(PROMPT, SAMPLING)
+                assert hit.report is not None and hit.report.source == Source.REMOTE
+                assert hit.report.fallback is None and hit.tokens == cold.tokens
+                assert client.local_streams == 0
+                counted = fresh.telemetry.snapshot()["counters"]
+                assert not [k for k in counted if k.startswith("peer_failed")], counted
+            finally:
+                close(fresh)
+    finally:
+        peer.kill()
+
+
+def test_the_socket_is_private_and_removed_at_stop(runtime_dir):
+    server = BulkServer(CacheService(BlockStore(1 << 20)))
+    path = local_socket_path("node-a")
+    assert path.startswith(str(runtime_dir))
+    server.start("127.0.0.1", 0, path)
+    try:
+        assert server.local_path == path
+        assert stat.S_IMODE(os.stat(runtime_dir).st_mode) == 0o700
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        server.stop()
+    assert not os.path.exists(path)
+
+
+def test_a_directory_others_may_use_is_refused_and_tcp_still_serves(runtime_dir):
+    runtime_dir.mkdir(mode=0o777)
+    os.chmod(runtime_dir, 0o777)  # the mode a hostile local user would leave
+    server = BulkServer(CacheService(BlockStore(1 << 20)))
+    port = server.start("127.0.0.1", 0, local_socket_path("node-b"))
+    try:
+        assert port > 0 and server.local_path == ""  # TCP only; the refusal is logged
+        assert not any(runtime_dir.iterdir())
+    finally:
+        server.stop()
+
+
+def test_host_identity_names_this_kernel_mount_namespace_and_user():
+    me = bulk.host_identity()
+    assert len(me) == 16 and me == bulk.host_identity()  # stable within one host
+    child = subprocess.run(
+        [sys.executable, "-c", "from kvmesh.mesh import bulk; print(bulk.host_identity().hex())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert child.stdout.strip() == me.hex()  # another process here agrees
+
+
+def test_sigterm_closes_the_head_and_removes_its_socket(runtime_dir):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "head",
+            "--model",
+            "demo-tiny",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and "http://" in proc.stdout.readline()
+        assert len(list(runtime_dir.glob("bulk-*.sock"))) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0  # ended through its finally blocks, not killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not any(runtime_dir.glob("bulk-*.sock"))
