@@ -287,7 +287,9 @@ class _TorchImporter(Importer):
     in the same order, is imported with one strided copy (NumPy releases the GIL
     for it) instead of one Python-level copy per tensor: ~4 ms instead of ~7 for
     the demo's 27.6 MB, and no GIL traffic against the stream and hasher threads.
-    Each layer's K and V are views of that buffer.
+    Each layer's K and V are views of that buffer, so it is freed with the last of
+    them: a cache whose layers are replaced one by one (a lone sequence's first
+    decode step concatenates each) briefly holds the prefix twice.
 
     The buffer is allocated when the first block arrives, on the thread that
     copies it (a fetch's hasher: see :meth:`kvmesh.mesh.client.MeshClient.warm`),

@@ -350,7 +350,8 @@ class Dialer:
             except OSError:
                 sock.close()
             else:
-                self.local_streams += 1
+                with self._lock:
+                    self.local_streams += 1
                 return sock
         host, port = _split(address)
         return socket.create_connection((host, port), timeout=timeout)
