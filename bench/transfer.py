@@ -8,7 +8,8 @@ For each size: synthetic demo-shaped KV blocks (24 KiB/token, 769 KiB blocks)
 are published to a `kvmesh peer` process, then fetched by the real client
 (lookup, then the blocks under a lease, each block's digest verified and its
 header validated on a worker thread while the next arrives). Fetch and publish go
-over the bulk data path (the default) and, for comparison, over gRPC
+over the bulk data path on TCP, over the peer's same-host Unix socket (what two
+nodes on one host use unless ``--no-local-socket``) and, for comparison, over gRPC
 (``--no-bulk``'s path). Also measured on the same bytes: BLAKE3 and SHA-256 on one
 core, a raw TCP socket copy between two processes (``recv_into`` one preallocated
 buffer), and memcpy. Every figure is the best of ``--reps``.
@@ -98,12 +99,15 @@ def memcpy_gbps(nbytes: int) -> float:
 
 
 async def transfer_gbps(  # type: ignore[no-untyped-def]
-    address: str, blocks, tokens, card, chunk: int, reps: int, bulk: bool
+    address: str, blocks, tokens, card, chunk: int, reps: int, bulk: bool, local: bool = False
 ) -> dict[str, float]:
     """Best-of-``reps`` publish (every byte received and verified by the peer, stored
-    the first time) and fetch + verify, on the bulk path or over gRPC."""
+    the first time) and fetch + verify, on the bulk path (over TCP, or with
+    ``local`` over the peer's same-host Unix socket) or over gRPC."""
     membership = Membership(f"bench-{os.getpid()}", lambda: pb.CapabilityCard(alias="bench"))
-    client = MeshClient(membership, chunk_bytes=chunk, fetch_deadline=120, use_bulk=bulk)
+    client = MeshClient(
+        membership, chunk_bytes=chunk, fetch_deadline=120, use_bulk=bulk, local_socket=local
+    )
     await client.exchange(address, None)
     peer = membership.live()[0]
     total = sum(b.nbytes for b in blocks)
@@ -126,6 +130,7 @@ async def transfer_gbps(  # type: ignore[no-untyped-def]
         assert [g.digest for g in got] == [b.digest for b in blocks]
         best = min(best, dt)
         del got
+    assert client.local_streams == (2 * reps if local else 0), client.local_streams
     await client.close()
     return {
         "fetch_gbps": total / best / 1e9,
@@ -160,12 +165,15 @@ def main() -> None:
             nbytes = sum(b.nbytes for b in blocks)
             run = (address, blocks, tokens, card, args.chunk_kib << 10, args.reps)
             fast = asyncio.run(transfer_gbps(*run, bulk=True))
+            unix = asyncio.run(transfer_gbps(*run, bulk=True, local=True))
             grpc = asyncio.run(transfer_gbps(*run, bulk=False))
             sock = max(socket_gbps(nbytes) for _ in range(args.reps))
             row = {
                 "mb": round(nbytes / 1e6, 1),
                 "blocks": len(blocks),
                 **fast,
+                "local_fetch_gbps": unix["fetch_gbps"],
+                "local_publish_gbps": unix["publish_gbps"],
                 "grpc_fetch_gbps": grpc["fetch_gbps"],
                 "grpc_publish_gbps": grpc["publish_gbps"],
                 "blake3_gbps": digest_gbps([bytes(b.blob) for b in blocks], "blake3"),
@@ -179,7 +187,8 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{row['mb']:7.1f} MB  fetch+verify {row['fetch_gbps']:.2f} GB/s "
-                f"({row['fetch_vs_socket']:.2f}x socket {sock:.2f}; gRPC "
+                f"({row['fetch_vs_socket']:.2f}x socket {sock:.2f}; Unix socket "
+                f"{row['local_fetch_gbps']:.2f}; gRPC "
                 f"{row['grpc_fetch_gbps']:.2f})  publish {row['publish_gbps']:.2f} "
                 f"({row['publish_vs_socket']:.2f}x; gRPC {row['grpc_publish_gbps']:.2f})  "
                 f"blake3 {row['blake3_gbps']:.2f}  sha256 {row['sha256_gbps']:.2f}  "
@@ -193,6 +202,7 @@ def main() -> None:
     if rows:
         keys = (
             "fetch_gbps",
+            "local_fetch_gbps",
             "publish_gbps",
             "socket_gbps",
             "blake3_gbps",
