@@ -40,23 +40,39 @@ def runtime_dir(tmp_path, monkeypatch):
     return tmp_path / f"kvmesh-{os.getuid()}"
 
 
-def publish_then_fetch(engine, peer):
-    """A head computes PROMPT and publishes it; a fresh head fetches it. Returns
-    (cold output, fresh head's output, fresh head's client) with the head closed."""
+def publish(engine, peer):
+    """A head computes PROMPT and publishes it to ``peer``; its output (head closed)."""
     first = head(engine, [peer.address])
     try:
         wait_for(lambda: first.node.node.membership.live(), 10)
         cold = first.complete(PROMPT, SAMPLING)
         first.flush(30)
+        return cold
     finally:
         close(first)
+
+
+def fetch(engine, peer, host=None):
+    """A fresh head (of host identity ``host`` if given) completes PROMPT: (its
+    output, its mesh client), the head closed."""
     fresh = head(engine, [peer.address])
     try:
+        client = fresh.node.node.client
+        if host is not None:
+            client.local_host = host
         ns = engine.card.namespace_hex
         wait_for(lambda: any(ns in c.namespaces for c in fresh.node.node.membership.live()), 10)
-        return cold, fresh.complete(PROMPT, SAMPLING), fresh.node.node.client
+        out = fresh.complete(PROMPT, SAMPLING)
+        counted = fresh.telemetry.snapshot()["counters"]
+        assert not [k for k in counted if k.startswith("peer_failed")], counted
+        return out, client
     finally:
         close(fresh)
+
+
+def publish_then_fetch(engine, peer):
+    cold = publish(engine, peer)
+    return (cold, *fetch(engine, peer))
 
 
 def test_a_fetch_from_a_peer_on_this_host_goes_over_its_unix_socket(tiny_engine, runtime_dir):
@@ -87,34 +103,16 @@ def test_a_peer_that_opts_out_is_fetched_over_tcp(tiny_engine, runtime_dir):
 def test_a_socket_that_is_gone_or_another_hosts_falls_back_to_tcp(tiny_engine, runtime_dir):
     peer = Peer(alias="cache", log_dir=runtime_dir.parent)
     try:
-        first = head(tiny_engine, [peer.address])
-        try:
-            wait_for(lambda: first.node.node.membership.live(), 10)
-            cold = first.complete(PROMPT, SAMPLING)
-            first.flush(30)
-        finally:
-            close(first)
-        for socket_file in runtime_dir.glob("bulk-*.sock"):
-            socket_file.unlink()  # the peer's (the head's own went when it closed)
-        ns = tiny_engine.card.namespace_hex
-        for other_host in (False, True):
-            fresh = head(tiny_engine, [peer.address])
-            try:
-                client = fresh.node.node.client
-                if other_host:
-                    client.local_host = b"another host"
-                wait_for(
-                    lambda f=fresh: any(ns in c.namespaces for c in f.node.node.membership.live()),
-                    10,
-                )
-                hit = fresh.complete(PROMPT, SAMPLING)
-                assert hit.report is not None and hit.report.source == Source.REMOTE
-                assert hit.report.fallback is None and hit.tokens == cold.tokens
-                assert client.local_streams == 0
-                counted = fresh.telemetry.snapshot()["counters"]
-                assert not [k for k in counted if k.startswith("peer_failed")], counted
-            finally:
-                close(fresh)
+        cold = publish(tiny_engine, peer)
+        for host, remove in ((b"another host", False), (None, True)):
+            sockets = list(runtime_dir.glob("bulk-*.sock"))
+            assert len(sockets) == 1  # the peer's (each head's own went when it closed)
+            if remove:
+                sockets[0].unlink()
+            hit, client = fetch(tiny_engine, peer, host)
+            assert hit.report is not None and hit.report.source == Source.REMOTE
+            assert hit.report.fallback is None and hit.tokens == cold.tokens
+            assert client.local_streams == 0
     finally:
         peer.kill()
 
@@ -159,17 +157,9 @@ def test_host_identity_names_this_kernel_mount_namespace_and_user():
 
 
 def test_sigterm_closes_the_head_and_removes_its_socket(runtime_dir):
+    args = ["head", "--model", "demo-tiny", "--listen", "127.0.0.1:0"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            "head",
-            "--model",
-            "demo-tiny",
-            "--listen",
-            "127.0.0.1:0",
-        ],
+        [sys.executable, "-m", "kvmesh.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
