@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvmesh.blocks import BlockKeyer
-from kvmesh.engine import Sampling
+from kvmesh.engine import KVState, Sampling
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.runtime.head import STAGES, HeadRuntime
 from kvmesh.runtime.telemetry import Source
@@ -141,3 +141,21 @@ def test_an_importer_filled_from_many_threads_allocates_once_and_imports_exactly
         assert torch.equal(la.keys, lp.keys[:, :, :n]) and torch.equal(
             la.values, lp.values[:, :, :n]
         )
+
+
+def test_detach_keeps_an_imports_buffer_and_copies_a_crop_out_of_it(tiny_engine):
+    keyer = BlockKeyer(tiny_engine.card.namespace, tiny_engine.card.block_tokens)
+    blocks = tiny_engine.export(tiny_engine.prefill(PROMPT), keyer)
+    importer = tiny_engine.importer(sum(b.header.tokens for b in blocks))
+    for blk in blocks:
+        importer.add(blk)
+    state = tiny_engine.prefill(PROMPT, tuple(blocks), importer)
+    before = [(ly.keys.data_ptr(), ly.values.data_ptr()) for ly in state.cache.layers]
+    tiny_engine.detach(state)  # its layers fill the import's buffer: nothing to copy
+    assert [(ly.keys.data_ptr(), ly.values.data_ptr()) for ly in state.cache.layers] == before
+    crop = KVState(PROMPT[:64], tiny_engine._crop(state.cache, 64), None, 64)
+    tiny_engine.detach(crop)  # 64 of its positions would keep all of them alive: copied
+    for ly, orig in zip(crop.cache.layers, state.cache.layers, strict=True):
+        assert ly.keys.untyped_storage().nbytes() == ly.keys.nbytes
+        assert torch.equal(ly.keys, orig.keys[:, :, :64])
+        assert torch.equal(ly.values, orig.values[:, :, :64])

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
-    from ..mesh.node import NodeConfig
+    from ..engine import Engine
+    from ..mesh.node import NodeConfig, NodeThread
 
 log = logging.getLogger("kvmesh.head")
 
@@ -84,16 +85,10 @@ def bind(listen: str) -> socket.socket:
 
 
 def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
-    import uvicorn
-
     from ..engine import load_engine
     from ..engine.demo import resolve_model
     from ..memory import keep_heap_warm
-    from ..mesh.events import RecordingKeyer
     from ..mesh.node import NodeThread
-    from ..runtime.head import HeadRuntime
-    from ..units import is_loopback
-    from .app import Limits, TenantOptions, create_app
 
     engine = load_engine(
         opts.model,
@@ -114,6 +109,34 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
     cfg = json.loads((Path(path) / "config.json").read_text())
     max_context = int(cfg.get("text_config", cfg).get("max_position_embeddings", 4096))
     node = NodeThread(node_config)
+    sigterm = _SigtermExits()  # from here a SIGTERM ends through the finally below
+    closers: list[Callable[[], None]] = [node.close]  # goodbye, disk writes, sockets
+    try:
+        _serve(opts, engine, node, node_config, max_context, closers)
+    finally:
+        sigterm.ignore()  # a second SIGTERM does not cut the clean-up short
+        for close in reversed(closers):
+            close()
+        sigterm.restore()
+
+
+def _serve(
+    opts: HeadOptions,
+    engine: Engine,
+    node: NodeThread,
+    node_config: NodeConfig,
+    max_context: int,
+    closers: list[Callable[[], None]],
+) -> None:
+    """Build the head on ``node`` and serve HTTP until shut down; what must be
+    closed afterwards goes on ``closers`` as soon as it exists."""
+    import uvicorn
+
+    from ..mesh.events import RecordingKeyer
+    from ..runtime.head import HeadRuntime
+    from ..units import is_loopback
+    from .app import Limits, TenantOptions, create_app
+
     runtime = HeadRuntime(
         engine,
         node,
@@ -124,6 +147,7 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
         max_batch=opts.max_batch,
         kv_budget_bytes=opts.kv_budget_bytes,
     )
+    closers.append(runtime.close)
     if node.node.events is not None:  # KV events carry the tokens of the blocks this head keys
         runtime.keyer = RecordingKeyer(runtime.keyer, node.node.events.source.memo)
     name, aliases = opts.model_names()
@@ -143,6 +167,7 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
             opts.tenant_budget_bytes,
         ),
     )
+    closers.append(app.state.scheduler.close)
     sock = bind(opts.listen)
     host, port = sock.getsockname()[:2]
     tls = bool(opts.http_tls_cert)
@@ -160,35 +185,34 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
         ssl_keyfile=opts.http_tls_key,
     )
     server = uvicorn.Server(config)
-    restore = _exit_after_sigterm()  # before anyone is told we are up
-    try:
-        print(
-            f"kvmesh head {node.node.alias} {'https' if tls else 'http'}://{host}:{port} "
-            f"grpc {node.node.address} epoch {node.node.store.epoch} "
-            f"model {engine.card.summary()} device {getattr(engine, 'device', 'mlx')}",
-            flush=True,
-        )
-        server.run(sockets=[sock])
-    finally:
-        app.state.scheduler.close()
-        runtime.close()
-        node.close()  # goodbye to peers, queued disk writes finished, sockets removed
-        restore()
+    print(
+        f"kvmesh head {node.node.alias} {'https' if tls else 'http'}://{host}:{port} "
+        f"grpc {node.node.address} epoch {node.node.store.epoch} "
+        f"model {engine.card.summary()} device {getattr(engine, 'device', 'mlx')}",
+        flush=True,
+    )
+    server.run(sockets=[sock])
 
 
-def _exit_after_sigterm() -> Callable[[], None]:
-    """Make SIGTERM end the process through ``finally`` blocks: uvicorn shuts down
-    on it, then raises it again with the handler it found, which by default kills
-    the process before the node is closed. Returns what puts the old handler back."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None  # uvicorn does not take signals off the main thread either
+class _SigtermExits:
+    """SIGTERM ends the process through ``finally`` blocks (exit status 0): uvicorn
+    shuts down on it, then raises it again under the handler it found, which by
+    default kills the process before the node is closed. Only on the main thread
+    (uvicorn takes signals only there too)."""
 
-    def leave(signum: int, frame: Any) -> None:
+    def __init__(self) -> None:
+        self.active = threading.current_thread() is threading.main_thread()
+        if self.active:
+            self.previous = signal.signal(signal.SIGTERM, self._leave)
+
+    @staticmethod
+    def _leave(signum: int, frame: Any) -> None:
         raise SystemExit(0)
 
-    previous = signal.signal(signal.SIGTERM, leave)
+    def ignore(self) -> None:
+        if self.active:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-    def restore() -> None:
-        signal.signal(signal.SIGTERM, previous)
-
-    return restore
+    def restore(self) -> None:
+        if self.active:
+            signal.signal(signal.SIGTERM, self.previous)

@@ -282,18 +282,19 @@ def _settle(cache: Any, new: int) -> None:
 
 
 class _TorchImporter(Importer):
-    """All layers' K and V live in one buffer ``[2 * layers, heads, n, head_dim]``
-    (K0, V0, K1, ...), so that a block, whose payload is those tensors back to back
-    in the same order, is imported with one strided copy (NumPy releases the GIL
-    for it) instead of one Python-level copy per tensor: ~4 ms instead of ~7 for
-    the demo's 27.6 MB, and no GIL traffic against the stream and hasher threads.
-    Each layer's K and V are views of that buffer, so it is freed with the last of
-    them: a cache whose layers are replaced one by one (a lone sequence's first
-    decode step concatenates each) briefly holds the prefix twice.
+    """Layers' K and V live in buffers ``[2 * layers, heads, n, head_dim]`` (K0, V0,
+    K1, ...): one for all layers of a full-attention model, one per layer when some
+    layers slide (a sliding layer's record then pins only its own positions, as the
+    layer's own cache would). A block's payload is those tensors back to back, in
+    that order, so it is imported with one strided copy per buffer (NumPy releases
+    the GIL for it) instead of one Python-level copy per tensor: ~4 ms instead of
+    ~6 for the demo's 27.6 MB, and no GIL traffic against the stream and hasher
+    threads. Each layer's K and V are views of its buffer (see
+    :meth:`TransformersEngine.detach`).
 
-    The buffer is allocated when the first block arrives, on the thread that
+    The buffers are allocated when the first block arrives, on the thread that
     copies it (a fetch's hasher: see :meth:`kvmesh.mesh.client.MeshClient.warm`),
-    so its pages come from that thread's pre-faulted heap rather than the cold
+    so their pages come from that thread's pre-faulted heap rather than the cold
     heap of whichever request thread opened the importer."""
 
     def __init__(self, engine: TransformersEngine, n_tokens: int) -> None:
@@ -304,30 +305,37 @@ class _TorchImporter(Importer):
         self.engine = engine
         self._dtype = _BY_NAME[c.kv_dtype]  # the card's (probed) dtype: the cache's
         self._np_dtype = _NP[self._dtype]
-        self._shape = (2 * c.num_layers, c.num_kv_heads, n_tokens, c.head_dim)
+        self._row = (c.num_kv_heads, n_tokens, c.head_dim)  # one K or V
+        per = 1 if any(c.sliding_windows) else c.num_layers  # layers per buffer
+        self._groups = [range(i, min(i + per, c.num_layers)) for i in range(0, c.num_layers, per)]
         self._alloc = threading.Lock()
-        self._kv: torch.Tensor | None = None
+        self._kv: list[torch.Tensor] | None = None
 
-    def _buffer(self) -> torch.Tensor:
+    def _buffers(self) -> list[torch.Tensor]:
         with self._alloc:
             if self._kv is None:
-                self._kv = torch.empty(self._shape, dtype=self._dtype)
+                self._kv = [
+                    torch.empty((2 * len(g), *self._row), dtype=self._dtype) for g in self._groups
+                ]
             return self._kv
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
-        rows, heads, _, dim = self._shape
+        heads, _, dim = self._row
+        rows = 2 * self.engine.card.num_layers
         # add() checked the block against the card: its payload starts with exactly
-        # these K/V tensors, in the buffer's order
+        # these K/V tensors, in the buffers' order
         src = np.frombuffer(block.payload(), self._np_dtype, count=rows * heads * t * dim)
-        _np(self._buffer())[:, :, a : a + t] = src.reshape(rows, heads, t, dim)
+        src = src.reshape(rows, heads, t, dim)
+        for g, buf in zip(self._groups, self._buffers(), strict=True):
+            _np(buf)[:, :, a : a + t] = src[2 * g.start : 2 * g.stop]
 
     def cache(self) -> Any:
         cache = self.engine._new_cache()
         dev = self.engine.device
-        kv = self._buffer()
+        views = [buf[i : i + 1] for buf in self._buffers() for i in range(buf.shape[0])]
         for i, layer in enumerate(cache.layers):
-            k, v = kv[2 * i : 2 * i + 1], kv[2 * i + 1 : 2 * i + 2]
+            k, v = views[2 * i], views[2 * i + 1]
             _restore(layer, k.to(dev), v.to(dev), self.n_tokens)
         return cache
 
@@ -634,12 +642,25 @@ class TransformersEngine(Engine):
             del self._batches[key]
 
     def detach(self, state: KVState) -> None:
+        """Give ``state``'s layers storage of their own where they are views of a
+        larger buffer they do not fill between them (a batch's rows, a crop), so
+        that keeping the state does not keep the rest of that buffer alive. An
+        import's buffer, which the state's layers fill exactly, is kept as is."""
         self._drop([state])  # a batch holding it would keep the whole buffer alive
         if state.cache is None:
             return
-        for layer in state.cache.layers:
-            k = getattr(layer, "keys", None)
-            if isinstance(k, torch.Tensor) and k.untyped_storage().nbytes() > k.nbytes:
+        layers = [
+            ly for ly in state.cache.layers if isinstance(getattr(ly, "keys", None), torch.Tensor)
+        ]
+        held: dict[int, int] = {}  # storage -> bytes of it the state's layers view
+        for layer in layers:
+            for t in (layer.keys, layer.values):
+                ptr = t.untyped_storage().data_ptr()
+                held[ptr] = held.get(ptr, 0) + t.nbytes
+        for layer in layers:
+            k = layer.keys
+            storage = k.untyped_storage()
+            if storage.nbytes() > held[storage.data_ptr()]:
                 layer.keys, layer.values = k.clone(), layer.values.clone()
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
