@@ -338,8 +338,14 @@ def measure(
     engine.prefill(list(range(16)))
     card = engine.card
     keyer = BlockKeyer(card.namespace, card.block_tokens, security.block_hash_key)
-    proc, peer = spawn_peer(
-        "--gossip-interval", "0.2", "--budget", "8GiB", "--fleet-key-file", key_file
+    proc, peer = spawn_peer(  # TCP on loopback, as its results always measured
+        "--gossip-interval",
+        "0.2",
+        "--budget",
+        "8GiB",
+        "--fleet-key-file",
+        key_file,
+        "--no-local-socket",
     )
     publisher = NodeThread(
         NodeConfig(seeds=[peer], gossip_interval=0.2, alias="bench-publisher", security=security)

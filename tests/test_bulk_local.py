@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -173,3 +174,27 @@ def test_sigterm_closes_the_head_and_removes_its_socket(runtime_dir):
         if proc.poll() is None:
             proc.kill()
     assert not any(runtime_dir.glob("bulk-*.sock"))
+
+
+def test_a_live_nodes_socket_is_never_taken_over_and_a_dead_ones_is(runtime_dir):
+    path = local_socket_path("node-c")
+    first = BulkServer(CacheService(BlockStore(1 << 20)))
+    first.start("127.0.0.1", 0, path)
+    try:
+        second = BulkServer(CacheService(BlockStore(1 << 20)))
+        second.start("127.0.0.1", 0, path)  # the same node id twice: TCP only
+        assert second.local_path == ""
+        second.stop()
+        assert os.path.exists(path)  # still the first node's
+    finally:
+        first.stop()
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)  # a file nobody listens on, as a killed node leaves it
+    dead.close()
+    third = BulkServer(CacheService(BlockStore(1 << 20)))
+    third.start("127.0.0.1", 0, path)
+    try:
+        assert third.local_path == path
+    finally:
+        third.stop()
+    assert not os.path.exists(path)

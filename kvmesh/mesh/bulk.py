@@ -46,8 +46,10 @@ same :func:`host_identity`) speak the same protocol over a Unix socket instead o
 TCP on loopback: the server listens at :func:`local_socket_path` of its node id too,
 and a client that finds it there dials it, falling back to TCP when it cannot. The
 path is derived from the node id on both sides, never taken from a card, so a card
-cannot point a client at another program's socket. It saves the TCP stack's work
-(~30% of a loopback transfer's time); bytes are verified exactly as from anywhere.
+cannot point a client at another program's socket; the directory must be the
+user's own (mode 0700) and the listener's process this user's (``SO_PEERCRED``).
+It saves the TCP stack's work (~30% of a loopback transfer's time); bytes are
+verified exactly as from anywhere.
 
 A server reserves publish bytes against the cache service's in-flight cap before
 allocating them and counts every refusal as ``bulk_rejected:<reason>``; a client
@@ -299,16 +301,40 @@ def host_identity() -> bytes:
         mounts = os.stat("/proc/self/ns/mnt").st_ino
     except OSError:
         return b""
-    return hashlib.sha256(b"kvmesh-host|%s|%d|%d" % (boot, mounts, os.getuid())).digest()[:16]
+    where = _socket_dir().encode()  # both sides must look in the same directory
+    ident = b"kvmesh-host|%s|%d|%d|%s" % (boot, mounts, os.getuid(), where)
+    return hashlib.sha256(ident).digest()[:16]
+
+
+def _socket_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return os.path.join(base, f"kvmesh-{os.getuid()}")
+
+
+def _private_dir(folder: str) -> bool:
+    """``folder`` is a directory of this user's that no one else may enter."""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The user of the process at the other end of a Unix socket (-1: unknown)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return -1
+    return int(struct.unpack("3i", raw)[1])
 
 
 def local_socket_path(node_id: str) -> str:
     """Where the node ``node_id`` listens for same-host bulk streams: in a
     directory of this user's (mode 0700), named by a digest of the node id, so
     that no card can name the path ("" when it would not fit a socket address)."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     name = hashlib.sha256(node_id.encode()).hexdigest()[:20]
-    path = os.path.join(base, f"kvmesh-{os.getuid()}", f"bulk-{name}.sock")
+    path = os.path.join(_socket_dir(), f"bulk-{name}.sock")
     return path if len(path.encode()) <= _SUN_PATH_MAX else ""
 
 
@@ -333,6 +359,11 @@ class Dialer:
             while len(self._local) > MAX_LOCAL_PEERS:
                 self._local.popitem(last=False)
 
+    def drop_local(self, address: str) -> None:
+        """``address`` is no longer a node on this host: TCP only."""
+        with self._lock:
+            self._local.pop(address, None)
+
     def local_path(self, address: str) -> str | None:
         with self._lock:
             return self._local.get(address)
@@ -342,7 +373,7 @@ class Dialer:
         this host and listening there, else TCP (a Unix socket that is gone or
         refuses is no failure of the peer: TCP is still tried)."""
         path = self.local_path(address)
-        if path:
+        if path and _private_dir(os.path.dirname(path)):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(timeout)
             try:
@@ -350,9 +381,11 @@ class Dialer:
             except OSError:
                 sock.close()
             else:
-                with self._lock:
-                    self.local_streams += 1
-                return sock
+                if _peer_uid(sock) == os.getuid():  # never another user's listener
+                    with self._lock:
+                        self.local_streams += 1
+                    return sock
+                sock.close()
         host, port = _split(address)
         return socket.create_connection((host, port), timeout=timeout)
 
@@ -644,6 +677,7 @@ class BulkServer:
         self._acceptors: list[threading.Thread] = []
         self.local_path = ""  # the Unix socket it also listens on ("" if none)
         self._local: socket.socket | None = None
+        self._local_inode = 0
 
     @property
     def counters(self) -> Any:
@@ -663,7 +697,7 @@ class BulkServer:
         self._listen(sock, "kvmesh-bulk")
         if local_path:
             try:
-                self._local = _unix_listener(local_path)
+                self._local, self._local_inode = _unix_listener(local_path)
             except OSError as e:
                 log.warning("no same-host bulk socket at %s: %s", local_path, e)
             else:
@@ -684,8 +718,9 @@ class BulkServer:
             self._sock.close()
         if self._local is not None:
             self._local.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.local_path)
+            with contextlib.suppress(OSError):  # ours still (not a later node's)
+                if os.stat(self.local_path).st_ino == self._local_inode:
+                    os.unlink(self.local_path)
         self.gate.cut_all()
         self._verify.shutdown(wait=False, cancel_futures=True)
 
@@ -870,27 +905,37 @@ class BulkServer:
                     break
 
 
-def _unix_listener(path: str) -> socket.socket:
-    """A listening Unix socket at ``path``, in a directory only this user may use
-    (made mode 0700; refused when it is anyone else's or open to others). A file
-    left at ``path`` by a node that died is replaced."""
+def _unix_listener(path: str) -> tuple[socket.socket, int]:
+    """A listening Unix socket at ``path`` and its file's inode, in a directory only
+    this user may use (made mode 0700; refused when it is anyone else's or open to
+    others). A file left at ``path`` by a node that died is replaced; one that a
+    live node (the same node id, twice) still answers on is not."""
     folder = os.path.dirname(path)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not _private_dir(folder):
         raise PermissionError(f"{folder} is not a private directory of this user")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a dead node's
+        else:
+            raise FileExistsError(f"a live node listens at {path}")
+        finally:
+            probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
         os.chmod(path, 0o600)
         sock.listen(64)
+        inode = os.stat(path).st_ino
     except OSError:
         sock.close()
         raise
     sock.settimeout(0.25)
-    return sock
+    return sock, inode
 
 
 def _parse(message: Any, body: bytes) -> Any:

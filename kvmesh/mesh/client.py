@@ -190,6 +190,8 @@ class MeshClient:
         path = bulk.local_socket_path(peer.node_id) if self.local_host else ""
         if data and path and peer.host == self.local_host:
             self._dialer.add_local(data, path)
+        elif data:
+            self._dialer.drop_local(data)  # a card can stop saying it (a restart elsewhere)
         return data
 
     @property

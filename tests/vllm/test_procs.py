@@ -63,6 +63,7 @@ def mesh(tmp_path_factory, tiny_dir):
         str(data_port),
         "--advertise-data-port",
         str(proxy.port),
+        "--no-local-socket",  # "across the network": block bytes only through the proxy
         port=port,
         alias="cache",
         log_dir=logs,
