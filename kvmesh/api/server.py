@@ -116,7 +116,10 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
     finally:
         sigterm.ignore()  # a second SIGTERM does not cut the clean-up short
         for close in reversed(closers):
-            close()
+            try:
+                close()
+            except Exception:  # the node is still told to close
+                log.exception("closing the head")
         sigterm.restore()
 
 
