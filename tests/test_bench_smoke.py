@@ -160,7 +160,9 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
         d["cross_cached_tokens"] == [0] * len(d["trials"]) and d["repeat_cached_fraction"] >= 0.9
     ),
     "serving.py": lambda d: d["results"][0]["streams"]["2"]["tokens"] == 16,
-    "transfer.py": lambda d: d["results"][0]["fetch_gbps"] > 0,
+    "transfer.py": lambda d: (
+        d["results"][0]["fetch_gbps"] > 0 and d["results"][0]["local_fetch_gbps"] > 0
+    ),
     "ttft.py": _ttft,
 }
 

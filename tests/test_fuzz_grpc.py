@@ -29,7 +29,8 @@ from kvmesh.mesh.status import fetch_cards
 
 from .helpers import small_card
 from .hostile_peer import rss, scrape
-from .procs import Peer, free_port
+from .procs import Peer
+from .test_hostile import small_peer
 
 KEY = b"fuzz-fleet-key-0123456789abcdef!"
 MiB = 1 << 20
@@ -67,20 +68,7 @@ def peers(tmp_path_factory):
         ("plain", (), None),
         ("keyed", ("--fleet-key-file", str(keyfile)), FleetAuth(KEY, "fuzzer")),
     ):
-        metrics = f"127.0.0.1:{free_port()}"
-        peer = Peer(
-            "--budget",
-            "64MiB",
-            "--max-block-bytes",
-            "8MiB",
-            "--max-inflight",
-            "16MiB",
-            "--metrics",
-            metrics,
-            *extra,
-            alias=alias,
-            log_dir=d,
-        )
+        peer, metrics = small_peer(d, *extra, alias=alias)
         live.append(Live(peer, metrics, auth))
     yield live
     for p in live:

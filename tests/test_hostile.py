@@ -172,7 +172,9 @@ def big_card():
     )
 
 
-def small_peer(tmp_path) -> tuple[Peer, str]:
+def small_peer(tmp_path, *extra: str, alias: str = "small") -> tuple[Peer, str]:
+    """A peer with small caps (``extra`` flags added) and its metrics address,
+    once its metrics answer."""
     metrics = f"127.0.0.1:{free_port()}"
     peer = Peer(
         "--budget",
@@ -183,7 +185,8 @@ def small_peer(tmp_path) -> tuple[Peer, str]:
         "16MiB",
         "--metrics",
         metrics,
-        alias="small",
+        *extra,
+        alias=alias,
         log_dir=tmp_path,
     )
     wait_for(lambda: _scrapes(metrics), what="metrics")
