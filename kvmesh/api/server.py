@@ -87,9 +87,10 @@ def bind(listen: str) -> socket.socket:
 def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
     from ..engine import load_engine
     from ..engine.demo import resolve_model
-    from ..memory import keep_heap_warm
+    from ..memory import keep_heap_warm, one_heap
     from ..mesh.node import NodeThread
 
+    one_heap()  # before torch's threads allocate: the fetch's threads then share the warm heap
     engine = load_engine(
         opts.model,
         opts.engine,
