@@ -118,6 +118,9 @@ def config_show(ctx: click.Context, as_json: bool) -> None:
 @click.option("--prompt-tokens", default=1000, show_default=True, help="Approximate prompt length.")
 def demo(local: bool, as_json: bool, model: str, engine: str, prompt_tokens: int) -> None:
     """Show a prefix imported instead of recomputed, with identical output."""
+    from ..memory import keep_heap_warm, one_heap
+
+    one_heap()  # the local figures are a head's: its heap, set up as a head sets it up
     console = _console()
     if not local:
         from ..runtime.demo import run_two_node
@@ -133,6 +136,7 @@ def demo(local: bool, as_json: bool, model: str, engine: str, prompt_tokens: int
             status.update(msg)
 
         eng = load_engine(model, engine, progress=progress)
+        keep_heap_warm()
         progress(f"loaded {eng.card.summary()}")
         result = run_local(eng, prompt_tokens, progress=progress)
     if as_json:

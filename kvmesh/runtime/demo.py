@@ -10,7 +10,10 @@ The hit's time to first token comes with its stages (the head's own
 ``kvmesh.breakdown``: lookup, connect, transfer, verify, queue, import, first
 token; they sum to it), and, once the processes are gone, with the reference it
 is held to: what ``kvmesh demo --local`` measures for the same prompt in this
-process (a cold prefill, then an import of the same blocks from a local store).
+process (a cold prefill, then an import of the same blocks from a local store),
+in a heap set up as a head's (:mod:`kvmesh.memory`): a warm head's import. In a
+heap left as glibc sets it up, the same import took 6 or 16 ms from run to run,
+as its 27.6 MB buffer happened to reuse freed pages or to fault in fresh ones.
 """
 
 from __future__ import annotations
@@ -198,8 +201,10 @@ def local_hit(model: str, engine: str, messages: list[dict[str, str]]) -> LocalR
     """What ``kvmesh demo --local`` measures, for the chat prompt ``messages``, in
     this process: a cold prefill, then the same blocks imported from a local store."""
     from ..engine import load_engine
+    from ..memory import keep_heap_warm
 
     eng = load_engine(model, engine)
+    keep_heap_warm()  # as a head does once its model is loaded (the caller set up one heap)
     return run_local(eng, gen_tokens=GEN_TOKENS, tokens=eng.encode_chat(messages))
 
 
