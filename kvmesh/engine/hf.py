@@ -293,9 +293,10 @@ class _TorchImporter(Importer):
     :meth:`TransformersEngine.detach`).
 
     The buffers are allocated when the first block arrives, on the thread that
-    copies it (a fetch's hasher: see :meth:`kvmesh.mesh.client.MeshClient.warm`),
-    so their pages come from that thread's pre-faulted heap rather than the cold
-    heap of whichever request thread opened the importer."""
+    copies it (a fetch's hasher: see :meth:`kvmesh.mesh.client.MeshClient.warm`).
+    In a head every thread shares one pre-faulted heap (:func:`kvmesh.memory.one_heap`);
+    in a process that could not set that up first, the hashers' heaps are the
+    ones warmed, not the request thread's that opened the importer."""
 
     def __init__(self, engine: TransformersEngine, n_tokens: int) -> None:
         super().__init__(n_tokens, engine.layout)
