@@ -38,12 +38,11 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 def one_heap() -> bool:
     """Let every thread allocate from glibc's main heap. Call first thing in a
-    process, before other threads allocate: glibc hands a thread that needs a
-    heap one of those that exist then (it makes a new one for each of the first
-    eight), and a thread keeps the heap it got; set later, the limit only spreads
-    new threads over old heaps (measured: a head's hashers imported 27.6 MB
-    into 6.7k freshly faulted pages; set first, ~240 faults in all). True if it
-    took effect."""
+    process, before other threads allocate: glibc gives new threads heaps of
+    their own (up to eight per core), and a thread keeps the heap it got; a
+    limit set later only makes new threads share the heaps that exist then
+    (measured: a fresh head's hashers imported 27.6 MB into 6.7k freshly faulted
+    pages; with the limit set first, ~240 faults in all). True if it took effect."""
     mallopt = _mallopt()
     return bool(mallopt and mallopt(M_ARENA_MAX, 1))
 

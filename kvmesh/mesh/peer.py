@@ -15,7 +15,7 @@ log = logging.getLogger("kvmesh.peer")
 async def run_peer(config: NodeConfig, metrics: str | None = None) -> None:
     from ..memory import keep_heap_warm, one_heap
 
-    one_heap()  # first: see there
+    one_heap()  # before the node's threads allocate (see there)
     keep_heap_warm(64 << 20)  # serving copies every block into grpc buffers: keep them faulted in
     node = MeshNode(config)
     await node.start()
