@@ -307,6 +307,7 @@ class _TorchImporter(Importer):
         self._dtype = _BY_NAME[c.kv_dtype]  # the card's (probed) dtype: the cache's
         self._np_dtype = _NP[self._dtype]
         self._row = (c.num_kv_heads, n_tokens, c.head_dim)  # one K or V
+        self._rows = 2 * c.num_layers  # K and V of every layer, as a payload holds them
         per = 1 if any(c.sliding_windows) else c.num_layers  # layers per buffer
         self._groups = [range(i, min(i + per, c.num_layers)) for i in range(0, c.num_layers, per)]
         self._alloc = threading.Lock()
@@ -323,11 +324,11 @@ class _TorchImporter(Importer):
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
         heads, _, dim = self._row
-        rows = 2 * self.engine.card.num_layers
         # add() checked the block against the card: its payload starts with exactly
         # these K/V tensors, in the buffers' order
-        src = np.frombuffer(block.payload(), self._np_dtype, count=rows * heads * t * dim)
-        src = src.reshape(rows, heads, t, dim)
+        count = self._rows * heads * t * dim
+        src = np.frombuffer(block.payload(), self._np_dtype, count=count)
+        src = src.reshape(self._rows, heads, t, dim)
         for g, buf in zip(self._groups, self._buffers(), strict=True):
             _np(buf)[:, :, a : a + t] = src[2 * g.start : 2 * g.stop]
 

@@ -187,8 +187,9 @@ class MeshClient:
         if not self.use_bulk:
             return ""
         data = bulk.data_address(address, peer.data_port)
-        path = bulk.local_socket_path(peer.node_id) if self.local_host else ""
-        if data and path and peer.host == self.local_host:
+        same_host = bool(data and self.local_host) and peer.host == self.local_host
+        path = bulk.local_socket_path(peer.node_id) if same_host else ""  # a digest: only then
+        if path:
             self._dialer.add_local(data, path)
         elif data:
             self._dialer.drop_local(data)  # a card can stop saying it (a restart elsewhere)
