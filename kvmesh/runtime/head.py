@@ -72,10 +72,18 @@ class Scope:
     """Whose cache a request reads and fills, as the server decided it (never the
     client's claim). ``root``: the chain root (:func:`kvmesh.blocks.chain_root`;
     None: the namespace, the one shared cache). ``tenant``: the name its blocks and
-    counters go under on this head; it never leaves the head."""
+    counters go under on this head; it never leaves the head. ``caller``: whose
+    token-exact reuse (exact tails, a session beyond whole blocks) the request
+    shares; None: its ``client``'s, "": nobody's (an unidentified caller gets
+    whole blocks only: behind a proxy or a NAT, one address is many people)."""
 
     root: bytes | None = None
     tenant: str | None = None
+    caller: str | None = None
+
+    def exact(self, client: str) -> str:
+        """The identity token-exact reuse is keyed by ("": none)."""
+        return client if self.caller is None else self.caller
 
 
 def _caller(client: str) -> bytes | None:
@@ -300,7 +308,7 @@ class HeadRuntime:
         keyer = self.keyer_for(scope, client)
         stamps = Stamps(t0)
         # network waits happen here, never on the engine thread
-        got = self._acquire(tokens, keyer, client, scope.tenant, stamps)
+        got = self._acquire(tokens, keyer, scope.exact(client), scope.tenant, stamps)
         stamps.acquired = time.perf_counter()
         done = _Prefilled()
 
@@ -338,7 +346,7 @@ class HeadRuntime:
         assert report is not None and prompt is not None  # the job ran: it was prefilled
         self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
         self._count_tenant(scope.tenant, report)
-        self._keep_session(state, keyer.root, client)
+        self._keep_session(state, keyer.root, scope.exact(client))
         if self.publish_enabled:
             self._publish_later(prompt, state, done.chain, keyer, scope.tenant)
         if self.auditor is not None and report.source == Source.REMOTE and got.peer_id:
@@ -348,7 +356,7 @@ class HeadRuntime:
 
     def keyer_for(self, scope: Scope, client: str = "") -> BlockKeyer:
         """The keyer of ``scope``'s chains, its exact tails ``client``'s own."""
-        return self.keyer.rooted(scope.root or self.card.namespace, _caller(client))
+        return self.keyer.rooted(scope.root or self.card.namespace, _caller(scope.exact(client)))
 
     def _count_tenant(self, tenant: str | None, report: PrefillReport) -> None:
         if tenant is None:
@@ -592,7 +600,7 @@ class HeadRuntime:
                 if owner[0] != root:
                     continue
                 n = _common_prefix(st.tokens[: st.cached], tokens)
-                if owner[1] != client:  # not the caller's own conversation
+                if not client or owner[1] != client:  # not the caller's own conversation
                     n -= n % b
                 if n > best_len:
                     best, best_len = sid, n
