@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import abc
 import bisect
+import functools
 import json
 import threading
+from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,36 +75,79 @@ class TokenLogprob:
 class StopScanner:
     """Finds the first stop string in text that arrives piece by piece, and says
     how much of it is safe to show: text that could still be the start of a stop
-    string is held back until the next piece proves it is not."""
+    string is held back until the next piece proves it is not.
+
+    Each stop string keeps a Knuth-Morris-Pratt state (the longest end of the text
+    so far that is a start of it), so a piece costs work in proportion to its own
+    length times the number of stops (amortized: a character's fallbacks are paid
+    for by the characters that advanced the state), never the stops' length nor
+    the text's: long stop strings cost their one table (:func:`_stop_borders`,
+    shared by every scanner of the same string), not a rescan per token.
+    ``steps`` counts that work (characters compared, fallbacks included)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(s for s in stops if s)
         self.text = ""  # everything fed so far
         self.cut: int | None = None  # where the first stop string starts, once found
-        self._scanned = 0  # no stop string starts before this offset
+        self.steps = 0  # characters compared so far, fallbacks included
+        self._borders = [_stop_borders(s) for s in self.stops]
+        self._ends = [0] * len(self.stops)  # per stop: the longest end of text starting it
 
     def feed(self, piece: str) -> int:
         """Add ``piece``; return how many characters of ``text`` are safe to show
         (all of it up to ``cut`` once a stop string is found)."""
         if self.cut is not None:
             return self.cut
+        at = len(self.text)
         self.text += piece
         if not self.stops:
             return len(self.text)
-        hits = [i for s in self.stops if (i := self.text.find(s, self._scanned)) >= 0]
+        # every stop's first occurrence ending in this piece; the earliest start wins
+        # (a longer stop may start before a shorter one that ends first)
+        hits = [
+            at + end + 1 - len(s)
+            for j, s in enumerate(self.stops)
+            if (end := self._advance(j, s, piece)) >= 0
+        ]
         if hits:
             self.cut = min(hits)
             return self.cut
-        safe = len(self.text) - max(self._partial(s) for s in self.stops)
-        self._scanned = safe
-        return safe
+        return len(self.text) - max(self._ends)  # a possible start of a stop is held back
 
-    def _partial(self, stop: str) -> int:
-        """Length of the longest end of ``text`` that is a proper start of ``stop``."""
-        for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
-            if self.text.endswith(stop[:k]):
-                return k
-        return 0
+    def _advance(self, j: int, stop: str, piece: str) -> int:
+        """Run stop ``j``'s state over ``piece``: the index in ``piece`` where its
+        first occurrence ends, or -1 (its state then covers the whole text)."""
+        borders, k, n, steps = self._borders[j], self._ends[j], len(stop), 0
+        for i, c in enumerate(piece):
+            while k and c != stop[k]:
+                k = borders[k - 1]
+                steps += 1
+            steps += 1
+            if c == stop[k]:
+                k += 1
+                if k == n:
+                    self.steps += steps
+                    return i
+        self._ends[j] = k
+        self.steps += steps
+        return -1
+
+
+@functools.lru_cache(maxsize=64)
+def _stop_borders(stop: str) -> array:
+    """KMP's failure table of ``stop``: entry ``i`` is the length of the longest
+    proper prefix of ``stop[: i + 1]`` that also ends it. O(len(stop)), once per
+    distinct stop string (``n`` sequences of one request share it)."""
+    borders = array("i", bytes(4 * len(stop)))
+    k = 0
+    for i in range(1, len(stop)):
+        c = stop[i]
+        while k and c != stop[k]:
+            k = borders[k - 1]
+        if c == stop[k]:
+            k += 1
+        borders[i] = k
+    return borders
 
 
 @dataclass
