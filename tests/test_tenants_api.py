@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.api.app import TenantOptions, create_app
+from kvmesh.api.app import Access, TenantOptions, create_app
 from kvmesh.api.credentials import KeyFileError, read_key_file
 from kvmesh.blocks import MAX_CACHE_SALT_CHARS
 from kvmesh.runtime.head import HeadRuntime
@@ -31,6 +31,8 @@ bob-1 bob
 solo-1
 pub-1 public
 """
+ADMIN = "root-admin-1"
+GATEWAY = "gw-1"
 SECRET = "Idle memory in a fleet becomes a shared prefill cache, one block at a time. " * 2
 
 
@@ -40,15 +42,25 @@ def hdr(key: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def keyfile(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("keys") / "keys.txt"
+    d = tmp_path_factory.mktemp("keys")
+    (d / "admin.txt").write_text(ADMIN + "\n")
+    (d / "gateway.txt").write_text(GATEWAY + "\n")
+    p = d / "keys.txt"
     p.write_text(KEYS)
     return p
 
 
 def make(engine, keyfile: Path, **opts: Any) -> tuple[HeadRuntime, TestClient]:
     rt = make_head(engine, [], alias="tenant-head")
+    access = Access(str(keyfile.parent / "admin.txt"), str(keyfile.parent / "gateway.txt"))
     app = create_app(
-        rt, "demo-tiny", 4096, str(keyfile), b"f" * 32, tenant_options=TenantOptions(**opts)
+        rt,
+        "demo-tiny",
+        4096,
+        str(keyfile),
+        b"f" * 32,
+        tenant_options=TenantOptions(**opts),
+        access=access,
     )
     return rt, TestClient(app, raise_server_exceptions=False)
 
@@ -207,24 +219,35 @@ def test_a_trusted_header_names_the_tenant(tiny_engine, keyfile):
             h = (rt, client)
             p = "Behind a gateway: " + SECRET
 
-            def by(tenant: str, key: str | None = None) -> int:
-                headers = {"x-tenant-id": tenant, **(hdr(key) if key else {})}
-                body = {"model": "demo-tiny", "prompt": p, "max_tokens": 1}
-                r = client.post("/v1/completions", json=body, headers=headers)
+            def post(headers: dict[str, Any], prompt: str = p) -> Any:
+                body = {"model": "demo-tiny", "prompt": prompt, "max_tokens": 1}
+                return client.post("/v1/completions", json=body, headers=headers)
+
+            def by(tenant: str) -> int:
+                r = post({"x-tenant-id": tenant, **hdr(GATEWAY)})
                 assert r.status_code == 200, r.text
                 rt.flush()
                 return cached(r.json())
 
             assert by("t1") == 0 and by("t2") == 0
             assert by("t1") > 64
-            assert by("alice", "bob-1") == 0  # the header wins over the key's tenant (bob)...
-            assert cached(ask(h, "alice-1", p, max_tokens=1)) >= 64  # ...it filled alice's
-            for bad in ("", "a b", "x" * 129, "é".encode("latin-1")):
-                r = client.post(
-                    "/v1/completions",
-                    headers={"x-tenant-id": bad},
-                    json={"model": "demo-tiny", "prompt": "hi", "max_tokens": 1},
-                )
+            assert by("alice") == 0  # the gateway's tenant alice ...
+            assert cached(ask(h, "alice-1", p, max_tokens=1)) >= 64  # ... is alice's cache
+            # the header from anyone but the gateway gains nothing: it is refused
+            assert post({"x-tenant-id": "alice"}).status_code == 401
+            for key in ("bob-1", ADMIN):
+                r = post({"x-tenant-id": "alice", **hdr(key)})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["code"] == "untrusted_tenant_header"
+            twice = [("x-tenant-id", "t1"), ("x-tenant-id", "alice"), *hdr(GATEWAY).items()]
+            r = client.post(
+                "/v1/completions",
+                headers=twice,
+                json={"model": "demo-tiny", "prompt": p, "max_tokens": 1},
+            )
+            assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_credentials"
+            for bad in ("", "a b", "x" * 129, "é".encode("latin-1"), "(default)"):
+                r = post({"x-tenant-id": bad, **hdr(GATEWAY)}, "hi")
                 assert r.status_code == 400 and r.json()["error"]["param"] == "x-tenant-id", bad
 
             @settings(max_examples=30, deadline=None)
@@ -234,7 +257,7 @@ def test_a_trusted_header_names_the_tenant(tiny_engine, keyfile):
             def fuzz(value: str) -> None:
                 r = client.post(
                     "/v1/completions",
-                    headers={"x-tenant-id": value.encode("latin-1")},
+                    headers={"x-tenant-id": value.encode("latin-1"), **hdr(GATEWAY)},
                     json={"model": "demo-tiny", "prompt": "hi", "max_tokens": 1},
                 )
                 assert r.status_code in (200, 400), (value, r.text)
@@ -244,19 +267,21 @@ def test_a_trusted_header_names_the_tenant(tiny_engine, keyfile):
         close(rt)
 
 
-def test_metrics_show_tenants_only_to_key_holders(head):
+def test_metrics_show_tenants_only_to_admins(head):
     ask(head, "bob-1", "Metrics: " + SECRET)
     ask(head, "bob-1", "Metrics: " + SECRET)  # a hit
     _, client = head
     public = client.get("/metrics").text
     assert "kvmesh_tenant_" not in public and "alice" not in public and "bob" not in public
     assert re.search(r"^kvmesh_requests_total \d", public, re.M)  # aggregates stay public
-    private = client.get("/metrics", headers=hdr("alice-1")).text
+    assert "kvmesh_tenant_" not in client.get("/metrics", headers=hdr("alice-1")).text
+    private = client.get("/metrics", headers=hdr(ADMIN)).text
     m = re.search(r'^kvmesh_tenant_requests_total\{tenant="bob"\} (\S+)$', private, re.M)
     assert m and float(m.group(1)) >= 1
     assert re.search(r'^kvmesh_tenant_stored_bytes\{tenant="bob",tier="ram"\} [1-9]', private, re.M)
     assert client.get("/v1/admin/tenants").status_code == 401
-    rows = client.get("/v1/admin/tenants", headers=hdr("bob-1")).json()["tenants"]
+    assert client.get("/v1/admin/tenants", headers=hdr("bob-1")).status_code == 403
+    rows = client.get("/v1/admin/tenants", headers=hdr(ADMIN)).json()["tenants"]
     assert rows["bob"]["reused_tokens"] > 0 and rows["bob"]["hits"] >= 1
     assert rows["bob"]["ram_bytes"] > 0
 
@@ -275,6 +300,10 @@ def test_a_tenant_over_its_budget_evicts_only_its_own(tiny_engine, keyfile):
                 ask(h, "alice-1", f"{i} flood {i} " + SECRET)
                 assert store.owned_bytes("alice") <= 6 * nb
             assert store.owned_bytes("bob") == bob  # none of bob's evicted
+            for i in range(6):  # so does everyone without a key: the default tenant
+                ask(h, None, f"{i} keyless flood {i} " + SECRET)
+                assert 0 < store.owned_bytes("(default)") <= 6 * nb
+            assert store.owned_bytes("bob") == bob
             again = ask(h, "bob-1", "Bob's long-lived context. " + SECRET)
             assert cached(again) == again["usage"]["prompt_tokens"]
     finally:

@@ -6,10 +6,11 @@ on a thread pool, so they answer while the request queue is full. Generations
 run on the scheduler's own threads (``scheduler.py``); the guard (``guard.py``)
 checks API keys and body sizes first. Nothing public shows a local path.
 
-Tenants (:class:`TenantOptions`, :mod:`.credentials`): ``/metrics`` shows
-per-tenant series (requests, hits, prompt and reused tokens, stored bytes per
-tier) only to a scrape that presents a valid API key, and
-``/v1/admin/tenants`` only answers one; everyone else sees the aggregates.
+Roles (:class:`Access`, :mod:`.credentials`): the guard decides once who a
+request is. ``/metrics`` shows per-tenant series (requests, hits, prompt and
+reused tokens, stored bytes per tier) only to an admin's scrape, and
+``/v1/admin/tenants`` answers only an admin (a tenant's key: 403); everyone
+else sees the aggregates.
 """
 
 from __future__ import annotations
@@ -34,9 +35,16 @@ from ..runtime.head import HeadRuntime
 from ..runtime.telemetry import Count, Family, Source, Timer, labelled
 from . import cache_query, network
 from .cache_query import PATH as QUERY
-from .credentials import Tenants, head_secret, presented_key, read_key_file
-from .guard import INVALID_KEY, Guard
-from .network import APIKeys, NetworkState
+from .credentials import (
+    Credentials,
+    KeyFileError,
+    Tenants,
+    default_secret_file,
+    head_secret,
+    read_key_file,
+)
+from .guard import Guard, identity_of
+from .network import NetworkState, require_admin
 from .openai import APIError, OpenAIService, error_response, router
 from .scheduler import QueueFull, Scheduler
 
@@ -200,6 +208,16 @@ OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/model
 
 
 @dataclass(frozen=True)
+class Access:
+    """Who may do what (``kvmesh head`` flags): tenant keys are ``api_key_file``
+    (given to ``create_app`` itself); admin and gateway keys are separate."""
+
+    admin_key_file: str | None = None  # --admin-key-file: network writes, pairing, /v1/admin
+    gateway_key_file: str | None = None  # --gateway-key-file: may name --tenant-header
+    exact_by_address: bool = False  # --exact-reuse-by-address: one address, one user
+
+
+@dataclass(frozen=True)
 class Limits:
     """What the head's HTTP front door admits (``kvmesh head`` flags)."""
 
@@ -219,12 +237,14 @@ def create_app(
     max_tokens_default: int | None = None,
     limits: Limits | None = None,
     tenant_options: TenantOptions | None = None,
+    access: Access | None = None,
 ) -> FastAPI:
     limits = limits or Limits()
-    keys = APIKeys.from_file(api_key_file)
-    if limits.api_key_scope == "all" and not keys:
+    topts = tenant_options or TenantOptions()
+    credentials = _credentials(api_key_file, topts.header, access or Access())
+    if limits.api_key_scope == "all" and not credentials.any:
         raise ValueError("--api-key-scope all needs --api-key-file")
-    tenants = _tenants(runtime, api_key_file, fleet_key, tenant_options or TenantOptions())
+    tenants = _tenants(runtime, credentials, topts)
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
     scheduler = Scheduler(runtime, limits.max_queue)
     service = OpenAIService(
@@ -234,7 +254,6 @@ def create_app(
         max_context,
         aliases,
         max_tokens_default,
-        keys.check,
         tenants,
     )
     app.state.runtime = runtime
@@ -242,7 +261,10 @@ def create_app(
     app.state.scheduler = scheduler
     scope = OPENAI_ROUTES if limits.api_key_scope == "all" else ()
     app.add_middleware(
-        Guard, keys=keys, protected=scope.__contains__, max_body_bytes=limits.max_body_bytes
+        Guard,
+        credentials=credentials,
+        protected=scope.__contains__,
+        max_body_bytes=limits.max_body_bytes,
     )
 
     @app.exception_handler(QueueFull)
@@ -330,7 +352,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
-        admin = keys.check(presented_key(request.headers))  # per-tenant series: key holders
+        admin = identity_of(request).admin  # per-tenant series: admins only
         return PlainTextResponse(
             generate_latest(private if admin else registry).decode(),
             media_type="text/plain; version=0.0.4",
@@ -338,19 +360,12 @@ def create_app(
 
     @app.get("/v1/admin/tenants")
     async def tenant_stats(request: Request) -> Any:
-        if not keys.check(presented_key(request.headers)):
-            return error_response(
-                401,
-                INVALID_KEY,
-                "authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        require_admin(request)
         return {"tenants": tenant_rows(runtime)}
 
     app.include_router(router(service))
     app.include_router(cache_query.router(runtime, service))
-    app.include_router(network.router(runtime, keys, NetworkState(state_file), fleet_key))
+    app.include_router(network.router(runtime, NetworkState(state_file), fleet_key))
 
     @app.get("/", include_in_schema=False)
     async def dashboard() -> FileResponse:
@@ -360,12 +375,37 @@ def create_app(
     return app
 
 
-def _tenants(
-    runtime: HeadRuntime, api_key_file: str | None, fleet_key: bytes | None, opts: TenantOptions
-) -> Tenants:
-    """The head's tenants; raises KeyFileError (a start-up error) on a bad file."""
-    entries = dict(read_key_file(api_key_file)) if api_key_file else {}
-    secret = fleet_key or head_secret(opts.secret_file)
+def _credentials(api_key_file: str | None, header: str | None, access: Access) -> Credentials:
+    """The head's keys by role; raises KeyFileError (a start-up error) on a bad file
+    or a key given two roles."""
+    tenant_keys = dict(read_key_file(api_key_file)) if api_key_file else {}
+    admins = (
+        [k for k, _ in read_key_file(access.admin_key_file, False)] if access.admin_key_file else []
+    )
+    gateways = (
+        [k for k, _ in read_key_file(access.gateway_key_file, False)]
+        if access.gateway_key_file
+        else []
+    )
+    for a, b in ((tenant_keys, admins), (tenant_keys, gateways), (admins, gateways)):
+        if set(a) & set(b):
+            raise KeyFileError("a key has one role: the same key is in two key files")
+    return Credentials(tenant_keys, admins, gateways, header, access.exact_by_address)
+
+
+def _tenants(runtime: HeadRuntime, credentials: Credentials, opts: TenantOptions) -> Tenants | None:
+    """The head's tenants' roots, under the tenant secret (never the fleet key: a
+    node paired into the fleet cannot derive them), and the budget every tenant,
+    the default one included, is held to. None when no request names a tenant."""
     if opts.budget_bytes is not None and runtime.fleet is not None:
         runtime.fleet.store.set_tenant_budget(opts.budget_bytes)
-    return Tenants(runtime.card.namespace, secret, entries, opts.header, frozenset(opts.shared))
+    if not credentials.tenants_enabled and opts.budget_bytes is None:
+        return None
+    secret = opts.secret_file or default_secret_file()
+    if credentials.tenants_enabled and runtime.node is not None:
+        log.info(
+            "tenants' caches are derived under the tenant secret %s: heads that share them "
+            "(across restarts or with another head) use the same file",
+            secret,
+        )
+    return Tenants(runtime.card.namespace, head_secret(secret), frozenset(opts.shared))

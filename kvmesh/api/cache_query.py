@@ -36,6 +36,7 @@ from ..blocks import PrefixKeys
 from ..mesh.hits import PeerHit
 from ..runtime.head import HeadRuntime, Scope
 from ..store import Peek
+from .guard import BodyOffLoop, identity_of
 from .openai import (
     APIError,
     Body,
@@ -43,7 +44,6 @@ from .openai import (
     CompletionRequest,
     Message,
     OpenAIService,
-    client_of,
 )
 
 PATH = "/v1/cache/query"
@@ -58,12 +58,12 @@ class CacheQuery(Body):
 
 
 def router(runtime: HeadRuntime, service: OpenAIService) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=BodyOffLoop)
 
     @r.post(PATH)
     async def query(request: Request, req: CacheQuery) -> dict[str, Any]:
         scope = service.scope_of(request, req.cache_salt)  # the caller's own tenant and salt
-        client = client_of(request, service.key_is_valid)
+        client = identity_of(request).share
         if req.model not in service.names():
             raise APIError(
                 404,
@@ -119,7 +119,7 @@ def cached_prefix(
     n = len(tokens)
     keyer = runtime.keyer_for(scope or Scope(), client)
     keys = keyer.keys(tokens)
-    session = runtime.session_prefix(tokens, keyer.root, client)
+    session = runtime.session_prefix(tokens, keyer.root, (scope or Scope()).exact(client))
     prefix: dict[str, int] = {"session": session, "local": 0, "disk": 0}
     out: dict[str, Any] = {
         "prompt_tokens": n,

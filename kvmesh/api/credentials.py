@@ -1,26 +1,33 @@
-"""What a client presented on an HTTP request, and whose cache it may use.
+"""Who a request is, decided once from what it presented, and whose cache it uses.
 
-- :func:`presented_key`: the credential a client presented (no checking here: see
-  :class:`kvmesh.api.network.APIKeys`). A leaf module, so the OpenAI routes and the
-  network routes both read keys the same way without importing each other.
-- :func:`read_key_file`: the ``--api-key-file`` format, one ``KEY [TENANT]`` per
-  line (blank lines and ``#`` comments skipped). A bad file is a
-  :class:`KeyFileError` naming the line, at start-up, never later.
-- :class:`Tenants`: a request's tenant from what the server authenticated — its
-  valid key's tenant (a key without one is its own tenant), or with
-  ``--tenant-header`` a trusted gateway's header — never from the body. With
-  neither, it is the default tenant: the one shared cache, as before tenants.
-  Its chain root is derived here (:func:`kvmesh.blocks.tenant_root` under the
-  fleet key or a per-head secret), so no client can name its way into another
-  tenant's cache; ``cache_salt`` only separates further within a tenant.
+- :class:`Credentials` (one parser for every route): the head's keys by role —
+  *tenant* keys (``--api-key-file``, one ``KEY [TENANT]`` per line: completions
+  in that tenant's cache, its own cache query), *admin* keys
+  (``--admin-key-file``: network writes, pairing, ``/v1/admin/*``, addresses,
+  per-tenant metrics) and *gateway* keys (``--gateway-key-file``: the only
+  requests whose ``--tenant-header`` is honoured). :meth:`Credentials.identify`
+  turns a request's headers into an :class:`Identity` or refuses it with
+  :class:`BadCredentials` (two credential headers, a key the head does not know,
+  a tenant header not sent by a gateway). A request without a key is anonymous:
+  the default tenant, and no token-exact reuse (one address can be many people
+  behind a proxy or a NAT) unless the operator says every address is one user.
+- :func:`read_key_file`: the key file format (blank lines and ``#`` comments
+  skipped). A bad file is a :class:`KeyFileError` naming the line, at start-up.
+- :class:`Tenants`: a tenant's chain root, derived (:func:`kvmesh.blocks.tenant_root`)
+  under the tenant secret (:func:`head_secret`, a 0600 file kept across restarts),
+  never under the fleet key: a node that was handed the fleet key to join cannot
+  compute a tenant's root. ``cache_salt`` only separates further within a tenant.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from ..blocks import chain_root, check_cache_salt, tenant_root
@@ -29,6 +36,8 @@ MAX_TENANT_CHARS = 128
 MAX_KEY_CHARS = 4096
 MAX_KEY_FILE_BYTES = 16 << 20
 SECRET_BYTES = 32
+DEFAULT_TENANT = "(default)"  # the label keyless requests' blocks are counted under
+CREDENTIAL_HEADERS = ("x-api-key", "authorization")
 
 
 class KeyFileError(ValueError):
@@ -37,6 +46,41 @@ class KeyFileError(ValueError):
 
 class BadTenant(ValueError):
     """A trusted tenant header whose value is not a tenant name (a 400)."""
+
+
+class BadCredentials(Exception):
+    """A request whose credentials are refused: ``status`` 400 (ambiguous) or 401
+    (unknown key), with an OpenAI-style ``code``."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+class Role(StrEnum):
+    ANONYMOUS = "anonymous"
+    TENANT = "tenant"
+    ADMIN = "admin"
+    GATEWAY = "gateway"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the head decided a request is. ``tenant``: whose cache (None: the
+    default tenant); ``share``: whose fair share of the batch; ``caller``: whose
+    token-exact reuse ("": nobody's, whole blocks only)."""
+
+    role: Role
+    tenant: str | None = None
+    share: str = ""
+    caller: str = ""
+
+    @property
+    def admin(self) -> bool:
+        return self.role is Role.ADMIN
+
+
+ANONYMOUS = Identity(Role.ANONYMOUS)
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
@@ -48,16 +92,41 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
+def _credential(raw: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The one key ``raw`` (an ASGI scope's headers) presents; BadCredentials when
+    it presents two (a repeated header, or X-API-Key and a different bearer):
+    every reader must see the same key, so none may pick."""
+    seen: dict[str, list[str]] = {}
+    for k, v in raw:
+        name = k.decode("latin-1").lower()
+        if name in CREDENTIAL_HEADERS:
+            seen.setdefault(name, []).append(v.decode("latin-1"))
+    if any(len(v) > 1 for v in seen.values()):
+        raise BadCredentials(
+            400, "a request carries one credential header", "duplicate_credentials"
+        )
+    key = presented_key({k: v[0] for k, v in seen.items()})
+    if "x-api-key" in seen and "authorization" in seen:
+        bearer = presented_key({"authorization": seen["authorization"][0]})
+        if bearer is not None and bearer != key:
+            raise BadCredentials(
+                400, "X-API-Key and Authorization name different keys", "duplicate_credentials"
+            )
+    return key
+
+
 def check_tenant_name(name: str) -> str:
     """``name`` if it is a tenant name: 1 to ``MAX_TENANT_CHARS`` printable ASCII
     characters without spaces, not starting with ``#`` (it labels metrics and
-    must survive a header); else ValueError."""
+    must survive a header) nor ``(`` (kept for the head's own labels); else ValueError."""
     if not 0 < len(name) <= MAX_TENANT_CHARS:
         raise ValueError(f"a tenant name has 1 to {MAX_TENANT_CHARS} characters")
     if not all("!" <= ch <= "~" for ch in name):
         raise ValueError("a tenant name is printable ASCII without spaces")
     if name.startswith("#"):  # in a key file that reads as a comment: refuse the doubt
         raise ValueError("a tenant name does not start with #")
+    if name.startswith("("):
+        raise ValueError("a tenant name does not start with ( (the head's own labels do)")
     return name
 
 
@@ -65,8 +134,9 @@ def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def read_key_file(path: str | Path) -> list[tuple[str, str | None]]:
-    """``(key, tenant or None)`` for each key line of ``path``."""
+def read_key_file(path: str | Path, tenants: bool = True) -> list[tuple[str, str | None]]:
+    """``(key, tenant or None)`` for each key line of ``path``: ``KEY [TENANT]``,
+    or with ``tenants=False`` (admin and gateway keys) a bare ``KEY``."""
     p = Path(path)
     try:
         if p.stat().st_size > MAX_KEY_FILE_BYTES:
@@ -77,12 +147,14 @@ def read_key_file(path: str | Path) -> list[tuple[str, str | None]]:
     except OSError as e:
         raise KeyFileError(f"{path}: cannot read it ({e.strerror})") from None
     out: list[tuple[str, str | None]] = []
+    most = 2 if tenants else 1
     for n, line in enumerate(text.splitlines(), start=1):
         fields = line.split()
         if not fields or fields[0].startswith("#"):
             continue
-        if len(fields) > 2:
-            raise KeyFileError(f"{path}:{n}: expected KEY [TENANT], got {len(fields)} fields")
+        if len(fields) > most:
+            want = "KEY [TENANT]" if tenants else "KEY"
+            raise KeyFileError(f"{path}:{n}: expected {want}, got {len(fields)} fields")
         key = fields[0]
         if len(key) > MAX_KEY_CHARS or not key.isprintable() or not key.isascii():
             raise KeyFileError(f"{path}:{n}: a key is printable ASCII, at most {MAX_KEY_CHARS}")
@@ -98,76 +170,166 @@ def read_key_file(path: str | Path) -> list[tuple[str, str | None]]:
     return out
 
 
+def default_secret_file() -> Path:
+    """Where a head keeps its tenant secret without ``--tenant-secret-file``."""
+    home = Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh"))
+    return home / "tenant-secret"
+
+
 def head_secret(path: str | Path | None) -> bytes:
-    """The per-head secret tenant roots are derived under when there is no fleet
-    key: read from ``path`` (made, mode 0600, when missing) so tenants' caches
-    survive a restart; without a path, a fresh one for this process."""
-    if path is None:
-        return secrets.token_bytes(SECRET_BYTES)
-    p = Path(path)
+    """The secret tenant roots are derived under: read from ``path`` (default
+    :func:`default_secret_file`; made, mode 0600, when missing) so tenants' caches
+    survive a restart. A file others may read or write is refused."""
+    p = Path(path) if path is not None else default_secret_file()
     try:
+        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not p.exists():
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(SECRET_BYTES) + "\n")
+        st = p.stat()
     except OSError as e:
-        raise KeyFileError(f"{path}: cannot make a tenant secret ({e.strerror})") from None
+        raise KeyFileError(f"{p}: cannot make a tenant secret ({e.strerror})") from None
+    if st.st_mode & 0o077:
+        raise KeyFileError(f"{p}: a tenant secret is private (chmod 600 it)")
+    if st.st_uid != os.getuid():
+        raise KeyFileError(f"{p}: a tenant secret belongs to the user running the head")
     try:
         secret = bytes.fromhex(p.read_text().strip())
     except (ValueError, OSError) as e:
-        raise KeyFileError(f"{path}: not a hex tenant secret ({e})") from None
+        raise KeyFileError(f"{p}: not a hex tenant secret ({e})") from None
     if len(secret) < 16:
-        raise KeyFileError(f"{path}: a tenant secret has at least 16 bytes")
+        raise KeyFileError(f"{p}: a tenant secret has at least 16 bytes")
     return secret
 
 
-class Tenants:
-    """Resolves a request's tenant and chain root. ``keys``: key -> tenant (None:
-    the key is its own tenant); ``secret``: what tenant roots are derived under;
-    ``header``: the trusted gateway header (lower case), if any; ``shared``:
-    tenants whose cache is deliberately the shared one."""
+class _KeySet:
+    """Keys by SHA-256 digest, compared in constant time in the match position."""
+
+    def __init__(self, keys: Mapping[str, str | None]) -> None:
+        self._rows = [(key_digest(k), t) for k, t in keys.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self._rows)
+
+    def find(self, key: str) -> tuple[bytes, str | None] | None:
+        h = key_digest(key)
+        found = None
+        for digest, tenant in self._rows:  # no early exit
+            if hmac.compare_digest(h, digest):
+                found = (digest, tenant)
+        return found
+
+
+class Credentials:
+    """The head's keys by role and its rules for who a request is (see the module
+    docstring). ``header``: the gateway's tenant header (needs gateway keys);
+    ``exact_by_address``: an anonymous caller's own exact tails are its address's
+    (only where every address is one user: no proxy, no NAT)."""
 
     def __init__(
         self,
-        namespace: bytes,
-        secret: bytes,
-        keys: Mapping[str, str | None] | None = None,
+        tenant_keys: Mapping[str, str | None] | None = None,
+        admin_keys: Iterable[str] = (),
+        gateway_keys: Iterable[str] = (),
         header: str | None = None,
-        shared: frozenset[str] = frozenset(),
+        exact_by_address: bool = False,
+    ) -> None:
+        self._tenants = _KeySet(tenant_keys or {})
+        self._admins = _KeySet(dict.fromkeys(admin_keys))
+        self._gateways = _KeySet(dict.fromkeys(gateway_keys))
+        self.header = header.lower() if header else None
+        if self.header is not None and not self._gateways:
+            raise KeyFileError(
+                "--tenant-header is honoured only from a gateway: give --gateway-key-file"
+            )
+        self.exact_by_address = exact_by_address
+
+    @property
+    def any(self) -> bool:
+        """Whether the head has keys at all (else every request is anonymous)."""
+        return bool(self._tenants or self._admins or self._gateways)
+
+    @property
+    def tenants_enabled(self) -> bool:
+        return bool(self._tenants) or self.header is not None
+
+    def identify(self, raw: Sequence[tuple[bytes, bytes]], host: str | None) -> Identity:
+        """Who the request with ASGI headers ``raw`` from ``host`` is; BadCredentials
+        when its credentials are ambiguous, unknown or not its to present."""
+        addr = f"host:{host or '?'}"
+        if not self.any:  # a head without keys: every key is an SDK's dummy
+            return Identity(Role.ANONYMOUS, None, addr, addr if self.exact_by_address else "")
+        key = _credential(raw)
+        tenant_header = self._tenant_header(raw)
+        if key is None:
+            if tenant_header is not None:
+                raise BadCredentials(
+                    401, "a tenant header needs the gateway's key", "invalid_api_key"
+                )
+            return Identity(Role.ANONYMOUS, None, addr, addr if self.exact_by_address else "")
+        found = self._tenants.find(key)
+        if found is not None:
+            if tenant_header is not None:
+                raise BadCredentials(
+                    400, "a tenant key does not name a tenant header", "untrusted_tenant_header"
+                )
+            digest, tenant = found
+            who = "key:" + digest.hex()[:16]
+            return Identity(Role.TENANT, tenant or "key-" + digest.hex()[:12], who, who)
+        found = self._admins.find(key)
+        if found is not None:
+            if tenant_header is not None:
+                raise BadCredentials(
+                    400, "an admin key does not name a tenant header", "untrusted_tenant_header"
+                )
+            who = "key:" + found[0].hex()[:16]
+            return Identity(Role.ADMIN, None, who, who)
+        found = self._gateways.find(key)
+        if found is not None:
+            return self._through_gateway(tenant_header)
+        raise BadCredentials(401, "the API key is not one this head knows", "invalid_api_key")
+
+    def _tenant_header(self, raw: Sequence[tuple[bytes, bytes]]) -> str | None:
+        if self.header is None:
+            return None
+        values = [v.decode("latin-1") for k, v in raw if k.decode("latin-1").lower() == self.header]
+        if len(values) > 1:
+            raise BadCredentials(400, f"header {self.header} given twice", "duplicate_credentials")
+        return values[0] if values else None
+
+    def _through_gateway(self, tenant: str | None) -> Identity:
+        """A gateway's request: its header names the tenant (none: the default
+        tenant). Its users are many behind one key: no token-exact reuse."""
+        if tenant is None:
+            return Identity(Role.GATEWAY, None, "gateway:", "")
+        try:
+            check_tenant_name(tenant)
+        except ValueError as e:
+            raise BadCredentials(
+                400, f"header {self.header}: {e}", "invalid_tenant", self.header
+            ) from None
+        return Identity(Role.GATEWAY, tenant, "gateway:" + tenant, "")
+
+
+class Tenants:
+    """A tenant's chain root. ``secret``: what tenant roots are derived under;
+    ``shared``: tenants whose cache is deliberately the shared one."""
+
+    def __init__(
+        self, namespace: bytes, secret: bytes, shared: frozenset[str] = frozenset()
     ) -> None:
         self.namespace = namespace
         self._secret = secret
-        self._by_digest = {
-            key_digest(k): t if t is not None else "key-" + key_digest(k).hex()[:12]
-            for k, t in (keys or {}).items()
-        }
-        self.header = header.lower() if header else None
         self.shared = shared
         self._roots: dict[str, bytes] = {}
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._by_digest) or self.header is not None
-
-    def tenant_of(self, headers: Mapping[str, str]) -> str | None:
-        """The request's tenant (None: the default tenant). The gateway's header
-        wins when configured and present; else a valid key's tenant."""
-        if self.header is not None:
-            value = headers.get(self.header)
-            if value is not None:
-                try:
-                    return check_tenant_name(value)
-                except ValueError as e:
-                    raise BadTenant(f"header {self.header}: {e}") from None
-        key = presented_key(headers)
-        return self._by_digest.get(key_digest(key)) if key else None
 
     def root(self, tenant: str | None, cache_salt: str | None = None) -> bytes | None:
         """The chain root of ``tenant``'s requests with ``cache_salt`` (None: the
         namespace). Raises ValueError on a bad salt."""
         if cache_salt is not None:
             check_cache_salt(cache_salt)
-        if tenant is None or tenant in self.shared:
+        if tenant is None or tenant in self.shared or tenant == DEFAULT_TENANT:
             return None if cache_salt is None else chain_root(self.namespace, None, cache_salt)
         troot = self._roots.get(tenant)
         if troot is None:
@@ -178,7 +340,14 @@ class Tenants:
 
 
 __all__ = [
+    "ANONYMOUS",
+    "DEFAULT_TENANT",
+    "BadCredentials",
     "BadTenant",
+    "Credentials",
+    "Identity",
+    "Role",
+    "default_secret_file",
     "KeyFileError",
     "Tenants",
     "check_tenant_name",

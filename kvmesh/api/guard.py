@@ -1,7 +1,10 @@
 """The head's front door (ASGI middleware), checked before any route runs.
 
-- API keys: a path that ``protected`` names needs a valid key (``Authorization:
-  Bearer KEY`` as vLLM's ``--api-key``, or ``X-API-Key``); otherwise 401.
+- Who: the request's :class:`~kvmesh.api.credentials.Identity` is decided here,
+  once (:meth:`Credentials.identify`), and put in ``scope["state"]["identity"]``
+  for every route to read (:func:`identity_of`); credentials it refuses are a
+  400 or 401 before any route runs. A path that ``protected`` names needs a key
+  (``Authorization: Bearer KEY`` as vLLM's ``--api-key``, or ``X-API-Key``).
 - Body size: a request body larger than ``max_body_bytes`` is a 413, decided from
   its ``Content-Length`` before a byte is buffered, or as soon as a chunked body
   passes the cap. Nothing larger is held in memory; the rest of a refused body
@@ -12,20 +15,28 @@ Every refusal has an OpenAI-style error body.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .network import APIKeys, presented_key
+from .credentials import ANONYMOUS, BadCredentials, Credentials, Identity, Role
 
 DRAIN_MIN = 16 << 20
+INLINE_JSON_BYTES = 64 << 10  # a larger body is parsed on a thread, not the event loop
 INVALID_KEY = "a valid API key is required (Authorization: Bearer KEY or X-API-Key)"
 
 
-def error_body(message: str, type_: str, code: str | None = None) -> bytes:
-    err = {"message": message, "type": type_, "param": None, "code": code}
+def error_body(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> bytes:
+    err = {"message": message, "type": type_, "param": param, "code": code}
     return json.dumps({"error": err}).encode()
 
 
@@ -37,12 +48,12 @@ class Guard:
     def __init__(
         self,
         app: ASGIApp,
-        keys: APIKeys,
+        credentials: Credentials,
         protected: Callable[[str], bool],
         max_body_bytes: int,
     ) -> None:
         self.app = app
-        self.keys = keys
+        self.credentials = credentials
         self.protected = protected
         self.max_body_bytes = max_body_bytes
 
@@ -52,7 +63,17 @@ class Guard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         length = headers.get("content-length", "")
-        if self.protected(scope["path"]) and not self.keys.check(presented_key(headers)):
+        client = scope.get("client")
+        try:
+            who = self.credentials.identify(scope["headers"], client[0] if client else None)
+        except BadCredentials as e:
+            kind = "authentication_error" if e.status == 401 else "invalid_request_error"
+            extra = {"www-authenticate": "Bearer"} if e.status == 401 else {}
+            body = error_body(e.message, kind, e.code, e.param)
+            await self._refuse(receive, send, e.status, body, length, extra)
+            return
+        scope.setdefault("state", {})["identity"] = who
+        if self.protected(scope["path"]) and who.role is Role.ANONYMOUS:
             body = error_body(INVALID_KEY, "authentication_error", "invalid_api_key")
             await self._refuse(receive, send, 401, body, length, {"www-authenticate": "Bearer"})
         elif length.isdigit() and int(length) > self.max_body_bytes:
@@ -99,6 +120,11 @@ class Guard:
         return capped
 
 
+def identity_of(request: Request) -> Identity:
+    """The identity the guard decided for ``request`` (anonymous if it did not run)."""
+    return getattr(request.state, "identity", ANONYMOUS)
+
+
 async def _discard(receive: Receive, budget: int) -> None:
     """Read and drop the request body, at most ``budget`` bytes of it."""
     while budget > 0:
@@ -115,3 +141,25 @@ async def _send(send: Send, status: int, body: bytes, extra: dict[str, str]) -> 
     headers += [(k.encode(), v.encode()) for k, v in extra.items()]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class _OffLoopRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            small = len(body) <= INLINE_JSON_BYTES
+            self._json = json.loads(body) if small else await asyncio.to_thread(json.loads, body)
+        return self._json
+
+
+class BodyOffLoop(APIRoute):
+    """A route whose JSON body, when large, is parsed on a thread: a 4 MB body
+    never stalls the event loop (health checks, other streams) while it parses."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def run(request: Request) -> Response:
+            return await handler(_OffLoopRequest(request.scope, request.receive))
+
+        return run

@@ -1,16 +1,20 @@
-"""The network API: live topology and token telemetry, public reads, API-key writes.
+"""The network API: live topology and token telemetry, public reads, admin writes.
 
 Public reads carry aliases, roles, coarse regions, status and aggregates only:
-never prompts, prefix hashes, IP addresses, node ids or epochs. With a valid API
-key (``X-API-Key`` or ``Authorization: Bearer``) the same endpoints add
-addresses, endpoints, RTTs and epochs. Keys are stored as SHA-256 hashes and
-compared in constant time. Pairing tokens are single use and expire.
+never prompts, prefix hashes, IP addresses, node ids or epochs, and no row of one
+request (token series are ``PUBLIC_BUCKET_S`` windows of at least
+``MIN_PUBLIC_REQUESTS`` requests; transfers are listed to admins only). With an
+admin key (``--admin-key-file``; the guard decided the role) the same endpoints
+add addresses, endpoints, RTTs, epochs and the last transfers, and the writes
+open: groups, pairing. A tenant's key is never an admin's (403). Pairing tokens
+are single use and expire; redeeming one over plaintext from off the host is
+refused (the scheme is the connection's own: forwarded headers count only from
+``--forwarded-allow-ips``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import secrets
 import threading
@@ -26,35 +30,14 @@ from pydantic import ConfigDict, Field
 from ..runtime.head import HeadRuntime
 from ..runtime.telemetry import Source
 from ..units import is_loopback
-from .credentials import presented_key, read_key_file
+from .guard import BodyOffLoop, identity_of
 from .openai import APIError, Body
 
 PAIRING_TTL_S = 600.0
 SOURCES = tuple(Source)  # where a prefill's prefix came from
-
-
-class APIKeys:
-    def __init__(self, hashes: list[bytes]) -> None:
-        self._hashes = hashes
-
-    @classmethod
-    def from_file(cls, path: str | Path | None) -> APIKeys:
-        if not path:
-            return cls([])
-        # one ``KEY [TENANT]`` per line (credentials.read_key_file; tenants: credentials.Tenants)
-        return cls([hashlib.sha256(k.encode()).digest() for k, _ in read_key_file(path)])
-
-    def __bool__(self) -> bool:
-        return bool(self._hashes)
-
-    def check(self, presented: str | None) -> bool:
-        if not presented or not self._hashes:
-            return False
-        h = hashlib.sha256(presented.encode()).digest()
-        ok = False
-        for stored in self._hashes:  # no early exit: constant time in the match position
-            ok |= hmac.compare_digest(h, stored)
-        return ok
+PUBLIC_BUCKET_S = 60.0  # public token series: windows this long ...
+MIN_PUBLIC_REQUESTS = 5  # ... holding at least this many requests (none shows one request)
+ADMIN_KEY = "an admin key is required (--admin-key-file; X-API-Key or Authorization: Bearer)"
 
 
 def pairing_refusal(scheme: str, client_host: str | None, fleet_key: bool) -> str | None:
@@ -205,17 +188,31 @@ def peer_health(runtime: HeadRuntime, node_id: str, backed_off: Mapping[str, flo
     return "backed off" if node_id in backed_off else "ok"
 
 
-def _tokens(runtime: HeadRuntime, bucket_s: float = 10.0) -> dict[str, Any]:
+def _tokens(runtime: HeadRuntime, private: bool = False) -> dict[str, Any]:
+    """Token counters and a time series: 10 s buckets for an admin; for everyone
+    else ``PUBLIC_BUCKET_S`` windows, only those of ``MIN_PUBLIC_REQUESTS`` or more
+    requests (a quiet window would show one request's prompt length)."""
     c = runtime.telemetry.snapshot()["counters"]
+    bucket_s = 10.0 if private else PUBLIC_BUCKET_S
     series: dict[int, dict[str, float]] = {}
     for r in list(runtime.telemetry.recent):
         b = int(r["t"] // bucket_s * bucket_s)
         s = series.setdefault(
-            b, {"t": b, "completion_tokens": 0, "kv_assisted_tokens": 0, "computed_tokens": 0}
+            b,
+            {
+                "t": b,
+                "requests": 0,
+                "completion_tokens": 0,
+                "kv_assisted_tokens": 0,
+                "computed_tokens": 0,
+            },
         )
+        s["requests"] += 1
         s["completion_tokens"] += r["completion_tokens"]
         s["kv_assisted_tokens"] += r["reused_tokens"]
         s["computed_tokens"] += r["computed_tokens"]
+    least = 1 if private else MIN_PUBLIC_REQUESTS
+    series = {k: v for k, v in series.items() if v["requests"] >= least}
     return {
         "completed_tokens": c.get("completion_tokens", 0),
         "kv_assisted_tokens": c.get("kv_assisted_tokens", 0),
@@ -233,7 +230,7 @@ def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[s
     total = sum(sources.values())
     node = runtime.node.node if runtime.node else None
     transfers = []
-    if node is not None:
+    if node is not None and private:  # one transfer is one request's prompt length
         for tr in list(node.client.transfers)[-20:]:
             transfers.append(
                 {
@@ -284,22 +281,21 @@ def _tiers(runtime: HeadRuntime) -> list[dict[str, Any]]:
     ]
 
 
-def router(
-    runtime: HeadRuntime, keys: APIKeys, state: NetworkState, fleet_key: bytes | None
-) -> APIRouter:
-    r = APIRouter(prefix="/v1/network")
+def require_admin(request: Request) -> None:
+    """401 for an anonymous request, 403 for a key that is not an admin's."""
+    who = identity_of(request)
+    if who.admin:
+        return
+    if who.role == "anonymous":
+        raise APIError(401, ADMIN_KEY, "authentication_error", code="invalid_api_key")
+    raise APIError(403, ADMIN_KEY, "permission_error", code="admin_only")
+
+
+def router(runtime: HeadRuntime, state: NetworkState, fleet_key: bytes | None) -> APIRouter:
+    r = APIRouter(prefix="/v1/network", route_class=BodyOffLoop)
 
     def private(request: Request) -> bool:
-        return keys.check(presented_key(request.headers))
-
-    def require_key(request: Request) -> None:
-        if not private(request):
-            raise APIError(
-                401,
-                "a valid API key is required (X-API-Key or Authorization: Bearer)",
-                "authentication_error",
-                code="invalid_api_key",
-            )
+        return identity_of(request).admin
 
     @r.get("/summary")
     async def summary(request: Request) -> dict[str, Any]:
@@ -326,8 +322,8 @@ def router(
         return {"nodes": _node_rows(runtime, state, private(request))}
 
     @r.get("/tokens")
-    async def tokens() -> dict[str, Any]:
-        return _tokens(runtime)
+    async def tokens(request: Request) -> dict[str, Any]:
+        return _tokens(runtime, private(request))
 
     @r.get("/prefill")
     async def prefill(request: Request) -> dict[str, Any]:
@@ -339,19 +335,19 @@ def router(
 
     @r.post("/groups", status_code=201)
     def add_group(g: GroupIn, request: Request) -> dict[str, Any]:
-        require_key(request)
+        require_admin(request)
         return state.add_group(g)
 
     @r.delete("/groups/{gid}")
     def delete_group(gid: str, request: Request) -> Response:
-        require_key(request)
+        require_admin(request)
         if not state.delete_group(gid):
             raise APIError(404, f"no group {gid!r}", code="not_found")
         return Response(status_code=204)
 
     @r.post("/nodes/register", status_code=201)
     def register(request: Request) -> dict[str, Any]:
-        require_key(request)
+        require_admin(request)
         token, expires = state.issue_token()
         return {"pairing_token": token, "expires_at": expires, "single_use": True}
 

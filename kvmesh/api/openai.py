@@ -31,29 +31,32 @@ Contracts:
 - A stream that fails after its headers are sent ends with an OpenAI-style
   ``data: {"error": {...}}`` event and then ``data: [DONE]``, never a cut stream.
 - Logprobs are finite: one that is not (-inf) is reported as ``LOGPROB_FLOOR``.
-- Tenants (:class:`~kvmesh.api.credentials.Tenants`): a request uses its tenant's
-  cache only, and ``cache_salt`` (vLLM's field, both routes; ``null`` is none)
-  separates further within it; a bad salt (not a string, empty, longer than
-  ``MAX_CACHE_SALT_CHARS``) or a bad trusted tenant header is a 400 naming it.
+- Tenants: a request uses the cache of the tenant the guard decided
+  (:func:`~kvmesh.api.guard.identity_of`), and ``cache_salt`` (vLLM's field,
+  both routes; ``null`` is none) separates further within it; a bad salt (not a
+  string, empty, longer than ``MAX_CACHE_SALT_CHARS``) is a 400 naming it.
   ``cached_tokens`` and the ``kvmesh`` field describe only that cache, and across
-  callers only whole blocks (see :mod:`kvmesh.runtime.head`).
+  callers only whole blocks (see :mod:`kvmesh.runtime.head`); an anonymous
+  caller is nobody's own, so it gets whole blocks only.
+- Bounded work: token ids are JSON integers (not ``true``, not ``1.0``); at most
+  ``MAX_STOPS`` stop strings of at most ``MAX_STOP_CHARS`` characters; bodies
+  parse off the event loop (:class:`~kvmesh.api.guard.BodyOffLoop`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from ..blocks import chain_root, check_cache_salt
@@ -61,7 +64,8 @@ from ..engine import Decoded, Sampling
 from ..errors import NoChatTemplate
 from ..runtime.batch import EngineFailed, OverBudget
 from ..runtime.head import Generation, HeadRuntime, Scope
-from .credentials import BadTenant, Tenants, presented_key
+from .credentials import DEFAULT_TENANT, Tenants
+from .guard import BodyOffLoop, identity_of
 from .scheduler import Job, Scheduler, TokenStream
 
 log = logging.getLogger("kvmesh.api")
@@ -97,6 +101,7 @@ NULLABLE = (
 LOGPROB_FLOOR = -9999.0  # what OpenAI and vLLM report for a token of probability ~0
 MAX_N = 16  # sequences per request: each holds its own copy of the prompt's KV while decoding
 MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 4096  # a stop string is matched on every token: bound the work it asks
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
@@ -198,6 +203,10 @@ class _Common(Body):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stop) > MAX_STOPS:
             raise APIError(400, f"at most {MAX_STOPS} stop sequences are supported", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise APIError(
+                400, f"a stop sequence has at most {MAX_STOP_CHARS} characters", param="stop"
+            )
         return tuple(s for s in stop if s)
 
     def want_logprobs(self) -> int | None:
@@ -206,7 +215,7 @@ class _Common(Body):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[StrictInt] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def want_logprobs(self) -> int | None:
@@ -289,14 +298,12 @@ class OpenAIService:
         max_context: int,
         aliases: tuple[str, ...] = (),
         max_tokens_default: int | None = None,
-        key_is_valid: Callable[[str | None], bool] = lambda key: False,
         tenants: Tenants | None = None,
     ) -> None:
         self.runtime = runtime
         self.scheduler = scheduler
         self.model_name = model_name
         self.aliases = aliases
-        self.key_is_valid = key_is_valid  # fair shares follow only keys the head issued
         self.tenants = tenants
         self.max_context = max_context
         self.max_tokens_default = max_tokens_default
@@ -307,8 +314,8 @@ class OpenAIService:
         return {self.model_name, *self.aliases, self.runtime.card.model_id}
 
     def scope(self, request: Request, req: _Common) -> Scope:
-        """Whose cache ``req`` uses: its tenant (from what the server authenticated)
-        and ``cache_salt``. A 400 for a bad salt or a bad trusted tenant header."""
+        """Whose cache ``req`` uses: its tenant (as the guard decided) and
+        ``cache_salt``, and whose token-exact reuse. A 400 for a bad salt."""
         return self.scope_of(request, req.cache_salt)
 
     def scope_of(self, request: Request, value: object) -> Scope:
@@ -317,14 +324,12 @@ class OpenAIService:
             salt = None if value is None else check_cache_salt(value)
         except ValueError as e:
             raise APIError(400, str(e), param="cache_salt", code="invalid_cache_salt") from None
+        who = identity_of(request)
         if self.tenants is None:
             root = None if salt is None else chain_root(self.runtime.card.namespace, None, salt)
-            return Scope(root)
-        try:
-            tenant = self.tenants.tenant_of(request.headers)
-        except BadTenant as e:
-            raise APIError(400, str(e), param=self.tenants.header, code="invalid_tenant") from None
-        return Scope(self.tenants.root(tenant, salt), tenant)
+            return Scope(root, None, who.caller)
+        tenant = who.tenant or DEFAULT_TENANT  # keyless requests count (and are capped) too
+        return Scope(self.tenants.root(tenant, salt), tenant, who.caller)
 
     def _check(self, req: _Common, n_prompt: int) -> Sampling:
         if req.model not in self.names():
@@ -633,7 +638,7 @@ def _stream_error(rid: str, e: Exception) -> dict[str, Any]:
 
 
 def router(service: OpenAIService) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=BodyOffLoop)
 
     @r.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -654,7 +659,7 @@ def router(service: OpenAIService) -> APIRouter:
         job = service.scheduler.admit()  # QueueFull: 503 before any work
         try:
             tokens = await run_in_threadpool(service.tokens, req)  # templating is CPU work
-            client = client_of(request, service.key_is_valid)
+            client = identity_of(request).share
             out, stream = service.start(req, tokens, job, client, scope)
         except BaseException:
             service.scheduler.release(job)
@@ -679,17 +684,6 @@ def router(service: OpenAIService) -> APIRouter:
         return await respond(request, req, chat=True)
 
     return r
-
-
-def client_of(request: Request, key_is_valid: Callable[[str | None], bool]) -> str:
-    """Whose fair share of the batch a request takes: a valid API key (hashed: the
-    key itself is never kept), else the client's address. Never a claim the client
-    can vary at will (an unchecked key, a new connection's port): that would make
-    every request a newcomer."""
-    key = presented_key(request.headers)
-    if key and key_is_valid(key):
-        return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
-    return f"host:{request.client.host}" if request.client else "host:?"
 
 
 async def _finish_unless_gone(request: Request, stream: TokenStream) -> bool:

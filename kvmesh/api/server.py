@@ -59,6 +59,10 @@ class HeadOptions:
     shared_tenants: tuple[str, ...] = ()
     tenant_secret_file: str | None = None
     tenant_budget_bytes: int | None = None
+    admin_key_file: str | None = None  # roles: see kvmesh.api.credentials
+    gateway_key_file: str | None = None
+    exact_reuse_by_address: bool = False
+    forwarded_allow_ips: str | None = None  # proxies whose X-Forwarded-* count (None: none)
 
     def model_names(self) -> tuple[str, tuple[str, ...]]:
         """(canonical name, accepted aliases): the first ``--served-model-name``,
@@ -139,7 +143,7 @@ def _serve(
     from ..mesh.events import RecordingKeyer
     from ..runtime.head import HeadRuntime
     from ..units import is_loopback
-    from .app import Limits, TenantOptions, create_app
+    from .app import Access, Limits, TenantOptions, create_app
 
     runtime = HeadRuntime(
         engine,
@@ -170,6 +174,7 @@ def _serve(
             opts.tenant_secret_file,
             opts.tenant_budget_bytes,
         ),
+        access=Access(opts.admin_key_file, opts.gateway_key_file, opts.exact_reuse_by_address),
     )
     closers.append(app.state.scheduler.close)
     sock = bind(opts.listen)
@@ -185,6 +190,10 @@ def _serve(
         app,
         log_level="warning",
         lifespan="off",
+        # X-Forwarded-For/-Proto name the client and the scheme only from a proxy the
+        # operator named: from anyone else (loopback too) they would forge both
+        proxy_headers=bool(opts.forwarded_allow_ips),
+        forwarded_allow_ips=opts.forwarded_allow_ips or "",
         ssl_certfile=opts.http_tls_cert,
         ssl_keyfile=opts.http_tls_key,
     )

@@ -262,7 +262,11 @@ def head(
     block_digest: str,
     listen: str,
     api_key_file: str | None,
+    admin_key_file: str | None,
+    gateway_key_file: str | None,
     tenant_header: str | None,
+    forwarded_allow_ips: str | None,
+    exact_reuse_by_address: bool,
     shared_tenant: tuple[str, ...],
     tenant_secret_file: str | None,
     tenant_budget: str | None,
@@ -288,12 +292,17 @@ def head(
     _logging(verbose)
     if bool(http_tls_cert) != bool(http_tls_key):
         raise click.UsageError("--http-tls-cert and --http-tls-key go together")
-    if api_key_scope == "all" and not api_key_file:
+    if api_key_scope == "all" and not (api_key_file or admin_key_file or gateway_key_file):
         raise click.UsageError("--api-key-scope all needs --api-key-file")
+    if tenant_header and not gateway_key_file:
+        raise click.UsageError(
+            "--tenant-header is honoured only from a gateway that proves it: give --gateway-key-file"
+        )
     with _usage_errors():  # a device that is not there is a clear error now, not at load
         pick_dtype(dtype, engine)
         device = pick_device(device, engine) or device
     tenant_cap = _tenant_options(api_key_file, tenant_header, shared_tenant, tenant_budget)
+    _role_keys(admin_key_file, gateway_key_file)
     if tenant_secret_file:
         from ..api.credentials import KeyFileError, head_secret
 
@@ -327,9 +336,28 @@ def head(
             shared_tenants=shared_tenant,
             tenant_secret_file=tenant_secret_file,
             tenant_budget_bytes=tenant_cap,
+            admin_key_file=admin_key_file,
+            gateway_key_file=gateway_key_file,
+            exact_reuse_by_address=exact_reuse_by_address,
+            forwarded_allow_ips=forwarded_allow_ips,
         ),
         cfg,
     )
+
+
+def _role_keys(admin_key_file: str | None, gateway_key_file: str | None) -> None:
+    """Check the admin and gateway key files now (a clear error before the model loads)."""
+    from ..api.credentials import KeyFileError, read_key_file
+
+    for flag, path in (
+        ("--admin-key-file", admin_key_file),
+        ("--gateway-key-file", gateway_key_file),
+    ):
+        try:
+            if path:
+                read_key_file(path, tenants=False)
+        except KeyFileError as e:
+            raise click.BadParameter(str(e), param_hint=flag) from None
 
 
 def _tenant_options(

@@ -161,14 +161,38 @@ HEAD_ONLY = (
     HEAD["grpc_listen"],
     Option(
         "api_key_file",
-        "API keys, one `KEY [TENANT]` per line, that unlock protected network reads and "
-        "writes; a request's key names its tenant (a key without a TENANT is its own tenant).",
+        "Tenant API keys, one `KEY [TENANT]` per line: a request's key names its tenant "
+        "(a key without a TENANT is its own tenant). A tenant key never administers.",
+        kind="file",
+    ),
+    Option(
+        "admin_key_file",
+        "Admin API keys, one per line: network writes, pairing, /v1/admin/*, addresses "
+        "and per-tenant metrics. No key in two files.",
+        kind="file",
+    ),
+    Option(
+        "gateway_key_file",
+        "Keys of trusted gateways, one per line: only a request carrying one may name "
+        "its tenant with --tenant-header.",
         kind="file",
     ),
     Option(
         "tenant_header",
-        "Take a request's tenant from this header (e.g. x-tenant-id), set by a trusted "
-        "gateway in front of the head; only when given. It wins over the key's tenant.",
+        "Take a request's tenant from this header (e.g. x-tenant-id), honoured only on a "
+        "request carrying a --gateway-key-file key; from anyone else it is refused.",
+    ),
+    Option(
+        "forwarded_allow_ips",
+        "Proxies (comma-separated IPs or CIDRs, * for any) whose X-Forwarded-For and "
+        "X-Forwarded-Proto name the client and scheme. Default: none, loopback included.",
+    ),
+    Option(
+        "exact_reuse_by_address",
+        "Give a request without a key token-exact reuse of its own address's earlier "
+        "prompts (exact tails, a session beyond whole blocks). Only where every address "
+        "is one user: behind a proxy or a NAT, users would read each other's prompts.",
+        kind="flag",
     ),
     Option(
         "shared_tenant",
