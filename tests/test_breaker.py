@@ -5,7 +5,8 @@ failure never escalates), a peer failing on every try still reaches the maximum,
 an answered lookup forgives lookup failures but not fetch failures, and the mesh
 client reports answered lookups (probes included) for real nodes on loopback.
 The score is bounded (thousands of failures stay at the maximum), and the one
-fetch/lookup failure policy blames only a peer's own failures.
+fetch/lookup failure policy blames only a peer's own failures: not our own budget
+running out (issue #37), unless a peer's silences add up past its progress timeout.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh.blocks import BlockKeyer
-from kvmesh.errors import CacheMiss, ChecksumMismatch, LocalBusy, PeerBusy
+from kvmesh.errors import CacheMiss, ChecksumMismatch, LocalBusy, PeerBusy, PeerTimeout
+from kvmesh.mesh.bulk import FetchStalled
 from kvmesh.mesh.node import MeshNode, NodeConfig
-from kvmesh.runtime.planner import BACKOFF_MAX_S, MAX_TRACKED, Planner
+from kvmesh.runtime.planner import BACKOFF_MAX_S, MAX_TRACKED, Attempt, Planner
 
 from .helpers import small_card
 
@@ -227,3 +229,56 @@ def test_lookup_hooks_back_off_count_and_forgive():
     assert not hooks["skip"]("a") and p.backed_off() == {}
     p.quarantine("q")
     assert hooks["skip"]("q")
+
+
+def test_a_deadline_is_ours_only_when_our_budget_was_the_shorter_and_ran_to_its_end():
+    ours = Attempt(limit_s=0.5, elapsed_s=0.51, delivered=0, peer_deadline_s=30.0)
+    assert ours.ran_out(PeerTimeout("bulk stream deadline passed"))
+    assert ours.ran_out(TimeoutError())  # the fleet's own wait for the call
+    assert not ours.ran_out(FetchStalled("silent"))  # past its progress timeout: the peer's
+    assert not ours.ran_out(ChecksumMismatch("bad"))
+    assert not ours.ran_out(PeerBusy("loaded")) and not ours.ran_out(LocalBusy("ours"))
+    early = Attempt(limit_s=0.5, elapsed_s=0.1, peer_deadline_s=30.0)
+    assert not early.ran_out(PeerTimeout("the peer's own timeout"))  # before our deadline
+    # a budget capped at the fetch deadline (less the lookup's time) is that deadline
+    capped = Attempt(limit_s=1.49, elapsed_s=1.5, peer_deadline_s=1.5)
+    assert not capped.ran_out(PeerTimeout("bulk stream deadline passed"))
+
+
+def test_our_budget_running_out_is_counted_apart_and_blames_nobody():
+    p, _ = _planner()
+    count = Counted()
+    ran_out = Attempt(limit_s=0.5, elapsed_s=0.5, delivered=1 << 16, peer_deadline_s=30.0)
+    for _ in range(50):  # a slow peer that keeps sending: never its failure
+        assert p.fetch_failed("a", PeerTimeout("deadline"), count, "a", ran_out) == "budget"
+    assert count == ["fetch_skipped:budget"] * 50
+    assert p.usable("a") and p.backed_off() == {} and p.silent_s("a") == 0.0
+    past_its_deadline = Attempt(limit_s=30.0, elapsed_s=30.0, peer_deadline_s=30.0)
+    assert p.fetch_failed("a", PeerTimeout("deadline"), count, "a", past_its_deadline) == "timeout"
+    assert count[-1] == "peer_failed:timeout" and not p.usable("a")
+
+
+def test_silent_overruns_add_up_decay_and_are_cleared_by_a_delivery():
+    p, clock = _planner()
+    count = Counted()
+    silent = Attempt(limit_s=0.5, elapsed_s=0.5, delivered=0, peer_deadline_s=30.0)
+    timeout = PeerTimeout("deadline")
+    reasons = [p.fetch_failed("a", timeout, count, "a", silent) for _ in range(5)]
+    assert reasons == ["budget"] * 4 + ["stalled"]  # 2.5 s of silence: past the 2 s a peer may
+    assert count[-1] == "peer_failed:stalled" and not p.usable("a")
+    assert p.silent_s("a") == 0.0  # its strikes took over
+
+    for _ in range(3):  # 1.5 s of silence, then an hour of quiet: forgotten
+        p.fetch_failed("b", timeout, count, "b", silent)
+    clock.advance(3600.0)
+    assert p.fetch_failed("b", timeout, count, "b", silent) == "budget"
+    assert 0.5 <= p.silent_s("b") < 0.51
+
+    for _ in range(3):  # a block delivered (slow, not silent) starts it over
+        p.fetch_failed("c", timeout, count, "c", silent)
+    slow = Attempt(limit_s=0.5, elapsed_s=0.5, delivered=4096, peer_deadline_s=30.0)
+    assert p.fetch_failed("c", timeout, count, "c", slow) == "budget"
+    assert p.silent_s("c") == 0.0
+    p.fetch_failed("c", timeout, count, "c", silent)
+    p.peer_succeeded("c")  # and so does a fetch that worked
+    assert p.silent_s("c") == 0.0 and p.usable("c")

@@ -11,7 +11,9 @@ prompt's prefix from the mesh, and how it gives computed prefixes back.
    (:meth:`Acquirer.budget`, at least :data:`MIN_CACHE_BUDGET_S`) lasts: skipped
    when the planner says computing is cheaper, else streamed (verified block by
    block) into a sink the caller opens for it. A failure is counted and, when it
-   is the peer's, backs the peer off; the next candidate is tried. A successful
+   is the peer's, backs the peer off; the next candidate is tried. A stream that
+   our own budget ends is no failure of the peer's (fallback ``budget``: the
+   planner tells the two apart, :class:`~.planner.Attempt`). A successful
    fetch teaches the planner the peer's bandwidth, and the import bandwidth from
    the time the sink took (:meth:`Planner.observe_import`), and a fetched chain
    that continues the stored one is kept locally, to serve it from here too.
@@ -41,7 +43,7 @@ from ..mesh.bulk import StreamTimes
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..store import Match
-from .planner import Planner, failure_reason
+from .planner import Attempt, Planner, failure_reason
 from .slots import Slots
 
 log = logging.getLogger("kvmesh.acquire")
@@ -173,8 +175,10 @@ class Acquirer:
         try:
             blocks = self.fleet.fetch(layout, hit, start, timed, left, times)
         except Exception as e:  # the cache never decides correctness
-            # counted; only the peer's own failures back it off (busy or ours do not)
-            out.fallback = self.planner.fetch_failed(hit.node_id, e, self.count, hit.alias)
+            # counted; only the peer's own failures back it off (busy, or our own
+            # budget running out, do not)
+            tried = Attempt(left, time.perf_counter() - t0, timed.nbytes, self.fleet.fetch_deadline)
+            out.fallback = self.planner.fetch_failed(hit.node_id, e, self.count, hit.alias, tried)
             return False
         out.fetch_s = time.perf_counter() - t0
         self.planner.observe_fetch(hit.node_id, nbytes, out.fetch_s)

@@ -22,12 +22,25 @@ The score stops where the backoff reaches its maximum (a dead peer probed on
 every lookup fails forever without escalating further, or overflowing), so it
 also forgets at most that much. Entries are bounded (``MAX_TRACKED``).
 
-Only a peer's own failures belong here: a busy peer (``PeerBusy``) or our own
-saturation (``LocalBusy``) is not one. :meth:`Planner.fetch_failed` and
-:meth:`Planner.lookup_hooks` are the one policy every caller of the fleet (the
-head, the vLLM connector) applies: which failure blames the peer, what is
-counted (``fetch_skipped:<reason>``, ``peer_failed:<reason>``,
-``lookup_failed:<reason>``) and what is logged.
+Only a peer's own failures belong here: a busy peer (``PeerBusy``), our own
+saturation (``LocalBusy``) and our own time budget running out are not one. A
+fetch that ends on the requester's deadline (the cache-time budget a head or the
+vLLM connector gives it, shorter than the per-peer fetch deadline) says nothing
+about the peer: it is counted ``fetch_skipped:budget`` (fallback reason
+``budget``) and backs nobody off, while a peer's own failures (refused or reset,
+bad bytes, silent past the progress timeout: ``stalled``, or past the per-peer
+fetch deadline: ``timeout``) still do (:class:`Attempt` tells them apart). One
+thing a short budget cannot hide: a peer that answers lookups but never delivers.
+Silent overruns (nothing delivered before our budget ended) add up per peer,
+decaying like strikes; once they sum to more than a peer may stay silent
+(``stall_s``, the mesh client's progress timeout), the peer has kept us waiting
+past its own per-peer timeout and is blamed as ``stalled``. A delivered block or
+a successful fetch clears them.
+
+:meth:`Planner.fetch_failed` and :meth:`Planner.lookup_hooks` are the one policy
+every caller of the fleet (the head, the vLLM connector) applies: which failure
+blames the peer, what is counted (``fetch_skipped:<reason>``,
+``peer_failed:<reason>``, ``lookup_failed:<reason>``) and what is logged.
 """
 
 from __future__ import annotations
@@ -51,6 +64,11 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 HALF_LIFE_S = 60.0  # a failure's weight halves over this much quiet time
 MAX_TRACKED = 4096  # peers with a breaker entry (ids come from gossip: bounded)
+STALL_S = 2.0  # how long a peer may keep a stream silent (MeshClient's progress_timeout)
+# a stream limit within this of the per-peer fetch deadline is that deadline: callers
+# cap a request's budget at it, then take off the time their lookup took (~ms, at most
+# about the lookup deadline, 0.25 s by default)
+DEADLINE_SLACK_S = 0.5
 LOOKUP, FETCH = "lookup", "fetch"
 
 Count = Callable[[str], object]  # a telemetry counter: count(name) adds one
@@ -64,6 +82,13 @@ class LookupHooks(TypedDict):
     on_success: Callable[[str], None]
 
 
+def _deadline_passed(e: BaseException) -> bool:
+    """A timeout that is a deadline passing (not a stall, which has its own reason)."""
+    if isinstance(e, KVMeshError):
+        return e.reason == Reason.TIMEOUT
+    return isinstance(e, (TimeoutError, concurrent.futures.TimeoutError))
+
+
 def failure_reason(e: BaseException) -> Reason:
     """The reason a failure on the cache path is counted under."""
     if isinstance(e, KVMeshError):
@@ -72,6 +97,37 @@ def failure_reason(e: BaseException) -> Reason:
         return Reason.TIMEOUT
     log.warning("cache path failed unexpectedly: %r", e)
     return Reason.ERROR
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """How a failed fetch went, as the requester saw it: the limit it gave the
+    stream (its own budget left), how long the stream ran, the bytes of verified
+    blocks it delivered, and the per-peer fetch deadline (``Fleet.fetch_deadline``)."""
+
+    limit_s: float
+    elapsed_s: float
+    delivered: int = 0
+    peer_deadline_s: float = math.inf
+
+    def ran_out(self, error: BaseException) -> bool:
+        """True when the requester's own budget, not the peer, ended the fetch: it
+        failed on a deadline (reason ``timeout``; a stall, silence past the progress
+        timeout, is the peer's), ran for the whole limit it had, and that limit was
+        the requester's, shorter than the per-peer fetch deadline."""
+        return (
+            _deadline_passed(error)
+            and self.limit_s < self.peer_deadline_s - DEADLINE_SLACK_S
+            and self.elapsed_s >= 0.95 * self.limit_s  # not a peer's own early timeout
+        )
+
+
+@dataclass
+class _Silence:
+    """Seconds our budget ran out on a peer that delivered nothing (decaying)."""
+
+    seconds: float = 0.0
+    at: float = 0.0
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -125,12 +181,15 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         backoff_first_s: float = BACKOFF_FIRST_S,
         half_life_s: float = HALF_LIFE_S,
+        stall_s: float = STALL_S,
     ) -> None:
         self.backoff_first_s = backoff_first_s
         self.half_life_s = half_life_s
+        self.stall_s = stall_s
         self._lock = threading.Lock()
         self._clock = clock
         self._breakers: OrderedDict[str, _Breaker] = OrderedDict()  # least recently failed first
+        self._silence: OrderedDict[str, _Silence] = OrderedDict()  # least recently silent first
         self.quarantined: set[str] = set()  # peers whose KV failed an audit
         self.prefill_tps: float | None = None
         self._prior_tps = prefill_tps
@@ -180,14 +239,30 @@ class Planner:
         """Record a failed lookup (forgiven by the next answered one); the backoff."""
         return self._fail(peer, LOOKUP)
 
-    def fetch_failed(self, peer: str, error: BaseException, count: Count, alias: str = "") -> str:
+    def fetch_failed(
+        self,
+        peer: str,
+        error: BaseException,
+        count: Count,
+        alias: str = "",
+        attempt: Attempt | None = None,
+    ) -> str:
         """A fetch from ``peer`` raised ``error``: the fallback reason, counted.
 
         A busy peer (``PeerBusy``) or our own saturation (``LocalBusy``) is counted
-        ``fetch_skipped:<reason>`` and blames nobody; a miss (``CacheMiss``: ours)
-        is only returned; anything else is the peer's failure, counted
+        ``fetch_skipped:<reason>`` and blames nobody; so is our own budget running
+        out (``attempt.ran_out``: reason ``budget``), unless the peer has kept us
+        waiting with nothing delivered for longer than ``stall_s`` in all (then it
+        is ``stalled``, see the module); a miss (``CacheMiss``: ours) is only
+        returned; anything else is the peer's failure, counted
         ``peer_failed:<reason>``, backed off (circuit breaker) and logged."""
         reason = failure_reason(error)
+        if attempt is not None and attempt.ran_out(error):
+            if not self._kept_waiting(peer, attempt):
+                count(f"fetch_skipped:{Reason.BUDGET}")
+                log.debug("fetch from %s ran past our budget; not its failure", alias or peer)
+                return Reason.BUDGET
+            reason = Reason.STALLED  # silent past its progress timeout, over our tries
         if isinstance(error, (PeerBusy, LocalBusy)):  # loaded, or our own streams
             count(f"fetch_skipped:{reason}")
         elif not isinstance(error, CacheMiss):
@@ -197,6 +272,30 @@ class Planner:
                 "fetch from %s failed (%s); avoided for %.0f s", alias or peer, reason, backoff
             )
         return reason
+
+    def _kept_waiting(self, peer: str, attempt: Attempt) -> bool:
+        """Our budget ran out on ``peer``: add its silence (none if it delivered a
+        block); True once silences add up past ``stall_s`` (and start over)."""
+        with self._lock:
+            if attempt.delivered:  # slow, not silent: whatever it owed, it was sending
+                self._silence.pop(peer, None)
+                return False
+            now = self._clock()
+            s = self._silence.pop(peer, None) or _Silence(at=now)
+            s.seconds = s.seconds * 0.5 ** ((now - s.at) / self.half_life_s) + attempt.elapsed_s
+            s.at = now
+            if s.seconds > self.stall_s:
+                return True  # forgotten: its strikes take over
+            self._silence[peer] = s
+            while len(self._silence) > MAX_TRACKED:
+                self._silence.popitem(last=False)
+            return False
+
+    def silent_s(self, peer: str) -> float:
+        """Seconds of budget ``peer`` has used up delivering nothing (see the module)."""
+        with self._lock:
+            s = self._silence.get(peer)
+            return 0.0 if s is None else s.seconds
 
     def lookup_hooks(self, count: Count) -> LookupHooks:
         """How a fleet lookup reports to this planner: backed-off peers are not
@@ -220,9 +319,10 @@ class Planner:
             return breaker.kinds[kind].fail(self._clock(), self.backoff_first_s, self.half_life_s)
 
     def peer_succeeded(self, peer: str) -> None:
-        """A fetch worked: every strike against ``peer`` is forgiven."""
+        """A fetch worked: every strike (and silence) against ``peer`` is forgiven."""
         with self._lock:
             self._breakers.pop(peer, None)
+            self._silence.pop(peer, None)
 
     def lookup_succeeded(self, peer: str) -> None:
         """``peer`` answered a lookup: its lookup strikes are forgiven (it is alive
