@@ -57,9 +57,19 @@ def test_refuses_other_dtypes_and_mismatched_shapes(built):
 
 
 def test_the_library_is_cached_by_digest(built):
+    import hashlib
+    import json
+    import os
+    import stat
+
     path = compiled._library_path(compiled._compiler())
     assert path.exists() and path.parent.name == "kernels"
     assert compiled.load() is compiled.load()  # built once per process
+    # privately (tests/test_kernel_cache.py: what is refused), its bytes recorded
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert os.stat(path).st_uid == os.geteuid() and not os.stat(path).st_mode & 0o077
+    rec = json.loads(path.with_suffix(".sha256").read_text())
+    assert rec["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_a_profiled_call_is_named_for_the_step_costs(built):

@@ -165,7 +165,8 @@ def _calibrate_buckets(
             m.in_features: torch.zeros((rows, 1, m.in_features), dtype=m.weight.dtype)
             for m in layers
         }
-        alive = list(KERNELS)  # those that beat F.linear in every round so far
+        # those that compute what F.linear does here, then beat it in every round so far
+        alive = [k for k in KERNELS if _agrees(k, shapes, rows)]
         rounds: list[dict[str | None, float]] = []
         for rep in range(reps + 1):  # round 0 warms up (oneDNN builds its kernels), untimed
             times: dict[str | None, float] = {}
@@ -180,8 +181,8 @@ def _calibrate_buckets(
                     for m in layers:
                         _linear(m, xs[m.in_features])
                     times[kernel] = clock() - t0
-                except (RuntimeError, AttributeError, NotImplementedError):
-                    continue  # not built into this torch (or not for this dtype)
+                except Exception:  # not built into this torch (or not for this dtype), or
+                    continue  # it failed: not a candidate (a kernel never fails a start)
                 finally:
                     _batched.kernels = {}
             if rep:  # a kernel that lost a round cannot win: not timed again
@@ -194,6 +195,76 @@ def _calibrate_buckets(
                 )
             )
         low = rows + 1
+    return chosen
+
+
+def _agrees(kernel: str, layers: Sequence[Any], rows: int) -> bool:
+    """Whether ``kernel`` computes what ``F.linear`` does for ``rows`` random rows on
+    each of ``layers`` (within float rounding: the largest difference at most
+    1e-3 of the largest output, 5e-2 in half precision): one that fails, raises or
+    returns garbage is no candidate."""
+    from .compiled import log
+
+    gen = torch.Generator().manual_seed(rows)
+    try:
+        for m in layers:
+            x = torch.randn((rows, m.in_features), generator=gen).to(m.weight.dtype)
+            want = torch.nn.functional.linear(x, m.weight, m.bias).float()
+            got = KERNELS[kernel](m.weight, m.bias, x).float()
+            tol = 1e-3 if m.weight.dtype == torch.float32 else 5e-2
+            if got.shape != want.shape or not bool(
+                (got - want).abs().max() <= tol * (want.abs().max() + 1)
+            ):
+                log.warning("kernel %s disagrees with F.linear at %d rows: not used", kernel, rows)
+                return False
+    except Exception:  # not in this torch, not for this dtype, or broken: not a candidate
+        return False
+    return True
+
+
+def _choose_kernels(model: Any) -> dict[int, str]:
+    """The kernel each batch size takes: :func:`_calibrate`'s measurement the
+    first time this model's linear shapes run on this machine (torch, CPU, compiler
+    and kernel source alike), then the same choice on every later start, kept in
+    the private kernel cache (``compiled.remembered``). Timing depends on the load
+    at start; a batched step's numbers depend on the kernel (float rounding), so a
+    restart must not change them by measuring again. A kept kernel that no longer
+    runs here (or disagrees with ``F.linear``) is dropped, with a log line: its
+    batch sizes take ``F.linear``."""
+    from . import compiled
+    from .compiled import log
+
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    shapes: dict[tuple[int, int, bool, str], int] = {}
+    for m in layers:
+        k = (m.out_features, m.in_features, m.bias is not None, str(m.weight.dtype))
+        shapes[k] = shapes.get(k, 0) + 1
+    key = json.dumps(
+        {
+            "linear": sorted([*k, n] for k, n in shapes.items()),
+            "buckets": _BUCKETS,
+            "margin": MARGIN,
+            "kernels": sorted(KERNELS),
+            "torch": torch.__version__,
+            "build": compiled.fingerprint(),
+        }
+    )
+
+    def valid(v: Any) -> bool:
+        return isinstance(v, dict) and all(
+            isinstance(r, str) and r.isdigit() and 2 <= int(r) <= MAX_ROWS_FIRST and k in KERNELS
+            for r, k in v.items()
+        )
+
+    kept = compiled.remembered(
+        "choice", key, lambda: {str(r): k for r, k in _calibrate(model).items()}, valid
+    )
+    chosen = {int(r): k for r, k in kept.items()}
+    one = {tuple(m.weight.shape): m for m in layers}.values()
+    for kernel in sorted(set(chosen.values())):
+        if not _agrees(kernel, list(one), min(r for r, k in chosen.items() if k == kernel)):
+            log.warning("kept kernel choice %s does not run here now: F.linear instead", kernel)
+            chosen = {r: k for r, k in chosen.items() if k != kernel}
     return chosen
 
 
@@ -462,7 +533,7 @@ class TransformersEngine(Engine):
         if self.device.type == "cpu":
             _rows_first_linear(self.model)
             with torch.inference_mode():
-                self.kernels = _calibrate(self.model)
+                self.kernels = _choose_kernels(self.model)
         # transformers >= 5.20 names the cache argument ``cache``; earlier 5.x (which
         # vLLM 0.32 pins) still call it ``past_key_values``
         params = inspect.signature(self.model.forward).parameters
