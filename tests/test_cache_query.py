@@ -53,9 +53,13 @@ def fleet(tmp_path_factory):
     peer = Peer(alias="qpeer", log_dir=logs)
     heads: list[Head] = []
     try:
-        heads.append(Head("--seed", peer.address, "--alias", "qhead"))
+        # a keyless caller's exact tails are its own only where its address is one user
+        mine = "--exact-reuse-by-address"
+        heads.append(Head("--seed", peer.address, mine, "--alias", "qhead"))
         # RAM for two blocks: a prompt's first blocks live on disk only
-        heads.append(Head("--disk", str(logs / "disk"), "--budget", "64KiB", "--alias", "dhead"))
+        heads.append(
+            Head("--disk", str(logs / "disk"), "--budget", "64KiB", mine, "--alias", "dhead")
+        )
         heads[0].wait(lambda s: s["peers"] >= 1)
         yield peer, *heads
     finally:
@@ -77,7 +81,7 @@ def test_local_then_remote(fleet):
     live = agree(head, longer, "session")  # the last request's live state holds more
     assert live["cached_tokens"] == live["prefix"]["session"] == len(tokens)
     assert live["prefix"]["local"] == 3 * B
-    second = Head("--seed", peer.address, "--alias", "other")
+    second = Head("--seed", peer.address, "--exact-reuse-by-address", "--alias", "other")
     try:
         second.wait(lambda s: s["compatible_peers"] >= 2)  # the peer and the first head
         remote = agree(second, tokens, "remote")

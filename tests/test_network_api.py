@@ -1,4 +1,5 @@
-"""The network API: public vs private reads, API-key writes, pairing, bad bodies."""
+"""The network API: public vs admin reads, admin writes (a tenant's key is not an
+admin's), pairing, bad bodies."""
 
 from __future__ import annotations
 
@@ -9,21 +10,34 @@ import time
 
 import pytest
 
+from kvmesh.api.network import MIN_PUBLIC_REQUESTS
+
 from .procs import Peer
 from .test_api import Head
 
 KEY = "s3cret-api-key-for-tests"
+TENANT_KEY = "tenant-b-key"
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\">"
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     d = tmp_path_factory.mktemp("net")
-    keyfile = d / "api-keys"
+    keyfile = d / "admin-keys"
     keyfile.write_text(f"# operators\n{KEY}\nanother-key\n")
+    (d / "tenant-keys").write_text(f"{TENANT_KEY} tenant-b\n")
     p1 = Peer(alias="peer-one", log_dir=d)
     p2 = Peer("--seed", p1.address, alias=HOSTILE, log_dir=d)
-    head = Head("--seed", p1.address, "--api-key-file", str(keyfile), "--alias", "head")
+    head = Head(
+        "--seed",
+        p1.address,
+        "--admin-key-file",
+        str(keyfile),
+        "--api-key-file",
+        str(d / "tenant-keys"),
+        "--alias",
+        "head",
+    )
     head.wait(lambda s: s["peers"] >= 2)
     yield head, p1, p2
     head.stop()
@@ -36,10 +50,11 @@ AUTH_CASES = [
     ({}, False),
     ({"X-API-Key": KEY}, True),
     ({"Authorization": f"Bearer {KEY}"}, True),
-    ({"X-API-Key": "wrong"}, False),
+    ({"X-API-Key": TENANT_KEY}, False),
     ({"Authorization": "Bearer"}, False),
     ({"Authorization": f"Basic {KEY}"}, False),
 ]
+WRONG = [{"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}]
 
 
 @pytest.mark.parametrize("headers,private", AUTH_CASES)
@@ -62,19 +77,63 @@ def test_reads_are_public_and_keys_add_detail(fleet, headers, private):
         one = next(n for n in nodes if n["alias"] == "peer-one")
         assert one["epoch"] == p1.epoch and one["endpoints"][0]["address"] == p1.address
         assert one["endpoints"][0]["rtt_ms"] is not None
-    tokens = head.http.get("/v1/network/tokens").json()
-    assert tokens["completed_tokens"] >= 3 and tokens["series"]
+    tokens = head.http.get("/v1/network/tokens", headers=headers).json()
+    assert tokens["completed_tokens"] >= 3
+    # one request's prompt length shows only to an admin: a public window needs company
+    least = 1 if private else MIN_PUBLIC_REQUESTS
+    assert all(w["requests"] >= least for w in tokens["series"]) and (
+        tokens["series"] or not private
+    )
+    prefill = head.http.get("/v1/network/prefill", headers=headers).json()
+    assert private or prefill["recent_transfers"] == []
 
 
-@pytest.mark.parametrize("headers", [h for h, ok in AUTH_CASES if not ok])
-def test_writes_need_a_valid_key_and_change_nothing_without(fleet, headers):
+@pytest.mark.parametrize("headers", WRONG)
+def test_a_key_the_head_does_not_know_is_a_401_everywhere(fleet, headers):
+    head, _, _ = fleet
+    for path in ("summary", "nodes", "tokens"):
+        r = head.http.get(f"/v1/network/{path}", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    body = {"model": "demo-tiny", "prompt": "hi", "max_tokens": 1}
+    assert head.http.post("/v1/completions", json=body, headers=headers).status_code == 401
+
+
+@pytest.mark.parametrize("headers", [h for h, ok in AUTH_CASES if not ok] + WRONG)
+def test_writes_need_an_admin_key_and_change_nothing_without(fleet, headers):
     head, _, _ = fleet
     before = head.http.get("/v1/network/groups").json()
+    tenant = headers.get("X-API-Key") == TENANT_KEY
+    want = 403 if tenant else 401
     r = head.http.post("/v1/network/groups", json={"name": "x"}, headers=headers)
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert head.http.post("/v1/network/nodes/register", headers=headers).status_code == 401
-    assert head.http.delete("/v1/network/groups/anything", headers=headers).status_code == 401
+    assert r.status_code == want, r.text
+    assert r.json()["error"]["code"] == ("admin_only" if tenant else "invalid_api_key")
+    assert head.http.post("/v1/network/nodes/register", headers=headers).status_code == want
+    assert head.http.delete("/v1/network/groups/anything", headers=headers).status_code == want
+    assert head.http.get("/v1/admin/tenants", headers=headers).status_code == want
     assert head.http.get("/v1/network/groups").json() == before
+
+
+def test_duplicate_credential_headers_are_a_400(fleet):
+    head, _, _ = fleet
+    two = [("X-API-Key", TENANT_KEY), ("X-API-Key", KEY)]
+    r = head.http.get("/v1/admin/tenants", headers=two)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_credentials"
+    mixed = {"X-API-Key": TENANT_KEY, "Authorization": f"Bearer {KEY}"}
+    assert head.http.get("/v1/admin/tenants", headers=mixed).status_code == 400
+    same = {"X-API-Key": KEY, "Authorization": f"Bearer {KEY}"}
+    assert head.http.get("/v1/admin/tenants", headers=same).status_code == 200
+
+
+def test_forwarded_headers_count_for_nothing_by_default(fleet):
+    """From loopback too: X-Forwarded-Proto cannot make the plaintext listener look
+    like TLS, nor X-Forwarded-For make one caller another."""
+    head, _, _ = fleet
+    r = head.http.post("/v1/network/nodes/register", headers={"X-API-Key": KEY})
+    token = r.json()["pairing_token"]
+    forged = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.7"}
+    r = head.http.post("/v1/network/pair", json={"token": token}, headers=forged)
+    assert r.status_code == 200  # loopback itself is the head's own host: allowed ...
+    assert "fleet_key" not in r.json()  # ... and this fleet has no key to hand out
 
 
 def test_groups_create_list_delete(fleet):
