@@ -173,31 +173,38 @@ def _batch(events):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def publisher():
-    port, replay = free_port(), free_port()
+def publisher(tmp_path):
+    endpoint, replay = f"ipc://{tmp_path}/ev.sock", f"tcp://127.0.0.1:{free_port()}"
     sink = StoreEvents()
-    pub = EventPublisher(
-        EventsConfig(f"tcp://*:{port}", f"tcp://*:{replay}", topic="kv", hwm=4), sink
-    )
-    yield pub, port, replay
+    pub = EventPublisher(EventsConfig(endpoint, replay, topic="kv", hwm=4), sink)
+    yield pub, endpoint, replay
     pub.close()
 
 
-def subscribe(ctx: zmq.Context, port: int, hwm: int = 1000, rcvbuf: int = -1) -> zmq.Socket:
+def subscribe(ctx: zmq.Context, endpoint: str, hwm: int = 1000, rcvbuf: int = -1) -> zmq.Socket:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, hwm)
     sub.setsockopt(zmq.RCVBUF, rcvbuf)
     sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    if endpoint:
+        sub.connect(endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     return sub
 
 
+def curve_client(sock: zmq.Socket, pub: EventPublisher) -> zmq.Socket:
+    """``sock`` as a CURVE client of ``pub`` (a fresh key pair: no client list)."""
+    assert pub.public_key is not None
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.curve_serverkey = pub.public_key
+    return sock
+
+
 def test_pub_frames_sequence_and_replay(publisher):
-    pub, port, replay_port = publisher
+    pub, endpoint, replay_endpoint = publisher
     ctx = zmq.Context()
     try:
-        sub = subscribe(ctx, port)
+        sub = subscribe(ctx, endpoint)
         time.sleep(0.3)  # a late joiner misses the first batch: the replay has it
         store = BlockStore(1 << 20, listener=pub.source)
         for blk in synthetic_chain(CARD, list(range(2 * B)), tail=False):
@@ -209,7 +216,7 @@ def test_pub_frames_sequence_and_replay(publisher):
         assert any(isinstance(e, BlockStored) for e in decode_batch(payload).events)
         req = ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
-        req.connect(f"tcp://127.0.0.1:{replay_port}")
+        req.connect(replay_endpoint)
         req.send_multipart((b"", (0).to_bytes(8, "big")))
         seqs = []
         while True:
@@ -229,16 +236,19 @@ def test_pub_frames_sequence_and_replay(publisher):
         ctx.destroy(linger=0)
 
 
-def test_a_subscriber_that_stops_reading_never_blocks_the_store():
-    port = free_port()
+def test_a_subscriber_that_stops_reading_never_blocks_the_store(tmp_path):
+    port = free_port()  # TCP (its kernel buffers, which rcvbuf bounds); CURVE: beyond loopback
     memo = TokenMemo(max_blocks=64)
-    pub = EventPublisher(
-        EventsConfig(f"tcp://*:{port}", "", "kv", hwm=4, max_batch_events=1), StoreEvents(memo)
-    )
+    key = tmp_path / "events.key"
+    key.write_text(zmq.curve_keypair()[1].decode() + "\n")  # a bare Z85 secret will do
+    cfg = EventsConfig(f"tcp://*:{port}", "", "kv", hwm=4, max_batch_events=1, curve_key=str(key))
+    pub = EventPublisher(cfg, StoreEvents(memo))
     ctx = zmq.Context()
     try:
-        stuck = subscribe(ctx, port, hwm=4, rcvbuf=4096)  # connected, never reads
-        reader = subscribe(ctx, port)
+        stuck = curve_client(subscribe(ctx, "", hwm=4, rcvbuf=4096), pub)  # never reads
+        stuck.connect(f"tcp://127.0.0.1:{port}")
+        reader = curve_client(subscribe(ctx, ""), pub)
+        reader.connect(f"tcp://127.0.0.1:{port}")
         time.sleep(0.3)
         layout, tokens = Layout(CARD), [1 << 20] * 256  # 1.3 KB an event: past any buffer
         n = 20_000
@@ -279,12 +289,16 @@ def test_a_sink_inside_vllm_never_clears():
 @pytest.mark.parametrize(
     "sec,error",
     [
-        ({"kv_events": "tcp://*:5557"}, "--plaintext"),  # prompts' tokens, in clear, to all
-        ({"kv_events": "tcp://10.0.0.2:5557"}, "--plaintext"),
+        ({"kv_events": "tcp://*:5557"}, r"refusing --kv-events on \*"),  # prompts' tokens, to all
+        ({"kv_events": "tcp://*:5557", "plaintext": True}, "--kv-events-curve-key"),  # not enough
+        ({"kv_events": "tcp://10.0.0.2:5557", "plaintext": True}, "--kv-events-curve-key"),
         ({"kv_events": "udp://x:1"}, "invalid --kv-events"),
         ({"kv_events": "tcp://127.0.0.1:x"}, "invalid --kv-events"),
         ({"kv_events_replay": "tcp://127.0.0.1:5558"}, "needs --kv-events"),
-        ({"kv_events": "ipc:///tmp/a", "kv_events_replay": "tcp://*:1"}, "--plaintext"),
+        (
+            {"kv_events": "ipc:///tmp/a", "kv_events_replay": "tcp://*:1", "plaintext": True},
+            "refusing --kv-events-replay",
+        ),
     ],
 )
 def test_event_options_are_checked(sec, error):
@@ -299,24 +313,23 @@ def test_event_options_make_a_config():
     from kvmesh.mesh.settings import node_config
 
     sec = {
-        "kv_events": "tcp://*:5557",
-        "kv_events_replay": "tcp://*:5558",
+        "kv_events": "tcp://127.0.0.1:5557",
+        "kv_events_replay": "tcp://127.0.0.1:5558",
         "kv_events_topic": "t",
-        "plaintext": True,
     }
     cfg = node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), sec).kv_events
-    assert cfg == EventsConfig("tcp://*:5557", "tcp://*:5558", "t")
+    assert cfg == EventsConfig("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "t")
     assert node_config("127.0.0.1:0", "1MiB", (), None, (), ("cache",), {}).kv_events is None
 
 
 def test_a_taken_endpoint_is_a_clear_error():
     from kvmesh.errors import ConfigError
 
-    port = free_port()
-    first = EventPublisher(EventsConfig(f"tcp://*:{port}"), StoreEvents())
+    taken = EventsConfig("inproc://a", f"tcp://127.0.0.1:{free_port()}")
+    first = EventPublisher(taken, StoreEvents())
     try:
         with pytest.raises(ConfigError, match="KV events"):
-            EventPublisher(EventsConfig(f"tcp://*:{port}"), StoreEvents())
+            EventPublisher(taken, StoreEvents())
     finally:
         first.close()
 

@@ -34,22 +34,51 @@ Contract:
   mark (a subscriber sees the gap in ``seq`` and asks the replay socket), and
   the replay ring holds at most ``buffer_batches`` batches. Replay requests are
   checked (three frames, an 8-byte sequence number) before anything is sent.
+
+Who may listen (docs/security.md, "KV events"; :meth:`EventsConfig.check`):
+
+- Events name prompts' tokens, so an endpoint that reaches beyond this host
+  (``tcp://*:P``, ``0.0.0.0``, a LAN address or name, an interface) is refused
+  with a :class:`ConfigError` unless (a) ``curve_key`` names a CURVE secret key
+  file (``--kv-events-curve-key``; made, mode 0600, when missing): both sockets
+  are then CURVE servers, so a subscriber must know the node's public key (logged
+  at start; ``python -m kvmesh.mesh.events FILE`` prints it) and, with
+  ``curve_clients`` (``--kv-events-curve-clients``, one Z85 public key a line),
+  hold one of the listed keys (a ZAP handler on the publisher thread; without
+  the list any client that knows the server key may subscribe); or (b)
+  ``token_ids`` is off (``--kv-events-hashes-only``): an unauthenticated
+  subscriber then gets block hashes, never tokens. ``--plaintext`` does not
+  unlock events. Loopback TCP, ``ipc://`` and ``inproc://`` need neither.
+- With ``token_ids`` off no ``BlockStored`` leaves with tokens, whatever the
+  source fed the publisher (it strips them), and the node's memo keeps none.
+- Every socket is bounded inbound: ``ZMQ_MAXMSGSIZE`` (:data:`MAX_IN_BYTES`, plus
+  the topic's length on the PUB: handshake commands, subscriptions and replay
+  requests are all small), so a peer announcing a larger frame (4 GiB) is
+  disconnected before anything is allocated; ``RCVHWM`` :data:`IN_HWM` messages a
+  peer, ``SNDHWM`` ``hwm`` batches a subscriber. Not bounded: how many
+  connections a reachable socket accepts (the firewall's job).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import re
+import sys
 import threading
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils import z85
 
 from ..blocks import BlockKeyer
 from ..codec import BlockHeader
@@ -118,7 +147,8 @@ _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 class TokenMemo:
     """Token ids of recently keyed blocks, by key: bounded LRU (``max_blocks``),
-    so a block stored soon after its request was keyed carries its tokens."""
+    so a block stored soon after its request was keyed carries its tokens.
+    ``max_blocks=0`` keeps nothing (events that carry hashes only)."""
 
     def __init__(self, max_blocks: int = 16384) -> None:
         self.max_blocks = max_blocks
@@ -126,6 +156,8 @@ class TokenMemo:
         self._lock = threading.Lock()
 
     def record(self, key: bytes, tokens: Sequence[int]) -> None:
+        if self.max_blocks <= 0:
+            return
         packed = array("I", tokens).tobytes()
         with self._lock:
             self._tokens[key] = packed
@@ -178,12 +210,20 @@ class StoreEvents:
     ``listener=sink`` (or ``store.listener = sink``), the keyer wrapped in
     :class:`RecordingKeyer` with ``sink.memo``, and ``take_events()`` returning
     ``sink.take()`` (vLLM's own classes, if wanted, from
-    ``msgspec.structs.asdict(event)`` by ``type(event).__name__``)."""
+    ``msgspec.structs.asdict(event)`` by ``type(event).__name__``).
+
+    With ``token_ids=False`` its events carry hashes only and its memo (unless one
+    is given) keeps no tokens, so a keyer recording into it holds none either."""
 
     def __init__(
-        self, memo: TokenMemo | None = None, max_pending: int = 100_000, clears: bool = True
+        self,
+        memo: TokenMemo | None = None,
+        max_pending: int = 100_000,
+        clears: bool = True,
+        token_ids: bool = True,
     ) -> None:
-        self.memo = memo if memo is not None else TokenMemo()
+        self.memo = memo if memo is not None else TokenMemo(16384 if token_ids else 0)
+        self.token_ids = token_ids
         self.max_pending = max_pending
         self.clears = clears
         self.dropped = 0  # changes refused for a full queue
@@ -236,7 +276,7 @@ class StoreEvents:
         return out
 
     def _stored(self, out: list[Event], medium: str, h: BlockHeader) -> None:
-        tokens = self.memo.get(h.key)
+        tokens = self.memo.get(h.key) if self.token_ids else None
         parent = None if h.start == 0 else external_hash(h.parent)
         last = out[-1] if out else None
         if (  # the next block of the same chain: one event, as vLLM's
@@ -262,12 +302,149 @@ class StoreEvents:
             out.append(BlockRemoved([external_hash(h.key)], medium))
 
 
+# -- who may listen -----------------------------------------------------------------
+
+#: Largest message a socket takes from a peer (ZMQ_MAXMSGSIZE, checked by libzmq on
+#: each frame's announced size, handshake commands included, before it allocates):
+#: the biggest legitimate one is CURVE's INITIATE (~300 bytes with a socket's
+#: metadata); subscriptions and replay requests (8 bytes) are smaller. The PUB adds
+#: its topic's length (a subscription is a topic prefix).
+MAX_IN_BYTES = 4096
+#: Messages queued from one peer (subscriptions on the PUB, replay requests on the
+#: ROUTER) before libzmq stops reading its connection.
+IN_HWM = 64
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect (RFC 27)
+_Z85 = "0-9a-zA-Z.\\-:+=^!/*?&<>()\\[\\]{}@%$#"
+_KEY = re.compile(f"[{_Z85}]{{40}}")  # a 32-byte CURVE key, Z85-encoded
+_PROPERTY = re.compile(r'\s*(public-key|secret-key)\s*=\s*"([^"]*)"\s*')  # ZPL certificates
+_ZPL_LINE = re.compile(r'\s*(curve|metadata|[\w-]+\s*=\s*"[^"]*")\s*')  # a certificate's others
+_KEY_HEADER = (
+    "# kvmesh KV events: CURVE key pair (ZeroMQ certificate format). Keep this file\n"
+    "# private; subscribers connect with the public key as their server key.\n"
+)
+
+
+def endpoint_reaches_beyond(endpoint: str, option: str = "--kv-events") -> bool:
+    """Whether ``endpoint`` can be reached (or reaches) beyond this host: any TCP
+    address but a loopback one (a wildcard, ``0.0.0.0``, a LAN address, a name, an
+    interface); ``ipc://`` and ``inproc://`` cannot. A malformed endpoint is a
+    :class:`ConfigError` naming ``option``."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise ConfigError(
+            f"invalid {option} {endpoint!r}: expected tcp://HOST:PORT, ipc:// or inproc://"
+        )
+    if scheme != "tcp":
+        return False
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"invalid {option} {endpoint!r}: expected tcp://HOST:PORT")
+    return not _loopback(host)
+
+
+def _loopback(host: str) -> bool:
+    """``localhost`` or a loopback address, written as an address: not a name that
+    starts like one (``127.example.com``), nor ``src;dst`` (a source address)."""
+    if host == "localhost":
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A node's CURVE key pair (Z85) and, when restricted, the clients it admits."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+    clients: frozenset[bytes] | None = None  # None: any client that knows ``public``
+
+
+def load_curve_key(path: str | Path) -> tuple[bytes, bytes]:
+    """``(public, secret)``, Z85, from a CURVE secret key file, made (mode 0600,
+    with a fresh pair) when missing. The file is a ZeroMQ certificate (``secret-key
+    = "..."``, as ``zmq.auth.create_certificates`` writes, optionally with its
+    ``public-key``) or one line of the 40-character Z85 secret key."""
+    if not zmq.has("curve"):
+        raise ConfigError("this pyzmq's libzmq has no CURVE: KV events cannot be authenticated")
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass  # the usual case
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot make a CURVE key ({e.strerror})") from None
+    else:
+        new_public, new_secret = (k.decode() for k in zmq.curve_keypair())
+        with os.fdopen(fd, "w") as f:
+            f.write(_KEY_HEADER + f'curve\n    public-key = "{new_public}"\n')
+            f.write(f'    secret-key = "{new_secret}"\n')
+        log.info("kv events: made a CURVE key pair in %s", path)
+    try:
+        text = p.read_text()
+        mode = p.stat().st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the CURVE key ({e})") from None
+    found = {m.group(1): m.group(2) for m in map(_PROPERTY.fullmatch, text.splitlines()) if m}
+    if not found:  # a bare key: the first line that is not a comment
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        bare = [ln for ln in lines if _KEY.fullmatch(ln) or not ln.startswith("#")]
+        found = {"secret-key": bare[0]} if bare else {}
+    secret = found.get("secret-key", "")
+    if not _KEY.fullmatch(secret):
+        raise ConfigError(
+            f"{path}: no CURVE secret key (a ZeroMQ certificate's secret-key, or 40 Z85 "
+            "characters); a missing file is made with a fresh pair"
+        )
+    public = zmq.curve_public(secret.encode())
+    if "public-key" in found and found["public-key"].encode() != public:
+        raise ConfigError(f"{path}: its public-key is not the secret key's")
+    if mode & 0o077:
+        log.warning("kv events: %s (a secret key) is readable by other users: chmod 600 it", path)
+    return public, secret.encode()
+
+
+def load_curve_clients(path: str | Path) -> frozenset[bytes]:
+    """The public keys (Z85) in ``path``: one a line, optionally followed by a name;
+    ``#`` comments and blank lines are skipped, and ZeroMQ public certificates
+    (``public-key = "..."`` lines) may be pasted as they are. A secret key, a line
+    that is no key, or a file with none is a :class:`ConfigError`."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the CURVE client keys ({e})") from None
+    keys = set()
+    for n, line in enumerate(lines, 1):
+        word = line.split()[0] if line.split() else ""
+        prop = _PROPERTY.fullmatch(line)
+        if prop and prop.group(1) == "secret-key":
+            raise ConfigError(f"{path}:{n}: a secret key; list clients' public keys only")
+        if prop:
+            word = prop.group(2)
+        elif not _KEY.fullmatch(word) and (
+            not word or word.startswith("#") or _ZPL_LINE.fullmatch(line)
+        ):
+            continue  # blank, a comment, a certificate's other lines
+        if not _KEY.fullmatch(word):
+            raise ConfigError(f"{path}:{n}: not a CURVE public key (40 Z85 characters)")
+        keys.add(word.encode())
+    if not keys:
+        raise ConfigError(f"{path}: no CURVE public key (one a line, 40 Z85 characters)")
+    return frozenset(keys)
+
+
 # -- the ZMQ publisher -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class EventsConfig:
-    """Where and how a node publishes (``--kv-events*``)."""
+    """Where and how a node publishes (``--kv-events*``), checked when made
+    (:meth:`check`): a config that would send prompts' tokens beyond this host
+    without authentication cannot exist."""
 
     endpoint: str  # tcp://*:5557 binds; tcp://host:port connects (vLLM's rule)
     replay_endpoint: str = ""  # a ROUTER socket that replays the last batches
@@ -279,6 +456,74 @@ class EventsConfig:
     buffer_bytes: int = 64 << 20  # ...within these bytes
     max_pending: int = 100_000  # store changes waiting for the publisher thread
     max_batch_events: int = 512  # store changes per batch at most
+    # who may listen (the module's docstring)
+    curve_key: str = ""  # CURVE secret key file: both sockets are CURVE servers
+    curve_clients: str = ""  # public keys admitted (none given: any that knows ours)
+    token_ids: bool = True  # False: BlockStored carry hashes only
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` for a malformed endpoint, or one beyond this
+        host that would publish tokens without CURVE."""
+        for option, endpoint in (
+            ("--kv-events", self.endpoint),
+            ("--kv-events-replay", self.replay_endpoint),
+        ):
+            if (endpoint or option == "--kv-events") and (
+                endpoint_reaches_beyond(endpoint, option) and self.token_ids and not self.curve_key
+            ):
+                host = endpoint.partition("://")[2].rpartition(":")[0]
+                raise ConfigError(
+                    f"refusing {option} on {host}: it reaches beyond this host and KV events "
+                    "carry prompts' token ids. Pass --kv-events-curve-key FILE (subscribers "
+                    "authenticate with CURVE; FILE is made when missing), or "
+                    "--kv-events-hashes-only to publish block hashes without tokens to anyone "
+                    "who connects; or use ipc:// or a loopback address (--plaintext does not "
+                    "cover events)"
+                )
+        if self.curve_clients and not self.curve_key:
+            raise ConfigError("--kv-events-curve-clients needs --kv-events-curve-key")
+
+    def keys(self) -> CurveKeys | None:
+        """The CURVE keys (the key file made when missing), or None without CURVE."""
+        if not self.curve_key:
+            return None
+        public, secret = load_curve_key(self.curve_key)
+        clients = load_curve_clients(self.curve_clients) if self.curve_clients else None
+        return CurveKeys(public, secret, clients)
+
+
+#: The ``--kv-events*`` options (:data:`kvmesh.mesh.options.EVENTS`) that mean
+#: nothing without ``--kv-events``.
+_NEEDS_ENDPOINT = (
+    "kv_events_replay",
+    "kv_events_curve_key",
+    "kv_events_curve_clients",
+    "kv_events_hashes_only",
+)
+
+
+def events_config(values: Mapping[str, object]) -> EventsConfig | None:
+    """The checked config of the ``--kv-events*`` option values (by their declared
+    names), None without ``--kv-events``. The CURVE key file is made now when
+    missing and both key files are read, so a bad one fails before the node starts."""
+    if not values.get("kv_events"):
+        for name in _NEEDS_ENDPOINT:
+            if values.get(name):
+                raise ConfigError(f"--{name.replace('_', '-')} needs --kv-events")
+        return None
+    cfg = EventsConfig(
+        str(values["kv_events"]),
+        str(values.get("kv_events_replay") or ""),
+        str(values.get("kv_events_topic") or ""),
+        curve_key=str(values.get("kv_events_curve_key") or ""),
+        curve_clients=str(values.get("kv_events_curve_clients") or ""),
+        token_ids=not values.get("kv_events_hashes_only"),
+    )
+    cfg.keys()
+    return cfg
 
 
 def binds(endpoint: str) -> bool:
@@ -293,6 +538,7 @@ class PublisherStats:
     send_failed: int = 0  # batches ZMQ refused (kept for replay)
     replays: int = 0
     bad_replays: int = 0
+    denied: int = 0  # CURVE clients refused for a key not in --kv-events-curve-clients
 
 
 class EventPublisher:
@@ -301,6 +547,7 @@ class EventPublisher:
     POLL_S = 0.02  # how long the thread sleeps when nothing happens
     GATHER_S = 0.002  # after a wake, let a request's blocks gather into one batch
     MAX_REPLAYS = 8  # replay requests served between two batches
+    MAX_ZAP = 64  # handshakes judged between two batches
 
     def __init__(self, config: EventsConfig, source: StoreEvents) -> None:
         self.config = config
@@ -311,26 +558,71 @@ class EventPublisher:
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_batches)
         self._ring_bytes = 0
         self._encoder = msgspec.msgpack.Encoder()
+        self._keys = config.keys()  # a ConfigError before any socket exists
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
+        self._zap: zmq.Socket[bytes] | None = None
         self._replay: zmq.Socket[bytes] | None = None
         try:
+            if self._keys is not None and self._keys.clients is not None:
+                self._zap = self._ctx.socket(zmq.REP)  # before any handshake can happen
+                self._zap.setsockopt(zmq.LINGER, 0)
+                self._zap.bind(ZAP_ENDPOINT)
+            self._pub = self._socket(zmq.PUB, config.endpoint, MAX_IN_BYTES + len(self._topic))
             (self._pub.bind if binds(config.endpoint) else self._pub.connect)(config.endpoint)
             if config.replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.setsockopt(zmq.SNDHWM, config.hwm)
+                self._replay = self._socket(zmq.ROUTER, config.replay_endpoint, MAX_IN_BYTES)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:  # e.g. the port is taken: one clear line, not a traceback
             self._ctx.destroy(linger=0)
             raise ConfigError(
                 f"cannot open the KV events sockets ({config.endpoint}): {e}"
             ) from None
+        self._announce()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-events", daemon=True)
         self._thread.start()
+
+    def _socket(self, kind: int, endpoint: str, max_in: int) -> zmq.Socket[bytes]:
+        """A socket bounded both ways and, with keys, a CURVE server (whether it
+        binds or connects: the subscriber is always the client)."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
+        sock.setsockopt(zmq.RCVHWM, IN_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_in)
+        if "[" in endpoint:  # tcp://[::1]:P: libzmq parses IPv6 only when asked
+            sock.setsockopt(zmq.IPV6, 1)
+        if self._keys is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._keys.secret)
+        return sock
+
+    def _announce(self) -> None:
+        keys, cfg = self._keys, self.config
+        if keys is not None:
+            who = (
+                f"the {len(keys.clients)} client keys of {cfg.curve_clients}"
+                if keys.clients is not None
+                else "any client that knows it (no --kv-events-curve-clients)"
+            )
+            log.info(
+                "kv events: CURVE on; subscribers' server key: %s; admitted: %s",
+                keys.public.decode(),
+                who,
+            )
+        elif any(
+            e and endpoint_reaches_beyond(e) for e in (cfg.endpoint, cfg.replay_endpoint)
+        ):  # allowed by check() only without token ids
+            log.warning(
+                "kv events: %s is unauthenticated (--kv-events-hashes-only): anyone who "
+                "reaches it sees which blocks this node holds, never their tokens",
+                cfg.endpoint,
+            )
+
+    @property
+    def public_key(self) -> bytes | None:
+        """The CURVE public key subscribers connect with (Z85), None without CURVE."""
+        return None if self._keys is None else self._keys.public
 
     @property
     def dropped(self) -> int:
@@ -339,6 +631,7 @@ class EventPublisher:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                self._serve_zap()
                 self._serve_replays()
                 if self.source.wait(self.POLL_S):
                     time.sleep(self.GATHER_S)  # fewer, fuller batches: less GIL ping-pong
@@ -353,7 +646,11 @@ class EventPublisher:
 
     def publish(self, events: list[Event]) -> int:
         """Send one batch now (from the publisher thread, or a caller's own);
-        returns its sequence number."""
+        returns its sequence number. Without ``token_ids`` no tokens leave."""
+        if not self.config.token_ids:
+            for ev in events:
+                if isinstance(ev, BlockStored) and ev.token_ids:
+                    ev.token_ids = []
         seq = next(self._seq)
         payload = self._encoder.encode(EventBatch(time.time(), events, 0))
         try:
@@ -373,6 +670,33 @@ class EventPublisher:
         self._ring_bytes += len(payload)
         while self._ring_bytes > self.config.buffer_bytes and len(self._ring) > 1:
             self._ring_bytes -= len(self._ring.popleft()[1])
+
+    def _serve_zap(self) -> None:
+        """Judge the CURVE handshakes waiting (ZAP, RFC 27): a client whose public
+        key is not listed is refused before it can subscribe or ask a replay."""
+        zap, keys = self._zap, self._keys
+        for _ in range(self.MAX_ZAP):
+            if zap is None or keys is None or not zap.poll(0):
+                return
+            # version, request id, domain, address, routing id, mechanism, credentials
+            frames = zap.recv_multipart()
+            client = z85.encode(frames[6]) if len(frames) == 7 and len(frames[6]) == 32 else b""
+            ok = (
+                frames[0] == b"1.0" and frames[5:6] == [b"CURVE"] and client in (keys.clients or ())
+            )
+            if not ok:
+                self.stats.denied += 1
+                if self.stats.denied & (self.stats.denied - 1) == 0:  # 1, 2, 4...: a bounded log
+                    log.warning(
+                        "kv events: refused a subscriber from %s (key %s not in %s; %d refused)",
+                        frames[3].decode(errors="replace") if len(frames) > 3 else "?",
+                        client.decode() or "?",
+                        self.config.curve_clients,
+                        self.stats.denied,
+                    )
+            request_id = frames[1] if len(frames) > 1 else b""
+            status = (b"200", b"OK") if ok else (b"400", b"unknown key")
+            zap.send_multipart((b"1.0", request_id, *status, b"", b""))
 
     def _serve_replays(self) -> None:
         replay = self._replay
@@ -405,17 +729,37 @@ class NodeEvents:
     """A node's events: the store listener and, with a config, its publisher."""
 
     def __init__(self, config: EventsConfig) -> None:
-        self.source = StoreEvents(max_pending=config.max_pending)
+        self.source = StoreEvents(max_pending=config.max_pending, token_ids=config.token_ids)
         self.publisher = EventPublisher(config, self.source)
 
     def close(self) -> None:
         self.publisher.close()
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvmesh.mesh.events KEYFILE``: print the CURVE public key that
+    subscribers of ``--kv-events-curve-key KEYFILE`` connect with (KEYFILE is made,
+    mode 0600, with a fresh pair when missing)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m kvmesh.mesh.events KEYFILE", file=sys.stderr)
+        return 2
+    try:
+        public, _ = load_curve_key(args[0])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(public.decode())
+    return 0
+
+
 __all__ = [
+    "IN_HWM",
+    "MAX_IN_BYTES",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "CurveKeys",
     "EventBatch",
     "EventPublisher",
     "EventsConfig",
@@ -425,5 +769,12 @@ __all__ = [
     "StoreEvents",
     "TokenMemo",
     "decode_batch",
+    "endpoint_reaches_beyond",
+    "events_config",
     "external_hash",
+    "load_curve_clients",
+    "load_curve_key",
 ]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -246,6 +246,30 @@ EVENTS = _rows(
         metavar="ENDPOINT",
     ),
     Option("kv_events_topic", "Topic frame of every KV event message.", ""),
+    Option(
+        "kv_events_curve_key",
+        "CURVE secret key file for the KV events sockets (made, mode 0600, when missing; "
+        "the public key is logged at start and printed by `python -m kvmesh.mesh.events "
+        "FILE`): subscribers must be CURVE clients of that public key. Needed for an "
+        "endpoint beyond loopback (tcp://*:P included) unless --kv-events-hashes-only.",
+        kind="path",
+        metavar="FILE",
+    ),
+    Option(
+        "kv_events_curve_clients",
+        "Public keys (Z85, one a line) of the subscribers admitted under "
+        "--kv-events-curve-key. Without it, any client that knows the node's public key "
+        "may subscribe.",
+        kind="file",
+        metavar="FILE",
+    ),
+    Option(
+        "kv_events_hashes_only",
+        "Publish block hashes without token ids. Routers that key blocks by their tokens "
+        "(llm-d, Dynamo) then learn nothing from a head; the only way to publish beyond "
+        "loopback without CURVE (anyone who connects sees which blocks this node holds).",
+        kind="flag",
+    ),
 )
 
 #: A node that also serves requests (``kvmesh head``, a vLLM worker).
