@@ -191,7 +191,7 @@ def head(tmp_path_factory):
     keys = tmp_path_factory.mktemp("fuzz") / "keys"
     keys.write_text(KEY + "\n")
     h = Head(
-        "--api-key-file",
+        "--admin-key-file",
         str(keys),
         "--default-max-tokens",
         "4",

@@ -193,7 +193,7 @@ def test_api_key_scope_all_protects_openai_routes_and_no_local_path_is_public(tm
 def test_api_key_scope_admin_leaves_openai_routes_open(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text(KEY + "\n")
-    h = Head("--api-key-file", str(keys))  # admin is the default scope
+    h = Head("--admin-key-file", str(keys))  # admin is the default scope
     try:
         assert h.http.get("/v1/models").status_code == 200
         body = {"model": "demo-tiny", "prompt": "open", "max_tokens": 1}
@@ -252,7 +252,7 @@ def _pairing_head(tmp_path, *extra: str, verify=True) -> Head:
         "0.0.0.0:0",
         "--fleet-key-file",
         str(tmp_path / "fleet.key"),
-        "--api-key-file",
+        "--admin-key-file",
         str(tmp_path / "keys"),
         *extra,
         verify=verify,

@@ -58,7 +58,7 @@ def line_coverage(out: str) -> float:
 def head(tmp_path_factory):
     keys = tmp_path_factory.mktemp("sdk") / "api-keys"
     keys.write_text(KEY + "\n")
-    h = Head("--api-key-file", str(keys), "--alias", "sdk-head")
+    h = Head("--admin-key-file", str(keys), "--alias", "sdk-head")
     yield h
     h.stop()
 

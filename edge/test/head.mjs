@@ -19,7 +19,7 @@ export const KEY = "edge-test-key-0123456789";
 export function startHead(listen = "127.0.0.1:0", timeoutMs = 120_000) {
   const keys = join(mkdtempSync(join(tmpdir(), "kvmesh-edge-")), "api-keys");
   writeFileSync(keys, `${KEY}\n`);
-  const args = ["-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen", listen, "--api-key-file", keys, "--alias", "edge-head"];
+  const args = ["-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen", listen, "--admin-key-file", keys, "--alias", "edge-head"];
   const proc = spawn(process.env.KVMESH_PYTHON ?? "python3", args, { stdio: ["ignore", "pipe", "inherit"] });
   return new Promise((resolve, reject) => {
     const timer = setTimeout(() => {

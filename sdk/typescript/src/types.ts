@@ -169,6 +169,8 @@ export interface Group {
 
 export interface TokenSeriesPoint {
   t: number;
+  /** Requests in the window (a public window holds several; an admin sees every one). */
+  requests: number;
   completion_tokens: number;
   kv_assisted_tokens: number;
   computed_tokens: number;

@@ -49,7 +49,8 @@ describe("network", () => {
     const after = await pub.network.tokens();
     expect(after.completed_tokens).toBeGreaterThanOrEqual(before.completed_tokens + 3);
     expect(after.requests).toBeGreaterThan(before.requests);
-    expect(after.series.length).toBeGreaterThan(0);
+    // a public window shows only several requests together; an admin sees each window
+    expect((await admin.network.tokens()).series.length).toBeGreaterThan(0);
     const p = await pub.network.prefill();
     expect(p.requests).toBeGreaterThan(0);
     expect(Object.keys(p.by_source).sort()).toEqual(["compute", "disk", "local", "remote", "session"]);

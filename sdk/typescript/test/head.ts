@@ -28,7 +28,7 @@ export function startHead(args: string[] = [], timeoutMs = 120_000): Promise<Run
   const python = process.env.KVMESH_PYTHON ?? "python3";
   const proc = spawn(
     python,
-    ["-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen", "127.0.0.1:0", "--api-key-file", keys, "--alias", "sdk-head", ...args],
+    ["-m", "kvmesh.cli", "head", "--model", "demo-tiny", "--listen", "127.0.0.1:0", "--admin-key-file", keys, "--alias", "sdk-head", ...args],
     { stdio: ["ignore", "pipe", "inherit"] },
   );
   return new Promise((resolve, reject) => {
