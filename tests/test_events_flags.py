@@ -22,13 +22,6 @@ from .procs import free_port
 from .test_api import Head
 from .test_events_nodes import B, complete, prompt
 
-#: Until kvmesh/mesh/settings.py hands the ``--kv-events*`` values to
-#: ``events_config`` (issue #36), the new flags do not reach the publisher and a
-#: node given them refuses to start. Remove this marker with that change.
-needs_settings = pytest.mark.xfail(
-    strict=True, reason="kvmesh/mesh/settings.py does not pass the new --kv-events-* flags yet"
-)
-
 
 def test_plaintext_does_not_open_events_beyond_loopback():
     """The audit's setup (the README's fleet flags plus --kv-events tcp://*:P) is
@@ -84,7 +77,6 @@ def stored_after_prompts(
     raise AssertionError("no BlockStored came")
 
 
-@needs_settings
 def test_a_head_publishes_prompts_to_listed_curve_clients_only(tmp_path, ctx):
     port = free_port()
     key, clients = tmp_path / "events.key", tmp_path / "clients.txt"
@@ -116,7 +108,6 @@ def test_a_head_publishes_prompts_to_listed_curve_clients_only(tmp_path, ctx):
         log.close()
 
 
-@needs_settings
 def test_a_head_with_hashes_only_tells_anyone_hashes_and_nothing_else(tmp_path, ctx):
     port = free_port()
     head = Head("--kv-events", f"tcp://*:{port}", "--kv-events-hashes-only")

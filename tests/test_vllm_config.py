@@ -11,7 +11,7 @@ import pytest
 
 from kvmesh.cli import main
 from kvmesh.errors import ConfigError
-from kvmesh.mesh.options import NODE
+from kvmesh.mesh.options import EVENTS, NODE
 from kvmesh.vllm.config import (
     ALIASES,
     CONNECTOR_ONLY,
@@ -53,7 +53,7 @@ def test_every_connector_key_is_a_head_option_with_its_default_and_help():
     assert set(KEYS) == set(HEAD_KEYS) | own and not own & set(head)
     assert all(o.help for o in CONNECTOR_ONLY)
     # what the connector leaves out is what a vLLM process gets elsewhere
-    assert set(NODE) - set(HEAD_KEYS) == {"kv_events", "kv_events_replay", "kv_events_topic"}
+    assert set(NODE) - set(HEAD_KEYS) == set(EVENTS)
 
 
 def test_an_unknown_key_lists_every_valid_one():

@@ -156,8 +156,9 @@ def _serve(
         kv_budget_bytes=opts.kv_budget_bytes,
     )
     closers.append(runtime.close)
-    if node.node.events is not None:  # KV events carry the tokens of the blocks this head keys
-        runtime.keyer = RecordingKeyer(runtime.keyer, node.node.events.source.memo)
+    events = node.node.events
+    if events is not None and events.source.token_ids:  # the tokens of the blocks it keys
+        runtime.keyer = RecordingKeyer(runtime.keyer, events.source.memo)
     name, aliases = opts.model_names()
     app = create_app(
         runtime,

@@ -302,7 +302,7 @@ def head(
         pick_dtype(dtype, engine)
         device = pick_device(device, engine) or device
     tenant_cap = _tenant_options(api_key_file, tenant_header, shared_tenant, tenant_budget)
-    _role_keys(admin_key_file, gateway_key_file)
+    _role_keys(api_key_file, admin_key_file, gateway_key_file)
     if tenant_secret_file:
         from ..api.credentials import KeyFileError, head_secret
 
@@ -345,19 +345,31 @@ def head(
     )
 
 
-def _role_keys(admin_key_file: str | None, gateway_key_file: str | None) -> None:
-    """Check the admin and gateway key files now (a clear error before the model loads)."""
+def _role_keys(api: str | None, admin: str | None, gateway: str | None) -> None:
+    """Check the admin and gateway key files now (a clear error before the model
+    loads), and that no key has two roles."""
     from ..api.credentials import KeyFileError, read_key_file
 
+    seen: dict[str, str] = {}
     for flag, path in (
-        ("--admin-key-file", admin_key_file),
-        ("--gateway-key-file", gateway_key_file),
+        ("--api-key-file", api),
+        ("--admin-key-file", admin),
+        ("--gateway-key-file", gateway),
     ):
         try:
-            if path:
-                read_key_file(path, tenants=False)
+            keys = (
+                [k for k, _ in read_key_file(path, tenants=flag == "--api-key-file")]
+                if path
+                else []
+            )
         except KeyFileError as e:
             raise click.BadParameter(str(e), param_hint=flag) from None
+        for k in keys:
+            if k in seen:
+                raise click.BadParameter(
+                    f"a key has one role: a key of {seen[k]} is here too", param_hint=flag
+                )
+            seen[k] = flag
 
 
 def _tenant_options(

@@ -211,6 +211,7 @@ class NodeCollector(Collector):
             ("send_failed", st.send_failed),
             ("replays", st.replays),
             ("bad_replays", st.bad_replays),
+            ("denied", st.denied),
         ):
             c.add_metric([outcome], v)
         yield c

@@ -7,8 +7,10 @@ or raise :class:`ConfigError` with a message naming the option; they never read
 the command line or the environment (the CLI and the connector hand them values).
 A plaintext listener off loopback needs ``plaintext``; one without client
 authentication (no fleet key, no mutual TLS) needs ``allow_unauthenticated``.
-KV events (``kv_events``) are plaintext ZMQ carrying prompts' token ids, so an
-endpoint beyond loopback (``tcp://*:5557`` included) needs ``plaintext`` too.
+KV events (``kv_events*``) are checked by :func:`kvmesh.mesh.events.events_config`:
+an endpoint beyond loopback (``tcp://*:5557`` included) needs a CURVE key
+(``kv_events_curve_key``) or ``kv_events_hashes_only``; ``plaintext`` does not
+cover them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..units import is_loopback, parse_size, split_hostport
-from .events import EventsConfig
+from .events import events_config
 from .node import NodeConfig
 from .options import NODE, Option, Value
 from .security import Security, TLSConfig, load_fleet_key
@@ -44,38 +46,10 @@ def _disk(sec: dict[str, object]) -> dict[str, Any]:
     )
 
 
-def _endpoint(value: str, option: str, sec: dict[str, object]) -> str:
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
-        raise ConfigError(
-            f"invalid {option} {value!r}: expected tcp://HOST:PORT, ipc:// or inproc://"
-        )
-    if scheme == "tcp":
-        host, _, port = rest.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"invalid {option} {value!r}: expected tcp://HOST:PORT")
-        if not is_loopback(host.strip("[]")) and not sec.get("plaintext"):
-            raise ConfigError(
-                f"refusing {option} on {host}: KV events are plaintext and carry prompts' "
-                "token ids; pass --plaintext for a trusted private network"
-            )
-    return value
-
-
 def _events(sec: dict[str, object]) -> dict[str, Any]:
     """``NodeConfig`` fields for the ``--kv-events*`` options (none without ``--kv-events``)."""
-    if not sec.get("kv_events"):
-        if sec.get("kv_events_replay"):
-            raise ConfigError("--kv-events-replay needs --kv-events")
-        return {}
-    replay = str(sec.get("kv_events_replay") or "")
-    return dict(
-        kv_events=EventsConfig(
-            _endpoint(str(sec["kv_events"]), "--kv-events", sec),
-            _endpoint(replay, "--kv-events-replay", sec) if replay else "",
-            str(sec.get("kv_events_topic") or ""),
-        )
-    )
+    cfg = events_config(sec)
+    return {"kv_events": cfg} if cfg is not None else {}
 
 
 def node_config(

@@ -10,9 +10,10 @@ read as plan → fetch → compute:
   from where the local blocks end, and a failed peer gives way to the next one
   within one cache-time budget, then backs off (circuit breaker).
 - *compute* (on the engine thread, :mod:`.batch`): import the acquired prefix or
-  resume the session, compute the suffix (in chunks that share forwards with other
-  prompts' and alternate with decode steps; whole blocks another request in flight
-  under the same chain root holds are taken from it), then decode locally, batched with every
+  resume the session, compute the suffix (whatever the prefix came from, in chunks
+  that share forwards with other prompts' and alternate with decode steps; whole
+  blocks another request in flight under the same chain root holds are taken from
+  it), then decode locally, batched with every
   other running request (continuous batching: one forward per step for all of
   them; a request running alone decodes exactly as it would unbatched).
 
@@ -20,7 +21,10 @@ Every cache failure is caught, counted as a fallback reason, and answered by
 local prefill (invariant 1). Publishing starts only after the last token
 (invariant 3: the decode loop makes no remote call) and runs on a background
 thread. A request can be cancelled (its client left): while queued it never
-takes the engine; while decoding it stops after the current token.
+takes the engine; while prefilling it stops before its next chunk, and the whole
+blocks it computed are kept (stored and published as any computed block, handed
+to requests waiting for them); while decoding it stops after the current token.
+Cancellations are counted by stage (``cancelled:queued|prefilling|running``).
 ``max_batch`` sequences run at once and ``kv_budget_bytes`` bounds the KV they
 may hold; beyond either, requests wait in order.
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -47,7 +52,7 @@ import numpy as np
 from ..blocks import BlockKeyer
 from ..codec import Block, new_blob
 from ..engine import Decoded, Engine, KVState, Sampling
-from ..engine.base import Decoder, Importer
+from ..engine.base import PREFILL_CHUNK, Decoder, Importer
 from ..errors import CacheMiss
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
@@ -55,9 +60,9 @@ from ..mesh.node import NodeThread
 from ..store import Match
 from .acquire import Acquirer, Publisher
 from .audit import AuditJob, Auditor
-from .batch import DEFAULT_MAX_BATCH, BatchRunner, Job, PrefillPlan
+from .batch import DEFAULT_MAX_BATCH, QUEUED, RUNNING, BatchRunner, Job, PrefillPlan
 from .planner import Planner, failure_reason
-from .telemetry import PrefillReport, Source, Telemetry
+from .telemetry import Count, Family, PrefillReport, Source, Telemetry, labelled
 
 log = logging.getLogger("kvmesh.head")
 
@@ -89,6 +94,14 @@ class Scope:
 def _caller(client: str) -> bytes | None:
     """The key a caller's own exact tails are made under (None: no caller known)."""
     return hashlib.sha256(b"kvmesh/caller/v1\x00" + client.encode()).digest() if client else None
+
+
+def _exact_tails(scope: Scope, client: str) -> bytes | None:
+    """Whose tails ``scope``'s request reads and writes: an anonymous request
+    (``caller`` "") is a caller of its own, so its tail matches no other request."""
+    if scope.caller == "":
+        return os.urandom(32)
+    return _caller(scope.exact(client))
 
 
 @dataclass
@@ -216,6 +229,7 @@ class HeadRuntime:
         audit_rate: float = 0.0,
         max_batch: int = DEFAULT_MAX_BATCH,
         kv_budget_bytes: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.engine = engine
         self.card = engine.card
@@ -230,7 +244,7 @@ class HeadRuntime:
         self.auditor = Auditor(audit_rate) if audit_rate else None
         self._lock = threading.RLock()  # held for each engine step (and audits between)
         self.batch = BatchRunner(
-            engine, self._lock, max_batch, kv_budget_bytes, self._drop_sessions
+            engine, self._lock, max_batch, kv_budget_bytes, self._drop_sessions, prefill_chunk
         )
         self._sessions_lock = threading.Lock()
         self._sessions: OrderedDict[int, tuple[KVState, int]] = OrderedDict()  # (state, bytes)
@@ -290,19 +304,23 @@ class HeadRuntime:
         on_start: Callable[[], None] | None = None,
         client: str = "",
         scope: Scope | None = None,
+        on_token: Callable[[], None] | None = None,
     ) -> Iterator[int]:
         """Prefill (planned) then decode locally, yielding tokens; publish after.
 
         ``cancel`` (the client went away): a request still queued never runs, a
-        running one stops after the token being decoded. ``on_start`` is called
-        once the engine is this request's (it has left the queue). ``client`` names
-        whose fair share of the batch it takes (see :mod:`.batch`) and whose own
-        conversation it continues; ``scope`` whose cache it uses (:class:`Scope`)."""
+        prefilling one stops before its next chunk (its computed whole blocks are
+        kept), a running one stops after the token being decoded. ``on_start`` is
+        called once the engine is this request's (it has left the queue);
+        ``on_token`` on the engine thread as each token is decoded, before it is
+        handed on. ``client`` names whose fair share of the batch it takes (see
+        :mod:`.batch`) and whose own conversation it continues; ``scope`` whose
+        cache it uses (:class:`Scope`)."""
         tokens = list(tokens)
         self.check_request(len(tokens), sampling)  # before any network work
         t0 = time.perf_counter()
         if cancel is not None and cancel.is_set():
-            self._cancelled(out, "queued")
+            self._cancelled(out, QUEUED)
             return
         scope = scope or Scope()
         keyer = self.keyer_for(scope, client)
@@ -316,7 +334,7 @@ class HeadRuntime:
             stamps.engine = time.perf_counter()
             with self._lock:
                 begun = self._begin(tokens, got)
-            return self._plan(tokens, got, begun, done, out, keyer.root, stamps)
+            return self._plan(tokens, got, begun, done, out, keyer, stamps, scope.tenant)
 
         def first_token() -> None:
             if not out.ttft_s:
@@ -324,6 +342,8 @@ class HeadRuntime:
                 out.ttft_s = stamps.first - t0
                 if done.report is not None:
                     done.report.breakdown.update(stamps.breakdown())
+            if on_token is not None:
+                on_token()
 
         job = Job(
             sampling,
@@ -334,14 +354,15 @@ class HeadRuntime:
             on_start,
             first_token,
             client,
+            prompt_tokens=len(tokens),
         )
         yield from self.batch.submit(job).tokens()
         state = job.state
-        if state is None:  # cancelled before it took the engine
-            self._cancelled(out, "queued")
+        if state is None:  # cancelled queued or prefilling: nothing decoded
+            self._cancelled(out, job.stage or QUEUED)
             return
-        if job.cancelled:
-            self._cancelled(out, "running")  # the state is whole: keep and publish it
+        if job.cancelled:  # the state is whole: keep and publish it
+            self._cancelled(out, job.stage or RUNNING)
         report, prompt = done.report, done.prompt
         assert report is not None and prompt is not None  # the job ran: it was prefilled
         self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
@@ -356,7 +377,7 @@ class HeadRuntime:
 
     def keyer_for(self, scope: Scope, client: str = "") -> BlockKeyer:
         """The keyer of ``scope``'s chains, its exact tails ``client``'s own."""
-        return self.keyer.rooted(scope.root or self.card.namespace, _caller(scope.exact(client)))
+        return self.keyer.rooted(scope.root or self.card.namespace, _exact_tails(scope, client))
 
     def _count_tenant(self, tenant: str | None, report: PrefillReport) -> None:
         if tenant is None:
@@ -381,7 +402,7 @@ class HeadRuntime:
     def check_request(self, prompt_tokens: int, sampling: Sampling) -> None:
         """Raise ValueError (a 400) for a request this head could never run: ``n``
         beyond the batch, or a worst case beyond the KV budget."""
-        self.batch.check(sampling.n, self._kv_bytes(prompt_tokens, sampling))
+        self.batch.check(sampling.n, self._kv_bytes(prompt_tokens, sampling), prompt_tokens)
 
     @property
     def engine_failure(self) -> BaseException | None:
@@ -396,7 +417,7 @@ class HeadRuntime:
 
     def _cancelled(self, out: Generation, stage: str) -> None:
         out.cancelled = True
-        self.telemetry.count(f"cancelled:{stage}")
+        self.telemetry.count(labelled(Family.CANCELLED, stage))
 
     def complete(self, tokens: Sequence[int], sampling: Sampling) -> Generation:
         out = Generation()
@@ -405,10 +426,10 @@ class HeadRuntime:
         return out
 
     def prefill(self, tokens: list[int]) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
-        """State for ``tokens`` and how it was obtained; also the reused block chain."""
+        """State for ``tokens`` and how it was obtained; also the reused block chain.
+        Beside the batch (see :meth:`_compute`), not through it."""
         got = self._acquire(list(tokens), self.keyer)
-        with self._lock:
-            return self._compute(list(tokens), got)
+        return self._compute(list(tokens), got)
 
     def _acquire(
         self,
@@ -474,23 +495,28 @@ class HeadRuntime:
     def _compute(
         self, tokens: list[int], got: _Acquired
     ) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
-        """Under the engine lock: import the acquired prefix (or resume the session)
-        and compute the rest in one forward. Any failure to use the prefix computes
-        it all."""
-        begun = self._begin(tokens, got)
+        """Import the acquired prefix (or resume the session) and compute the rest,
+        as the batch does (``prefill_chunk`` tokens a forward), the engine lock held
+        for each step, so running streams decode between them. Any failure to use
+        the prefix computes it all."""
+        with self._lock:
+            begun = self._begin(tokens, got)
         t0 = time.perf_counter()
         try:
             self._finish(begun.state)
         except Exception as e:  # invariant 1: compute it all
             if begun.source == Source.COMPUTE:
                 raise
-            begun = self._anew(tokens, e)
+            with self._lock:
+                begun = self._anew(tokens, e)
             self._finish(begun.state)
         return begun.state, *self._report(tokens, got, begun, time.perf_counter() - t0)
 
     def _finish(self, state: KVState) -> None:
-        if state.cached < len(state.tokens):
-            self.engine.prefill_batch([state], [len(state.tokens) - state.cached])
+        while state.cached < len(state.tokens):
+            n = min(self.batch.prefill_chunk, len(state.tokens) - state.cached)
+            with self._lock:
+                self.engine.prefill_batch([state], [n])
 
     def _begin(self, tokens: list[int], got: _Acquired) -> _Begun:
         """Under the engine lock: the prompt's state with the acquired prefix imported
@@ -519,12 +545,17 @@ class HeadRuntime:
         begun: _Begun,
         done: _Prefilled,
         out: Generation,
-        root: bytes,
+        keyer: BlockKeyer,
         stamps: Stamps,
+        owner: str | None = None,
     ) -> PrefillPlan:
-        """The batch's plan for a request's prefill: reported into ``done`` and
-        ``out`` once computed; a failed forward starts over computing everything."""
-        plan = PrefillPlan(begun.state, whole=begun.source == Source.SESSION, share=root)
+        """The batch's plan for a request's prefill, computed in chunks whatever its
+        prefix came from (a session's state is taken out of the session table: the
+        plan's state is a crop of it, which nothing else extends): reported into
+        ``done`` and ``out`` once computed; a failed forward starts over computing
+        everything; given up (cancelled, failed), the whole blocks it computed are
+        kept (:meth:`_keep_abandoned`, against ``owner``'s budget)."""
+        plan = PrefillPlan(begun.state, share=keyer.root)
 
         def finished(state: KVState) -> None:  # on the engine thread
             stamps.state = time.perf_counter()
@@ -536,10 +567,37 @@ class HeadRuntime:
             done.prompt = KVState(list(tokens), state.cache, state.logits, len(tokens))
 
         def anew(error: BaseException) -> PrefillPlan:
-            return self._plan(tokens, got, self._anew(tokens, error), done, out, root, stamps)
+            begun = self._anew(tokens, error)
+            return self._plan(tokens, got, begun, done, out, keyer, stamps, owner)
 
-        plan.done, plan.fallback = finished, anew
+        def abandoned(state: KVState) -> None:  # on the engine thread
+            self._keep_abandoned(state, keyer, owner)
+
+        plan.done, plan.fallback, plan.abandoned = finished, anew, abandoned
         return plan
+
+    def _keep_abandoned(self, state: KVState, keyer: BlockKeyer, owner: str | None) -> None:
+        """Keep and publish the whole blocks of a prompt given up while it was being
+        computed (cancelled, failed), as a finished prompt's are: the next request
+        for them imports them. Only when it computed a block beyond what it came
+        with; the chain from the root is what the local store holds, then the
+        export of the rest (on the publisher thread)."""
+        b = self.card.block_tokens
+        n = state.cached // b * b
+        fleet = self.fleet
+        if not self.publish_enabled or fleet is None or n <= state.imported_tokens:
+            return
+        if not self.publisher.reserve():
+            return
+        partial = KVState(state.tokens[:n], state.cache, None, n)  # blocks only: no tail
+
+        def chains() -> list[list[Block]]:  # on the publisher thread
+            keys = keyer.keys(partial.tokens)
+            have = list(fleet.local_prefix(keys).blocks)
+            more = self.engine.export(partial, keyer, keys, first_block=len(have))
+            return [have + more]
+
+        self.publisher.submit(chains, Count.PARTIAL_BLOCKS, owner)
 
     def _report(
         self, tokens: list[int], got: _Acquired, begun: _Begun, compute_s: float
