@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from kvmesh.engine import Sampling, load_engine
-from kvmesh.engine.base import Decoded
-from kvmesh.runtime.batch import PAD_TOKENS, STEP_FACTOR
+from kvmesh.engine.base import PREFILL_CHUNK, Decoded
+from kvmesh.runtime.batch import PAD_TOKENS, STEP_FACTOR, forward_work_bytes
 from kvmesh.runtime.head import Generation, HeadRuntime
 
 from . import zoo
@@ -40,9 +40,12 @@ def engine(kind: str, arch: str):
     return _engines[kind, arch]
 
 
-def charge(eng, kv_bytes: int, n: int = 1) -> int:
-    """What a job counts against the KV budget (kvmesh.runtime.batch's contract)."""
-    return int(kv_bytes * STEP_FACTOR) + n * PAD_TOKENS * eng.card.kv_bytes_per_token
+def charge(eng, kv_bytes: int, n: int = 1, prompt: int = 0) -> int:
+    """What a job counts against the KV budget (kvmesh.runtime.batch's contract):
+    its KV with a step's working copy, and while it prefills its ``prompt`` one
+    prefill forward's working memory (a chunk of it attending to all of it)."""
+    work = forward_work_bytes(eng, min(PREFILL_CHUNK, prompt), prompt) if prompt else 0
+    return int(kv_bytes * STEP_FACTOR) + n * PAD_TOKENS * eng.card.kv_bytes_per_token + work
 
 
 def as_np(logits) -> np.ndarray:
@@ -159,8 +162,14 @@ def test_max_batch_and_the_kv_budget_bound_what_runs():
     for kw, bound in (
         ({"max_batch": 2}, 2),
         # each request may hold (40 + 20) tokens of KV, charged with a step's working
-        # copy: the budget fits three
-        ({"max_batch": 8, "kv_budget_bytes": 3 * charge(eng, 60 * eng.card.kv_bytes_per_token)}, 3),
+        # copy and its 40-token prefill forward: the budget fits three
+        (
+            {
+                "max_batch": 8,
+                "kv_budget_bytes": 3 * charge(eng, 60 * eng.card.kv_bytes_per_token, 1, 40),
+            },
+            3,
+        ),
     ):
         h = runtime(**kw)
         try:
@@ -172,6 +181,42 @@ def test_max_batch_and_the_kv_budget_bound_what_runs():
             assert 2 <= h.batch.peak_batch <= bound
         finally:
             h.close()
+
+
+def test_a_prefills_working_memory_is_charged_until_its_prompt_is_computed():
+    eng = engine("torch", "llama")
+    per = eng.card.kv_bytes_per_token
+    toks = zoo.prompt_tokens(zoo.hf_model("llama"), 1300)
+    h = runtime(max_sessions=0)
+    try:
+        kv, sampling = per * (1300 + 300), Sampling(max_tokens=300, stop_on_eos=False)
+        with_work, without = charge(eng, kv, 1, 1300), charge(eng, kv)
+        assert with_work - without >= 512 * 1300 * 4  # a chunk's attention scores, at least
+        assert h.batch.charge(kv, 1, 1300) == with_work  # the contract, as the runner counts
+        # admitted with the work: charged while its 1,300 tokens are computed ...
+        seen: list[int] = []
+        out = Generation()
+        t = threading.Thread(
+            target=lambda: list(
+                h.generate(toks, sampling, out, on_token=lambda: seen.append(h.batch.held_bytes))
+            ),
+            daemon=True,
+        )
+        t.start()
+        t.join(300)
+        assert len(out.tokens) == 300
+        # ... and from its first token on only its KV (with a step's working copy)
+        assert seen and set(seen) == {without}
+        assert h.batch.held_bytes == 0
+        # a budget that fits its KV but not its prefill forward refuses it at once
+        small = runtime(max_sessions=0, kv_budget_bytes=with_work - 1)
+        try:
+            with pytest.raises(ValueError, match="kv-budget"):
+                small.complete(toks, sampling)
+        finally:
+            small.close()
+    finally:
+        h.close()
 
 
 def test_n_sequences_share_one_prefill_and_decode_in_one_batch():

@@ -8,8 +8,10 @@ engine with real forward passes.
 - A request reuses the whole blocks of one still decoding.
 - Never across chain roots (tenants), never with ``max_batch`` 1 (answers bitwise
   as alone, whatever runs beside them).
-- If the earlier request is cancelled while the later one waits, the later one
-  computes everything itself.
+- If the earlier request is cancelled (or fails) while the later one waits, the
+  later one takes the whole blocks it did compute and computes only the rest; the
+  cancellation is counted as ``prefilling``. A cancelled prompt's computed blocks
+  are kept in the head's store (the next request for them imports them).
 
 Outcomes are asserted in tokens and reports, never in wall-clock time.
 """
@@ -20,7 +22,9 @@ import threading
 
 from kvmesh.blocks import chain_root, tenant_root
 from kvmesh.engine import Sampling, load_engine
+from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.runtime.head import Generation, HeadRuntime, Scope
+from kvmesh.runtime.telemetry import Count
 
 from . import zoo
 
@@ -137,21 +141,137 @@ def test_tenants_never_share_and_max_batch_one_computes_each_alone():
             h.close()
 
 
-def test_a_cancelled_producer_leaves_the_waiting_request_to_compute_it_all():
+def test_a_cancelled_producer_hands_its_computed_blocks_to_the_waiting_request():
     a, b = prompts()
     h = head()
     try:
         gone = threading.Event()
         # a is cancelled as b is admitted: b first waits on a's 64 computed
-        # tokens, then finds a gone before its next chunk
+        # tokens (two blocks), then finds a gone before its next chunk and takes them
         out_a, out_b = queued_together(h, a, b, {"cancel": gone}, {"on_start": gone.set})
         assert out_a.cancelled and not out_a.tokens
-        assert out_b.report.source == "compute" and out_b.report.computed_tokens == 296
-        assert h.batch.share_waits == 1 and h.batch.shared_tokens == 0
-        assert h.batch.prefilling == 0
+        assert out_b.report.reused_tokens == 64 and out_b.report.computed_tokens == 296 - 64
+        assert h.batch.share_waits == 1 and h.batch.shared_tokens == 64
+        assert h.batch.share_rescued_tokens == 64
+        assert h.telemetry.counters["cancelled:prefilling"] == 1
+        assert "cancelled:queued" not in h.telemetry.counters
+        assert h.batch.prefilling == 0 and h.batch.held_bytes == 0
         assert out_b.tokens == alone(b)
     finally:
         h.close()
+
+
+def long_prompts() -> tuple[list[int], list[int]]:
+    """Two prompts with 1,024 tokens (32 blocks) in common, then 40 of their own."""
+    toks = zoo.prompt_tokens(zoo.hf_model("qwen2"), 1200, seed=3)
+    return toks[:1064], toks[:1024] + toks[1100:1140]
+
+
+def cancel_between_forwards(h: HeadRuntime, cancel: threading.Event, forwards: int) -> int:
+    """Cancel a request between two prefill forwards once ``forwards`` have run;
+    returns the prompt tokens computed by then (a lower bound on what it holds:
+    the engine lock is held while the event is set, so no forward is under way)."""
+    _until(lambda: h.batch.prefill_forwards >= forwards)
+    with h._lock:
+        done = h.batch.prefill_tokens
+        cancel.set()
+    return done
+
+
+def test_a_producer_cancelled_midway_leaves_its_blocks_to_its_waiter():
+    a, b = long_prompts()
+    h = head()
+    try:
+        gone, outs = threading.Event(), (Generation(), Generation())
+        t_a = start(h, a, outs[0], cancel=gone, client="a")
+        _until(lambda: h.batch.prefill_forwards >= 1)
+        t_b = start(h, b, outs[1], client="b")  # waits for a's 1,024 common tokens
+        _until(lambda: h.batch.share_waits == 1)
+        done = cancel_between_forwards(h, gone, h.batch.prefill_forwards + 4)
+        for t in (t_a, t_b):
+            t.join(120)
+            assert not t.is_alive()
+        out_a, out_b = outs
+        assert out_a.cancelled and not out_a.tokens
+        blocks = done // 32 * 32
+        assert 64 <= blocks < 1024  # cancelled midway through the common prefix
+        # the waiter's cached tokens cover every block a computed before it left
+        assert out_b.report.reused_tokens >= blocks
+        assert out_b.report.reused_tokens == h.batch.share_rescued_tokens
+        assert out_b.report.computed_tokens == len(b) - out_b.report.reused_tokens
+        assert h.telemetry.counters["cancelled:prefilling"] == 1
+        assert out_b.tokens == alone(b)
+    finally:
+        h.close()
+
+
+def test_a_failing_producer_leaves_its_blocks_to_its_waiter(monkeypatch):
+    a, b = long_prompts()
+    h = head()
+    eng = engine()
+    real = type(eng).prefill_batch
+    a_state: list = []
+
+    def prefill_batch(self, states, chunks):
+        # a's state (it alone holds a's last token) fails from its 257th position
+        # on, every time: its restart (computing from nothing) fails there too
+        for st, n in zip(states, chunks, strict=True):
+            if st.tokens[-1] == a[-1] and len(st.tokens) == len(a) and st.cached + n > 256:
+                a_state.append(st.cached)
+                raise MemoryError("a's forward failed")
+        return real(self, states, chunks)
+
+    monkeypatch.setattr(type(eng), "prefill_batch", prefill_batch)
+    try:
+        outs, errors = (Generation(), Generation()), []
+
+        def run_a() -> None:
+            try:
+                list(h.generate(a, GREEDY, outs[0], client="a"))
+            except MemoryError as e:
+                errors.append(e)
+
+        t_a = threading.Thread(target=run_a, daemon=True)
+        t_a.start()
+        _until(lambda: h.batch.prefill_forwards >= 1)
+        t_b = start(h, b, outs[1], client="b")
+        for t in (t_a, t_b):
+            t.join(120)
+            assert not t.is_alive()
+        assert errors and a_state == [256, 256]  # failed, started over, failed again
+        # b waited for a, then took the 256 tokens a's second try had computed
+        assert h.batch.share_waits >= 1 and h.batch.share_rescued_tokens == 256
+        assert outs[1].report.reused_tokens == 256
+        assert outs[1].report.computed_tokens == len(b) - 256
+        monkeypatch.undo()
+        assert outs[1].tokens == alone(b)
+    finally:
+        h.close()
+
+
+def test_a_cancelled_prompts_computed_blocks_are_kept_in_the_store():
+    a, _ = long_prompts()
+    node = NodeThread(NodeConfig(listen="127.0.0.1:0", alias="keeper", gossip_interval=0.3, ttl=2))
+    h = HeadRuntime(engine(), node, max_sessions=0)
+    h.batch.prefill_chunk = CHUNK
+    try:
+        gone, out = threading.Event(), Generation()
+        t = start(h, a, out, cancel=gone, client="a")
+        done = cancel_between_forwards(h, gone, 5)
+        t.join(120)
+        assert out.cancelled and not out.tokens
+        assert h.telemetry.counters["cancelled:prefilling"] == 1
+        h.flush()
+        blocks = done // 32 * 32
+        assert blocks >= 5 * CHUNK - 32
+        assert h.telemetry.counters[Count.PARTIAL_BLOCKS] >= blocks // 32
+        again = h.complete(a, GREEDY)  # imports them from the store
+        assert again.report.source == "local" and again.report.reused_tokens >= blocks
+        assert again.report.computed_tokens == len(a) - again.report.reused_tokens
+        assert again.tokens == alone(a)
+    finally:
+        h.close()
+        node.close()
 
 
 def _until(cond, limit: float = 60.0) -> None:

@@ -22,13 +22,19 @@ thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
   within :data:`PAD_SLACK` of their KV plus :data:`PAD_TOKENS` a sequence (one
   16k-token sequence never pads seven short ones to 16k), so a job is charged
   ``STEP_FACTOR`` times its KV plus ``PAD_TOKENS`` a sequence (a batched prefill
-  forward pads its prompts by the same rule, then each keeps a copy of its row). Other
+  forward pads its prompts by the same rule, then each keeps a copy of its row).
+  Until its prompt is computed a job is also charged the working memory of its
+  largest prefill forward (:func:`forward_work_bytes`: one chunk of its prompt
+  attending to all of it), given back once its prompt is computed. Other
   holders (the head's kept sessions) reserve through :meth:`BatchRunner.reserve`,
   and are asked to give room back (``make_room``) before a job is made to wait.
 - **Prefill.** Admitting a job asks it for its :class:`PrefillPlan` (its acquired
-  prefix imported or its session resumed: a state holding some positions) and
-  leaves the rest of its prompt to compute. A loop turn runs one prefill forward,
-  then one decode step, so decoding never waits for a whole prompt. That forward
+  prefix imported, its session resumed or another job's blocks taken: a state
+  holding some positions, never a state anything else extends) and leaves the rest
+  of its prompt to compute, whatever its prefix came from. A loop turn runs one
+  prefill forward, then one decode step, so decoding never waits for a whole
+  prompt: a running stream waits at most one forward of at most ``prefill_chunk``
+  tokens a prompt, and its own step. That forward
   takes the prefilling job with the fewest tokens left (the least mean time to a
   first token: a short prompt never waits behind another's whole prefill; one
   passed over for :data:`STARVE_TURNS` forwards goes first), at most
@@ -38,15 +44,18 @@ thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
   :data:`PAD_SLACK` of its length and whose positions pad within the decode rule
   below (each row computes its own chunk, right-padded to the longest):
   :meth:`Engine.prefill_batch`, one forward for several prompts. A job alone in
-  its forward computes exactly as unbatched; a session resume computes its rest
-  in one forward, as before.
+  its forward computes exactly as unbatched (a session resume of at most
+  ``prefill_chunk`` new tokens computes exactly as :meth:`Engine.resume`).
 - **Shared prefixes.** A job whose whole blocks (``card.block_tokens``) a job of
   the same chain root (:attr:`PrefillPlan.share`; docs/design.md invariant 11) is
   prefilling or has prefilled, beyond the prefix it brought, takes them from that
   job's state (a crop: the producer's very bytes, as its published blocks would be)
   and computes only the rest; when the producer has not computed them yet it waits,
   without being scheduled, until it has (at most :data:`SHARE_WAIT_S`); if the
-  producer fails or is cancelled first, it computes them itself. Never with
+  producer fails or is cancelled first, it takes the whole blocks the producer
+  did compute, then waits for another producer or computes the rest itself (the
+  producer's plan hears of them too, :attr:`PrefillPlan.abandoned`: the head
+  keeps them as any computed block). Never with
   ``max_batch`` 1 (each prompt computes as if alone), never across roots, never
   finer than whole blocks.
 - **Steps.** A computed prompt forks its job's ``n`` sequences. A step decodes at
@@ -68,7 +77,9 @@ thread, never here) is submitted as a :class:`Job`, tagged with its ``client``
 The engine lock is held for each forward and step, so other engine work (audits)
 runs between them. A job's cancel event is checked every turn: a waiting job
 never runs, a prefilling one stops before its next chunk (no state: nothing
-decoded), a running one stops after the token being decoded.
+decoded; what it computed is handed on, see above), a running one stops after
+the token being decoded. :attr:`Job.stage` says where a cancelled job was
+(:data:`CANCEL_STAGES`).
 """
 
 from __future__ import annotations
@@ -85,6 +96,7 @@ from typing import Any
 
 import numpy as np
 
+from ..compat import dtype_size
 from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState, Sampling
 
 log = logging.getLogger("kvmesh.batch")
@@ -100,6 +112,9 @@ SHARE_WAIT_S = 60.0  # the longest a job waits for another's prefill of their co
 # only delays the first prompt's first token.
 PREFILL_BATCH_TOKENS = 256
 STARVE_TURNS = 8  # a prompt passed over for this many prefill forwards goes next
+# where a job was when its client left (Job.stage; the head counts cancellations by it)
+QUEUED, PREFILLING, RUNNING = "queued", "prefilling", "running"
+CANCEL_STAGES = (QUEUED, PREFILLING, RUNNING)
 
 
 class OverBudget(ValueError):
@@ -117,10 +132,12 @@ class PrefillPlan:
     computes the rest (:meth:`Engine.prefill_batch`), then calls ``done``."""
 
     state: KVState
-    whole: bool = False  # the rest in one forward, alone (a session resume, as unbatched)
     share: bytes | None = None  # chain root: whole blocks are shared within it (None: never)
     done: Callable[[KVState], None] | None = None  # the prompt is computed (engine thread)
     fallback: Callable[[BaseException], PrefillPlan] | None = None  # a forward failed: all anew
+    # the prompt was given up (cancelled, failed) holding ``state.cached`` positions,
+    # computed by successful forwards (engine thread; a raise is logged, nothing more)
+    abandoned: Callable[[KVState], None] | None = None
     shared: int = 0  # positions taken from another job's state (set by the runner)
     compute_s: float = 0.0  # this prompt's share of the forwards' seconds (set by the runner)
 
@@ -142,11 +159,14 @@ class Job:
     on_start: Callable[[], None] | None = None
     on_token: Callable[[], None] | None = None  # after a token is recorded, before it is handed on
     client: str = ""  # whose share of the batch it takes
+    prompt_tokens: int | None = None  # its prompt's length (None: at most kv_bytes' positions)
     state: KVState | None = None  # the prompt's state once prefilled
     cancelled: bool = False
+    stage: str = ""  # where it was when cancelled: one of CANCEL_STAGES
     _items: queue.SimpleQueue[int | _Done] = field(default_factory=queue.SimpleQueue)
     _running: int = 0
     _charged: int = 0  # bytes held against the budget while admitted
+    _work: int = 0  # of those, its prefill forwards' working memory (until prefilled)
     _root: bytes | None = None  # its plan's chain root, for sharing once it runs
 
     def tokens(self) -> Iterator[int]:
@@ -227,36 +247,56 @@ class BatchRunner:
         self.prefill_forwards = 0
         self.peak_prefill_batch = 0  # most prompts in one prefill forward
         self.prefill_retries = 0  # batched prefill forwards that raised: retried one by one
+        self.prefill_tokens = 0  # prompt tokens computed by prefill forwards
+        self.peak_prefill_chunk = 0  # most tokens one prompt computed in one forward
         self.shared_tokens = 0  # prompt positions taken from another job's state
         self.share_waits = 0  # jobs that waited for another's prefill of their common blocks
+        # of shared_tokens, those taken from a producer that was cancelled or failed
+        self.share_rescued_tokens = 0
+        self._geometry = _geometry(engine)  # for forward_work_bytes
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
     # -- the request side --------------------------------------------------------
 
-    def charge(self, kv_bytes: int, n: int = 1) -> int:
+    def charge(self, kv_bytes: int, n: int = 1, prompt_tokens: int | None = None) -> int:
         """What a job of ``n`` sequences holding ``kv_bytes`` of KV in all counts
-        against the budget."""
+        against the budget while it prefills its ``prompt_tokens`` (None: as many
+        as ``kv_bytes`` holds): its KV (with a step's working copy) and its
+        :meth:`prefill_work`."""
+        work = self.prefill_work(kv_bytes, n, prompt_tokens)
         if not self.engine.batches:
-            return kv_bytes
+            return kv_bytes + work
         pad = n * PAD_TOKENS * self.engine.card.kv_bytes_per_token
-        return int(kv_bytes * STEP_FACTOR) + pad
+        return int(kv_bytes * STEP_FACTOR) + pad + work
 
-    def check(self, n: int, kv_bytes: int) -> None:
+    def prefill_work(self, kv_bytes: int, n: int = 1, prompt_tokens: int | None = None) -> int:
+        """The working memory of a job's largest prefill forward: one chunk of its
+        prompt attending to all of it (:func:`forward_work_bytes`). A prompt whose
+        length is not given is taken to fill its ``kv_bytes``."""
+        ctx = prompt_tokens
+        if ctx is None:
+            ctx = kv_bytes // max(1, n * self.engine.card.kv_bytes_per_token)
+        if ctx <= 0:
+            return 0
+        return forward_work_bytes(self.engine, min(self.prefill_chunk, ctx), ctx, self._geometry)
+
+    def check(self, n: int, kv_bytes: int, prompt_tokens: int | None = None) -> None:
         """Raise ValueError for a request this runner could never run."""
         if n > self.max_batch:
             raise ValueError(f"n={n} exceeds --max-batch {self.max_batch}")
-        budget, need = self.kv_budget_bytes, self.charge(kv_bytes, n)
+        budget, need = self.kv_budget_bytes, self.charge(kv_bytes, n, prompt_tokens)
         if budget is not None and need > budget:
             raise OverBudget(
                 f"this request may need {need / 2**20:.0f} MiB of KV "
-                f"(prompt and max_tokens, times n, with a step's working copy); the "
-                f"head's --kv-budget is {budget / 2**20:.0f} MiB: lower max_tokens or n"
+                f"(prompt and max_tokens, times n, with a step's working copy and a "
+                f"prefill forward's); the head's --kv-budget is {budget / 2**20:.0f} MiB: "
+                f"lower max_tokens or n"
             )
 
     def submit(self, job: Job) -> Job:
         """Queue ``job``; read its tokens with ``job.tokens()``."""
-        self.check(job.sampling.n, job.kv_bytes)
+        self.check(job.sampling.n, job.kv_bytes, job.prompt_tokens)
         with self._cv:
             if self.failure is not None:
                 raise EngineFailed(f"the engine failed: {self.failure!r}")
@@ -340,7 +380,7 @@ class BatchRunner:
         with self._cv:
             for gone in [j for j in self._waiting if j._gone()]:  # wherever they wait
                 self._waiting.remove(gone)
-                self._end(gone, cancelled=True)
+                self._end(gone, cancelled=True, stage=QUEUED)
         resident = self._resident_by_client()
         out: list[Job] = []
         while True:
@@ -348,7 +388,8 @@ class BatchRunner:
                 job = self._fairest(resident)
                 if job is None or not self._fits_batch(job, resident):
                     return out
-                need = self.charge(job.kv_bytes, job.sampling.n)
+                need = self.charge(job.kv_bytes, job.sampling.n, job.prompt_tokens)
+                work = self.prefill_work(job.kv_bytes, job.sampling.n, job.prompt_tokens)
                 short = need - self._free_kv() if self.kv_budget_bytes is not None else 0
             if 0 < short <= self._reserved and self.make_room is not None:
                 self.make_room(short)  # sessions give room back (outside our lock)
@@ -357,7 +398,7 @@ class BatchRunner:
                     return out
                 self._waiting.remove(job)
                 self._kv_held += need
-                job._charged = need
+                job._charged, job._work = need, work
             resident[job.client] = resident.get(job.client, 0) + job.sampling.n
             out.append(job)
 
@@ -417,8 +458,9 @@ class BatchRunner:
         """End cancelled prefills, settle shared prefixes, then one prefill forward."""
         for pre in [p for p in self._prefilling if p.job._gone()]:
             self._prefilling.remove(pre)
+            self._abandon(pre)
             self._release(pre.job)
-            self._end(pre.job, cancelled=True)
+            self._end(pre.job, cancelled=True, stage=PREFILLING)
         self._settle_waits()
         ready = [p for p in self._prefilling if p.producer is None]
         if not ready:
@@ -431,7 +473,7 @@ class BatchRunner:
                 self._prefilled(pre)
 
     def _next_chunk(self, pre: _Pre) -> int:
-        return pre.left if pre.plan.whole else min(pre.left, self.prefill_chunk)
+        return min(pre.left, self.prefill_chunk)
 
     def _lead(self, ready: list[_Pre]) -> _Pre:
         """The prompt with the fewest tokens left (the first listed at a tie: arrival
@@ -446,14 +488,14 @@ class BatchRunner:
         docstring), and the chunk each of them computes."""
         lead = self._lead(ready)
         group, chunks = [lead], [self._next_chunk(lead)]
-        if lead.plan.whole or not self.engine.batches:
+        if not self.engine.batches:
             return group, chunks
         for pre in sorted(ready, key=lambda p: p.left):
             if len(group) >= self.max_batch:
                 break
             n = self._next_chunk(pre)
             qs = [*chunks, n]
-            if pre is lead or pre.plan.whole or max(qs) > (1 + PAD_SLACK) * min(qs):
+            if pre is lead or max(qs) > (1 + PAD_SLACK) * min(qs):
                 continue
             if len(qs) * max(qs) > self.prefill_batch_tokens:
                 break
@@ -483,6 +525,8 @@ class BatchRunner:
             return
         dt = time.perf_counter() - t0
         self.prefill_forwards += 1
+        self.prefill_tokens += sum(chunks)
+        self.peak_prefill_chunk = max(self.peak_prefill_chunk, *chunks)
         self.peak_prefill_batch = max(self.peak_prefill_batch, len(group))
         for pre, n in zip(group, chunks, strict=True):
             pre.since = self.prefill_forwards
@@ -501,19 +545,21 @@ class BatchRunner:
                 error = e
         log.warning("prefill failed: %r", error)
         self._prefilling.remove(pre)
+        self._abandon(pre)
         self._release(pre.job)
         self._end(pre.job, error=error)
 
     def _prefilled(self, pre: _Pre) -> None:
         """``pre``'s prompt is computed: report it and fork its sequences."""
         job, state = pre.job, pre.plan.state
+        self._unwork(job)  # its prefill forwards are over
         try:
             if pre.plan.done is not None:
                 pre.plan.done(state)
             job.state = state
             if job._gone():
                 self._release(job)
-                self._end(job, cancelled=True)
+                self._end(job, cancelled=True, stage=PREFILLING)
                 return
             n = job.sampling.n
             states = [state] + [self.engine.fork(state) for _ in range(n - 1)]
@@ -535,7 +581,7 @@ class BatchRunner:
         """Take the longest run of whole blocks another job of ``pre``'s root holds
         beyond ``pre``'s own prefix, or wait for a prefilling one to compute it."""
         root, state = pre.plan.share, pre.plan.state
-        if root is None or self.max_batch == 1 or pre.plan.whole:
+        if root is None or self.max_batch == 1:
             return
         b = self.engine.card.block_tokens
         cap = (len(state.tokens) - 1) // b * b  # at least one token is computed
@@ -584,7 +630,7 @@ class BatchRunner:
                 if now <= pre.deadline:
                     self._find_share(pre)
 
-    def _share(self, pre: _Pre, src: KVState, m: int) -> None:
+    def _share(self, pre: _Pre, src: KVState, m: int) -> bool:
         """``pre`` continues from the first ``m`` positions of ``src``."""
         try:
             with self.lock:
@@ -592,10 +638,33 @@ class BatchRunner:
                 self.engine.detach(state)  # its own tensors, never a view of a batch
         except Exception as e:  # the prompt is computed as it was planned
             log.warning("sharing a prefix failed: %r", e)
-            return
+            return False
         state.imported_tokens, state.computed_tokens = m, len(state.tokens) - m
         pre.plan.state, pre.plan.shared = state, m
         self.shared_tokens += m
+        return True
+
+    def _abandon(self, gone: _Pre) -> None:
+        """``gone`` leaves before its prompt is computed (cancelled, failed): the jobs
+        waiting for its blocks take the whole blocks it holds (computed by
+        successful forwards, or brought), then look for another producer or compute
+        the rest; its plan hears of what it holds (the head keeps those blocks)."""
+        src, b = gone.plan.state, self.engine.card.block_tokens
+        have = src.cached // b * b
+        now = time.monotonic()
+        for pre in [p for p in self._prefilling if p.producer is gone]:
+            pre.producer = None
+            m = min(pre.want, have)
+            mine = pre.plan.state
+            if m > mine.cached and src.tokens[:m] == mine.tokens[:m] and self._share(pre, src, m):
+                self.share_rescued_tokens += m
+            if now <= pre.deadline:
+                self._find_share(pre)  # another job may hold or compute more
+        if gone.plan.abandoned is not None and src.cached:
+            try:
+                gone.plan.abandoned(src)
+            except Exception as e:  # keeping its blocks is optional
+                log.warning("keeping an abandoned prefill failed: %r", e)
 
     # -- decode ----------------------------------------------------------------------
 
@@ -673,6 +742,8 @@ class BatchRunner:
         self.engine.detach(seq.state)  # a batch's tensors are not kept alive by it
         job = seq.job
         job._running -= 1
+        if cancelled and not job.cancelled:
+            job.stage = RUNNING
         job.cancelled = job.cancelled or cancelled
         if job._running == 0:
             self._release(job)
@@ -689,10 +760,21 @@ class BatchRunner:
     def _release(self, job: Job) -> None:
         with self._cv:
             self._kv_held -= job._charged
-            job._charged = 0
+            job._charged = job._work = 0
+
+    def _unwork(self, job: Job) -> None:
+        """Give back the part of ``job``'s charge its prefill forwards needed."""
+        with self._cv:
+            self._kv_held -= job._work
+            job._charged -= job._work
+            job._work = 0
 
     @staticmethod
-    def _end(job: Job, cancelled: bool = False, error: BaseException | None = None) -> None:
+    def _end(
+        job: Job, cancelled: bool = False, error: BaseException | None = None, stage: str = ""
+    ) -> None:
+        if cancelled and not job.cancelled:
+            job.stage = stage
         job.cancelled = job.cancelled or cancelled
         job._items.put(_Done(error))
 
@@ -706,6 +788,58 @@ class BatchRunner:
         for job in waiting:
             self._release(job)
             self._end(job, error=error)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    heads: int  # query heads
+    hidden: int
+    intermediate: int
+    itemsize: int  # bytes of one activation
+
+
+def _geometry(engine: Engine) -> _Geometry:
+    """What sizes a forward's activations: the loaded model's config where the
+    engine has one (transformers' ``model.config``, mlx-lm's ``model.args``), else
+    a guess from the card that errs high (8 query heads a KV head, an MLP 4 times
+    the hidden size)."""
+    card = engine.card
+    model = getattr(engine, "model", None)
+    cfg = getattr(model, "config", None) or getattr(model, "args", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config(decoder=True)
+
+    def read(name: str) -> int:
+        v = getattr(cfg, name, None)
+        return v if isinstance(v, int) and v > 0 else 0
+
+    heads = read("num_attention_heads") or 8 * card.num_kv_heads
+    hidden = read("hidden_size") or heads * card.head_dim
+    intermediate = read("intermediate_size") or 4 * hidden
+    size = getattr(getattr(engine, "dtype", None), "itemsize", None)
+    itemsize = size if isinstance(size, int) and size > 0 else dtype_size(card.kv_dtype)
+    return _Geometry(heads, hidden, intermediate, itemsize)
+
+
+def forward_work_bytes(engine: Engine, q: int, ctx: int, geometry: _Geometry | None = None) -> int:
+    """Memory a forward of ``q`` prompt tokens attending to ``ctx`` positions holds
+    beside the KV, an estimate that errs high (an engine's own
+    ``forward_work_bytes(q, ctx)`` is taken when it has one): one layer's attention
+    scores and their mask (attention with a mask on the CPU materialises them:
+    measured 6.7 bytes per query-key pair on demo-tiny's two float32 heads, this
+    counts 9), the layer's activations (hidden states, Q/K/V/O, the MLP's three),
+    and a second copy of one layer's KV while the cache grows by concatenation.
+    Computing a prompt in one forward holds the scores of all of it at once:
+    chunks keep this bounded by ``q``."""
+    own = getattr(engine, "forward_work_bytes", None)
+    if callable(own):
+        return int(own(q, ctx))
+    g = geometry or _geometry(engine)
+    card = engine.card
+    scores = q * ctx * (g.heads * g.itemsize + 1)
+    acts = q * (4 * g.hidden + 3 * g.intermediate) * g.itemsize
+    layer = ctx * card.kv_bytes_per_token // max(1, card.num_layers)
+    return scores + acts + layer
 
 
 def _pads_within(pasts: Sequence[int], chunks: Sequence[int]) -> bool:
@@ -741,10 +875,12 @@ def _similar_lengths(seqs: list[_Seq]) -> list[list[_Seq]]:
 
 
 __all__ = [
+    "CANCEL_STAGES",
     "DEFAULT_MAX_BATCH",
     "BatchRunner",
     "EngineFailed",
     "Job",
     "OverBudget",
     "PrefillPlan",
+    "forward_work_bytes",
 ]

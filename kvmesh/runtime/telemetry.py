@@ -44,6 +44,9 @@ class Count(StrEnum):
     PUBLISHED_BLOCKS = "published_blocks"
     PUBLISH_DROPPED = "publish_dropped"
     PUBLISH_FAILED = "publish_failed"
+    # blocks (chains from the root) kept and published from prompts given up while
+    # being computed (cancelled, failed)
+    PARTIAL_BLOCKS = "partial_blocks"
 
 
 class Family(StrEnum):
@@ -53,7 +56,7 @@ class Family(StrEnum):
     FALLBACK = "fallback"  # label: a Reason
     PEER_FAILED = "peer_failed"  # label: a Reason
     LOCAL_IMPORT_FAILED = "local_import_failed"  # label: a Reason
-    CANCELLED = "cancelled"  # label: the stage (queued, running)
+    CANCELLED = "cancelled"  # label: the stage (runtime.batch.CANCEL_STAGES)
 
 
 class Timer(StrEnum):
