@@ -167,38 +167,35 @@ def long_prompts() -> tuple[list[int], list[int]]:
     return toks[:1064], toks[:1024] + toks[1100:1140]
 
 
-def cancel_between_forwards(h: HeadRuntime, cancel: threading.Event, forwards: int) -> int:
-    """Cancel a request between two prefill forwards once ``forwards`` have run;
-    returns the prompt tokens computed by then (a lower bound on what it holds:
-    the engine lock is held while the event is set, so no forward is under way)."""
-    _until(lambda: h.batch.prefill_forwards >= forwards)
-    with h._lock:
-        done = h.batch.prefill_tokens
-        cancel.set()
-    return done
+class LeavesAfter(threading.Event):
+    """A client that leaves once ``forwards`` prefill forwards have run: the engine
+    thread reads it between forwards, so the request is cancelled before its next
+    chunk, and ``done`` is the prompt tokens computed by then."""
+
+    def __init__(self, h: HeadRuntime, forwards: int) -> None:
+        super().__init__()
+        self.h, self.forwards, self.done = h, forwards, -1
+
+    def is_set(self) -> bool:
+        if not super().is_set() and self.h.batch.prefill_forwards >= self.forwards:
+            self.done = self.h.batch.prefill_tokens
+            self.set()
+        return super().is_set()
 
 
 def test_a_producer_cancelled_midway_leaves_its_blocks_to_its_waiter():
     a, b = long_prompts()
     h = head()
     try:
-        gone, outs = threading.Event(), (Generation(), Generation())
-        t_a = start(h, a, outs[0], cancel=gone, client="a")
-        _until(lambda: h.batch.prefill_forwards >= 1)
-        t_b = start(h, b, outs[1], client="b")  # waits for a's 1,024 common tokens
-        _until(lambda: h.batch.share_waits == 1)
-        done = cancel_between_forwards(h, gone, h.batch.prefill_forwards + 4)
-        for t in (t_a, t_b):
-            t.join(120)
-            assert not t.is_alive()
-        out_a, out_b = outs
-        assert out_a.cancelled and not out_a.tokens
-        blocks = done // 32 * 32
-        assert 64 <= blocks < 1024  # cancelled midway through the common prefix
-        # the waiter's cached tokens cover every block a computed before it left
-        assert out_b.report.reused_tokens >= blocks
-        assert out_b.report.reused_tokens == h.batch.share_rescued_tokens
-        assert out_b.report.computed_tokens == len(b) - out_b.report.reused_tokens
+        # b is queued as a starts, waits for a's 1,024 common tokens after a's first
+        # chunk; a's client leaves after its sixth
+        gone = LeavesAfter(h, 6)
+        out_a, out_b = queued_together(h, a, b, {"cancel": gone})
+        assert out_a.cancelled and not out_a.tokens and gone.done == 6 * CHUNK
+        assert h.batch.share_waits == 1 and h.batch.share_rescued_tokens == 6 * CHUNK
+        # the waiter's cached tokens are every block a computed before it left
+        assert out_b.report.reused_tokens == 6 * CHUNK
+        assert out_b.report.computed_tokens == len(b) - 6 * CHUNK
         assert h.telemetry.counters["cancelled:prefilling"] == 1
         assert out_b.tokens == alone(b)
     finally:
@@ -210,37 +207,39 @@ def test_a_failing_producer_leaves_its_blocks_to_its_waiter(monkeypatch):
     h = head()
     eng = engine()
     real = type(eng).prefill_batch
-    a_state: list = []
+    failed_at: list[int] = []
 
     def prefill_batch(self, states, chunks):
-        # a's state (it alone holds a's last token) fails from its 257th position
-        # on, every time: its restart (computing from nothing) fails there too
+        # a's forwards fail from its 257th position on, every time: its restart
+        # (computing from nothing) fails there too
         for st, n in zip(states, chunks, strict=True):
-            if st.tokens[-1] == a[-1] and len(st.tokens) == len(a) and st.cached + n > 256:
-                a_state.append(st.cached)
+            if st.tokens == a and st.cached + n > 256:
+                failed_at.append(st.cached)
                 raise MemoryError("a's forward failed")
         return real(self, states, chunks)
 
     monkeypatch.setattr(type(eng), "prefill_batch", prefill_batch)
     try:
-        outs, errors = (Generation(), Generation()), []
+        outs, errors, started = (Generation(), Generation()), [], threading.Event()
 
         def run_a() -> None:
             try:
-                list(h.generate(a, GREEDY, outs[0], client="a"))
+                list(h.generate(a, GREEDY, outs[0], on_start=started.set, client="a"))
             except MemoryError as e:
                 errors.append(e)
 
-        t_a = threading.Thread(target=run_a, daemon=True)
-        t_a.start()
-        _until(lambda: h.batch.prefill_forwards >= 1)
-        t_b = start(h, b, outs[1], client="b")
+        with h._lock:  # b is queued before a's first forward (as in queued_together)
+            t_a = threading.Thread(target=run_a, daemon=True)
+            t_a.start()
+            assert started.wait(60)
+            t_b = start(h, b, outs[1], client="b")
+            _until(lambda: h.batch.waiting == 1)
         for t in (t_a, t_b):
             t.join(120)
             assert not t.is_alive()
-        assert errors and a_state == [256, 256]  # failed, started over, failed again
+        assert errors and failed_at == [256, 256]  # failed, started over, failed again
         # b waited for a, then took the 256 tokens a's second try had computed
-        assert h.batch.share_waits >= 1 and h.batch.share_rescued_tokens == 256
+        assert h.batch.share_waits == 1 and h.batch.share_rescued_tokens == 256
         assert outs[1].report.reused_tokens == 256
         assert outs[1].report.computed_tokens == len(b) - 256
         monkeypatch.undo()
@@ -255,19 +254,15 @@ def test_a_cancelled_prompts_computed_blocks_are_kept_in_the_store():
     h = HeadRuntime(engine(), node, max_sessions=0)
     h.batch.prefill_chunk = CHUNK
     try:
-        gone, out = threading.Event(), Generation()
-        t = start(h, a, out, cancel=gone, client="a")
-        done = cancel_between_forwards(h, gone, 5)
-        t.join(120)
-        assert out.cancelled and not out.tokens
+        gone, out = LeavesAfter(h, 5), Generation()
+        start(h, a, out, cancel=gone, client="a").join(120)
+        assert out.cancelled and not out.tokens and gone.done == 5 * CHUNK
         assert h.telemetry.counters["cancelled:prefilling"] == 1
         h.flush()
-        blocks = done // 32 * 32
-        assert blocks >= 5 * CHUNK - 32
-        assert h.telemetry.counters[Count.PARTIAL_BLOCKS] >= blocks // 32
+        assert h.telemetry.counters[Count.PARTIAL_BLOCKS] == 5 * CHUNK // 32
         again = h.complete(a, GREEDY)  # imports them from the store
-        assert again.report.source == "local" and again.report.reused_tokens >= blocks
-        assert again.report.computed_tokens == len(a) - again.report.reused_tokens
+        assert again.report.source == "local" and again.report.reused_tokens == 5 * CHUNK
+        assert again.report.computed_tokens == len(a) - 5 * CHUNK
         assert again.tokens == alone(a)
     finally:
         h.close()
