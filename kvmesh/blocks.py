@@ -62,7 +62,7 @@ def check_cache_salt(salt: object) -> str:
 
 def tenant_root(secret: bytes, tenant: str) -> bytes:
     """A tenant's root: HMAC-SHA256 of its name under a server-side ``secret`` (the
-    fleet key, or a per-head secret). Only the server computes it; a client that
+    head's tenant secret, never the fleet key). Only the server computes it; a client that
     knows (or sends) another tenant's name or salt cannot reproduce it."""
     if not secret:
         raise ValueError("a tenant root needs a non-empty secret")

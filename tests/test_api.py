@@ -97,7 +97,7 @@ MESSAGES = [
 
 def test_restart_scenario_remote_hit_same_output(peer):
     body = {"model": "demo-tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
-    h1 = Head("--seed", peer.address, "--alias", "first")
+    h1 = Head("--seed", peer.address, "--exact-reuse-by-address", "--alias", "first")
     try:
         h1.wait(lambda s: s["peers"] >= 1)
         cold = h1.http.post("/v1/chat/completions", json=body).json()
@@ -105,7 +105,7 @@ def test_restart_scenario_remote_hit_same_output(peer):
         h1.wait(lambda s: s["publish_pending"] == 0)
     finally:
         h1.stop()
-    h2 = Head("--seed", peer.address, "--alias", "second")
+    h2 = Head("--seed", peer.address, "--exact-reuse-by-address", "--alias", "second")
     try:
         h2.wait(lambda s: s["compatible_peers"] >= 1)
         hit = h2.http.post("/v1/chat/completions", json=body).json()

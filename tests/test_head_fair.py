@@ -281,17 +281,22 @@ def test_failures_during_another_prompts_chunked_prefill_change_no_stream(monkey
 
 
 def test_a_fair_share_follows_issued_keys_and_addresses_never_claims():
-    from starlette.requests import Request
+    import pytest
 
-    from kvmesh.api.openai import client_of
+    from kvmesh.api.credentials import BadCredentials, Credentials
 
-    def req(headers: dict[str, str], port: int) -> Request:
-        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-        return Request({"type": "http", "headers": raw, "client": ("10.0.0.5", port)})
+    def raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+        return [(k.lower().encode(), v.encode()) for k, v in headers.items()]
 
     issued = "the-key-the-head-issued"
-    valid = issued.__eq__
-    made_up = {client_of(req({"X-API-Key": f"made-up-{i}"}, 5000 + i), valid) for i in range(5)}
+    keyless = Credentials()  # a head without keys: an SDK's dummy key is no claim
+    made_up = {
+        keyless.identify(raw({"X-API-Key": f"made-up-{i}"}), "10.0.0.5").share for i in range(5)
+    }
     assert made_up == {"host:10.0.0.5"}  # new keys and new connections are one client
-    mine = client_of(req({"Authorization": f"Bearer {issued}"}, 7000), valid)
+    keyed = Credentials({issued: None})
+    with pytest.raises(BadCredentials):  # a head with keys refuses one it never issued
+        keyed.identify(raw({"X-API-Key": "made-up-0"}), "10.0.0.5")
+    assert keyed.identify(raw({}), "10.0.0.5").share == "host:10.0.0.5"
+    mine = keyed.identify(raw({"Authorization": f"Bearer {issued}"}), "10.0.0.5").share
     assert mine.startswith("key:") and issued not in mine

@@ -30,7 +30,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from ..blocks import PrefixKeys
 from ..mesh.hits import PeerHit
@@ -51,9 +51,9 @@ PATH = "/v1/cache/query"
 
 class CacheQuery(Body):
     model: str
-    prompt: str | list[int] | list[str] | None = None
+    prompt: str | list[StrictInt] | list[str] | None = None
     messages: list[Message] | None = Field(default=None, min_length=1)
-    token_ids: list[int] | None = None
+    token_ids: list[StrictInt] | None = None
     cache_salt: Any = None  # checked as a completion's: the answer is for that cache
 
 

@@ -202,8 +202,9 @@ HEAD_ONLY = (
     ),
     Option(
         "tenant_secret_file",
-        "Secret (hex; made when missing) that tenant roots derive from when there is no "
-        "fleet key, so tenants' caches survive a restart. Default: a fresh one per process.",
+        "Secret (hex; made 0600 when missing) that tenant roots derive from, so tenants' "
+        "caches survive a restart; heads that share tenants' caches use the same file. "
+        "Default: tenant-secret in $KVMESH_HOME (~/.cache/kvmesh).",
         kind="path",
     ),
     Option(
@@ -240,8 +241,9 @@ HEAD_ONLY = (
     ),
     Option(
         "api_key_scope",
-        "What --api-key-file protects: admin (network writes and private reads) or all "
-        "(also /v1/completions, /v1/chat/completions and /v1/models, like vLLM's --api-key).",
+        "What needs a key: admin (only what an admin key opens: network writes, pairing, "
+        "private reads) or all (also /v1/completions, /v1/chat/completions, /v1/models and "
+        "/v1/cache/query, with a key of any role, like vLLM's --api-key).",
         "admin",
         "choice",
         choices=("admin", "all"),

@@ -116,6 +116,8 @@ def run_two_node(model: str, engine: str, prompt_tokens: int, as_json: bool) -> 
                 peer_addr,
                 "--gossip-interval",
                 "0.5",
+                # one user on loopback: its own prompt's exact tail is its own to reuse
+                "--exact-reuse-by-address",
             ]
             status.update(f"starting head 1 on model {model} (building it on first use)")
             head, m = _spawn([*head_args, "--alias", "head-1"], r"(http://\S+)")

@@ -87,21 +87,16 @@ class Scope:
     caller: str | None = None
 
     def exact(self, client: str) -> str:
-        """The identity token-exact reuse is keyed by ("": none)."""
-        return client if self.caller is None else self.caller
+        """The identity token-exact reuse is keyed by: for an anonymous request
+        (``caller`` ""), a fresh one each time, so it matches no other request."""
+        if self.caller is None:
+            return client
+        return self.caller or "anonymous:" + os.urandom(16).hex()
 
 
 def _caller(client: str) -> bytes | None:
     """The key a caller's own exact tails are made under (None: no caller known)."""
     return hashlib.sha256(b"kvmesh/caller/v1\x00" + client.encode()).digest() if client else None
-
-
-def _exact_tails(scope: Scope, client: str) -> bytes | None:
-    """Whose tails ``scope``'s request reads and writes: an anonymous request
-    (``caller`` "") is a caller of its own, so its tail matches no other request."""
-    if scope.caller == "":
-        return os.urandom(32)
-    return _caller(scope.exact(client))
 
 
 @dataclass
@@ -377,7 +372,7 @@ class HeadRuntime:
 
     def keyer_for(self, scope: Scope, client: str = "") -> BlockKeyer:
         """The keyer of ``scope``'s chains, its exact tails ``client``'s own."""
-        return self.keyer.rooted(scope.root or self.card.namespace, _exact_tails(scope, client))
+        return self.keyer.rooted(scope.root or self.card.namespace, _caller(scope.exact(client)))
 
     def _count_tenant(self, tenant: str | None, report: PrefillReport) -> None:
         if tenant is None:
@@ -658,7 +653,7 @@ class HeadRuntime:
                 if owner[0] != root:
                     continue
                 n = _common_prefix(st.tokens[: st.cached], tokens)
-                if not client or owner[1] != client:  # not the caller's own conversation
+                if owner[1] != client:  # not the caller's own conversation
                     n -= n % b
                 if n > best_len:
                     best, best_len = sid, n
