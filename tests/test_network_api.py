@@ -204,3 +204,17 @@ def test_expired_pairing_token_is_refused(fleet, monkeypatch):
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 3600)
     assert state.redeem(token) is False
+
+
+def test_metrics_count_prefill_work_and_cancellations_by_stage(fleet):
+    head, _, _ = fleet
+    body = {"model": "demo-tiny", "prompt": "count my prefill " * 30, "max_tokens": 1}
+    assert head.http.post("/v1/completions", json=body).status_code == 200
+    text = head.http.get("/metrics").text
+    assert head.metric("kvmesh_prefill_forwards_total") >= 1
+    assert head.metric("kvmesh_prefill_computed_tokens_total") >= 1
+    assert 0 < head.metric("kvmesh_prefill_peak_chunk_tokens") <= 512
+    for name in ("shared_tokens", "share_waits", "share_rescued_tokens", "partial_blocks"):
+        assert f"kvmesh_{name}_total " in text, name
+    for stage in ("queued", "prefilling", "running"):
+        assert f'kvmesh_requests_cancelled_total{{stage="{stage}"}}' in text

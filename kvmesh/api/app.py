@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import Reason
-from ..runtime.batch import EngineFailed
+from ..runtime.batch import CANCEL_STAGES, EngineFailed
 from ..runtime.head import HeadRuntime
 from ..runtime.telemetry import Count, Family, Source, Timer, labelled
 from . import cache_query, network
@@ -118,9 +118,53 @@ class HeadCollector(Collector):
         cancelled = CounterMetricFamily(
             "kvmesh_requests_cancelled", "Requests whose client left, by stage", labels=["stage"]
         )
-        for stage in ("queued", "running"):
+        for stage in CANCEL_STAGES:
             cancelled.add_metric([stage], c.get(labelled(Family.CANCELLED, stage), 0))
         yield cancelled
+        yield from self._prefill_work(c)
+
+    def _prefill_work(self, c: dict[str, Any]) -> Any:
+        """How prompts were computed: forwards and tokens, the largest chunk, and
+        what was shared between requests instead of computed twice."""
+        batch = self.runtime.batch
+        for name, value, doc in (
+            (
+                "prefill_forwards",
+                batch.prefill_forwards,
+                "Prefill forwards (each at most a chunk a prompt)",
+            ),
+            (
+                "prefill_computed_tokens",
+                batch.prefill_tokens,
+                "Prompt tokens computed by prefill forwards",
+            ),
+            (
+                "shared_tokens",
+                batch.shared_tokens,
+                "Prompt positions taken from another request's prefill",
+            ),
+            (
+                "share_waits",
+                batch.share_waits,
+                "Requests that waited for another's prefill of their prefix",
+            ),
+            (
+                "share_rescued_tokens",
+                batch.share_rescued_tokens,
+                "Shared positions taken from a producer that was cancelled or failed",
+            ),
+            (
+                "partial_blocks",
+                c.get(Count.PARTIAL_BLOCKS, 0),
+                "Blocks kept from prompts whose request was cancelled or failed",
+            ),
+        ):
+            yield CounterMetricFamily(f"kvmesh_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "kvmesh_prefill_peak_chunk_tokens",
+            "Most tokens one prompt computed in one forward (at most --prefill-chunk)",
+            value=batch.peak_prefill_chunk,
+        )
 
     def _peers(self, c: dict[str, Any]) -> Any:
         """Per-peer health (circuit breaker and audits), peers named by alias."""

@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
     from ..engine import Engine
     from ..mesh.node import NodeConfig, NodeThread
 
+from ..engine.base import PREFILL_CHUNK
+
 log = logging.getLogger("kvmesh.head")
 
 SWITCH_INTERVAL_S = 0.0005
@@ -55,6 +57,7 @@ class HeadOptions:
     block_digest: str = "blake3"  # blake3 | sha256: part of the card
     max_batch: int = 8  # sequences decoded together
     kv_budget_bytes: int | None = None  # KV the running sequences may hold (None: no cap)
+    prefill_chunk: int = PREFILL_CHUNK  # most prompt tokens one request computes in one forward
     tenant_header: str | None = None  # tenants: see kvmesh.api.credentials
     shared_tenants: tuple[str, ...] = ()
     tenant_secret_file: str | None = None
@@ -154,6 +157,7 @@ def _serve(
         audit_rate=opts.audit_rate,
         max_batch=opts.max_batch,
         kv_budget_bytes=opts.kv_budget_bytes,
+        prefill_chunk=opts.prefill_chunk,
     )
     closers.append(runtime.close)
     events = node.node.events

@@ -21,6 +21,7 @@ import click
 from ..api.server import DEFAULT_MAX_TOKENS
 from ..compat import BLOCK_DIGESTS
 from ..engine import DEVICES, DTYPES, ENGINES
+from ..engine.base import PREFILL_CHUNK
 from ..mesh.options import CLIENT_SECURITY, DISK, EVENTS, HEAD, MEMBERSHIP, SECURITY, Option
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -262,6 +263,15 @@ HEAD_ONLY = (
         "times n); a request that would exceed it waits. One request alone always runs.",
         "4GiB",
         "size",
+    ),
+    Option(
+        "prefill_chunk",
+        "Most prompt tokens one request computes in one forward: a long prompt (a resumed "
+        "session's too) is computed in chunks with decode steps between, so running streams "
+        "wait at most one chunk. Its working memory counts in --kv-budget.",
+        PREFILL_CHUNK,
+        "int",
+        low=16,
     ),
     Option(
         "max_queue",
