@@ -59,12 +59,12 @@ LOAD = textwrap.dedent(
 )
 
 
-def load_in(home: Path) -> tuple[dict, str]:
-    """``compiled.load()`` in a fresh process with ``KVMESH_HOME=home``: what it
-    loaded (and whether it computes a linear layer) and its log."""
+def load_in(home: Path, **env: str) -> tuple[dict, str]:
+    """``compiled.load()`` in a fresh process with ``KVMESH_HOME=home`` (and
+    ``env``): what it loaded (and whether it computes a linear layer) and its log."""
     r = subprocess.run(
         [sys.executable, "-c", LOAD],
-        env={**os.environ, "KVMESH_HOME": str(home)},
+        env={**os.environ, "KVMESH_HOME": str(home), **env},
         capture_output=True,
         text=True,
         timeout=600,
@@ -265,6 +265,39 @@ def test_a_cache_directory_only_readable_by_others_is_tightened(home):
     got, log = load_in(home)
     assert got["loaded"] and got["ok"] and "refused" not in log and "emptied" not in log, log
     assert stat.S_IMODE(os.stat(kernels).st_mode) == 0o700
+
+
+BROKEN_CC = """#!/bin/sh
+# a compiler that fails, or (with an output) writes something that is no library
+[ "$1" = --version ] && {{ echo broken-cc 1.0; exit 0; }}
+{action}
+"""
+
+
+@pytest.mark.parametrize(
+    ("action", "reason"),
+    [
+        (
+            "echo 'linear.c: internal compiler error' >&2; exit 1",
+            "not built (the compiler exited 1",
+        ),
+        (
+            'while [ "$1" != -o ]; do shift; done; echo not-an-elf > "$2"',
+            "just built is refused",
+        ),
+    ],
+)
+def test_a_failed_build_or_load_disables_the_kernel_and_says_so(tmp_path, action, reason):
+    """Never a crash, nor a rebuild on every call: this process goes on without
+    the kernel (torch's kernels remain), and leaves nothing it could load later."""
+    cc = tmp_path / "cc"
+    cc.write_text(BROKEN_CC.format(action=action))
+    cc.chmod(0o755)
+    home = tmp_path / "home"
+    got, log = load_in(home, CC=str(cc))
+    assert got == {"loaded": False, "name": None, "ok": False}, log
+    assert reason in log and log.count("batched-decode kernel") == 1, log
+    assert [p.name for p in (home / "kernels").iterdir()] == []
 
 
 @pytest.mark.parametrize("damage", ["planted", "truncated"])
