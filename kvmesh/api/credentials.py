@@ -257,9 +257,8 @@ class Credentials:
     def identify(self, raw: Sequence[tuple[bytes, bytes]], host: str | None) -> Identity:
         """Who the request with ASGI headers ``raw`` from ``host`` is; BadCredentials
         when its credentials are ambiguous, unknown or not its to present."""
-        addr = f"host:{host or '?'}"
         if not self.any:  # a head without keys: every key is an SDK's dummy
-            return Identity(Role.ANONYMOUS, None, addr, addr if self.exact_by_address else "")
+            return self._anonymous(host)
         key = _credential(raw)
         tenant_header = self._tenant_header(raw)
         if key is None:
@@ -267,7 +266,7 @@ class Credentials:
                 raise BadCredentials(
                     401, "a tenant header needs the gateway's key", "invalid_api_key"
                 )
-            return Identity(Role.ANONYMOUS, None, addr, addr if self.exact_by_address else "")
+            return self._anonymous(host)
         found = self._tenants.find(key)
         if found is not None:
             if tenant_header is not None:
@@ -289,6 +288,12 @@ class Credentials:
         if found is not None:
             return self._through_gateway(tenant_header)
         raise BadCredentials(401, "the API key is not one this head knows", "invalid_api_key")
+
+    def _anonymous(self, host: str | None) -> Identity:
+        """A request without a key: its address's fair share; token-exact reuse of
+        its own only when the operator said every address is one user."""
+        addr = f"host:{host or '?'}"
+        return Identity(Role.ANONYMOUS, None, addr, addr if self.exact_by_address else "")
 
     def _tenant_header(self, raw: Sequence[tuple[bytes, bytes]]) -> str | None:
         if self.header is None:
