@@ -23,18 +23,22 @@ verified pages) and what it does with the blocks.
 
 *Give back* (:class:`Publisher`): computed chains are stored and published on
 one background thread through a bounded number of slots: a publish that finds
-every slot taken is dropped (counted ``publish_dropped``), never waited for.
+every slot taken is dropped (counted ``publish_dropped``), never waited for. It
+tells :func:`kvmesh.memory.after_request` when it has work and when all of it is
+done (an idle head gives back what exports freed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .. import memory
 from ..blocks import PrefixKeys
 from ..codec import Block, Layout
 from ..compat import CompatCard
@@ -229,6 +233,8 @@ class Publisher:
         self.publish = publish
         self._slots = Slots(slots)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-publish")
+        self._working = 0  # submitted, not yet finished: tells the heap trimmer (kvmesh.memory)
+        self._working_lock = threading.Lock()
 
     def reserve(self) -> bool:
         """One slot, or False (counted ``publish_dropped``) when all are taken."""
@@ -247,7 +253,16 @@ class Publisher:
         """In a reserved slot: ``make()`` the chains (on the background thread),
         keep each here (against ``owner``'s tenant budget) and publish it; count
         their distinct blocks under ``counter``."""
+        self._work(+1)
         self._pool.submit(self._run, make, counter, owner)
+
+    def _work(self, n: int) -> None:
+        """Count work in and out; the heap trimmer hears when all of it is done
+        (exports free memory: an idle head gives it back, see kvmesh.memory)."""
+        with self._working_lock:
+            self._working += n
+            if self._working == (1 if n > 0 else 0):
+                memory.after_request(idle=n < 0, source="publish")
 
     def background(self, fn: Callable[..., object], *args: object) -> None:
         """Other off-path work that should queue behind publishes (audits)."""
@@ -268,6 +283,7 @@ class Publisher:
             self.count("publish_failed")
         finally:
             self._slots.give()
+            self._work(-1)
 
     def pending(self) -> int:
         """Publishes not yet handed to peers (exports running or queued sends)."""

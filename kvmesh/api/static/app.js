@@ -117,12 +117,40 @@ function renderPrefill(p) {
   rows($("fallbacks").tBodies[0], reasons.length ? reasons : [["none", 0]], ([k, v]) => [k, v]);
 }
 
+// /healthz "memory" (kvmesh.memory.report): RSS against model + --budget + --kv-budget
+function renderMemory(m) {
+  $("memory-panel").hidden = !m;
+  if (!m) return;
+  const ratio = (x) => (x === null || x === undefined ? "–" : x.toFixed(2) + "×");
+  const bar = el("span"); const b = el("span", null, "bar"); const fill = el("i");
+  const used = m.bound_bytes ? Math.min(1, m.rss_bytes / m.bound_bytes) : 0;
+  fill.style.width = (used * 100).toFixed(1) + "%"; if (m.ratio > 1) fill.className = "over"; b.append(fill);
+  bar.append(b, ratio(m.ratio));
+  const heap = m.heap || {};
+  const size = (v) => (v === null || v === undefined ? "–" : fmtBytes(v));
+  const items = [
+    ["RSS", size(m.rss_bytes)], ["of model + budgets", bar], ["model", size(m.model_bytes)],
+    ["--budget (store)", size(m.budget_bytes)], ["--kv-budget", size(m.kv_budget_bytes)],
+    ["RSS when ready", size(m.ready_bytes)], ["of that + budgets", ratio(m.ready_ratio)],
+    ["heap in use", size(heap.in_use)], ["heap free", size(heap.free)],
+    ["idle trims", m.trims], ["given back", size(m.released_bytes)],
+  ];
+  $("memory").replaceChildren(...items.map(([k, v]) => {
+    const c = el("div", null, "card"); const vv = el("div", null, "v");
+    if (v instanceof Node) vv.append(v); else vv.textContent = String(v);
+    c.append(vv, el("div", k, "k")); return c;
+  }));
+  $("memory-note").textContent = "warm heap pad " + fmtBytes(m.warm_bytes) +
+    (m.last_trim ? " · last idle trim " + fmtAge(Date.now() / 1000 - m.last_trim) + " ago" : " · not trimmed yet");
+}
+
 async function tick() {
   try {
     const [s, n, t, p, g] = await Promise.all([get("/v1/network/summary"), get("/v1/network/nodes"), get("/v1/network/tokens"), get("/v1/network/prefill"), get("/v1/network/groups")]);
     renderSummary(s); renderTopology(n.nodes); renderNodes(n.nodes); renderChart(t.series); renderPrefill(p);
     rows($("groups").tBodies[0], g.groups, (x) => [x.name, x.members.join(", ")]);
   } catch (e) { $("status").textContent = "disconnected: " + e.message; }
+  try { renderMemory((await get("/healthz")).memory); } catch (e) { renderMemory(null); }
 }
 $("keyform").addEventListener("submit", (ev) => { ev.preventDefault(); apiKey = $("apikey").value; localStorage.setItem("kvmesh-api-key", apiKey); tick(); });
 tick();
