@@ -7,7 +7,8 @@ the process limits it to one before its first threads allocate. Measured here
 on real processes: a peer holds a prompt a first head published, a second head
 (a new process) fetches it, and the minor page faults the second head takes
 during that request are a small part of the prefix's pages (without the limit
-its hashers fault in the whole import buffer).
+its hashers fault in the whole import buffer). The fresh head has been idle
+first: what an idle head gives back (issue #37) leaves its warm heap warm.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def test_a_fresh_heads_fetch_lands_in_its_warm_heap(tmp_path):
             first.stop()
         fresh = Head("--seed", peer.address)
         try:
-            fresh.wait(lambda h: h["compatible_peers"] >= 1)
+            h = fresh.wait(lambda h: h["compatible_peers"] >= 1)
+            if "memory" in h:  # an idle head's first pass (cycles, trim) spoils nothing
+                fresh.wait(lambda h: h["memory"]["idle_passes"] >= 1)
             before = minor_faults(fresh.proc.pid)
             r = fresh.http.post("/v1/completions", json=body).json()
             faults = minor_faults(fresh.proc.pid) - before
