@@ -123,6 +123,7 @@ class _State:
         self.trims = 0
         self.released = 0  # RSS given back by trims, in all
         self.last_trim = 0.0  # time.time() of the last trim
+        self.trimmed_rss = 0  # RSS right after the last trim
 
 
 _STATE = _State()
@@ -194,19 +195,28 @@ def trim(keep_bytes: int | None = None) -> int:
     _MALLOC_TRIM(0)
     warm = [bytearray(_PIECE) for _ in range(keep // _PIECE)]  # zero-filled: every page touched
     del warm
-    released = max(0, before - rss_bytes())
+    after = rss_bytes()
+    released = max(0, before - after)
     with _STATE.lock:
         _STATE.trims += 1
         _STATE.released += released
         _STATE.last_trim = time.time()
+        _STATE.trimmed_rss = after
     log.debug("heap trimmed: %d MiB given back", released >> 20)
     return released
 
 
 def excess() -> int:
-    """Free heap beyond the warm pad: what a trim would give back (0 if unknown)."""
+    """About what a trim would give back now (0 if unknown): the free heap beyond
+    the warm pad, but no more than RSS grew since the last trim (free heap a trim
+    released stays free heap, no longer resident)."""
     info = heap()
-    return 0 if info is None else max(0, info["free"] - _STATE.warm_bytes)
+    if info is None:
+        return 0
+    free = max(0, info["free"] - _STATE.warm_bytes)
+    if not _STATE.trimmed_rss:
+        return free
+    return min(free, max(0, rss_bytes() - _STATE.trimmed_rss))
 
 
 class IdleTrim:

@@ -92,6 +92,37 @@ def test_an_idle_trim_gives_back_what_a_burst_freed():
     assert "kvmesh-heap-trim" in r["threads"]
 
 
+def test_a_trim_follows_each_burst_not_each_idle_pass():
+    """Free heap a trim released is still free heap: later idle passes with nothing
+    new to give back do not trim again; the next burst's leftovers are trimmed."""
+    r = run(
+        """
+        memory.one_heap()
+        memory.keep_heap_warm(WARM)
+        def idle_pass(n):
+            memory.after_request(idle=False)
+            memory.after_request(idle=True)
+            end = time.monotonic() + 30
+            while memory.report(None, None, 0)["idle_passes"] < n and time.monotonic() < end:
+                time.sleep(0.05)
+        memory.after_request(idle=False)
+        kept, junk = burst()
+        del junk
+        idle_pass(1)
+        idle_pass(2)
+        idle_pass(3)
+        quiet = memory.report(None, None, 0)["trims"]
+        memory.after_request(idle=False)
+        more, junk = burst(n=200)
+        del junk
+        idle_pass(4)
+        rep = memory.report(None, None, 0)
+        out(quiet=quiet, trims=rep["trims"], passes=rep["idle_passes"])
+        """
+    )
+    assert r == {"quiet": 1, "trims": 2, "passes": 4}
+
+
 def test_working_again_cancels_a_pending_trim():
     r = run(
         """
