@@ -281,7 +281,10 @@ def after_request(idle: bool = True, source: str = "engine") -> None:
 
 def model_bytes(model: Any) -> int:
     """Bytes of a loaded model's weights: a torch module's parameters and buffers
-    (storage shared between them counted once), or an MLX module's parameters."""
+    (storage shared between them counted once), or an MLX module's parameters;
+    0 for None (an engine without a model object)."""
+    if model is None:
+        return 0
     if hasattr(model, "buffers") and hasattr(model, "parameters"):  # torch.nn.Module
         storages: dict[int, int] = {}
         for t in (*model.parameters(), *model.buffers()):

@@ -197,3 +197,4 @@ def test_model_bytes_counts_shared_weights_once():
     model = torch.nn.Sequential(emb, head)
     model.register_buffer("scale", torch.ones(4))
     assert memory.model_bytes(model) == 100 * 16 * 4 + 4 * 4
+    assert memory.model_bytes(None) == 0  # an engine without a model object

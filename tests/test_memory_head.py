@@ -56,6 +56,8 @@ def test_idle_rss_after_load_is_within_the_budgets():
         _load(head)
         # the engine loop said it was idle: cycles collected, the heap trimmed if worth it
         idle = head.wait(lambda h: h["memory"]["idle_passes"] >= 1, timeout=60)["memory"]
+        assert head.metric("kvmesh_memory_bound_bytes") == idle["bound_bytes"]  # /metrics too
+        assert head.metric("kvmesh_memory_rss_bytes") > 0
     finally:
         head.stop()
     assert idle["heap"]["free"] <= idle["warm_bytes"] + MIN_RELEASE  # nothing kept beyond
