@@ -101,8 +101,10 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
     try:
         wait_for(lambda: len(h.node.node.membership.live()) >= 2, what="both peers")
         # demo-tiny prefills 200 tokens in milliseconds, so the planner would rightly
-        # skip small fetches; keep it at a real model's speed for this test
-        h.planner.prefill_tps = 100.0
+        # skip small fetches; keep it at a real model's speed for this test, slow
+        # enough that the request's budget (4 s) outlasts a stall's detection (2 s):
+        # a fetch our own budget ends is no failure of the peer's
+        h.planner.prefill_tps = 50.0
         h.planner.backoff_first_s = 60.0  # outlasts both requests on a loaded machine
         out = h.complete(first, SAMPLING)
         assert out.tokens == _cold(tiny_engine, first)
