@@ -277,6 +277,7 @@ def head(
     api_key_scope: str,
     max_batch: int,
     kv_budget: str,
+    max_sessions: int,
     prefill_chunk: int,
     max_queue: int,
     max_body_bytes: str,
@@ -330,6 +331,7 @@ def head(
             max_batch=max_batch,
             kv_budget_bytes=parse_size(kv_budget),
             prefill_chunk=prefill_chunk,
+            max_sessions=max_sessions,
             max_body_bytes=parse_size(max_body_bytes),  # sizes are checked by their options
             api_key_scope=api_key_scope,
             http_tls_cert=http_tls_cert,

@@ -265,6 +265,14 @@ HEAD_ONLY = (
         "size",
     ),
     Option(
+        "max_sessions",
+        "Finished requests whose KV the head keeps so the next chat turn resumes it "
+        "(charged to --kv-budget; the oldest gives way). 0: none kept.",
+        8,
+        "int",
+        low=0,
+    ),
+    Option(
         "prefill_chunk",
         "Most prompt tokens one request computes in one forward: a long prompt (a resumed "
         "session's too) is computed in chunks with decode steps between, so running streams "
