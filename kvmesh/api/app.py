@@ -16,6 +16,7 @@ else sees the aggregates.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import memory
 from ..errors import Reason
 from ..runtime.batch import CANCEL_STAGES, EngineFailed
 from ..runtime.head import HeadRuntime
@@ -51,12 +53,38 @@ from .scheduler import QueueFull, Scheduler
 log = logging.getLogger("kvmesh.api")
 
 
+def _memory_metrics(m: dict[str, Any]) -> Any:
+    """The head's memory against its budgets (kvmesh.memory.report)."""
+    for name, key, doc in (
+        ("kvmesh_memory_rss_bytes", "rss_bytes", "Resident set size of the head process"),
+        ("kvmesh_memory_bound_bytes", "bound_bytes", "Model + --budget + --kv-budget"),
+        ("kvmesh_memory_ready_bytes", "ready_bytes", "RSS when the head was ready"),
+    ):
+        yield GaugeMetricFamily(name, doc, value=m[key])
+    if m["heap"] is not None:
+        yield GaugeMetricFamily(
+            "kvmesh_memory_heap_free_bytes", "Free malloc heap", value=m["heap"]["free"]
+        )
+    yield CounterMetricFamily("kvmesh_memory_trims", "Idle heap trims", value=m["trims"])
+    yield CounterMetricFamily(
+        "kvmesh_memory_released_bytes", "RSS given back by idle trims", value=m["released_bytes"]
+    )
+
+
 class HeadCollector(Collector):
-    def __init__(self, runtime: HeadRuntime, scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        runtime: HeadRuntime,
+        scheduler: Scheduler,
+        memory_report: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.scheduler = scheduler
+        self.memory_report = memory_report
 
     def collect(self) -> Any:
+        if self.memory_report is not None:
+            yield from _memory_metrics(self.memory_report())
         snap = self.runtime.telemetry.snapshot()
         c = snap["counters"]
         for key, doc in (
@@ -285,6 +313,13 @@ def create_app(
 ) -> FastAPI:
     limits = limits or Limits()
     topts = tenant_options or TenantOptions()
+    weights = memory.model_bytes(getattr(runtime.engine, "model", None))  # once: never change
+
+    def memory_report() -> dict[str, Any]:
+        """RSS against model + --budget + --kv-budget (kvmesh.memory.report)."""
+        store = runtime.fleet.store.stats.budget_bytes if runtime.fleet else None
+        return memory.report(store, runtime.batch.kv_budget_bytes, weights)
+
     credentials = _credentials(api_key_file, topts.header, access or Access())
     if limits.api_key_scope == "all" and not credentials.any:
         raise ValueError("--api-key-scope all needs --api-key-file")
@@ -364,7 +399,7 @@ def create_app(
 
     registry, private = CollectorRegistry(), CollectorRegistry()
     for reg in (registry, private):
-        reg.register(HeadCollector(runtime, scheduler))
+        reg.register(HeadCollector(runtime, scheduler, memory_report))
         if runtime.node is not None:
             from ..mesh.metrics import NodeCollector
 
@@ -388,6 +423,7 @@ def create_app(
                 "max": scheduler.max_queue,
             },
             "batch": {"sequences": runtime.batch.running, "max": runtime.batch.max_batch},
+            "memory": memory_report(),
         }
         if failure is None:
             return body

@@ -96,6 +96,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import memory
 from ..compat import dtype_size
 from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState, Sampling
 
@@ -360,8 +361,11 @@ class BatchRunner:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._waiting or self._prefilling or self._running or self._closed):
-                    self._cv.wait()
+                if not (self._waiting or self._prefilling or self._running or self._closed):
+                    memory.after_request(idle=True)  # nothing left: trimmed after IDLE_S of quiet
+                    while not (self._waiting or self._prefilling or self._running or self._closed):
+                        self._cv.wait()
+                    memory.after_request(idle=False)
                 if self._closed:
                     self._fail_all(RuntimeError("the engine is shut down"))
                     return
