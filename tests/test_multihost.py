@@ -247,7 +247,8 @@ def test_cutting_the_link_mid_stream_falls_back_with_the_same_answer(net, peers)
         out = h.complete(prompt)
         cutter.join()
         assert out["kvmesh"]["source"] == "compute"
-        assert out["kvmesh"]["fallback"] in ("timeout", "peer_unreachable")
+        # the link's fault, or our own budget running out first (#37: no peer's fault)
+        assert out["kvmesh"]["fallback"] in ("timeout", "stalled", "peer_unreachable", "budget")
         assert out["choices"][0]["text"] == cold["choices"][0]["text"]
     finally:
         for dev in links:
