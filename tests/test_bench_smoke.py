@@ -135,6 +135,30 @@ def _events(d: dict[str, Any]) -> bool:
     )
 
 
+def _bounded_work(d: dict[str, Any]) -> bool:
+    """Issue #36, bounded work: four 30,000-character stops are a 400; the bystander
+    got all its tokens alone and beside n=8 with four 4,096-character stops (the
+    ratios are reported, not asserted); the incremental scanner's work is at most
+    two comparisons a character a stop on a real generation, for 4,096 and 30,000
+    characters alike; /healthz answered beside ~4 MB bodies, each refused with 400."""
+    s, e, b = d["stops"], d["engine"], d["body"]
+    runs = s["runs"]
+    return (
+        s["stop_30000_refused"]["status"] == 400
+        and s["loader"]["stop_chars"] == [4096] * 4
+        and set(runs) == {"alone", "beside_n8_no_stops", "beside_n8_4x4096_stops"}
+        and all(r["tokens"] == s["bystander_tokens"] for rs in runs.values() for r in rs)
+        and all(v["total_s"] > 0 for v in s["beside_vs_alone"].values())
+        and [r["stop_chars"] for r in e["rows"]] == [0, 4096, 30_000]
+        and all(r["incremental_steps_per_char"] <= 2 * r["stops"] for r in e["rows"])
+        and all(
+            r[w]["rescanning_us_per_token"] > 0 for r in e["rows"][1:] for w in ("start", "long")
+        )
+        and b["alone"]["median"] > 0
+        and b["ids"]["posts"] == b["ids"]["post_status"].get("400", 0) > 0
+    )
+
+
 def _conversations(d: dict[str, Any]) -> bool:
     """Both modes ran every turn, streamed, with TTFT, gaps, reuse and RSS read; the
     sessions-on head resumed sessions, the sessions-off head never kept one; the
@@ -171,6 +195,7 @@ def _conversations(d: dict[str, Any]) -> bool:
 
 # each benchmark's own claim, read back from its JSON
 CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "bounded_work.py": _bounded_work,
     "churn.py": lambda d: d["stored_within_budget"] and d["max_stored_bytes"] > 0,
     "conversations.py": _conversations,
     "codec.py": lambda d: (
