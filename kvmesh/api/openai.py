@@ -159,8 +159,17 @@ def _check_text(value: Any) -> None:
         elif isinstance(v, dict):
             todo.extend(v.keys())
             todo.extend(v.values())
-        elif isinstance(v, list):
+        elif isinstance(v, list) and not _only_numbers(v):
             todo.extend(v)
+
+
+_NUMBERS = frozenset({int, float, bool, type(None)})
+
+
+def _only_numbers(values: list[Any]) -> bool:
+    """Whether ``values`` holds no text (a token id list): one pass in C, so a
+    million ids do not hold the event loop for a walk in Python."""
+    return set(map(type, values)) <= _NUMBERS
 
 
 class Body(BaseModel):
