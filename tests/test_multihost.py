@@ -154,6 +154,7 @@ class NsHead:
             "10.77.1.2:7070",
             "--seed",
             "10.77.2.2:7070",
+            "--exact-reuse-by-address",  # one client: its exact tail is its own
             "--alias",
             alias,
             "--gossip-interval",

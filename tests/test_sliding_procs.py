@@ -38,7 +38,9 @@ def test_a_long_prompt_past_the_window_is_reused_and_survives_a_restart(tmp_path
     turn1 = [{"role": "user", "content": text}]
     peer = Peer(alias="sw-peer", log_dir=tmp_path)
     try:
-        h1 = Head("--seed", peer.address, "--alias", "sw-first", model=model)
+        h1 = Head(
+            "--seed", peer.address, "--exact-reuse-by-address", "--alias", "sw-first", model=model
+        )
         try:
             h1.wait(lambda s: s["peers"] >= 1)
             cold = _chat(h1, model, turn1)
@@ -62,7 +64,14 @@ def test_a_long_prompt_past_the_window_is_reused_and_survives_a_restart(tmp_path
         finally:
             h1.stop()
 
-        h2 = Head("--seed", peer.address, "--alias", "sw-restarted", model=model)
+        h2 = Head(
+            "--seed",
+            peer.address,
+            "--exact-reuse-by-address",
+            "--alias",
+            "sw-restarted",
+            model=model,
+        )
         try:
             h2.wait(lambda s: s["compatible_peers"] >= 1)
             hit = _chat(h2, model, turn1)
