@@ -221,10 +221,16 @@ def run_vllm(model: str, shape: dict[str, Any], eager: bool, logs: Path) -> dict
     return r
 
 
-def ratios(head: dict[str, Any], vllm: dict[str, Any]) -> dict[str, float]:
-    """head / vLLM for each time figure (lower is better for the head)."""
+def ratios(head: dict[str, Any], vllm: dict[str, Any]) -> dict[str, float | None]:
+    """head / vLLM for each time figure (lower is better for the head); None where
+    vLLM's figure rounds to 0 (on a loaded machine vLLM may stream a short answer's
+    tokens in one chunk: a TPOT of 0 ms, no ratio to take)."""
     keys = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "duration_s")
-    return {k: round(head[k] / vllm[k], 3) if vllm[k] else float("inf") for k in keys}
+    return {k: round(head[k] / vllm[k], 3) if vllm[k] else None for k in keys}
+
+
+def _times(q: float | None) -> str:
+    return "n/a" if q is None else f"{q:.2f}x"
 
 
 def markdown(out: dict[str, Any]) -> str:
@@ -255,8 +261,9 @@ def markdown(out: dict[str, Any]) -> str:
             )
         q = rnd["ratios"]
         lines.append(
-            f"| {i} | **head / vLLM** | **{q['mean_ttft_ms']:.2f}x** | | "
-            f"{q['p99_ttft_ms']:.2f}x | {q['mean_tpot_ms']:.2f}x | **{q['duration_s']:.2f}x** | | |"
+            f"| {i} | **head / vLLM** | **{_times(q['mean_ttft_ms'])}** | | "
+            f"{_times(q['p99_ttft_ms'])} | {_times(q['mean_tpot_ms'])} | "
+            f"**{_times(q['duration_s'])}** | | |"
         )
     lines += ["", "The head's counters over each run (its `/metrics`):", ""]
     lines += [
