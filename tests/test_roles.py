@@ -205,3 +205,35 @@ def test_admin_key_file_errors_name_the_flag(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2 and "--admin-key-file" in r.stderr and ":1:" in r.stderr
+
+
+def test_a_gateway_names_tenants_and_nobody_else_can(tmp_path):
+    """With real processes: only a request carrying the gateway's key may name its
+    tenant by header; a tenant's key with the header (the audit's B + acme) is a 400
+    and reads nothing of acme's."""
+    (tmp_path / "tenants").write_text(f"{TENANT_B} tenant-b\n")
+    (tmp_path / "gateways").write_text("gateway-key-0123456789\n")
+    h = Head(
+        "--api-key-file",
+        str(tmp_path / "tenants"),
+        "--gateway-key-file",
+        str(tmp_path / "gateways"),
+        "--tenant-header",
+        "x-tenant-id",
+    )
+    gw = {**bearer("gateway-key-0123456789"), "x-tenant-id": "acme"}
+    body = {"model": "demo-tiny", "prompt": SECRET_PROMPT, "max_tokens": 2, "temperature": 0}
+    try:
+        assert cached(h.http.post("/v1/completions", json=body, headers=gw)) == 0
+        again = h.http.post("/v1/completions", json=body, headers=gw)
+        n = again.json()["usage"]["prompt_tokens"]
+        # acme's cache, whole blocks (many users behind one key; the last token is computed)
+        assert cached(again) == min(n - n % B, n - 1)
+        forged = {**bearer(TENANT_B), "x-tenant-id": "acme"}
+        r = h.http.post("/v1/completions", json=body, headers=forged)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "untrusted_tenant_header"
+        r = h.http.post("/v1/completions", json=body, headers={"x-tenant-id": "acme"})
+        assert r.status_code == 401
+        assert cached(complete(h, SECRET_PROMPT, TENANT_B)) == 0  # b's own cache: cold
+    finally:
+        h.stop()
