@@ -10,9 +10,8 @@ concurrent multi-turn chats against each:
 
 - **on**: the head's defaults (a finished request's KV is kept as a session; the
   chat's next turn resumes it);
-- **off**: the same head with sessions off (``--max-sessions 0`` where the CLI has
-  that flag, else the head's own entry point run with ``max_sessions=0``: the JSON
-  says which), so a turn reuses only the whole blocks the head stored.
+- **off**: the same head with sessions off (``--max-sessions 0``), so a turn
+  reuses only the whole blocks the head stored.
 
 Each chat is one API key (token-exact reuse is a key's own) and runs its turns one
 after another, with a 3 s pause (the user's) between an answer and the next turn:
@@ -149,38 +148,14 @@ def text(n_chars: int, seed: str) -> str:
 # -- the head ---------------------------------------------------------------------------
 
 
-def has_max_sessions_flag() -> bool:
-    help_text = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "head", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
-    return "--max-sessions" in help_text
-
-
-# The head's own entry point with sessions off, for a CLI without --max-sessions:
-# the same options, the same process layout, HeadOptions.max_sessions = 0.
-NO_SESSIONS = """
-import dataclasses, sys
-import kvmesh.api.server as server
-run_head = server.run_head
-server.run_head = lambda opts, *a, **k: run_head(dataclasses.replace(opts, max_sessions=0), *a, **k)
-from kvmesh.cli import main
-sys.argv = ["kvmesh", *sys.argv[1:]]
-main()
-"""
-
-
-def start_head(
-    args: list[str], sessions: bool, flag: bool, log: Path
-) -> tuple[subprocess.Popen[str], str]:
-    if sessions:
-        cmd = [sys.executable, "-m", "kvmesh.cli", *args]
-    elif flag:
-        cmd = [sys.executable, "-m", "kvmesh.cli", *args, "--max-sessions", "0"]
-    else:
-        cmd = [sys.executable, "-c", NO_SESSIONS, *args]
+def start_head(args: list[str], sessions: bool, log: Path) -> tuple[subprocess.Popen[str], str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        *args,
+        *(() if sessions else ("--max-sessions", "0")),
+    ]
     with open(log, "w") as err:  # the head's log: shown if the mode fails
         p = popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     assert p.stdout is not None
@@ -356,7 +331,7 @@ def chars_per_token(http: httpx.Client, model: str) -> float:
 # -- one mode ---------------------------------------------------------------------------
 
 
-def run_mode(size: Size, sessions: bool, flag: bool, work: Path) -> dict[str, Any]:
+def run_mode(size: Size, sessions: bool, work: Path) -> dict[str, Any]:
     keys, secret = work / "keys", work / "secret"
     keys.write_text("".join(f"conv-{i}\n" for i in range(len(size.chats))) + "warm-up\n")
     args = [
@@ -377,7 +352,7 @@ def run_mode(size: Size, sessions: bool, flag: bool, work: Path) -> dict[str, An
         str(size.prefill_chunk),
     ]
     load = os.getloadavg()[0]
-    head, url = start_head(args, sessions, flag, work / "head.log")
+    head, url = start_head(args, sessions, work / "head.log")
     try:
         with httpx.Client(base_url=url, timeout=1800) as http:
             cpt = chars_per_token(http, size.model)
@@ -577,14 +552,13 @@ def main() -> None:
     for name in ("model", "budget", "kv_budget", "prefill_chunk"):
         if getattr(a, name) is not None:
             setattr(size, name, getattr(a, name))
-    flag = has_max_sessions_flag()
     modes: dict[str, Any] = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         for mode in a.modes.split(","):
             work = Path(d) / mode
             work.mkdir()
-            r = run_mode(size, mode == "on", flag, work)
+            r = run_mode(size, mode == "on", work)
             modes[mode] = r
             print_mode(mode, r)
     off = modes.get("off")
@@ -595,7 +569,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "model": size.model,
         "size": asdict(size),
-        "sessions_off_via": "--max-sessions 0" if flag else "HeadOptions.max_sessions=0",
+        "sessions_off_via": "--max-sessions 0",
         "modes": modes,
         "gap_long_resume_on_vs_off": ratio(
             on.get("max_gap_during_long_resumes_s"),
