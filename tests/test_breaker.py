@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvmesh.blocks import BlockKeyer
 from kvmesh.errors import CacheMiss, ChecksumMismatch, LocalBusy, PeerBusy, PeerTimeout
 from kvmesh.mesh.bulk import FetchStalled
@@ -249,16 +251,20 @@ def test_our_budget_running_out_is_counted_apart_and_blames_nobody():
     p, _ = _planner()
     count = Counted()
     ran_out = Attempt(limit_s=0.5, elapsed_s=0.5, delivered=1 << 16, peer_deadline_s=30.0)
-    for _ in range(50):  # a slow peer that keeps sending: never its failure
+    for _ in range(4):  # 2 s of our budgets: not yet past what a peer may keep us waiting
         assert p.fetch_failed("a", PeerTimeout("deadline"), count, "a", ran_out) == "budget"
-    assert count == ["fetch_skipped:budget"] * 50
-    assert p.usable("a") and p.backed_off() == {} and p.silent_s("a") == 0.0
+    assert count == ["fetch_skipped:budget"] * 4
+    assert p.usable("a") and p.backed_off() == {}
+    assert p.bandwidth["a"] == pytest.approx((1 << 16) / 0.5)  # what it sent: it is slow
+    # one block then a stall, or a trickle that never finishes: it kept us waiting
+    assert p.fetch_failed("a", PeerTimeout("deadline"), count, "a", ran_out) == "stalled"
+    assert not p.usable("a")
     past_its_deadline = Attempt(limit_s=30.0, elapsed_s=30.0, peer_deadline_s=30.0)
-    assert p.fetch_failed("a", PeerTimeout("deadline"), count, "a", past_its_deadline) == "timeout"
-    assert count[-1] == "peer_failed:timeout" and not p.usable("a")
+    assert p.fetch_failed("b", PeerTimeout("deadline"), count, "b", past_its_deadline) == "timeout"
+    assert count[-1] == "peer_failed:timeout" and not p.usable("b")
 
 
-def test_silent_overruns_add_up_decay_and_are_cleared_by_a_delivery():
+def test_silent_overruns_add_up_decay_and_are_cleared_by_a_fetch_that_worked():
     p, clock = _planner()
     count = Counted()
     silent = Attempt(limit_s=0.5, elapsed_s=0.5, delivered=0, peer_deadline_s=30.0)
@@ -274,11 +280,7 @@ def test_silent_overruns_add_up_decay_and_are_cleared_by_a_delivery():
     assert p.fetch_failed("b", timeout, count, "b", silent) == "budget"
     assert 0.5 <= p.silent_s("b") < 0.51
 
-    for _ in range(3):  # a block delivered (slow, not silent) starts it over
+    for _ in range(3):  # only a fetch that worked starts it over
         p.fetch_failed("c", timeout, count, "c", silent)
-    slow = Attempt(limit_s=0.5, elapsed_s=0.5, delivered=4096, peer_deadline_s=30.0)
-    assert p.fetch_failed("c", timeout, count, "c", slow) == "budget"
-    assert p.silent_s("c") == 0.0
-    p.fetch_failed("c", timeout, count, "c", silent)
-    p.peer_succeeded("c")  # and so does a fetch that worked
+    p.peer_succeeded("c")
     assert p.silent_s("c") == 0.0 and p.usable("c")

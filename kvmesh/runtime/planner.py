@@ -34,8 +34,9 @@ thing a short budget cannot hide: a peer that answers lookups but never delivers
 Silent overruns (nothing delivered before our budget ended) add up per peer,
 decaying like strikes; once they sum to more than a peer may stay silent
 (``stall_s``, the mesh client's progress timeout), the peer has kept us waiting
-past its own per-peer timeout and is blamed as ``stalled``. A delivered block or
-a successful fetch clears them.
+past its own per-peer timeout and is blamed as ``stalled``; what a peer did
+deliver before our budget ended teaches its bandwidth. Only a successful fetch
+clears them.
 
 :meth:`Planner.fetch_failed` and :meth:`Planner.lookup_hooks` are the one policy
 every caller of the fleet (the head, the vLLM connector) applies: which failure
@@ -274,12 +275,14 @@ class Planner:
         return reason
 
     def _kept_waiting(self, peer: str, attempt: Attempt) -> bool:
-        """Our budget ran out on ``peer``: add its silence (none if it delivered a
-        block); True once silences add up past ``stall_s`` (and start over)."""
+        """Our budget ran out on ``peer``: what it delivered teaches its bandwidth
+        (a trickle makes the next fetch not worth trying), and the wait adds up;
+        True once waits that never completed a fetch pass ``stall_s`` (and start
+        over). Only a successful fetch forgives them: one block then a stall is
+        no excuse."""
+        if attempt.delivered:
+            self.observe_fetch(peer, max(attempt.delivered, 1 << 16), attempt.elapsed_s)
         with self._lock:
-            if attempt.delivered:  # slow, not silent: whatever it owed, it was sending
-                self._silence.pop(peer, None)
-                return False
             now = self._clock()
             s = self._silence.pop(peer, None) or _Silence(at=now)
             s.seconds = s.seconds * 0.5 ** ((now - s.at) / self.half_life_s) + attempt.elapsed_s
