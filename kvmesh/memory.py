@@ -260,6 +260,9 @@ class IdleTrim:
                     self._cv.wait(wait)
                 self._due = None
             gc.collect()  # cycles a request left (its plan and state): their tensors too
+            with self._cv:
+                if self._busy or self._due is not None:  # work came back meanwhile
+                    continue
             if excess() > self.min_release:
                 trim()
             with _STATE.lock:

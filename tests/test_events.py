@@ -241,6 +241,7 @@ def test_a_subscriber_that_stops_reading_never_blocks_the_store(tmp_path):
     memo = TokenMemo(max_blocks=64)
     key = tmp_path / "events.key"
     key.write_text(zmq.curve_keypair()[1].decode() + "\n")  # a bare Z85 secret will do
+    key.chmod(0o600)  # a secret key is this user's alone
     cfg = EventsConfig(f"tcp://*:{port}", "", "kv", hwm=4, max_batch_events=1, curve_key=str(key))
     pub = EventPublisher(cfg, StoreEvents(memo))
     ctx = zmq.Context()

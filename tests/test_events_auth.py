@@ -12,6 +12,7 @@ is refused on every socket with the publisher's RSS unchanged."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import stat
 import subprocess
@@ -137,11 +138,18 @@ def test_a_missing_key_file_is_made_private_and_its_public_key_printed(tmp_path)
 
 def test_key_files_zeromq_made_and_bare_keys_are_read(tmp_path):
     public, secret_file = zmq.auth.create_certificates(tmp_path, "node")
+    with pytest.raises(ConfigError, match="chmod 600"):  # a secret others may read: refused
+        load_curve_key(secret_file)
+    os.chmod(secret_file, 0o600)
     assert load_curve_key(secret_file) == zmq.auth.load_certificate(secret_file)
     bare = tmp_path / "bare.key"
     pub, sec = zmq.curve_keypair()
     bare.write_text(f"# an operator's note\n{sec.decode()}\n")
+    bare.chmod(0o600)
     assert load_curve_key(bare) == (pub, sec)
+    os.chown(bare, 65534, 65534)  # another user's: refused, whatever its mode
+    with pytest.raises(ConfigError, match="another user"):
+        load_curve_key(bare)
 
 
 @pytest.mark.parametrize(
@@ -159,6 +167,7 @@ def test_key_files_zeromq_made_and_bare_keys_are_read(tmp_path):
 def test_a_bad_key_file_is_a_clear_error(tmp_path, text, error):
     key = tmp_path / "bad.key"
     key.write_text(text)
+    key.chmod(0o600)
     with pytest.raises(ConfigError, match=error):
         events_config({"kv_events": "tcp://*:5557", "kv_events_curve_key": str(key)})
 

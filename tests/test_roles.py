@@ -138,7 +138,7 @@ def test_a_tenant_secret_others_can_read_is_refused(tmp_path):
     head_secret(p)
     assert stat.S_IMODE(p.stat().st_mode) == 0o600
     os.chmod(p, 0o644)
-    with pytest.raises(KeyFileError, match="private"):
+    with pytest.raises(KeyFileError, match="chmod 600"):
         head_secret(p)
 
 

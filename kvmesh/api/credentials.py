@@ -31,6 +31,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from ..blocks import chain_root, check_cache_salt, tenant_root
+from ..private import PrivateFileError, read_private
 
 MAX_TENANT_CHARS = 128
 MAX_KEY_CHARS = 4096
@@ -187,16 +188,13 @@ def head_secret(path: str | Path | None) -> bytes:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(SECRET_BYTES) + "\n")
-        st = p.stat()
     except OSError as e:
         raise KeyFileError(f"{p}: cannot make a tenant secret ({e.strerror})") from None
-    if st.st_mode & 0o077:
-        raise KeyFileError(f"{p}: a tenant secret is private (chmod 600 it)")
-    if st.st_uid != os.getuid():
-        raise KeyFileError(f"{p}: a tenant secret belongs to the user running the head")
     try:
-        secret = bytes.fromhex(p.read_text().strip())
-    except (ValueError, OSError) as e:
+        secret = bytes.fromhex(read_private(p).strip())  # this user's alone, or refused
+    except PrivateFileError as e:
+        raise KeyFileError(f"tenant secret {e}") from None
+    except ValueError as e:
         raise KeyFileError(f"{p}: not a hex tenant secret ({e})") from None
     if len(secret) < 16:
         raise KeyFileError(f"{p}: a tenant secret has at least 16 bytes")

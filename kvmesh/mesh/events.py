@@ -83,6 +83,7 @@ from zmq.utils import z85
 from ..blocks import BlockKeyer
 from ..codec import BlockHeader
 from ..errors import ConfigError
+from ..private import PrivateFileError, read_private
 
 log = logging.getLogger("kvmesh.events")
 
@@ -385,10 +386,9 @@ def load_curve_key(path: str | Path) -> tuple[bytes, bytes]:
             f.write(f'    secret-key = "{new_secret}"\n')
         log.info("kv events: made a CURVE key pair in %s", path)
     try:
-        text = p.read_text()
-        mode = p.stat().st_mode
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the CURVE key ({e})") from None
+        text = read_private(p)  # a secret key: this user's alone, or refused
+    except PrivateFileError as e:
+        raise ConfigError(f"the CURVE key {e}") from None
     found = {m.group(1): m.group(2) for m in map(_PROPERTY.fullmatch, text.splitlines()) if m}
     if not found:  # a bare key: the first line that is not a comment
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -403,8 +403,6 @@ def load_curve_key(path: str | Path) -> tuple[bytes, bytes]:
     public = zmq.curve_public(secret.encode())
     if "public-key" in found and found["public-key"].encode() != public:
         raise ConfigError(f"{path}: its public-key is not the secret key's")
-    if mode & 0o077:
-        log.warning("kv events: %s (a secret key) is readable by other users: chmod 600 it", path)
     return public, secret.encode()
 
 

@@ -254,7 +254,11 @@ class Publisher:
         keep each here (against ``owner``'s tenant budget) and publish it; count
         their distinct blocks under ``counter``."""
         self._work(+1)
-        self._pool.submit(self._run, make, counter, owner)
+        try:
+            self._pool.submit(self._run, make, counter, owner)
+        except RuntimeError:  # shut down: the work will never run, nor say it is done
+            self._work(-1)
+            raise
 
     def _work(self, n: int) -> None:
         """Count work in and out; the heap trimmer hears when all of it is done

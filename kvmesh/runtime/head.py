@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import memory
 from ..blocks import BlockKeyer
 from ..codec import Block, new_blob
 from ..engine import Decoded, Engine, KVState, Sampling
@@ -320,8 +321,14 @@ class HeadRuntime:
         scope = scope or Scope()
         keyer = self.keyer_for(scope, client)
         stamps = Stamps(t0)
-        # network waits happen here, never on the engine thread
-        got = self._acquire(tokens, keyer, scope.exact(client), scope.tenant, stamps)
+        # network waits happen here, never on the engine thread; no idle heap trim
+        # may land in the middle of them
+        acquiring = f"acquire-{id(out)}"
+        memory.after_request(idle=False, source=acquiring)
+        try:
+            got = self._acquire(tokens, keyer, scope.exact(client), scope.tenant, stamps)
+        finally:
+            memory.after_request(idle=True, source=acquiring)
         stamps.acquired = time.perf_counter()
         done = _Prefilled()
 
@@ -364,7 +371,9 @@ class HeadRuntime:
         self._count_tenant(scope.tenant, report)
         self._keep_session(state, keyer.root, scope.exact(client))
         if self.publish_enabled:
-            self._publish_later(prompt, state, done.chain, keyer, scope.tenant)
+            self._publish_later(
+                prompt, state, done.chain, keyer, scope.tenant, tails=scope.caller != ""
+            )
         if self.auditor is not None and report.source == Source.REMOTE and got.peer_id:
             audit = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
             if audit is not None:
@@ -730,7 +739,11 @@ class HeadRuntime:
         reused: tuple[Block, ...],
         keyer: BlockKeyer | None = None,
         owner: str | None = None,
+        tails: bool = True,
     ) -> None:
+        """Export and publish the prompt's blocks (and the answer's) off the request
+        path; without ``tails`` (an anonymous request: its tail is keyed for nobody)
+        whole blocks only."""
         if not self.publisher.reserve():
             return
         keyer = keyer or self.keyer
@@ -744,7 +757,11 @@ class HeadRuntime:
                 keyer,
                 first_block=len(prompt_full),
             )
-            return [blocks, prompt_full + more] if more else [blocks]
+            out = [blocks, prompt_full + more] if more else [blocks]
+            if tails:
+                return out
+            whole = ([b for b in c if b.header.kind != "tail"] for c in out)
+            return [c for c in whole if c]
 
         self.publisher.submit(chains, "published_blocks", owner)
 
