@@ -429,7 +429,7 @@ class OpenAIService:
         scope: Scope | None = None,
     ) -> tuple[Generation, TokenStream]:
         """Check ``req`` (4xx before anything runs) and start its generation as
-        ``client``'s (see :func:`client_of`) in ``scope``'s cache."""
+        ``client``'s (its fair share, see :class:`~.credentials.Identity`) in ``scope``'s cache."""
         sampling = self._check(req, len(tokens))
         try:  # before a stream's 200: a request this head could never run is the client's 400
             self.runtime.check_request(len(tokens), sampling)
