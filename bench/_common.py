@@ -21,15 +21,18 @@ import platform
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import Block, Layout
@@ -68,25 +71,22 @@ def fake_engine(card: CompatCard) -> TransformersEngine:
         torch.device("cpu"),
     )
     eng._cache_cls = lambda config=None: SimpleNamespace(
-        layers=[
-            SimpleNamespace(lazy_initialization=lambda k, v: None) for _ in range(card.num_layers)
-        ]
+        layers=[DynamicLayer() for _ in range(card.num_layers)]
     )
     eng.model = SimpleNamespace(config=None)
+    eng._state_every = 0  # attention only: no recurrent-state checkpoints
+    eng.grid, eng._rowwise = 0, False  # not deterministic
     return eng
 
 
 def random_state(card: CompatCard, n_tokens: int, seed: int = 0) -> SimpleNamespace:
     g = torch.Generator().manual_seed(seed)
     shape = (1, card.num_kv_heads, n_tokens, card.head_dim)
-    cache = SimpleNamespace(
-        layers=[
-            SimpleNamespace(
-                keys=torch.randn(shape, generator=g), values=torch.randn(shape, generator=g)
-            )
-            for _ in range(card.num_layers)
-        ]
-    )
+    layers = [DynamicLayer() for _ in range(card.num_layers)]
+    for layer in layers:
+        layer.lazy_initialization(torch.empty(shape), torch.empty(shape))
+        layer.keys, layer.values = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    cache = SimpleNamespace(layers=layers)
     return SimpleNamespace(
         tokens=[(seed * 7919 + i) % 256 for i in range(n_tokens)],
         cached=n_tokens,
@@ -240,10 +240,10 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def spawn_kvmesh(
-    *args: str, pattern: str, prefix: Sequence[str] = ()
+    *args: str, pattern: str, prefix: Sequence[str] = (), timeout_s: float = START_TIMEOUT_S
 ) -> tuple[subprocess.Popen[str], re.Match[str]]:
     """``kvmesh ARGS`` in its own owned process (run under ``prefix``, e.g. ``ip netns
-    exec NS``), once its first line matches ``pattern``."""
+    exec NS``), once its first line matches ``pattern`` (within ``timeout_s``)."""
     p = popen(
         [*prefix, sys.executable, "-m", "kvmesh.cli", *args],
         stdout=subprocess.PIPE,
@@ -251,7 +251,7 @@ def spawn_kvmesh(
         text=True,
     )
     assert p.stdout is not None
-    ready, _, _ = select.select([p.stdout], [], [], START_TIMEOUT_S)
+    ready, _, _ = select.select([p.stdout], [], [], timeout_s)
     line = p.stdout.readline() if ready else ""
     m = re.search(pattern, line)
     if not m:
@@ -259,6 +259,37 @@ def spawn_kvmesh(
         raise RuntimeError(f"kvmesh {args[0]} did not start: {line!r}")
     fail_point("started")
     return p, m
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_vllm(
+    python: str, model: str, args: Sequence[str], log: Path, start_s: float
+) -> tuple[subprocess.Popen[Any], str]:
+    """``vllm serve`` (its OpenAI server module, under ``python``: the vLLM venv's) on a
+    free loopback port, owned, once ``/health`` answers; (process, URL). Its output
+    goes to ``log``."""
+    url = f"http://127.0.0.1:{free_port()}"
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += ["--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], *args]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:  # the child keeps its own copy
+        proc = popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    fail_point("started")
+    deadline = time.monotonic() + start_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"vllm serve did not start (log: {log})")
 
 
 def spawn_peer(*args: str) -> tuple[subprocess.Popen[str], str]:

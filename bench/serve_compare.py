@@ -50,10 +50,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[0:1] = [str(ROOT)]  # not bench/: bench/vllm.py would shadow the vllm package
 
-from bench._common import popen, run_main, stop, write_section  # noqa: E402
+from bench._common import popen, run_main, spawn_vllm, stop, write_section  # noqa: E402
 from bench.vllm import FULL, SMOKE, serve_bench  # noqa: E402
 from kvmesh.engine.demo import ensure_demo  # noqa: E402
-from tests.procs import free_port  # noqa: E402
 
 MARK, END = "<!-- bench/serve_compare.py -->", "<!-- /bench/serve_compare.py -->"
 HEAD_START_S = 300.0  # loading the model and warming up on a loaded 2-core machine
@@ -171,41 +170,11 @@ def run_head(python: str, model: str, shape: dict[str, Any], logs: Path) -> dict
 
 
 def start_vllm(model: str, shape: dict[str, Any], eager: bool, log: Path) -> tuple[Any, str]:
-    """``vllm serve`` (its OpenAI server module) on a free loopback port once it is
-    healthy; (process, URL). vLLM's defaults (its compiled model) unless ``eager``."""
-    url = f"http://127.0.0.1:{free_port()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        url.rsplit(":", 1)[1],
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(shape["len"]),
-        "--seed",
-        "0",
-        "--enable-prefix-caching",
-    ]
-    cmd += ["--enforce-eager"] if eager else []
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "w") as out:  # the child keeps its own copy
-        proc = popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + VLLM_START_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(1)
-    stop(proc)
-    raise RuntimeError(f"vllm serve did not start (log: {log})")
+    """``vllm serve`` with prefix caching, once healthy; (process, URL). vLLM's
+    defaults (its compiled model) unless ``eager``."""
+    args = ["--dtype", "float32", "--max-model-len", str(shape["len"]), "--seed", "0"]
+    args += ["--enable-prefix-caching", *(["--enforce-eager"] if eager else [])]
+    return spawn_vllm(sys.executable, model, args, log, VLLM_START_S)
 
 
 def run_vllm(model: str, shape: dict[str, Any], eager: bool, logs: Path) -> dict[str, Any]:

@@ -5,6 +5,8 @@
                          [--sliding-window 128]
     python bench/ttft.py --smoke --json /tmp/ttft.json   # CI: demo-tiny, 64 tokens
     GPU: python bench/ttft.py --device cuda --model demo-8b --lengths 1024,4096,16384
+    Today's models: python bench/ttft.py --model shape:gemma4,shape:qwen3_5,shape:attention \
+                         --lengths 1024,2048,4096,8192 --json bench/results/ttft_today.json
 
 For each prompt length, on the ~0.5B-shaped demo model:
   cold_s            cold local prefill, the engine's best path (inference mode,
@@ -29,6 +31,28 @@ Gemma-3's pattern (five sliding-window layers of W tokens per full-attention
 layer), the same weights: a sliding-window model of exactly the full model's size,
 to compare the two JSON files side by side. Its file-cache baseline is left out
 (``_filecache.py`` restores full-attention caches only).
+
+``--model`` takes a comma-separated list (one peer, publisher and set of heads per
+model, run one after the other; the JSON then lists every model under ``runs`` and
+every row, tagged with its model, under ``results``). Besides a model directory or
+a demo name, ``shape:NAME`` is a random-weight model of a today's architecture at
+a bench scale (hidden 512, 12-14 layers, ~63M parameters, float32 ~0.25 GB), built
+once under ``$KVMESH_HOME/bench-models`` with the tiny zoo model's tokenizer
+(``tests/zoo.py``; see ``SHAPES``): ``gemma4`` (Gemma 4's layout: five sliding
+layers of 512 tokens per full one, per-layer head dims, KV shared by the last
+layers, per-layer inputs), ``qwen3_5`` (Qwen3.5's: three Gated-DeltaNet layers per
+gated full-attention one) and ``attention`` (a Qwen3-shaped full-attention model
+of similar size, to set beside them).
+
+Per point, besides the times: what the exact-repeat remote hit shipped, counted
+header by header over the blocks it fetched (``Block.header.kv_bytes`` /
+``state_bytes``; ``bytes_fetched`` is the wire's count, logits and headers
+included), per prompt token, and the tokens each hit reused: a model with
+recurrent layers (``state_every`` > 0) imports up to its last state checkpoint
+and computes the rest, so the extension's hit may reuse less than the prompt.
+The file-cache baseline runs only on a model whose every layer holds
+full-attention KV of one geometry (``_filecache.py`` restores just that); for any
+other the output says it is left out, and why.
 
 The fleet runs the secure path: a fleet key generated for the run (a file in a
 temp dir) authenticates every call and keys the block hashes; the namespace's peer
@@ -80,6 +104,122 @@ def tokens(engine, n: int, salt: str) -> list[int]:  # type: ignore[no-untyped-d
     out = engine.encode(text)[:n]
     assert len(out) == n
     return out
+
+
+_S, _F, _L = "sliding_attention", "full_attention", "linear_attention"
+SHAPE_RECIPE = 1  # bump to rebuild the shape models
+# name -> (the zoo model whose tokenizer, templates and config it starts from, the config
+# changes). Hidden 512, ~63M parameters each; the layer patterns are the real families'.
+SHAPES: dict[str, tuple[str, dict]] = {  # type: ignore[type-arg]
+    "gemma4": (  # gemma-4-E4B's layout at a bench scale (no MoE, as E4B)
+        "gemma4",
+        {
+            "hidden_size": 512,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 12,
+            "layer_types": ([_S] * 5 + [_F]) * 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "global_head_dim": 128,  # full layers: 2 KV heads of 128 (E4B: 2 of 512)
+            "attention_k_eq_v": False,
+            "num_global_key_value_heads": None,
+            "num_kv_shared_layers": 5,  # E4B: the last 18 of 42
+            "hidden_size_per_layer_input": 64,
+            "enable_moe_block": False,
+            "sliding_window": 512,  # E4B's
+        },
+    ),
+    "qwen3_5": (  # Qwen3.5-9B's layout at a bench scale
+        "qwen3_5",
+        {
+            "hidden_size": 512,
+            "intermediate_size": 2560,  # the others' ~63M parameters
+            "num_hidden_layers": 12,
+            "layer_types": ([_L] * 3 + [_F]) * 3,
+            "full_attention_interval": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            # 9B (hidden 4096): 16 key heads and 32 value heads of 128, i.e. key dims
+            # hidden / 2 and value dims = hidden; the same ratios here
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 128,
+            "linear_num_value_heads": 4,
+            "linear_value_head_dim": 128,
+        },
+    ),
+    "attention": (  # a Qwen3-shaped full-attention model of similar size
+        "qwen2",
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": 512,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 14,  # 14 x 4.5M: the hybrids' ~63M parameters
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "max_window_layers": 14,
+        },
+    ),
+}
+
+
+def shape_model(name: str) -> Path:
+    """The directory of ``SHAPES[name]``: built once (seeded transformers init,
+    float32), atomically, under ``$KVMESH_HOME/bench-models``."""
+    import shutil
+
+    import transformers
+
+    sys.path.insert(0, str(HERE.parent))  # tests.zoo: the tokenizers and base configs
+    from kvmesh.engine.demo import kvmesh_home
+    from tests import zoo
+
+    if name not in SHAPES:
+        raise SystemExit(f"unknown shape {name!r}; one of {', '.join(SHAPES)}")
+    base, changes = SHAPES[name]
+    root = kvmesh_home() / "bench-models"
+    dst = root / f"{name}-shape-r{SHAPE_RECIPE}"
+    if dst.is_dir():
+        return dst
+    src = zoo.hf_model(base)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg.update(changes, _name_or_path=f"kvmesh-bench-{name}-shape")
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+        if not cfg.get("enable_moe_block", True):
+            for k in ("moe_intermediate_size", "num_experts", "top_k_experts"):
+                cfg.pop(k, None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+        torch.manual_seed(SHAPE_RECIPE)
+        conf = transformers.AutoConfig.from_pretrained(tmp)
+        cls = getattr(transformers, cfg["architectures"][0])
+        cls._from_config(conf, dtype=torch.float32).save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+        try:
+            os.rename(tmp, dst)
+        except OSError:  # another run built it first: the same recipe
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def label(model: str) -> str:
+    """A short name for tables: the shape's, the demo's, or the directory's."""
+    return model.removeprefix("shape:") if model.startswith("shape:") else Path(model).name
+
+
+def resolve(model: str) -> str:
+    return str(shape_model(model[len("shape:") :])) if model.startswith("shape:") else model
 
 
 def sliding_variant(model: str, window: int) -> str:
@@ -234,7 +374,9 @@ class NetnsPeer:
         )
 
 
-def file_cache(args: argparse.Namespace, live: KVState, n: int, ext: list[int]) -> dict:  # type: ignore[type-arg]
+def file_cache(  # type: ignore[type-arg]
+    args: argparse.Namespace, model: str, live: KVState, n: int, ext: list[int]
+) -> dict:
     """The file prompt cache: this process saves the prompt's KV, a fresh one loads it."""
     row = {}
     with tempfile.TemporaryDirectory() as d:
@@ -257,7 +399,7 @@ def file_cache(args: argparse.Namespace, live: KVState, n: int, ext: list[int]) 
             [
                 sys.executable,
                 str(HERE / "_filecache.py"),
-                args.model,
+                model,
                 args.device,
                 path,
                 str(n),
@@ -276,13 +418,64 @@ def file_cache(args: argparse.Namespace, live: KVState, n: int, ext: list[int]) 
     return row
 
 
+def file_cache_skipped(card: CompatCard) -> str | None:
+    """Why ``_filecache.py`` cannot restore this model's cache (None: it can)."""
+    if not card.uniform:
+        kinds = sorted({g.kind for g in card.geometry} - {"kv"})
+        return (
+            "left out: _filecache.py restores full-attention caches of one geometry; "
+            f"this model has per-layer geometry ({', '.join(kinds) or 'mixed KV shapes'})"
+        )
+    if any(card.sliding_windows):
+        return "left out: _filecache.py restores full-attention caches only (sliding layers)"
+    return None
+
+
+def shipped(blocks, reused: int, tail: bool) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """What a hit reusing ``reused`` tokens fetched of the published ``blocks``: the
+    whole blocks up to it (and the tail, for an exact repeat), counted header by
+    header: KV, recurrent state, checkpoints among them, and their blob bytes."""
+    got = [
+        b
+        for b in blocks
+        if b.header.start + b.header.tokens <= reused
+        and (b.header.kind == "block" or (tail and b.header.start + b.header.tokens == reused))
+    ]
+    return {
+        "kv": sum(b.header.kv_bytes for b in got),
+        "state": sum(b.header.state_bytes for b in got),
+        "checkpoints": sum(1 for b in got if b.header.state_bytes),
+        "blobs": sum(b.nbytes for b in got),
+    }
+
+
+def parameters(model: str) -> int:
+    from safetensors import safe_open
+
+    from kvmesh.engine.demo import resolve_model
+
+    total = 0
+    for f in sorted(resolve_model(model).rglob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                n = 1
+                for d in st.get_slice(k).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--json", default="bench/results/ttft.json")
     ap.add_argument("--lengths", default="128,512,1024,2048,4096")
-    ap.add_argument("--model", default="demo")
+    ap.add_argument(
+        "--model",
+        default="demo",
+        help="comma-separated: a model directory, a demo name, or shape:gemma4|qwen3_5|attention",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--dtype",
@@ -296,6 +489,12 @@ def main() -> None:
         help="run on --model's weights with Gemma-3's sliding/full layer pattern",
     )
     ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default); the file-cache process gets OMP_NUM_THREADS",
+    )
+    ap.add_argument(
         "--netns",
         action=argparse.BooleanOptionalAction,
         default=os.geteuid() == 0,
@@ -304,39 +503,90 @@ def main() -> None:
     ap.add_argument(
         "--smoke", action="store_true", help="CI: demo-tiny, one 64-token prompt, every path once"
     )
+    ap.add_argument(
+        "--plot-only", metavar="JSON", help="draw the PNG beside an earlier run's JSON, run nothing"
+    )
     args = ap.parse_args()
+    if args.plot_only:
+        done = json.loads(Path(args.plot_only).read_text())
+        draw(done.get("runs") or [{"model": done["model"], "results": done["results"]}], args)
+        return
     if args.smoke:  # the page cache is the whole machine's: a smoke run leaves it alone
         os.environ["KVMESH_BENCH_NO_DROP_CACHES"] = "1"
         args.model, args.lengths = "demo-tiny", "64"
+    if args.threads:  # on a loaded 2-core machine one thread is often faster (see the docs)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    models = [resolve(m) for m in args.model.split(",")]
     if args.sliding_window:
-        args.model = sliding_variant(args.model, args.sliding_window)
+        models = [sliding_variant(m, args.sliding_window) for m in models]
+    runs = []
     with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as keys:
         key_file, security = fleet_key(keys)
-        rows, card = measure(args, key_file, security)
+        for name, model in zip(args.model.split(","), models, strict=True):
+            print(f"== {name}", flush=True)
+            rows, card = measure(args, model, key_file, security)
+            skipped = file_cache_skipped(card)
+            runs.append(
+                {
+                    "model": label(name),
+                    "path": model,
+                    "parameters": parameters(model),
+                    "card": card.summary(),
+                    "layer_geometry": list(card.layer_geometry),
+                    "sliding_windows": [g.window for g in card.geometry],
+                    "kv_dtype": card.kv_dtype,
+                    "block_tokens": card.block_tokens,
+                    "state_every": card.state_every,
+                    "state_bytes_per_checkpoint": card.state_bytes,
+                    "card_bytes_per_token": card.kv_bytes_per_token,
+                    "file_cache": skipped or "measured",
+                    "results": rows,
+                }
+            )
+    out = {
+        "machine": machine(),
+        "model": args.model,
+        "device": args.device,
+        "extension_tokens": EXT,
+        "torch_threads": args.threads or torch.get_num_threads(),
+        "fleet_key": True,
+        # one model: the keys its JSON always had
+        **({k: runs[0][k] for k in ("card", "sliding_windows")} if len(runs) == 1 else {}),
+        "runs": runs,
+        "results": [{"model": r["model"], **row} for r in runs for row in r["results"]],
+    }
     with open(args.json, "w") as fh:
-        json.dump(
-            {
-                "machine": machine(),
-                "model": args.model,
-                "device": args.device,
-                "card": card.summary(),
-                "sliding_windows": list(card.sliding_windows),
-                "extension_tokens": EXT,
-                "fleet_key": True,
-                "results": rows,
-            },
-            fh,
-            indent=1,
-        )
-    plot(rows, Path(args.json).with_suffix(".png"))
+        json.dump(out, fh, indent=1)
+    if len(runs) > 1:
+        summarize(runs)
+    draw(runs, args)
+
+
+def draw(runs: list[dict], args: argparse.Namespace) -> None:  # type: ignore[type-arg]
+    """The PNG beside the JSON (matplotlib, the ``bench`` extra; without it, none)."""
+    path = Path(args.plot_only or args.json).with_suffix(".png")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib; --plot-only)")
+        return
+    if len(runs) > 1:
+        plot_models(runs, path)
+    else:
+        plot(runs[0]["results"], path, runs[0]["model"])
+    print(f"plot: {path}")
 
 
 def measure(
-    args: argparse.Namespace, key_file: str, security: Security
+    args: argparse.Namespace, model: str, key_file: str, security: Security
 ) -> tuple[list[dict], CompatCard]:  # type: ignore[type-arg]
-    engine = load_engine(args.model, device=args.device, dtype=args.dtype)
+    engine = load_engine(model, device=args.device, dtype=args.dtype, threads=args.threads or None)
     engine.prefill(list(range(16)))
     card = engine.card
+    skipped = file_cache_skipped(card)
+    print(card.summary(), flush=True)
+    if skipped:
+        print(f"file-cache baseline {skipped}", flush=True)
     keyer = BlockKeyer(card.namespace, card.block_tokens, security.block_hash_key)
     proc, peer = spawn_peer(  # TCP on loopback, as its results always measured
         "--gossip-interval",
@@ -368,7 +618,7 @@ def measure(
         for n in (int(x) for x in args.lengths.split(",")):
             toks = tokens(engine, n, f"len{n}")
             ext = tokens(engine, EXT, f"ext{n}")
-            row: dict[str, float | int] = {
+            row: dict[str, float | int | bool] = {
                 "prompt_tokens": n,
                 "kv_bytes": n * card.kv_bytes_per_token,
             }
@@ -385,17 +635,21 @@ def measure(
             row["inprocess_s"] = min(
                 timed(lambda: engine.sample(live.logits, ONE, None), args.device) for _ in range(5)
             )
-            row["inprocess_extend_s"] = min(
-                timed(
-                    lambda: engine.sample(engine.extend(live, ext).logits, ONE, None), args.device
+
+            def floor_extend() -> float:
+                # extend() appends to the cache it is given (and, with recurrent layers,
+                # drops the prompt end's off-grid state): each run extends its own fork
+                own = engine.fork(live)
+                return timed(
+                    lambda: engine.sample(engine.extend(own, ext).logits, ONE, None), args.device
                 )
-                for _ in range(2)
-            )
+
+            row["inprocess_extend_s"] = min(floor_extend() for _ in range(2))
             # publish the prompt's blocks to the peer, as a head would after answering
             blocks = engine.export(live, keyer)
             publish_to(peer, blocks)
-            if not any(card.sliding_windows):  # _filecache.py restores full caches only
-                row.update(file_cache(args, live, n, ext))
+            if skipped is None:
+                row.update(file_cache(args, model, live, n, ext))
             # kvmesh: heads with empty stores, remote hits over loopback
             for key, prompt in (("kvmesh_remote_s", toks), ("kvmesh_extend_s", toks + ext)):
                 head = fresh_head(engine, peer, card.namespace_hex, security)
@@ -403,8 +657,22 @@ def measure(
                     g = head.complete(prompt, ONE)
                     assert g.report is not None and g.report.source == "remote", g.report
                     row[key] = g.ttft_s
-                    if key == "kvmesh_remote_s":
+                    exact = key == "kvmesh_remote_s"
+                    got = shipped(blocks, g.report.reused_tokens, tail=exact)
+                    pre = "" if exact else "extend_"
+                    row[pre + "reused_tokens"] = g.report.reused_tokens
+                    row[pre + "computed_tokens"] = g.report.computed_tokens
+                    row[pre + "bytes_fetched"] = g.report.bytes_fetched
+                    row[pre + "fetched_is_counted"] = got["blobs"] == g.report.bytes_fetched
+                    row[pre + "shipped_kv_bytes"] = got["kv"]
+                    row[pre + "shipped_state_bytes"] = got["state"]
+                    row[pre + "state_checkpoints"] = got["checkpoints"]
+                    if exact:
                         row["fetch_s"] = g.report.fetch_s
+                        row["shipped_kv_bytes_per_token"] = round(got["kv"] / n, 1)
+                        row["shipped_state_bytes_per_token"] = round(got["state"] / n, 1)
+                        row["shipped_bytes_per_token"] = round((got["kv"] + got["state"]) / n, 1)
+                        row["bytes_fetched_per_token"] = round(g.report.bytes_fetched / n, 1)
                 finally:
                     close(head)
             if netns is not None:
@@ -425,11 +693,18 @@ def measure(
             rows.append(row)
             print(
                 f"{n:5d} tok  cold {row['cold_s']:.3f}s  in-proc {row['inprocess_s'] * 1e3:.2f}ms  "
-                f"file {row.get('file_cache_s', float('nan')) * 1e3:.1f}ms  "
-                f"kvmesh {row['kvmesh_remote_s'] * 1e3:.1f}ms ({row['speedup_remote']:.0f}x cold, "
-                f"{row.get('remote_vs_file', float('nan')):.2f}x file)  "
-                f"extend: kvmesh {row['kvmesh_extend_s'] * 1e3:.0f}ms vs floor "
-                f"{row['inprocess_extend_s'] * 1e3:.0f}ms ({row['extend_vs_floor']:.2f}x)"
+                + (
+                    f"file {row['file_cache_s'] * 1e3:.1f}ms  "
+                    if "file_cache_s" in row
+                    else "file -  "
+                )
+                + f"kvmesh {row['kvmesh_remote_s'] * 1e3:.1f}ms ({row['speedup_remote']:.0f}x cold"
+                + (f", {row['remote_vs_file']:.2f}x file)  " if "remote_vs_file" in row else ")  ")
+                + f"extend: kvmesh {row['kvmesh_extend_s'] * 1e3:.0f}ms vs floor "
+                f"{row['inprocess_extend_s'] * 1e3:.0f}ms ({row['extend_vs_floor']:.2f}x, "
+                f"reused {row['extend_reused_tokens']} of {n + EXT})  "
+                f"shipped/token: KV {row['shipped_kv_bytes_per_token'] / 1024:.2f} KiB + "
+                f"state {row['shipped_state_bytes_per_token'] / 1024:.2f} KiB"
                 + "".join(
                     f"  netns {r}: {row[f'kvmesh_netns_{r}_s'] * 1e3:.1f}ms"
                     for r in ("10gbit", "40gbit")
@@ -440,10 +715,72 @@ def measure(
     finally:
         publisher.close()
         stop(proc)  # the namespace's peer, namespace and link: run_main
+        if netns is not None:
+            stop(netns.proc)
     return rows, card
 
 
-def plot(rows: list[dict], path: Path) -> None:  # type: ignore[type-arg]
+def summarize(runs: list[dict]) -> None:  # type: ignore[type-arg]
+    """The models side by side: speedup and what the exact-repeat hit shipped."""
+    w = max(10, *(len(r["model"]) for r in runs))
+    print(
+        f"\n{'model':{w}s} params  tokens  cold      kvmesh    speedup  KV/tok     state/tok  "
+        "total/tok  reused  extend reused"
+    )
+    for r in runs:
+        for row in r["results"]:
+            print(
+                f"{r['model']:{w}s} {r['parameters'] / 1e6:5.1f}M  {row['prompt_tokens']:6d}  "
+                f"{row['cold_s']:7.2f}s  {row['kvmesh_remote_s'] * 1e3:7.1f}ms  "
+                f"{row['speedup_remote']:6.0f}x  "
+                f"{row['shipped_kv_bytes_per_token'] / 1024:6.2f}KiB  "
+                f"{row['shipped_state_bytes_per_token'] / 1024:6.2f}KiB  "
+                f"{row['shipped_bytes_per_token'] / 1024:6.2f}KiB  "
+                f"{row['reused_tokens']:6d}  {row['extend_reused_tokens']:6d}/"
+                f"{row['prompt_tokens'] + EXT}"
+            )
+        if r["file_cache"] != "measured":
+            print(f"{'':{w}s} file-cache baseline {r['file_cache']}")
+
+
+def plot_models(runs: list[dict], path: Path) -> None:  # type: ignore[type-arg]
+    """TTFT (cold and remote hit) and bytes shipped per prompt token, per model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, r in enumerate(runs):
+        rows, colour = r["results"], f"C{i}"
+        n = [x["prompt_tokens"] for x in rows]
+        ax.plot(n, [x["cold_s"] for x in rows], "--", marker="o", color=colour)
+        ax.plot(n, [x["kvmesh_remote_s"] for x in rows], marker="o", color=colour, label=r["model"])
+        kv = [x["shipped_kv_bytes_per_token"] / 1024 for x in rows]
+        total = [x["shipped_bytes_per_token"] / 1024 for x in rows]
+        if any(x["shipped_state_bytes"] for x in rows):
+            bx.plot(n, total, marker="o", color=colour, label=f"{r['model']}: KV + state")
+            bx.plot(n, kv, ":", marker=".", color=colour, label=f"{r['model']}: KV only")
+        else:
+            bx.plot(n, total, marker="o", color=colour, label=f"{r['model']}: KV")
+    ax.set_title("TTFT: cold prefill (dashed), kvmesh remote hit (solid)")
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token (s)")
+    bx.set_title("bytes shipped per prompt token (exact-repeat hit)")
+    bx.set_ylabel("KiB / token")
+    bx.set_ylim(bottom=0)
+    for a in (ax, bx):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("prompt tokens")
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot(rows: list[dict], path: Path, model: str = "demo") -> None:  # type: ignore[type-arg]
     try:
         import matplotlib
 
@@ -467,7 +804,7 @@ def plot(rows: list[dict], path: Path) -> None:  # type: ignore[type-arg]
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title("TTFT on the ~0.5B demo model, 2-core CPU")
+    ax.set_title(f"TTFT on {'the ~0.5B demo model' if model == 'demo' else model}, 2-core CPU")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

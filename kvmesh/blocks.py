@@ -175,3 +175,14 @@ class BlockKeyer:
         block 0 whatever the root (the root is hashed into block 0's key, never
         written out), so a stored or sent block does not reveal its root."""
         return self.namespace if index == 0 else keys.blocks[index - 1]
+
+
+def split_at(tokens: list[int], start: int, every: int) -> list[list[int]]:
+    """``tokens`` (positions ``start...``) cut at every multiple of ``every``: the
+    pieces a forward runs to stop on each recurrent-state checkpoint."""
+    out, at = [], 0
+    while at < len(tokens):
+        stop = min(len(tokens), (start + at) // every * every + every - start)
+        out.append(tokens[at:stop])
+        at = stop
+    return out

@@ -4,12 +4,15 @@ Wire form of one block::
 
     b"KVB1" | u32 header_len (LE) | header (UTF-8 JSON) | payload
 
-The payload is, for each layer, K then V, each a C-contiguous
-``[kv_heads, tokens, head_dim]`` array, followed by the optional float32 logits
-of a tail. Every layer, sliding-window layers included, holds all of the block's
-positions: an importer of a prefix ``[0, P)`` keeps of a sliding layer only what
-its window needs (the card's ``sliding_windows``; engine/base.py), and nothing is
-ever approximated. The block *digest* is the hash of the whole encoded blob under the
+The payload is, for each layer that holds attention KV, K then V, each a
+C-contiguous ``[kv_heads, tokens, head_dim]`` array of that layer's own geometry
+(the card's :class:`~kvmesh.compat.LayerGeometry`; a KV-shared layer ships
+nothing); then, in a block that carries one (every tail, every ``state_every``-th
+block), each recurrent layer's state after the block's last token (the header's
+``states``); then the optional float32 logits of a tail. Every attention layer,
+sliding-window layers included, holds all of the block's positions: an importer
+of a prefix ``[0, P)`` keeps of a sliding layer only what its window needs
+(engine/base.py), and nothing is ever approximated. The block *digest* is the hash of the whole encoded blob under the
 card's ``block_digest`` algorithm: BLAKE3 (default) or SHA-256, both 256-bit and
 cryptographic. The algorithm is part of the card, hence of the namespace, so two
 nodes never compare digests made by different algorithms.
@@ -104,10 +107,19 @@ class BlockHeader:
     tokens: int
     layers: tuple[tuple[TensorSpec, ...], ...]  # per layer: K part(s) then V part(s)
     logits: TensorSpec | None = None
+    states: tuple[tuple[TensorSpec, ...], ...] = ()  # per layer, when the block carries state
 
     @functools.cached_property
     def payload_bytes(self) -> int:  # checked on every import: summed once per header
-        return _kv_bytes(self.layers) + (self.logits.nbytes if self.logits else 0)
+        return self.kv_bytes + self.state_bytes + (self.logits.nbytes if self.logits else 0)
+
+    @property
+    def kv_bytes(self) -> int:
+        return _kv_bytes(self.layers)
+
+    @property
+    def state_bytes(self) -> int:
+        return _kv_bytes(self.states) if self.states else 0
 
     def encode(self) -> bytes:
         doc = {
@@ -120,6 +132,8 @@ class BlockHeader:
             "layers": [[[t.dtype, list(t.shape)] for t in layer] for layer in self.layers],
             "logits": [self.logits.dtype, list(self.logits.shape)] if self.logits else None,
         }
+        if self.states:
+            doc["states"] = [[[t.dtype, list(t.shape)] for t in layer] for layer in self.states]
         return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -132,20 +146,32 @@ class Layout:
     @functools.lru_cache(maxsize=256)  # noqa: B019  (layouts are few and live long)
     def layers(self, tokens: int) -> tuple[tuple[TensorSpec, ...], ...]:
         """Per layer, K then V; each one array, or (packed, scales, biases) when
-        the KV cache is quantized (mlx-lm's QuantizedKVCache layout)."""
+        the KV cache is quantized (mlx-lm's QuantizedKVCache layout); nothing for
+        a layer without KV of its own."""
         c = self.card
-
-        def spec(dtype: str, last: int) -> TensorSpec:
-            return TensorSpec(dtype, (c.num_kv_heads, tokens, last))
-
         q = kv_quant_params(c.kv_quant)
-        if q is None:
-            one: tuple[TensorSpec, ...] = (spec(c.kv_dtype, c.head_dim),)
-        else:
-            bits, group = q
-            side = spec(c.kv_dtype, c.head_dim // group)
-            one = (spec("uint32", c.head_dim * bits // 32), side, side)
-        return tuple(one + one for _ in range(c.num_layers))
+        out: list[tuple[TensorSpec, ...]] = []
+        for g in c.geometry:
+            if not g.has_kv:
+                out.append(())
+                continue
+
+            def spec(dtype: str, last: int, heads: int = g.kv_heads) -> TensorSpec:
+                return TensorSpec(dtype, (heads, tokens, last))
+
+            if q is None:
+                one: tuple[TensorSpec, ...] = (spec(c.kv_dtype, g.head_dim),)
+            else:
+                bits, group = q
+                side = spec(c.kv_dtype, g.head_dim // group)
+                one = (spec("uint32", g.head_dim * bits // 32), side, side)
+            out.append(one + one)
+        return tuple(out)
+
+    @functools.cached_property
+    def states(self) -> tuple[tuple[TensorSpec, ...], ...]:
+        """Per layer, its recurrent state's tensors (none for an attention layer)."""
+        return tuple(tuple(TensorSpec(d, s) for d, s in g.state) for g in self.card.geometry)
 
     def logits(self) -> TensorSpec:
         return TensorSpec("float32", (self.card.vocab_size,))
@@ -160,6 +186,7 @@ class Layout:
             tokens=tokens,
             layers=self.layers(tokens),
             logits=self.logits() if kind == "tail" else None,
+            states=self.states if self.card.carries_state(kind, start) else (),
         )
 
     def seal(self, header: BlockHeader, blob: bytes | bytearray) -> Block:
@@ -173,6 +200,7 @@ class Layout:
             PREFIX.size
             + MAX_HEADER_BYTES
             + self.card.kv_bytes_per_token * b
+            + self.card.state_bytes
             + 4 * self.card.vocab_size
         )
 
@@ -199,7 +227,8 @@ class Block:
 
     def kv_tensors(self) -> Iterator[tuple[TensorSpec, memoryview]]:
         """(spec, bytes) for K0, V0, K1, V1, ... (a quantized layer's K and V as
-        their parts): exactly one per destination buffer of an import."""
+        their parts; none for a layer without KV): exactly one per destination
+        buffer of an import."""
         view = self.payload()
         off = 0
         for layer in self.header.layers:
@@ -207,9 +236,20 @@ class Block:
                 yield spec, view[off : off + spec.nbytes]
                 off += spec.nbytes
 
+    def state_tensors(self) -> Iterator[tuple[int, TensorSpec, memoryview]]:
+        """(layer, spec, bytes) of each recurrent state tensor the block carries."""
+        view = self.payload()
+        off = self.header.kv_bytes
+        for i, layer in enumerate(self.header.states):
+            for spec in layer:
+                yield i, spec, view[off : off + spec.nbytes]
+                off += spec.nbytes
+
     def tensors(self) -> Iterator[tuple[TensorSpec, memoryview]]:
-        """:meth:`kv_tensors`, then the logits if present."""
+        """:meth:`kv_tensors`, the states, then the logits if present."""
         yield from self.kv_tensors()
+        for _, spec, view in self.state_tensors():
+            yield spec, view
         if self.header.logits is not None:
             n = self.header.logits.nbytes
             yield self.header.logits, self.payload()[len(self.blob) - self.payload_offset - n :]
@@ -308,6 +348,7 @@ def read_header(
     tokens = _count(doc, "tokens")
     layers = intern(_layers(doc.get("layers"), layout, tokens))
     logits = None if doc.get("logits") is None else intern(_spec(doc["logits"]))
+    states = intern(_states(doc["states"], layout)) if "states" in doc else ()
     return BlockHeader(
         intern(_hex32(doc, "ns")),
         _hex32(doc, "key"),
@@ -317,7 +358,21 @@ def read_header(
         tokens,
         layers,
         logits,
+        states,
     )
+
+
+def _states(raw: Any, layout: Layout | None) -> tuple[tuple[TensorSpec, ...], ...]:
+    if layout is not None and layout.states and raw == _states_doc(layout):
+        return layout.states
+    if not isinstance(raw, list) or not raw or not all(isinstance(x, list) for x in raw):
+        raise MalformedPayload("bad states")
+    return tuple(tuple(_spec(t) for t in layer) for layer in raw)
+
+
+@functools.lru_cache(maxsize=64)
+def _states_doc(layout: Layout) -> list[list[list[Any]]]:
+    return [[[t.dtype, list(t.shape)] for t in layer] for layer in layout.states]
 
 
 def _layers(raw: Any, layout: Layout | None, tokens: int) -> tuple[tuple[TensorSpec, ...], ...]:
@@ -330,7 +385,7 @@ def _layers(raw: Any, layout: Layout | None, tokens: int) -> tuple[tuple[TensorS
     ):
         return layout.layers(tokens)
     if not isinstance(raw, list) or not raw or not all(isinstance(x, list) for x in raw):
-        raise MalformedPayload("bad layers")
+        raise MalformedPayload("bad layers")  # (a layer without KV is an empty list)
     return tuple(tuple(_spec(t) for t in layer) for layer in raw)
 
 
@@ -365,21 +420,25 @@ def check_header(header: BlockHeader, layout: Layout) -> None:
         raise MalformedPayload("tensor dtype or shape does not match the card")
     if header.logits != (layout.logits() if kind == "tail" else None):
         raise MalformedPayload("bad logits spec")
+    if header.states != (layout.states if c.carries_state(kind, header.start) else ()):
+        raise MalformedPayload("recurrent state does not match the card")
 
 
 def check_form(header: BlockHeader) -> None:
     """What holds for a block under *any* card, for a reader that has none (the
-    disk tier at start serves many namespaces): every spec is
-    ``[kv_heads, tokens, ...]`` over the header's tokens, a layer is its K
-    part(s) then V part(s) alike, all layers alike, a block has tokens and
-    starts on a multiple of them, a tail carries 1-D float32 logits and a block
-    none. A header that passes still has to pass :func:`check_header`."""
-    first = header.layers[0] if header.layers else ()
-    half = len(first) // 2
-    if not half or first[:half] != first[half:] or any(x != first for x in header.layers):
+    disk tier at start serves many namespaces): every KV spec is
+    ``[kv_heads, tokens, ...]`` over the header's tokens, a layer is nothing or
+    its K part(s) then V part(s) alike, some layer holds KV or state, a block has
+    tokens and starts on a multiple of them, a tail carries 1-D float32 logits
+    and a block none. A header that passes still has to pass :func:`check_header`."""
+    for layer in header.layers:
+        half = len(layer) // 2
+        if len(layer) % 2 or layer[:half] != layer[half:]:
+            raise MalformedPayload("layers are not K then V alike in every layer")
+        if any(len(t.shape) != 3 or t.shape[1] != header.tokens for t in layer):
+            raise MalformedPayload("a tensor spec disagrees with the header's token count")
+    if not any(header.layers) and not header.states:
         raise MalformedPayload("layers are not K then V alike in every layer")
-    if any(len(t.shape) != 3 or t.shape[1] != header.tokens for t in first):
-        raise MalformedPayload("a tensor spec disagrees with the header's token count")
     if header.kind == "block" and (not header.tokens or header.start % header.tokens):
         raise MalformedPayload("bad block extent")
     logits = header.logits

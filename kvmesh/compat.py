@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 # 2: block_digest joined the card; 3: a block's sliding-window layers carry all of
-# its positions and a prefix of any length imports (the last window of them)
-SCHEMA_VERSION = 3
+# its positions and a prefix of any length imports (the last window of them);
+# 4: per-layer geometry (layer_geometry) and recurrent state checkpoints (state_every)
+SCHEMA_VERSION = 4
 BLOCK_DIGESTS = ("blake3", "sha256")  # 256-bit cryptographic; blake3 is ~3.5x faster here
 
 # Weight and tokenizer files whose bytes define a model for caching purposes.
@@ -39,9 +40,92 @@ TOKENIZER_FILES = (
 )
 
 
+_STATE_SPEC = re.compile(r"([a-z0-9]+)\[(\d+(?:,\d+)*)\]")
+_KV_SPEC = re.compile(r"kv:(\d+)x(\d+)(?::w(\d+))?")
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """What one layer's cache holds, as probed from a real forward.
+
+    ``kind``: ``kv`` (attention keys and values, ``kv_heads`` x ``head_dim`` in the
+    card's ``kv_dtype``, ``window`` 0 for full attention), ``state`` (a recurrent
+    layer: Gated DeltaNet, Mamba, short conv; ``state`` lists its tensors, whose
+    values after a position are all a continuation needs), ``kv+state`` (both),
+    ``shared`` (attends to another layer's KV: nothing of its own to ship) or
+    ``none`` (no attention and no state). Encoded in the card as one short
+    string per layer (:meth:`encode`), e.g. ``kv:2x32:w512``, ``shared``,
+    ``state:float32[1,96,4];float32[1,2,16,16]``."""
+
+    kind: str
+    kv_heads: int = 0
+    head_dim: int = 0
+    window: int = 0
+    state: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dtype, shape) per tensor
+
+    @property
+    def has_kv(self) -> bool:
+        return self.kind in ("kv", "kv+state")
+
+    @property
+    def state_bytes(self) -> int:
+        total = 0
+        for dtype, shape in self.state:
+            n = dtype_size(dtype)
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def encode(self) -> str:
+        parts = []
+        if self.has_kv:
+            parts.append(
+                f"kv:{self.kv_heads}x{self.head_dim}" + (f":w{self.window}" if self.window else "")
+            )
+        if self.state:
+            specs = ";".join(f"{d}[{','.join(map(str, s))}]" for d, s in self.state)
+            parts.append(f"state:{specs}")
+        return "+".join(parts) or self.kind
+
+    @classmethod
+    @functools.lru_cache(maxsize=1024)
+    def decode(cls, text: str) -> LayerGeometry:
+        """The inverse of :meth:`encode`; ValueError on anything else."""
+        if text in ("shared", "none"):
+            return cls(text)
+        kv = re.fullmatch(_KV_SPEC.pattern + r"(?:\+(state:.*))?", text)
+        rest = text if kv is None else kv.group(4)
+        heads = dim = window = 0
+        if kv is not None:
+            heads, dim, window = int(kv.group(1)), int(kv.group(2)), int(kv.group(3) or 0)
+            if not heads or not dim:
+                raise ValueError(f"bad layer geometry {text[:80]!r}")
+        state: list[tuple[str, tuple[int, ...]]] = []
+        if rest is not None:
+            if not rest.startswith("state:"):
+                raise ValueError(f"bad layer geometry {text[:80]!r}")
+            for spec in rest[len("state:") :].split(";"):
+                m = _STATE_SPEC.fullmatch(spec)
+                if m is None:
+                    raise ValueError(f"bad state spec {spec[:40]!r}")
+                dtype_size(m.group(1))
+                state.append((m.group(1), tuple(int(d) for d in m.group(2).split(","))))
+        kind = "kv+state" if kv is not None and state else "kv" if kv is not None else "state"
+        return cls(kind, heads, dim, window, tuple(state))
+
+
 @dataclass(frozen=True)
 class CompatCard:
-    """Everything that must match for KV to be interchangeable."""
+    """Everything that must match for KV to be interchangeable.
+
+    A model whose layers all hold attention KV of one geometry is described by
+    ``num_kv_heads``, ``head_dim`` and ``sliding_windows`` alone (``layer_geometry``
+    empty). Any other model (per-layer head dims, KV-shared layers, recurrent
+    layers) lists every layer in ``layer_geometry`` (:class:`LayerGeometry`), with
+    ``num_kv_heads`` and ``head_dim`` 0. A model with recurrent layers checkpoints
+    their state every ``state_every`` blocks (and at every tail): only such a
+    block, or a tail, can end an imported prefix."""
 
     engine: str
     model_id: str
@@ -58,6 +142,9 @@ class CompatCard:
     block_tokens: int
     kv_quant: str = "none"  # "none" or "q{bits}g{group}" (quantized KV cache)
     block_digest: str = "blake3"  # how a block's bytes are digested: blake3 | sha256
+    layer_geometry: tuple[str, ...] = ()  # per layer (LayerGeometry.encode); () = uniform
+    state_every: int = 0  # blocks between recurrent-state checkpoints; 0 = no state
+    prefill_grid: int = 0  # deterministic mode: tokens per canonical prefill forward; 0 = off
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -65,9 +152,53 @@ class CompatCard:
             raise ValueError(
                 f"unknown block digest {self.block_digest!r}; one of {', '.join(BLOCK_DIGESTS)}"
             )
+        geometry = self.geometry  # parses: a bad card fails here, not at its first block
+        if self.layer_geometry and len(geometry) != self.num_layers:
+            raise ValueError(f"{len(geometry)} layer geometries for {self.num_layers} layers")
+        if any(g.state for g in geometry) != (self.state_every > 0):
+            raise ValueError("state_every must be set exactly when some layer holds a state")
+        if self.prefill_grid and (self.prefill_grid % self.block_tokens or self.state_every):
+            raise ValueError(
+                "prefill_grid must be a multiple of block_tokens, on a model without recurrent state"
+            )
+
+    @functools.cached_property
+    def geometry(self) -> tuple[LayerGeometry, ...]:
+        """Every layer's :class:`LayerGeometry`."""
+        if self.layer_geometry:
+            return tuple(LayerGeometry.decode(g) for g in self.layer_geometry)
+        return tuple(
+            LayerGeometry("kv", self.num_kv_heads, self.head_dim, w) for w in self.sliding_windows
+        )
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer holds attention KV of one geometry (the scalar fields say it)."""
+        return not self.layer_geometry
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one recurrent-state checkpoint (every layer's state)."""
+        return sum(g.state_bytes for g in self.geometry)
+
+    def carries_state(self, kind: str, start: int) -> bool:
+        """Whether a block of ``kind`` starting at ``start`` carries the recurrent
+        state after its last token: every tail, and every ``state_every``-th block."""
+        if not self.state_every:
+            return False
+        return kind == "tail" or (start // self.block_tokens + 1) % self.state_every == 0
+
+    def importable_blocks(self, blocks: int) -> int:
+        """The most of a chain's first ``blocks`` whole blocks an import can end
+        after (a model with recurrent state ends on a checkpoint; a deterministic
+        one on its prefill grid)."""
+        every = self.state_every or self.prefill_grid // self.block_tokens
+        if not every:
+            return blocks
+        return blocks - blocks % every
 
     def canonical(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
 
     @functools.cached_property  # (a frozen card never changes; asked once per block read)
     def namespace(self) -> bytes:
@@ -78,30 +209,51 @@ class CompatCard:
     def namespace_hex(self) -> str:
         return self.namespace.hex()
 
-    @property
+    @functools.cached_property
     def kv_bytes_per_token(self) -> int:
+        """Cache bytes per position: every layer's K and V, plus the recurrent
+        state's checkpoints spread over the positions between them."""
         q = kv_quant_params(self.kv_quant)
-        if q is None:
-            per_head = self.head_dim * dtype_size(self.kv_dtype)
-        else:
-            bits, group = q
-            per_head = self.head_dim * bits // 8 + 2 * (self.head_dim // group) * dtype_size(
-                self.kv_dtype
-            )
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        size = dtype_size(self.kv_dtype)
+        total = 0
+        for g in self.geometry:
+            if not g.has_kv:
+                continue
+            if q is None:
+                per_head = g.head_dim * size
+            else:
+                bits, group = q
+                per_head = g.head_dim * bits // 8 + 2 * (g.head_dim // group) * size
+            total += 2 * g.kv_heads * per_head
+        if self.state_every:
+            total += -(-self.state_bytes // (self.state_every * self.block_tokens))
+        return total
 
     def summary(self) -> str:
         """One line for logs and the dashboard."""
         q = "" if self.quantization == "none" else f" {self.quantization}"
         q += "" if self.kv_quant == "none" else f" kv:{self.kv_quant}"
+        if self.uniform:
+            shape = f"{self.num_layers}L×{self.num_kv_heads}kv×{self.head_dim}d"
+        else:
+            kinds = [g.kind for g in self.geometry]
+            shape = (
+                f"{self.num_layers}L ("
+                + ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+                + ")"
+            )
+            if self.state_every:
+                shape += f" state/{self.state_every}B"
         return (
-            f"{self.engine} {self.model_id}{q} · {self.num_layers}L×{self.num_kv_heads}kv×"
-            f"{self.head_dim}d {self.kv_dtype} · w:{self.weights_digest[:8]} · "
-            f"B={self.block_tokens} · ns:{self.namespace_hex[:12]}"
+            f"{self.engine} {self.model_id}{q} · {shape} {self.kv_dtype} · "
+            f"w:{self.weights_digest[:8]} · B={self.block_tokens} · ns:{self.namespace_hex[:12]}"
         )
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not self.prefill_grid:  # off: the card (and namespace) of a head without the mode
+            del out["prefill_grid"]
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CompatCard:
@@ -111,6 +263,7 @@ class CompatCard:
             raise ValueError(f"unknown card fields: {sorted(unknown)}")
         data = dict(data)
         data["sliding_windows"] = tuple(data.get("sliding_windows", ()))
+        data["layer_geometry"] = tuple(data.get("layer_geometry", ()))
         return cls(**data)
 
 

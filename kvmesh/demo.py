@@ -65,6 +65,8 @@ def run_local(
     tokens = list(tokens) if tokens is not None else demo_prompt(engine, prompt_tokens)
     sampling = Sampling(max_tokens=gen_tokens)
     keyer = BlockKeyer(engine.card.namespace, engine.card.block_tokens)
+    if engine.reuse_off is not None:
+        progress(f"prefix reuse is off for this model: {engine.reuse_off}")
     engine.prefill(tokens[:8])  # warm up kernels: the baseline is the engine's best path
 
     progress(f"cold prefill of {len(tokens)} tokens")
@@ -91,7 +93,7 @@ def run_local(
     hit_out = [first, *gen]
     return LocalResult(
         prompt_tokens=len(tokens),
-        reused_tokens=match.tokens,
+        reused_tokens=hit.imported_tokens,  # a hybrid's: up to its last state checkpoint
         cold_ttft_s=round(cold_ttft, 6),
         hit_ttft_s=round(hit_ttft, 6),
         speedup=round(cold_ttft / hit_ttft, 1),

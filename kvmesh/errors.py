@@ -124,6 +124,14 @@ class ConfigError(KVMeshError):
     reason = Reason.CONFIG
 
 
+class CannotRestore(ConfigError):
+    """The engine builds a cache kvmesh cannot describe or restore exactly (an
+    unknown cache class, keys and values of different shapes, a state it cannot
+    ship): the model runs, its cache cannot travel (reuse off). Other
+    ConfigErrors at load are the operator's options, a card that disagrees with
+    the cache, or a model the engine cannot run here."""
+
+
 class NoChatTemplate(KVMeshError):
     """A chat request to a model whose tokenizer has no chat template."""
 

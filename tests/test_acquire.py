@@ -193,3 +193,27 @@ def test_a_stalled_peer_costs_one_lookup_deadline_then_is_skipped(nodes, tmp_pat
         assert me.node.client.counters["lookup_skipped"] == skipped + 1
     finally:
         peer.kill()
+
+
+def test_a_hybrids_hit_is_cut_to_its_last_state_checkpoint():
+    from kvmesh.mesh.hits import PeerHit
+    from kvmesh.mesh.proto import kvmesh_pb2 as pb
+    from kvmesh.runtime.acquire import _importable
+
+    card = small_card(
+        num_layers=2,
+        num_kv_heads=0,
+        head_dim=0,
+        layer_geometry=("kv:2x4", "state:float32[1,8,4]"),
+        state_every=3,
+    )
+    infos = tuple(pb.BlockInfo(key=bytes([i]) * 32, nbytes=100) for i in range(5))
+    b = card.block_tokens
+    bare = PeerHit("p", "p", "a", "loopback", "e", infos, None, 5 * b)
+    cut = _importable(card, bare)
+    assert cut.blocks == infos[:3] and cut.tokens == 3 * b  # blocks 3 and 4 carry no state
+    tail = pb.BlockInfo(key=b"t" * 32, nbytes=10)
+    whole = PeerHit("p", "p", "a", "loopback", "e", infos, tail, 5 * b + 2)
+    assert _importable(card, whole) is whole  # a tail carries the state at its end
+    plain = small_card()
+    assert _importable(plain, bare) is bare

@@ -82,11 +82,11 @@ def netns_of(pid: int) -> list[str]:
 
 
 def start(
-    bench: Path, out: Path, python: str = sys.executable, **env: str
+    bench: Path, out: Path, python: str = sys.executable, *args: str, **env: str
 ) -> tuple[subprocess.Popen[str], str]:
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
-        [python, str(bench), "--smoke", "--json", str(out)],
+        [python, str(bench), "--smoke", "--json", str(out), *args],
         cwd=ROOT,
         text=True,
         stdout=subprocess.PIPE,
@@ -193,8 +193,50 @@ def _conversations(d: dict[str, Any]) -> bool:
     )
 
 
+def _state_bytes(d: dict[str, Any]) -> bool:
+    """The geometry computed from a config is exactly the card a real probe gives
+    (qwen3_5, float32 and bfloat16: layer geometry, state bytes, state_every), and a
+    real hybrid's figures hold together: a checkpoint every 1..max blocks, at least
+    the KV shipped per token, a hit recomputing less than a checkpoint interval."""
+    checks, b = d["cross_check"], d["block_tokens"]
+    return (
+        {(c["arch"], c["dtype"]) for c in checks}
+        >= {("qwen3_5", "float32"), ("qwen3_5", "bfloat16")}
+        and all(c["ok"] and c["state_bytes"] == c["probed_state_bytes"] for c in checks)
+        and all(c["state_bytes"] > 0 for c in checks if c["arch"] == "qwen3_5")
+        and any(m["state_bytes_per_checkpoint"] > 0 for m in d["models"])
+        and all(
+            1 <= m["state_every"] <= d["max_state_every"]
+            and m["shipped_bytes_per_token"] >= m["kv_bytes_per_token"] > 0
+            and m["recompute_tokens_max"] == m["state_every"] * b - 1
+            for m in d["models"]
+            if m["state_bytes_per_checkpoint"]
+        )
+    )
+
+
+def _agents(d: dict[str, Any]) -> bool:
+    """Both modes replayed every turn of the trace with a TTFT each; with kvmesh the
+    turns from the second on reused prompt tokens (turns alternate heads, and the
+    smoke lets each head publish before the next turn: some were found in the
+    fleet, on the peer or where placement put them) and fewer were computed than
+    with reuse off."""
+    size, on, off = d["size"], d["modes"]["kvmesh"], d["modes"]["off"]
+    turns = size["agents"] * size["turns"]
+    return (
+        all(
+            len(m["turns"]) == turns and all(t["ttft_s"] > 0 for t in m["turns"]) for m in (on, off)
+        )
+        and on["prompt_tokens"] == off["prompt_tokens"]
+        and on["reused_tokens"] > 0
+        and on["sources"]["remote"] + on["sources"]["local"] > 0
+        and on["computed_tokens"] < off["computed_tokens"]
+    )
+
+
 # each benchmark's own claim, read back from its JSON
 CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "agents.py": _agents,
     "bounded_work.py": _bounded_work,
     "churn.py": lambda d: d["stored_within_budget"] and d["max_stored_bytes"] > 0,
     "conversations.py": _conversations,
@@ -203,6 +245,15 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
     ),
     "disk.py": lambda d: (
         d["rebuild"]["indexed"] == d["rebuild"]["files"] > 0 and len(d["ttft"]) == 1
+    ),
+    "deterministic.py": lambda d: (
+        d["chosen_grid"] in d["grids"]
+        and d["decode"] == {"off": d["decode"]["off"], "grid64": "rows"}
+        and all(v > 0 for r in d["ratios_vs_off"].values() for v in r.values())
+    ),
+    "echo_cost.py": lambda d: (
+        all(r["prefill_s"] > 0 and r["score_s"] > 0 and r["record_tax_s"] > 0 for r in d["results"])
+        and len(d["results"]) == 1
     ),
     "events.py": _events,
     "head_overhead.py": lambda d: d["miss_ttft_s"] > 0 and d["freeze_first_ttft_s"] > 0,
@@ -220,6 +271,7 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
         d["cross_cached_tokens"] == [0] * len(d["trials"]) and d["repeat_cached_fraction"] >= 0.9
     ),
     "serving.py": lambda d: d["results"][0]["streams"]["2"]["tokens"] == 16,
+    "state_bytes.py": _state_bytes,
     "transfer.py": lambda d: (
         d["results"][0]["fetch_gbps"] > 0 and d["results"][0]["local_fetch_gbps"] > 0
     ),

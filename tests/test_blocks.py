@@ -43,3 +43,13 @@ def test_bad_arguments():
         BlockKeyer(b"short", 4)
     with pytest.raises(ValueError):
         BlockKeyer(NS, 4).block_key(NS, [1, 2])
+
+
+def test_split_at_cuts_on_every_multiple_and_keeps_every_token():
+    from kvmesh.blocks import split_at
+
+    toks = list(range(100))
+    assert [len(p) for p in split_at(toks, 0, 32)] == [32, 32, 32, 4]
+    assert [len(p) for p in split_at(toks[:70], 10, 32)] == [22, 32, 16]  # 10..31, 32..63, 64..79
+    assert sum(split_at(toks, 5, 7), []) == toks
+    assert split_at([], 0, 32) == []

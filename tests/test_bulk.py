@@ -519,7 +519,8 @@ def test_slow_connections_from_another_address_cost_an_honest_client_nothing():
     loris = None
     try:
         loris = SlowLoris(s.address, 32, source="127.0.0.2")
-        wait_for(lambda: s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE)
+        # 32 connections on a loaded 2-core box: a generous wait, never a time assertion
+        wait_for(lambda: s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE, 60.0)
         assert len(_auth_fetch(s, FleetAuth(KEY, "cli"))) == len(CHAIN)
         assert s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE  # none of theirs
         assert s.server.gate.counts() == (bulk.PER_SOURCE, 0)

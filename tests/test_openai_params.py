@@ -288,6 +288,7 @@ NO_OPS = [
     {"suffix": ""},
     {"tools": []},
     {"functions": []},
+    {"function_call": "auto"},
     {"top_k": -1},
     {"top_k": 0},
     {"min_p": 0},
@@ -340,11 +341,12 @@ BAD = [
             ("logit_bias", []),
             ("tools", [{"type": "function"}]),
             ("functions", [{"name": "f"}]),
-            ("response_format", {"type": "json_object"}),
+            ("function_call", {"name": "f"}),
+            ("response_format", {"type": "xml"}),  # json ones: tests/test_tools.py
             ("response_format", "text"),
             ("best_of", 2),
             ("best_of", True),
-            ("echo", True),
+            ("echo", "yes"),  # echo itself is served (tests/test_echo.py)
             ("suffix", "x"),
             ("top_k", 40),
             ("min_p", 0.1),

@@ -2,7 +2,9 @@
 
 Contract (other tests rely on it, keep it stable):
 
-- ``ARCHS``: ``llama``, ``qwen2``, ``mistral``, ``gemma2``, ``gemma3``, ``phi3``.
+- ``ARCHS``: ``llama``, ``qwen2``, ``mistral``, ``gemma2``, ``gemma3``, ``phi3``; ``TODAY``
+  (below): ``gemma4``, ``gemma4_hub``, ``qwen3_5``, ``qwen3_5_hub``, ``gpt_oss``, ``lfm2``,
+  ``nemotron_h``.
 - ``hf_model(arch, dtype="float32") -> Path``: an ordinary Hugging Face model directory
   (hub-style ``config.json``, ``model.safetensors``, ``generation_config.json``, a real
   byte-level BPE ``tokenizer.json`` with the family's special tokens, BOS convention and chat
@@ -27,6 +29,52 @@ attend fully, so past 96 tokens their logits differ from transformers'; gemma3 m
 Everything is cached under ``$KVMESH_HOME/zoo/<name>`` (default ``~/.cache/kvmesh``), built in a
 temporary sibling directory under a file lock and moved into place with ``os.replace``, so
 concurrent pytest processes and threads never see a partial directory.
+
+Today's architectures (``TODAY``, kept apart from ``ARCHS`` so that tests parametrized over
+``ARCHS`` keep their set; ``hf_model``, ``mlx_model`` and ``windowed`` take both):
+
+- ``gemma4``: ``Gemma4ForCausalLM`` (``gemma4_text``), 6 layers sliding, sliding, full, sliding,
+  sliding, full; sliding layers head dim 32 with 2 KV heads, full layers ``global_head_dim`` 64
+  with ``num_global_key_value_heads`` 1 and ``attention_k_eq_v`` (no ``v_proj``); the last
+  ``num_kv_shared_layers`` 2 reuse the K/V of layers 3 and 2 (no cache of their own; their MLP
+  is double wide); MoE beside the MLP (4 experts, top 2); per-layer input embeddings (16);
+  proportional partial RoPE on full layers; final logit softcap 30.
+- ``gemma4_hub``: the same as the hub ships it, ``Gemma4ForConditionalGeneration``
+  (``gemma4`` with ``text_config``) with tiny seeded vision and audio towers; its language
+  model has ``gemma4``'s very weights (``HUB_TEXT``), so both give the same logits.
+- ``qwen3_5``: ``Qwen3_5ForCausalLM`` (``qwen3_5_text``), 3 Gated-DeltaNet
+  ``linear_attention`` layers then 1 ``full_attention`` layer (gated output, head dim 32, 2 KV
+  heads, ``partial_rotary_factor`` 0.25); linear heads: 2 key and 4 value heads of dim 16,
+  conv kernel 4.
+- ``qwen3_5_hub``: ``Qwen3_5ForConditionalGeneration`` (``qwen3_5`` with ``text_config``, a
+  tiny vision tower), language model weights = ``qwen3_5``'s. ``AutoModelForCausalLM`` loads it
+  as ``Qwen3_5ForCausalLM`` (text only, the tower dropped); mlx-lm loads it as ``qwen3_5``.
+- ``gpt_oss``: 4 layers alternating sliding / full, attention sinks, biases, MoE (4 experts,
+  top 2), YaRN (factor 32, ``truncate`` false) as the hub config.
+- ``lfm2``: 6 layers conv, conv, full_attention, conv, full_attention, conv (short conv, L 3).
+- ``nemotron_h``: ``hybrid_override_pattern`` ``M*M-`` (Mamba2 with 8 heads of 16, state 16,
+  2 groups, conv 4; attention; Mamba2; a cacheless relu2 MLP layer).
+
+Tokenizers as the families': Gemma 4's ``<|turn>role ... <turn|>`` (BOS added; ``model`` for the
+assistant; ``enable_thinking`` puts ``<|think|>`` in the system turn); Qwen3.5's ChatML whose
+generation prompt is ``<think>\n`` or, with ``enable_thinking=False``, ``<think>\n\n</think>\n\n``
+(``<think>``/``</think>`` are added, non-special tokens); gpt-oss's harmony format (fixed
+system message without the date, ``<|start|>assistant`` as the generation prompt); LFM2's ChatML
+after ``<|startoftext|>`` (BOS added); Nemotron-H plain ChatML (no BOS). ``MODEL_KINDS[arch]``
+names the cache features each exercises.
+
+``mlx_model`` for TODAY (``MLX_SUPPORT``; any other pair raises ``ValueError``):
+
+- ``gemma4``, ``gemma4_hub``, ``gpt_oss``: ``float32``, ``q4``, ``q8``. Refused: ``bfloat16``,
+  since mlx CPU's GatherMM (unquantized MoE experts) is float32-only.
+- ``qwen3_5_hub``, ``lfm2``, ``nemotron_h``: all of ``MLX_VARIANTS``.
+- ``qwen3_5``: refused, mlx-lm has no ``qwen3_5_text`` (use ``qwen3_5_hub``).
+
+mlx-lm 0.32 reads ``gpt_oss`` experts only as the hub's MXFP4 blocks, so the conversion hands it
+them split into its own layout. Known engine differences: mlx-lm's YaRN ignores ``truncate:
+false``, so ``gpt_oss`` logits differ from transformers' (all others agree to about 1e-4, Nemotron-H
+to 3e-2); transformers' sliding layers keep ``window - 1`` tokens, mlx-lm's ``RotatingKVCache``
+keeps ``window``.
 """
 
 from __future__ import annotations
@@ -47,6 +95,9 @@ import numpy as np
 
 RECIPE = 1
 ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
+TODAY_RECIPE = 1  # bump to rebuild the TODAY archs only
+TODAY = ("gemma4", "gemma4_hub", "qwen3_5", "qwen3_5_hub", "gpt_oss", "lfm2", "nemotron_h")
+HUB_TEXT = {"gemma4_hub": "gemma4", "qwen3_5_hub": "qwen3_5"}  # hub layout -> its text twin
 MLX_VARIANTS = ("float32", "bfloat16", "q4", "q8")
 HF_DTYPES = ("float32", "bfloat16", "float16")
 VOCAB = 512
@@ -54,7 +105,8 @@ SLIDING_WINDOW = 96
 WEIGHT_STD = 0.2
 GEMMA_EMBED_DIV = 4.0
 GEMMA_NORM = 1.0
-BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "phi3")  # tokenizer adds BOS
+BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "phi3", "gemma4", "gemma4_hub", "lfm2")
+NFC_FAMILIES = ("qwen2", "qwen3_5", "qwen3_5_hub")  # tokenizers with an NFC normalizer
 
 _WORDS = [
     "the",
@@ -231,6 +283,52 @@ PHI3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
+# Gemma 4: <|turn>role ... <turn|>, "model" for the assistant, thinking switched on by <|think|> at
+# the head of the system turn (the real template also renders tools and strips thoughts).
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{%- set think = enable_thinking is defined and enable_thinking %}"
+    "{%- if messages[0]['role'] in ('system', 'developer') %}"
+    "{{ '<|turn>system\\n' + ('<|think|>' if think else '') + messages[0]['content'] | trim"
+    " + '<turn|>\\n' }}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- if think %}{{ '<|turn>system\\n<|think|><turn|>\\n' }}{%- endif %}"
+    "{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\\n' + message['content'] | trim + '<turn|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|turn>model\\n' }}{%- endif %}"
+)
+# Qwen3.5: ChatML; thinking is on unless enable_thinking=False, which pre-fills an empty
+# <think></think>; earlier assistant turns are rendered without their reasoning.
+QWEN3_5_TEMPLATE = (
+    "{%- for message in messages %}{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+# gpt-oss harmony: a fixed system message (the real one also prints today's date, left out here
+# so that renders are deterministic), system/developer content as a developer message, earlier
+# assistant turns on the final channel, and "<|start|>assistant" as the generation prompt.
+GPT_OSS_TEMPLATE = (
+    "{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n"
+    "Knowledge cutoff: 2024-06\\n\\nReasoning: ' + (reasoning_effort | default('medium')) + '\\n\\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "<|end|>' }}{%- for message in messages %}"
+    "{%- if message['role'] in ('system', 'developer') %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + message['content'] + '<|end|>' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- else %}{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+LFM2_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 _GEMMA_TOK = {
     "head": ["<pad>", "<eos>", "<bos>", "<unk>"],
     "tail": ["<start_of_turn>", "<end_of_turn>"],
@@ -240,6 +338,49 @@ _GEMMA_TOK = {
     "unk": "<unk>",
     "stop": ["<eos>", "<end_of_turn>"],
     "template": GEMMA_TEMPLATE,
+}
+_GEMMA4_TOK = {
+    "head": ["<pad>", "<eos>", "<bos>", "<unk>"],
+    "tail": [
+        "<|turn>",
+        "<turn|>",
+        "<|think|>",
+        "<|channel>",
+        "<channel|>",
+        "<|tool_response>",
+        "<|image>",
+        "<image|>",
+        "<|image|>",
+        "<|audio>",
+        "<audio|>",
+        "<|audio|>",
+        "<|video|>",
+    ],
+    "bos": "<bos>",
+    "eos": "<eos>",
+    "pad": "<pad>",
+    "unk": "<unk>",
+    "stop": ["<eos>", "<turn|>", "<|tool_response>"],
+    "template": GEMMA4_TEMPLATE,
+}
+_QWEN3_5_TOK = {
+    "head": [],
+    "tail": [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ],
+    "plain": ["<think>", "</think>"],  # added tokens, not special (decoded with the text)
+    "bos": None,
+    "eos": "<|im_end|>",
+    "pad": "<|endoftext|>",
+    "unk": None,
+    "stop": ["<|im_end|>", "<|endoftext|>"],
+    "template": QWEN3_5_TEMPLATE,
 }
 TOKENIZERS: dict[str, dict] = {
     "llama": {
@@ -290,6 +431,51 @@ TOKENIZERS: dict[str, dict] = {
         "stop": ["<|endoftext|>", "<|assistant|>", "<|end|>"],
         "template": PHI3_TEMPLATE,
     },
+    "gemma4": _GEMMA4_TOK,
+    "gemma4_hub": _GEMMA4_TOK,
+    "qwen3_5": _QWEN3_5_TOK,
+    "qwen3_5_hub": _QWEN3_5_TOK,
+    "gpt_oss": {
+        "head": [],
+        "tail": [
+            "<|startoftext|>",
+            "<|endoftext|>",
+            "<|return|>",
+            "<|constrain|>",
+            "<|channel|>",
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|call|>",
+        ],
+        "bos": "<|startoftext|>",
+        "eos": "<|return|>",
+        "pad": "<|endoftext|>",
+        "unk": None,
+        "stop": ["<|return|>", "<|endoftext|>", "<|call|>"],
+        "template": GPT_OSS_TEMPLATE,
+    },
+    "lfm2": {
+        "head": ["<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "tail": [],
+        "bos": "<|startoftext|>",
+        "eos": "<|im_end|>",
+        "pad": "<|pad|>",
+        "unk": None,
+        "stop": ["<|im_end|>"],
+        "template": LFM2_TEMPLATE,
+    },
+    "nemotron_h": {
+        "head": ["<unk>", "<s>", "</s>"],
+        "tail": ["<|im_start|>", "<|im_end|>"],
+        "plain": ["<think>", "</think>"],
+        "bos": "<s>",
+        "eos": "<|im_end|>",
+        "pad": None,
+        "unk": "<unk>",
+        "stop": ["<|im_end|>", "</s>"],
+        "template": CHATML_TEMPLATE,
+    },
 }
 
 SPLIT_REGEX = {
@@ -297,8 +483,20 @@ SPLIT_REGEX = {
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen3_5": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "gpt_oss": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
-TOKENIZER_CLASS = {"llama": "PreTrainedTokenizerFast", "qwen2": "Qwen2Tokenizer"}
+SPLIT_REGEX["qwen3_5_hub"] = SPLIT_REGEX["qwen3_5"]
+TOKENIZER_CLASS = {
+    "llama": "PreTrainedTokenizerFast",
+    "qwen2": "Qwen2Tokenizer",
+    "qwen3_5": "Qwen3_5Tokenizer",
+    "qwen3_5_hub": "Qwen2Tokenizer",  # as on the hub; transformers 5 loads it as Qwen3_5Tokenizer
+}
 
 # --- hub-style configs (token ids are filled in from the tokenizer) -----------------------------
 
@@ -416,6 +614,309 @@ CONFIGS: dict[str, dict] = {
     },
 }
 
+# --- today's architectures (hub-style too: what both transformers 5.24 and mlx-lm 0.32 read) ----
+
+_S, _F = "sliding_attention", "full_attention"
+_GEMMA4_TEXT = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attention_k_eq_v": True,  # full layers: no v_proj, values = v_norm(k_proj(x))
+    "enable_moe_block": True,
+    "final_logit_softcapping": 30.0,
+    "global_head_dim": 64,  # full layers: head dim 64, 1 KV head; sliding: 32, 2 KV heads
+    "head_dim": 32,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 64,
+    "hidden_size_per_layer_input": 16,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "layer_types": [_S, _S, _F, _S, _S, _F],
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_experts": 4,
+    "num_global_key_value_heads": 1,
+    "num_hidden_layers": 6,
+    "num_key_value_heads": 2,
+    "num_kv_shared_layers": 2,  # layers 4 (sliding) and 5 (full) reuse layers 3 and 2
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+    "sliding_window": SLIDING_WINDOW,
+    "tie_word_embeddings": True,
+    "top_k_experts": 2,
+    "use_bidirectional_attention": None,
+    "use_cache": True,
+    "use_double_wide_mlp": True,  # kv-shared layers have a 2x wide MLP
+    "vocab_size": VOCAB,
+    "vocab_size_per_layer_input": VOCAB,
+}
+_QWEN3_5_TEXT = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_output_gate": True,
+    "full_attention_interval": 4,  # what mlx-lm reads (transformers reads layer_types)
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_value_head_dim": 16,
+    "mamba_ssm_dtype": "float32",
+    "max_position_embeddings": 262144,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [2, 1, 1],
+        "partial_rotary_factor": 0.25,  # 8 of the 32 dims rotate
+        "rope_theta": 10000000.0,
+        "rope_type": "default",
+    },
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": VOCAB,
+}
+TODAY_CONFIGS: dict[str, dict] = {
+    "gemma4": _GEMMA4_TEXT,
+    "gemma4_hub": {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "audio_config": {
+            "model_type": "gemma4_audio",
+            "attention_chunk_size": 4,
+            "attention_context_left": 5,
+            "attention_context_right": 0,
+            "conv_kernel_size": 3,
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "output_proj_dims": 32,
+            "subsampling_conv_channels": [8, 4],
+            "use_clipped_linears": False,
+        },
+        "initializer_range": 0.02,
+        "text_config": {k: v for k, v in _GEMMA4_TEXT.items() if k != "architectures"},
+        "tie_word_embeddings": True,
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "head_dim": 16,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 2,
+            "patch_size": 4,
+            "pooling_kernel_size": 2,
+            "position_embedding_size": 64,
+        },
+        "vocab_size": VOCAB,  # mlx-lm's gemma4 overrides text_config's vocab_size with this
+    },
+    "qwen3_5": _QWEN3_5_TEXT,
+    "qwen3_5_hub": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": {k: v for k, v in _QWEN3_5_TEXT.items() if k != "architectures"},
+        "tie_word_embeddings": False,
+        "vision_config": {
+            "model_type": "qwen3_5",  # sic: the hub's, transformers corrects it
+            "deepstack_visual_indexes": [],
+            "depth": 1,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 32,
+            "in_channels": 3,
+            "initializer_range": 0.02,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "num_position_embeddings": 16,
+            "out_hidden_size": 64,
+            "patch_size": 4,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    },
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "experts_per_token": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 64,
+        "layer_types": [_S, _F, _S, _F],
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": SLIDING_WINDOW,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": VOCAB,
+    },
+    "lfm2": {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "block_auto_adjust_ff_dim": True,  # MLP width: 64 * ceil(2/3 * 192 / 64) = 128
+        "block_dim": 64,
+        "block_ff_dim": 192,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 64,
+        "block_norm_eps": 1e-5,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "conv_dim": 64,
+        "conv_dim_out": 64,
+        "full_attn_idxs": [2, 4],
+        "hidden_size": 64,
+        "initializer_range": 0.02,
+        "intermediate_size": 192,
+        "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+        "max_position_embeddings": 128000,
+        "norm_eps": 1e-5,
+        "num_attention_heads": 4,
+        "num_heads": 4,
+        "num_hidden_layers": 6,
+        "num_key_value_heads": 2,
+        "rope_theta": 1000000.0,
+        "tie_embedding": True,
+        "use_cache": True,
+        "use_pos_enc": True,
+        "vocab_size": VOCAB,
+    },
+    "nemotron_h": {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "chunk_size": 128,
+        "conv_kernel": 4,
+        "expand": 2,
+        "head_dim": 16,
+        "hidden_dropout": 0.0,
+        "hidden_size": 64,
+        "hybrid_override_pattern": "M*M-",  # mamba2, attention, mamba2, MLP
+        "initializer_range": 0.02,
+        "intermediate_size": 128,
+        "layer_norm_epsilon": 1e-5,
+        "mamba_head_dim": 16,
+        "mamba_hidden_act": "silu",
+        "mamba_num_heads": 8,
+        "mamba_proj_bias": False,
+        "max_position_embeddings": 8192,
+        "mlp_bias": False,
+        "mlp_hidden_act": "relu2",
+        "n_groups": 2,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "num_logits_to_keep": 1,
+        "rescale_prenorm_residual": True,
+        "residual_in_fp32": False,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "ssm_state_size": 16,
+        "tie_word_embeddings": False,
+        "time_step_floor": 1e-4,
+        "time_step_max": 0.1,
+        "time_step_min": 0.001,
+        "use_bias": False,
+        "use_cache": True,
+        "use_conv_bias": True,
+        "use_mamba_kernels": True,
+        "vocab_size": VOCAB,
+    },
+}
+# the hub configs' multimodal token ids, by the tokenizer's token
+_HUB_TOKEN_IDS = {
+    "gemma4_hub": {
+        "audio_token_id": "<|audio|>",
+        "boa_token_id": "<|audio>",
+        "boi_token_id": "<|image>",
+        "eoa_token_index": "<audio|>",
+        "eoi_token_id": "<image|>",
+        "image_token_id": "<|image|>",
+        "video_token_id": "<|video|>",
+    },
+    "qwen3_5_hub": {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_end_token_id": "<|vision_end|>",
+        "vision_start_token_id": "<|vision_start|>",
+    },
+}
+
+# What each TODAY arch exercises in a prefix cache.
+MODEL_KINDS: dict[str, tuple[str, ...]] = {
+    "gemma4": (
+        "sliding",  # 4 of 6 layers, window SLIDING_WINDOW
+        "per-layer head dims",  # sliding 32, full 64
+        "per-layer kv heads",  # sliding 2, full 1
+        "k=v",  # full layers: values from the key projection (cached apart all the same)
+        "kv-shared",  # the last 2 layers reuse earlier layers' K/V and have no cache of their own
+        "moe",
+        "per-layer inputs",
+    ),
+    "qwen3_5": ("gated-deltanet", "conv-state", "recurrent-state", "partial-rope", "gated-attn"),
+    "gpt_oss": ("sliding", "attention-sinks", "moe", "yarn-rope"),
+    "lfm2": ("short-conv", "conv-state"),
+    "nemotron_h": ("mamba2", "conv-state", "recurrent-state", "cacheless-layers"),
+}
+MODEL_KINDS["gemma4_hub"] = MODEL_KINDS["gemma4"] + ("multimodal-layout",)
+MODEL_KINDS["qwen3_5_hub"] = MODEL_KINDS["qwen3_5"] + ("multimodal-layout",)
+
+# The (arch, variant) pairs mlx_model builds for TODAY, and why the others are refused.
+MLX_SUPPORT: dict[str, tuple[str, ...]] = {
+    "gemma4": ("float32", "q4", "q8"),
+    "gemma4_hub": ("float32", "q4", "q8"),
+    "qwen3_5_hub": MLX_VARIANTS,
+    "gpt_oss": ("float32", "q4", "q8"),
+    "lfm2": MLX_VARIANTS,
+    "nemotron_h": MLX_VARIANTS,
+}
+_NO_BF16_MOE = "mlx CPU's GatherMM (unquantized MoE experts) is float32-only; use float32 or q4/q8"
+MLX_REFUSED: dict[tuple[str, str], str] = {
+    ("gemma4", "bfloat16"): _NO_BF16_MOE,
+    ("gemma4_hub", "bfloat16"): _NO_BF16_MOE,
+    ("gpt_oss", "bfloat16"): _NO_BF16_MOE,
+    ("qwen3_5", "*"): "mlx-lm has no qwen3_5_text model; use qwen3_5_hub (model_type qwen3_5)",
+}
+
 # --- public API ---------------------------------------------------------------------------------
 
 
@@ -426,9 +927,9 @@ def zoo_home() -> Path:
 
 def hf_model(arch: str, dtype: str = "float32") -> Path:
     """The HF directory of ``arch`` with weights stored in ``dtype``."""
-    _check(arch, ARCHS)
+    _check(arch, ARCHS + TODAY)
     _check(dtype, HF_DTYPES)
-    dst = zoo_home() / f"{arch}-{dtype}-r{RECIPE}"
+    dst = zoo_home() / f"{arch}-{dtype}-r{_recipe(arch)}"
     if dtype == "float32":
         return _atomic(dst, lambda tmp: _build_hf(arch, tmp))
     base = hf_model(arch)
@@ -437,8 +938,13 @@ def hf_model(arch: str, dtype: str = "float32") -> Path:
 
 def mlx_model(arch: str, variant: str) -> Path:
     """``mlx_lm.convert`` of ``hf_model(arch)`` as ``variant`` (see ``convert_mlx``)."""
-    _check(arch, ARCHS)
-    return convert_mlx(hf_model(arch), zoo_home() / f"{arch}-mlx-{variant}-r{RECIPE}", variant)
+    _check(arch, ARCHS + TODAY)
+    _check(variant, MLX_VARIANTS)
+    if arch in TODAY and variant not in MLX_SUPPORT.get(arch, ()):
+        why = MLX_REFUSED.get((arch, variant)) or MLX_REFUSED.get((arch, "*"))
+        raise ValueError(f"mlx_model({arch!r}, {variant!r}) is not supported: {why}")
+    dst = zoo_home() / f"{arch}-mlx-{variant}-r{_recipe(arch)}"
+    return convert_mlx(hf_model(arch), dst, variant)
 
 
 def convert_mlx(src: Path, dst: Path, variant: str) -> Path:
@@ -459,11 +965,70 @@ def windowed(src: Path, window: int, layer_types: tuple[str, ...] | None = None)
             if f.is_file():
                 shutil.copy2(f, tmp / f.name)
         cfg = json.loads((tmp / "config.json").read_text())
-        cfg["sliding_window"] = window
+        text = cfg.get("text_config", cfg)  # hub layouts keep the geometry in text_config
+        text["sliding_window"] = window
         if layer_types is not None:
-            cfg["layer_types"] = list(layer_types)
+            text["layer_types"] = list(layer_types)
         cfg["_name_or_path"] = dst.name
         _write_json(tmp / "config.json", cfg)
+
+    return _atomic(dst, build)
+
+
+LATENT_CONFIG = {  # DeepSeek-V3's multi-head latent attention: K and V of other shapes
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+
+def latent_model() -> Path:
+    """A tiny DeepSeek-V3 (multi-head latent attention, MoE) with the qwen2 family's
+    tokenizer: a cache kvmesh cannot ship yet (its keys and values differ in shape)."""
+    dst = zoo_home() / f"deepseek_v3-float32-r{TODAY_RECIPE}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        src = hf_model("qwen2")
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        tokens = json.loads((src / "config.json").read_text())
+        hub = {**LATENT_CONFIG, "dtype": "float32", "torch_dtype": "float32"}
+        hub.update({k: tokens[k] for k in ("bos_token_id", "eos_token_id") if k in tokens})
+        _write_json(tmp / "config.json", hub)
+        torch.manual_seed(3000)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp))
+        rng = np.random.default_rng(3000)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters()):
+                noise = rng.standard_normal(tuple(p.shape), dtype=np.float32)
+                norm = p.ndim == 1 and "norm" in name
+                p.copy_(torch.from_numpy(noise * 0.1 + 1.0 if norm else noise * WEIGHT_STD))
+        model.save_pretrained(tmp)
+        _write_json(tmp / "config.json", hub)
 
     return _atomic(dst, build)
 
@@ -484,6 +1049,10 @@ def prompt_tokens(path: Path, n: int, seed: int = 0) -> list[int]:
 
 
 # --- caching ------------------------------------------------------------------------------------
+
+
+def _recipe(arch: str) -> int:
+    return TODAY_RECIPE if arch in TODAY else RECIPE
 
 
 def _check(value: str, allowed: tuple[str, ...]) -> None:
@@ -582,12 +1151,14 @@ def _build_tokenizer(arch: str, out: Path):
 
     fam = TOKENIZERS[arch]
     specials = fam["head"] + fam["tail"]
-    merges = _learn_merges(_pre_tokenizer(arch), _corpus(), VOCAB - 256 - len(specials))
-    tokens = fam["head"] + _byte_alphabet() + [a + b for a, b in merges] + fam["tail"]
+    plain = fam.get("plain", [])  # added tokens that are not special (Qwen's <think>)
+    n_merges = VOCAB - 256 - len(specials) - len(plain)
+    merges = _learn_merges(_pre_tokenizer(arch), _corpus(), n_merges)
+    tokens = fam["head"] + _byte_alphabet() + [a + b for a, b in merges] + fam["tail"] + plain
     assert len(tokens) == len(set(tokens)) == VOCAB
     model = models.BPE({t: i for i, t in enumerate(tokens)}, merges)
     tok = Tokenizer(model)
-    if arch == "qwen2":
+    if arch in NFC_FAMILIES:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = _pre_tokenizer(arch)
     tok.decoder = decoders.ByteLevel()
@@ -599,6 +1170,8 @@ def _build_tokenizer(arch: str, out: Path):
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens(specials)
+    if plain:
+        tok.add_tokens(plain)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=bos,
@@ -607,7 +1180,7 @@ def _build_tokenizer(arch: str, out: Path):
         unk_token=fam["unk"],
         chat_template=fam["template"],
         clean_up_tokenization_spaces=False,
-        model_max_length=CONFIGS[arch]["max_position_embeddings"],
+        model_max_length=_max_positions(arch),
     )
     fast.save_pretrained(out)
     if arch in TOKENIZER_CLASS:  # as on the hub; transformers 5 rebuilds Qwen2's pipeline anyway
@@ -618,7 +1191,14 @@ def _build_tokenizer(arch: str, out: Path):
                 "tokenizer_class": TOKENIZER_CLASS[arch],
             },
         )
-    return {t: tokens.index(t) for t in specials}
+    return {t: tokens.index(t) for t in specials + plain}
+
+
+def _max_positions(arch: str) -> int:
+    if arch in TODAY:
+        cfg = TODAY_CONFIGS[HUB_TEXT.get(arch, arch)]
+        return cfg["max_position_embeddings"]
+    return CONFIGS[arch]["max_position_embeddings"]
 
 
 # --- weights ------------------------------------------------------------------------------------
@@ -641,12 +1221,17 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _seed(arch: str) -> int:
+    if arch in TODAY:
+        return 2000 + TODAY.index(arch)
     return 1000 + ARCHS.index(arch)
 
 
 def _fill_weights(arch: str, model) -> None:
     """Deterministic weights from a NumPy PCG64 stream, independent of transformers' init."""
     import torch
+
+    if arch in TODAY:
+        return _fill_today(arch, model)
 
     rng = np.random.default_rng(_seed(arch))
     gemma_norm = arch.startswith("gemma")  # gemma scales by (1 + w)
@@ -670,6 +1255,8 @@ def _build_hf(arch: str, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if arch in TODAY:
+        return _build_today(arch, out)
     ids = _build_tokenizer(arch, out)
     hub = {
         **_COMMON,
@@ -690,6 +1277,97 @@ def _build_hf(arch: str, out: Path) -> None:
     _write_json(out / "generation_config.json", gen)
 
 
+# --- today's architectures: configs, weights --------------------------------------------------
+
+
+def _today_config(arch: str, ids: dict[str, int]) -> dict:
+    """The hub-style ``config.json`` of a TODAY arch (token ids from its tokenizer)."""
+    hub = json.loads(json.dumps(TODAY_CONFIGS[arch]))  # a deep copy
+    if arch in HUB_TEXT:
+        hub["text_config"].update(_token_ids(arch, ids), dtype="float32")
+        hub.update({k: ids[t] for k, t in _HUB_TOKEN_IDS[arch].items()})
+    else:
+        hub.update(_token_ids(arch, ids))
+    hub["torch_dtype"] = hub["dtype"] = "float32"
+    return hub
+
+
+def _build_today(arch: str, out: Path) -> None:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ids = _build_tokenizer(arch, out)
+    hub = _today_config(arch, ids)
+    _write_json(out / "config.json", hub)
+    cfg = AutoConfig.from_pretrained(out)
+    torch.manual_seed(_seed(arch))
+    model = getattr(transformers, hub["architectures"][0])._from_config(cfg, dtype=torch.float32)
+    _fill_today(arch, model)
+    if arch in HUB_TEXT:  # the language model is the text twin's, weight for weight
+        twin = AutoModelForCausalLM.from_pretrained(hf_model(HUB_TEXT[arch]), dtype=torch.float32)
+        _copy_text_weights(model, dict(twin.named_parameters()))
+    model.save_pretrained(out)
+    _write_json(out / "config.json", hub)  # hub-style again: save_pretrained rewrote it
+    gen = {**_GEN, **_token_ids(arch, ids)}
+    gen["eos_token_id"] = [ids[t] for t in TOKENIZERS[arch]["stop"]]
+    _write_json(out / "generation_config.json", gen)
+
+
+def _copy_text_weights(model, text: dict) -> None:
+    """Copy the text twin's weights (``model.X``, ``lm_head``) into the hub layout's
+    language model (``model.language_model.X``, ``lm_head``)."""
+    import torch
+
+    copied = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            src = name.replace("model.language_model.", "model.", 1)
+            if name.startswith("model.language_model.") or name == "lm_head.weight":
+                p.copy_(text[src])
+                copied.add(src)
+    missing = {k for k in text if k not in copied and k != "lm_head.weight"}
+    assert not missing, f"text weights not in the hub layout: {sorted(missing)}"
+
+
+def _fill_today(arch: str, model) -> None:
+    """Like ``_fill_weights``, with sane values for the parameters that are not plain weights:
+    norms centred on their identity, SSM decays and time steps in their usual ranges, router
+    scales near 1, small biases and attention sinks."""
+    import torch
+
+    rng = np.random.default_rng(_seed(arch))
+    owners = {name: type(module).__name__ for name, module in model.named_modules()}
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = rng.standard_normal(tuple(p.shape), dtype=np.float32)
+            owner, _, leaf = name.rpartition(".")
+            cls = owners.get(owner, "")
+            if leaf == "A_log":  # decay rates A in about [1.5, 11]
+                values = np.log(4.0) + 0.5 * noise
+            elif leaf == "dt_bias":  # softplus^-1 of time steps in about [0.002, 0.05]
+                dt = np.exp(np.log(0.01) + 0.8 * np.clip(noise, -2, 2))
+                values = dt + np.log(-np.expm1(-dt))
+            elif leaf == "D":
+                values = 1.0 + 0.1 * noise
+            elif leaf == "sinks":
+                values = 0.5 * noise
+            elif cls.endswith("Router") and leaf in ("scale", "per_expert_scale"):
+                values = 1.0 + 0.1 * noise
+            elif leaf == "bias" or leaf.endswith("_bias"):
+                values = 0.02 * noise
+            elif p.ndim == 1 and ("Norm" in cls or "norm" in name):
+                centre = 0.0 if cls == "Qwen3_5RMSNorm" else 1.0  # Qwen3.5 scales by (1 + w)
+                values = centre + 0.1 * noise
+            elif p.ndim == 1:
+                values = 0.02 * noise
+            elif "embed_tokens" in name and arch.startswith("gemma"):
+                values = noise * (WEIGHT_STD / GEMMA_EMBED_DIV)  # scaled up by sqrt(dim)
+            else:
+                values = noise * WEIGHT_STD
+            p.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)))
+
+
 def _cast_hf(src: Path, out: Path, dtype: str) -> None:
     import torch
     from safetensors.torch import load_file, save_file
@@ -702,6 +1380,8 @@ def _cast_hf(src: Path, out: Path, dtype: str) -> None:
         save_file(tensors, out / f.name, metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg["torch_dtype"] = cfg["dtype"] = dtype
+    if "dtype" in cfg.get("text_config", {}):
+        cfg["text_config"]["dtype"] = dtype
     _write_json(out / "config.json", cfg)
 
 
@@ -719,11 +1399,120 @@ def _convert(src: Path, tmp: Path, variant: str) -> None:
     from mlx_lm import convert
 
     out = tmp / "mlx"
+    if json.loads((src / "config.json").read_text()).get("model_type") == "gpt_oss":
+        src = _split_gpt_oss_experts(src, tmp / "split")
     with contextlib.redirect_stdout(io.StringIO()):
         convert(str(src), str(out), **_MLX_ARGS[variant])
+    if src.parent == tmp:
+        shutil.rmtree(src)
     for f in out.iterdir():
         os.replace(f, tmp / f.name)
     out.rmdir()
     cfg = json.loads((tmp / "config.json").read_text())  # mlx_lm keeps the source's dtype
     cfg["torch_dtype"] = cfg["dtype"] = _MLX_ARGS[variant]["dtype"]
     (tmp / "config.json").write_text(json.dumps(cfg, indent=4, sort_keys=True))
+
+
+def _split_gpt_oss_experts(src: Path, dst: Path) -> Path:
+    """mlx-lm 0.32's gpt_oss ``sanitize`` reads only the hub's MXFP4 experts
+    (``gate_up_proj_blocks``/``_scales``) or already split ones, not transformers' dense
+    ``gate_up_proj`` [E, hidden, 2I] (gate and up interleaved) and ``down_proj`` [E, I, hidden].
+    Hand it the split, [E, out, in] layout it would have made from the blocks."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
+    for f in src.glob("*.safetensors"):
+        out = {}
+        for k, v in load_file(f).items():
+            base = k.rpartition(".")[0]
+            if k.endswith(".experts.gate_up_proj"):
+                out[f"{base}.gate_proj.weight"] = v[..., ::2].transpose(1, 2).contiguous()
+                out[f"{base}.up_proj.weight"] = v[..., 1::2].transpose(1, 2).contiguous()
+            elif k.endswith(".experts.gate_up_proj_bias"):
+                out[f"{base}.gate_proj.bias"] = v[..., ::2].contiguous()
+                out[f"{base}.up_proj.bias"] = v[..., 1::2].contiguous()
+            elif k.endswith(".experts.down_proj"):
+                out[f"{base}.down_proj.weight"] = v.transpose(1, 2).contiguous()
+            elif k.endswith(".experts.down_proj_bias"):
+                out[f"{base}.down_proj.bias"] = v
+            else:
+                out[k] = v
+        save_file({k: torch.as_tensor(v) for k, v in out.items()}, dst / f.name, {"format": "pt"})
+    return dst
+
+
+# --- tool calling (appended: a variant of an existing arch, nothing above changes) --------------
+
+# Qwen2.5-Instruct's own template (tokenizer_config.json on the hub): tools in a system turn
+# inside <tools></tools>, assistant tool calls as <tool_call>{"name", "arguments"}</tool_call>,
+# consecutive tool results as <tool_response> blocks in one user turn.
+QWEN2_5_TOOLS_TEMPLATE = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
+    "    {%- endif %}\n"
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user '
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    '\\n<tools>" }}\n'
+    '    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n'
+    "    {%- endfor %}\n"
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name '
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+    '<|im_end|>\\n" }}\n'
+    "{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    '(message.role == "assistant" and not message.tool_calls) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + "
+    "'\\n' }}\n"
+    '    {%- elif message.role == "assistant" %}\n'
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n'
+    '            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n'
+    "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n"
+    "{%- endfor %}\n{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+
+
+def tools_model(arch: str = "qwen2") -> Path:
+    """``hf_model(arch)`` (same weights and tokenizer) with a chat template that renders
+    tools and tool calls: Qwen2.5-Instruct's (hermes ``<tool_call>``) for qwen2."""
+    templates = {"qwen2": QWEN2_5_TOOLS_TEMPLATE}
+    _check(arch, tuple(templates))
+    src = hf_model(arch)
+    dst = zoo_home() / f"{arch}-tools-float32-r{_recipe(arch)}"
+
+    def build(tmp: Path) -> None:
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        (tmp / "chat_template.jinja").write_text(templates[arch])
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg["_name_or_path"] = dst.name
+        _write_json(tmp / "config.json", cfg)
+
+    return _atomic(dst, build)

@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -310,6 +310,7 @@ def create_app(
     limits: Limits | None = None,
     tenant_options: TenantOptions | None = None,
     access: Access | None = None,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     limits = limits or Limits()
     topts = tenant_options or TenantOptions()
@@ -334,6 +335,7 @@ def create_app(
         aliases,
         max_tokens_default,
         tenants,
+        tool_call_parser,
     )
     app.state.runtime = runtime
     app.state.openai = service
@@ -429,6 +431,12 @@ def create_app(
             return body
         body["error"] = f"the engine thread died: {failure!r}"  # red: no request can run
         return JSONResponse(body, status_code=503)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """vLLM's liveness check (load generators such as guidellm ask it): 200 with an
+        empty body while the engine serves, 503 once it died. Open as /healthz is."""
+        return Response(status_code=200 if runtime.engine_failure is None else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:

@@ -46,6 +46,7 @@ class HeadOptions:
     max_sessions: int = 8
     served_model_names: tuple[str, ...] = ()
     max_tokens_default: int | None = DEFAULT_MAX_TOKENS  # None: the rest of the context
+    tool_call_parser: str = "auto"  # see kvmesh.api.tools.PARSER_CHOICES
     audit_rate: float = 0.0
     max_queue: int = 64
     max_body_bytes: int = 4 << 20
@@ -55,6 +56,7 @@ class HeadOptions:
     device: str = "auto"  # auto | cpu | cuda | mps (torch; mlx picks its own)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     block_digest: str = "blake3"  # blake3 | sha256: part of the card
+    deterministic_grid: int = 0  # > 0: deterministic mode on this prefill grid (tokens)
     max_batch: int = 8  # sequences decoded together
     kv_budget_bytes: int | None = None  # KV the running sequences may hold (None: no cap)
     prefill_chunk: int = PREFILL_CHUNK  # most prompt tokens one request computes in one forward
@@ -105,6 +107,7 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
         device=opts.device,
         dtype=opts.dtype,
         block_digest=opts.block_digest,
+        deterministic_grid=opts.deterministic_grid,
     )
     engine.prefill(engine.encode("warm up"))  # first-call setup is not any request's cost
     gc.collect()
@@ -143,6 +146,10 @@ def _serve(
     closed afterwards goes on ``closers`` as soon as it exists."""
     import uvicorn
 
+    # FastAPI imports ujson when it is there (for a response class the head never
+    # uses); other tools bring it (sanic, via guidellm), and with it loaded an idle
+    # head kept ~40 MiB more free heap after a burst (tests/test_memory_head.py)
+    sys.modules.setdefault("ujson", None)  # type: ignore[arg-type]
     from ..mesh.events import RecordingKeyer
     from ..runtime.head import HeadRuntime
     from ..units import is_loopback
@@ -172,6 +179,7 @@ def _serve(
         node_config.security.fleet_key,
         aliases=aliases,
         max_tokens_default=opts.max_tokens_default,
+        tool_call_parser=opts.tool_call_parser,
         limits=Limits(opts.max_queue, opts.max_body_bytes, opts.api_key_scope),
         tenant_options=TenantOptions(
             opts.tenant_header,
@@ -182,6 +190,7 @@ def _serve(
         access=Access(opts.admin_key_file, opts.gateway_key_file, opts.exact_reuse_by_address),
     )
     closers.append(app.state.scheduler.close)
+    closers.append(app.state.openai.close)  # the prompt-scoring thread
     sock = bind(opts.listen)
     host, port = sock.getsockname()[:2]
     tls = bool(opts.http_tls_cert)
@@ -195,6 +204,12 @@ def _serve(
         app,
         log_level="warning",
         lifespan="off",
+        # the same server stack whatever else is installed (guidellm and sanic bring
+        # uvloop, httptools and websockets: with websockets loaded, the same heap
+        # effect as ujson's above)
+        loop="asyncio",
+        http="h11",
+        ws="none",
         # X-Forwarded-For/-Proto name the client and the scheme only from a proxy the
         # operator named: from anyone else (loopback too) they would forge both
         proxy_headers=bool(opts.forwarded_allow_ips),

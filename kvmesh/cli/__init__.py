@@ -21,9 +21,16 @@ from typing import TYPE_CHECKING
 import click
 
 from ..engine import pick_device, pick_dtype
+from ..engine.deterministic import check as check_deterministic
 from ..errors import ConfigError, KVMeshError
 from ..store_cli import store
-from .options import client_security_options, head_options, model_options, peer_options
+from .options import (
+    client_security_options,
+    deterministic_options,
+    head_options,
+    model_options,
+    peer_options,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -116,16 +123,31 @@ def config_show(ctx: click.Context, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line instead of a table.")
 @model_options
 @click.option("--prompt-tokens", default=1000, show_default=True, help="Approximate prompt length.")
-def demo(local: bool, as_json: bool, model: str, engine: str, prompt_tokens: int) -> None:
+@deterministic_options
+def demo(
+    local: bool,
+    as_json: bool,
+    model: str,
+    engine: str,
+    prompt_tokens: int,
+    deterministic: bool,
+    deterministic_grid: int,
+) -> None:
     """Show a prefix imported instead of recomputed, with identical output."""
     from ..memory import keep_heap_warm, one_heap
 
     one_heap()  # the local figures are a head's: its heap, set up as a head sets it up
     console = _console()
+    grid = deterministic_grid if deterministic else 0
+    if deterministic:
+        with _usage_errors():
+            check_deterministic(engine, deterministic_grid)
     if not local:
         from ..runtime.demo import run_two_node
 
-        run_two_node(model=model, engine=engine, prompt_tokens=prompt_tokens, as_json=as_json)
+        run_two_node(
+            model=model, engine=engine, prompt_tokens=prompt_tokens, as_json=as_json, grid=grid
+        )
         return
     from ..demo import as_dict, run_local
     from ..engine import load_engine
@@ -135,7 +157,7 @@ def demo(local: bool, as_json: bool, model: str, engine: str, prompt_tokens: int
         def progress(msg: str) -> None:
             status.update(msg)
 
-        eng = load_engine(model, engine, progress=progress)
+        eng = load_engine(model, engine, progress=progress, deterministic_grid=grid)
         keep_heap_warm()
         progress(f"loaded {eng.card.summary()}")
         result = run_local(eng, prompt_tokens, progress=progress)
@@ -260,6 +282,8 @@ def head(
     device: str,
     dtype: str,
     block_digest: str,
+    deterministic: bool,
+    deterministic_grid: int,
     listen: str,
     api_key_file: str | None,
     admin_key_file: str | None,
@@ -273,6 +297,7 @@ def head(
     no_publish: bool,
     served_model_name: tuple[str, ...],
     max_tokens_default: int | None,
+    tool_call_parser: str,
     audit_rate: float,
     api_key_scope: str,
     max_batch: int,
@@ -303,6 +328,8 @@ def head(
     with _usage_errors():  # a device that is not there is a clear error now, not at load
         pick_dtype(dtype, engine)
         device = pick_device(device, engine) or device
+        if deterministic:
+            check_deterministic(engine, deterministic_grid)
     tenant_cap = _tenant_options(api_key_file, tenant_header, shared_tenant, tenant_budget)
     _role_keys(api_key_file, admin_key_file, gateway_key_file)
     if tenant_secret_file:
@@ -321,11 +348,13 @@ def head(
             device=device,
             dtype=dtype,
             block_digest=block_digest,
+            deterministic_grid=deterministic_grid if deterministic else 0,
             listen=listen,
             publish=not no_publish,
             api_key_file=api_key_file,
             served_model_names=served_model_name,
             max_tokens_default=max_tokens_default or None,  # 0: no cap
+            tool_call_parser=tool_call_parser,
             audit_rate=audit_rate,
             max_queue=max_queue,
             max_batch=max_batch,

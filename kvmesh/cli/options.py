@@ -19,9 +19,11 @@ from typing import Any, TypeVar
 import click
 
 from ..api.server import DEFAULT_MAX_TOKENS
+from ..api.tools import PARSER_CHOICES
 from ..compat import BLOCK_DIGESTS
 from ..engine import DEVICES, DTYPES, ENGINES
 from ..engine.base import PREFILL_CHUNK
+from ..engine.deterministic import DEFAULT_GRID
 from ..mesh.options import CLIENT_SECURITY, DISK, EVENTS, HEAD, MEMBERSHIP, SECURITY, Option
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -131,6 +133,27 @@ PEER = (
 )
 peer_options = stack(options(PEER), node_options)
 
+#: Deterministic mode, for ``head`` and ``demo``.
+DETERMINISTIC = (
+    Option(
+        "deterministic",
+        "Every answer (tokens and logprobs) bitwise the one a cold run of the request alone "
+        "gives, whatever was cached, imported or batched: prefill on a fixed token grid "
+        "(hits rounded down to it), row-invariant decode, and a card of its own (blocks "
+        "shared only with heads that compute the same way). torch engine, on the CPU.",
+        kind="flag",
+    ),
+    Option(
+        "deterministic_grid",
+        "Tokens per prefill forward with --deterministic (a multiple of the block size): "
+        "a hit is rounded down to a multiple of it.",
+        DEFAULT_GRID,
+        "int",
+        low=16,
+    ),
+)
+deterministic_options = options(DETERMINISTIC)
+
 #: ``kvmesh head``'s options (before :data:`node_options`), in --help's order.
 HEAD_ONLY = (
     *MODEL,
@@ -158,6 +181,7 @@ HEAD_ONLY = (
         "choice",
         choices=BLOCK_DIGESTS,
     ),
+    *DETERMINISTIC,
     Option("listen", "HTTP HOST:PORT.", "127.0.0.1:8000"),
     HEAD["grpc_listen"],
     Option(
@@ -232,6 +256,16 @@ HEAD_ONLY = (
         flags=("--default-max-tokens", "--max-tokens-default"),
     ),
     Option(
+        "tool_call_parser",
+        "How the model writes tool calls, parsed into OpenAI's tool_calls (chat requests "
+        "with tools): hermes (Qwen, Hermes), llama3_json, mistral, harmony (gpt-oss; also "
+        "openai); auto picks one from the chat template where only one fits; none returns "
+        "text (tool_choice auto is then refused).",
+        "auto",
+        "choice",
+        choices=PARSER_CHOICES,
+    ),
+    Option(
         "audit_rate",
         "Fraction of remote hits whose random block is recomputed off the request path and "
         "compared with the peer's bytes; a peer that disagrees is quarantined.",
@@ -303,6 +337,7 @@ __all__ = [
     "MODEL",
     "PEER",
     "client_security_options",
+    "deterministic_options",
     "disk_options",
     "events_options",
     "head_options",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..errors import ConfigError
 from .base import Decoded, Engine, KVState, Sampling, TokenLogprob
 
@@ -73,18 +74,25 @@ def load_engine(
     progress: Callable[[str], None] | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    deterministic_grid: int = 0,
     **kwargs: Any,
 ) -> Engine:
     """Load ``model`` (``demo``, ``demo-tiny`` or a local directory) on ``engine``.
     ``device`` and ``dtype`` take :data:`DEVICES` / :data:`DTYPES` (``auto``: see
     :func:`pick_device`, :func:`pick_dtype`); None is the CPU and the engine's dtype.
-    ``kwargs`` are the engine's own options (``block_digest``; torch ``threads``; mlx
+    ``deterministic_grid`` > 0: deterministic mode on that grid (torch only; see
+    :mod:`kvmesh.engine.deterministic`). ``kwargs`` are the engine's own options
+    (``block_digest``; torch ``threads``; mlx
     ``kv_bits``, ``kv_group_size``), checked by its constructor: one the engine does
     not take is a TypeError."""
     from .demo import resolve_model
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
+    if deterministic_grid:
+        from .deterministic import check
+
+        check(engine, deterministic_grid, block_tokens or DEFAULT_BLOCK_TOKENS)
     where = pick_device(device, engine) if device else None
     weights = pick_dtype(dtype, engine) if dtype else None
     path = resolve_model(model, progress)
@@ -96,6 +104,7 @@ def load_engine(
             block_tokens=block_tokens,
             device=where or "cpu",
             dtype=weights,
+            deterministic_grid=deterministic_grid,
             **kwargs,
         )
     from .mlx import MLXEngine

@@ -34,8 +34,16 @@ import numpy as np
 
 from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, BlockHeader, Layout, check_block, new_blob
-from ..compat import CompatCard, rope_from_config, tokenizer_digest, weights_digest
+from ..compat import (
+    CompatCard,
+    LayerGeometry,
+    dtype_size,
+    rope_from_config,
+    tokenizer_digest,
+    weights_digest,
+)
 from ..errors import ConfigError, MalformedPayload, NoChatTemplate
+from .grammar import GrammarMatcher, GrammarSpec, compile_grammar
 
 PREFILL_CHUNK = 512  # tokens per prefill forward while other sequences are decoding
 
@@ -55,6 +63,9 @@ class Sampling:
     frequency_penalty: float = 0.0  # ... and this, times how often it was generated
     logprobs: int | None = None  # record each token's logprob and this many alternatives
     n: int = 1  # sequences from one prefill; sequence i samples with seed + i
+    # constrained decoding (structured output): each sequence's tokens follow this
+    # grammar (its own matcher; a mask on the logits, logprobs still the raw ones)
+    grammar: GrammarSpec | None = None
 
     @property
     def penalized(self) -> bool:
@@ -206,7 +217,15 @@ class Decoder:
     """Samples one sequence's tokens one at a time; the engine forwards each token
     that goes on (:meth:`Engine.decode_batch`). ``out``, when given, is filled in
     before each token is returned: tokens, logprobs, the text to show and why the
-    sequence ended (a stop string ends it too; it is not part of ``out.text``)."""
+    sequence ended (a stop string ends it too; it is not part of ``out.text``).
+
+    With ``sampling.grammar`` the sequence has its own matcher (:mod:`.grammar`):
+    each step the tokens the grammar does not allow next are masked out of a copy
+    of the logits before sampling (penalties, temperature and top-p then apply as
+    ever), the sampled token advances the matcher, and the sequence ends with
+    finish reason ``stop`` once the grammar is complete (or when it could end and
+    EOS was sampled). Logprobs stay those of the raw logits, as vLLM reports by
+    default. Without a grammar nothing of this runs: sampling is bitwise as before."""
 
     def __init__(
         self, engine: Engine, state: KVState, sampling: Sampling, out: Decoded | None = None
@@ -215,23 +234,37 @@ class Decoder:
         self.rng = engine.new_rng(sampling.seed)
         self.text = _Detokenizer(engine.decode_text, out, sampling.stop) if out else None
         self.counts: dict[int, int] | None = {} if sampling.penalized else None
+        self.grammar: GrammarMatcher | None = None
+        if sampling.grammar is not None:
+            self.grammar = compile_grammar(engine.tokenizer, sampling.grammar).matcher()
         self.i = 0
 
     def next(self) -> tuple[int, bool]:
         """The next token, and whether it is the last."""
         eng, state, sampling, out = self.engine, self.state, self.sampling, self.out
-        tok = eng.sample(state.logits, sampling, self.rng, self.counts)
+        grammar, complete = self.grammar, False
+        if grammar is None:
+            tok = eng.sample(state.logits, sampling, self.rng, self.counts)
+        else:
+            eos_ids = eng.eos_ids if sampling.stop_on_eos else ()
+            allowed = grammar.allowed(int(state.logits.shape[-1]), eos_ids)
+            if not allowed.any():
+                raise RuntimeError("the grammar allows no token here")
+            tok = eng.sample(state.logits, sampling, self.rng, self.counts, allowed)
         state.tokens.append(tok)
         eos = sampling.stop_on_eos and tok in eng.eos_ids
+        if grammar is not None and not eos:
+            grammar.advance(tok)
+            complete = grammar.done
         self.i += 1
-        last = self.i >= sampling.max_tokens or eos
+        last = self.i >= sampling.max_tokens or eos or complete
         if out is not None and self.text is not None:
             if sampling.logprobs is not None:
                 out.logprobs.append(eng.logprob(state.logits, tok, sampling.logprobs))
             out.tokens.append(tok)
             self.text.step(final=last)
             if out.stopped or last:
-                out.finish_reason = "stop" if out.stopped or eos else "length"
+                out.finish_reason = "stop" if out.stopped or eos or complete else "length"
                 out.done = last = True
         if not last and self.counts is not None:
             self.counts[tok] = self.counts.get(tok, 0) + 1
@@ -252,31 +285,83 @@ class KVState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+MAX_STATE_EVERY = 32  # blocks: the coarsest recurrent-state checkpoint grid
+
+
 @dataclass(frozen=True)
 class CacheGeometry:
     """What the loaded model's cache really holds, read off a probe forward
     (invariant 5: the card describes the real cache, never a config guess)."""
 
     kv_dtype: str
-    num_kv_heads: int
-    head_dim: int
-    sliding_windows: tuple[int, ...]  # per layer; 0 = full attention
+    layers: tuple[LayerGeometry, ...]
 
     @classmethod
     def from_layers(
         cls, layers: Sequence[tuple[str, int, int]], windows: Sequence[int]
     ) -> CacheGeometry:
-        """From per-layer (dtype, kv_heads, head_dim) as probed. Layers of differing
-        geometry cannot share one block layout: a clear error, never a re-reading."""
+        """From per-layer (dtype, kv_heads, head_dim) of attention layers as probed."""
         if not layers or len(layers) != len(windows):
             raise ConfigError(
                 f"probe found {len(layers)} cache layers for {len(windows)} window entries"
             )
-        kinds = sorted(set(layers))
-        if len(kinds) != 1:
-            raise ConfigError(f"cache layers differ in (dtype, kv_heads, head_dim): {kinds}")
-        dtype, heads, dim = kinds[0]
-        return cls(dtype, int(heads), int(dim), tuple(int(w) for w in windows))
+        dtypes = sorted({d for d, _, _ in layers})
+        if len(dtypes) != 1:
+            raise ConfigError(f"cache layers differ in KV dtype: {dtypes}")
+        geoms = tuple(
+            LayerGeometry("kv", int(h), int(d), int(w))
+            for (_, h, d), w in zip(layers, windows, strict=True)
+        )
+        return cls(dtypes[0], geoms)
+
+    @classmethod
+    def attention(
+        cls, kv_dtype: str, kv_heads: int, head_dim: int, windows: Sequence[int]
+    ) -> CacheGeometry:
+        """Every layer attention KV of one shape (``windows``: per layer, 0 = full)."""
+        return cls(kv_dtype, tuple(LayerGeometry("kv", kv_heads, head_dim, w) for w in windows))
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer attention KV of one shape: the card's scalar fields say it all."""
+        return all(g.kind == "kv" for g in self.layers) and (
+            len({(g.kv_heads, g.head_dim) for g in self.layers}) == 1
+        )
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        return tuple(g.window for g in self.layers)
+
+    def state_every(self, block_tokens: int) -> int:
+        """Blocks between recurrent-state checkpoints: about as many bytes of state
+        as of KV travel (a state can be MBs per layer), never coarser than
+        :data:`MAX_STATE_EVERY`; 0 without recurrent layers."""
+        state = sum(g.state_bytes for g in self.layers)
+        if not state:
+            return 0
+        size = dtype_size(self.kv_dtype)
+        kv_block = sum(2 * g.kv_heads * g.head_dim * size for g in self.layers) * block_tokens
+        if not kv_block:
+            return MAX_STATE_EVERY
+        return max(1, min(MAX_STATE_EVERY, -(-state // kv_block)))
+
+    def card_fields(self, block_tokens: int) -> dict[str, Any]:
+        """The card's geometry fields."""
+        if self.uniform:
+            first = self.layers[0]
+            heads, dim, per_layer = first.kv_heads, first.head_dim, tuple[str, ...]()
+        else:
+            heads, dim = 0, 0
+            per_layer = tuple(g.encode() for g in self.layers)
+        return {
+            "kv_dtype": self.kv_dtype,
+            "num_layers": len(self.layers),
+            "num_kv_heads": heads,
+            "head_dim": dim,
+            "sliding_windows": self.sliding_windows,
+            "layer_geometry": per_layer,
+            "state_every": self.state_every(block_tokens),
+        }
 
 
 def card_from_hf_dir(
@@ -299,16 +384,12 @@ def card_from_hf_dir(
         weights_digest=weights_digest(path),
         tokenizer_digest=tokenizer_digest(tokenizer_dir or path),
         quantization=quantization,
-        kv_dtype=geometry.kv_dtype,
         rope=rope_from_config(text_cfg),
-        num_layers=len(geometry.sliding_windows),
-        num_kv_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        sliding_windows=geometry.sliding_windows,
         vocab_size=int(text_cfg["vocab_size"]),
         block_tokens=block_tokens,
         kv_quant=kv_quant,
         block_digest=block_digest,
+        **geometry.card_fields(block_tokens),
     )
 
 
@@ -362,7 +443,7 @@ class Importer(abc.ABC):
             check_block(block, self.layout)
         if h.start + h.tokens > self.n_tokens:
             raise MalformedPayload("block beyond the imported prefix")
-        if h.tokens:
+        if h.tokens or h.states:  # an empty tail may carry the state at its start
             self._copy(block)
         with self._count:
             self.added += 1
@@ -383,6 +464,9 @@ class Engine(abc.ABC):
     card: CompatCard
     layout: Layout
     eos_ids: frozenset[int]
+    # why this model's cache cannot be exported or restored exactly (a cache type
+    # kvmesh does not know yet): it is served with reuse off; None when it can
+    reuse_off: str | None = None
 
     tokenizer: Any  # a Hugging Face tokenizer, or one with the same methods
 
@@ -432,6 +516,26 @@ class Engine(abc.ABC):
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
         """Write positions [start, stop) of every layer, K then V, into ``out``."""
 
+    def _write_state(self, cache: Any, pos: int, out: memoryview) -> None:
+        """Write every recurrent layer's state after position ``pos`` into ``out``
+        (the card's ``states`` order). Only engines whose cards have state."""
+        raise ConfigError(f"the {self.name} engine keeps no recurrent state")
+
+    def _positions(self, cache: Any) -> int | None:
+        """How many positions ``cache`` holds, where the engine tracks it (None:
+        ask :meth:`restorable`)."""
+        return None
+
+    def exportable(self, state: KVState) -> int:
+        """How many of ``state``'s positions may be exported: those in its cache."""
+        return state.cached
+
+    def restorable(self, cache: Any, n: int) -> int:
+        """The most positions, at most ``n``, that ``cache`` can be cut back to: ``n``
+        for attention caches; a recurrent state exists only where it was kept (a
+        checkpoint, or where the cache ends); none with reuse off."""
+        return n if cache is not None and self.reuse_off is None else 0
+
     @abc.abstractmethod
     def _write_logits(self, logits: Any, out: memoryview) -> None: ...
 
@@ -440,10 +544,17 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def sample(
-        self, logits: Any, sampling: Sampling, rng: Any, counts: Mapping[int, int] | None = None
+        self,
+        logits: Any,
+        sampling: Sampling,
+        rng: Any,
+        counts: Mapping[int, int] | None = None,
+        allowed: np.ndarray | None = None,
     ) -> int:
         """The next token from ``logits``; ``counts`` (tokens generated so far, how
-        often) are penalized first when ``sampling`` has a penalty."""
+        often) are penalized first when ``sampling`` has a penalty. ``allowed`` (a
+        grammar's mask, a bool per logit) sets the others to -inf on a copy first;
+        the Decoder passes it only with a grammar."""
 
     @abc.abstractmethod
     def _log_softmax(self, logits: Any) -> np.ndarray:
@@ -483,19 +594,21 @@ class Engine(abc.ABC):
             (imported.cache() if imported is not None else self._import(prefix, p)) if p else None
         )
         tail = prefix[-1] if prefix and prefix[-1].header.kind == "tail" else None
-        if p == len(tokens) and tail is not None:
+        if p == len(tokens) and tail is not None and self.restorable(cache, p) == p:
             logits = self._read_logits(next(v for s, v in reversed(list(tail.tensors()))))
             return KVState(tokens, cache, logits, p, p, 0, used_stored_logits=True)
-        if p == len(tokens):  # no stored logits: recompute the last token
-            p -= 1
-            cache = self._crop(cache, p) if p else None
-        return KVState(tokens, cache, None, p, p, len(tokens) - p)
+        # no stored logits: recompute the last token; a recurrent state restarts
+        # from the last checkpoint the prefix carries
+        q = self.restorable(cache, p - 1 if p == len(tokens) else p)
+        if q != p and q != self._positions(cache):  # an importer may have stopped there
+            cache = self._crop(cache, q) if q else None
+        return KVState(tokens, cache, None, q, q, len(tokens) - q)
 
     def begin_resume(self, state: KVState, keep: int, tokens: Sequence[int]) -> KVState:
         """:meth:`begin_prefill` from the first ``keep`` cached positions of a live
         ``state`` (their common prefix with ``tokens``). Nothing is mutated in place."""
         tokens = list(tokens)
-        keep = min(keep, len(tokens) - 1, state.cached)
+        keep = self.restorable(state.cache, min(keep, len(tokens) - 1, state.cached))
         cache = self._crop(state.cache, keep) if keep else None
         return KVState(tokens, cache, None, keep, keep, len(tokens) - keep)
 
@@ -537,7 +650,9 @@ class Engine(abc.ABC):
             state.cached = at + n
 
     def extend(self, state: KVState, tokens: Sequence[int]) -> KVState:
-        """Append ``tokens`` to a live state (sessions: no lookup needed)."""
+        """Append ``tokens`` to a live state (sessions: no lookup needed). The
+        state's cache is extended in place: ``state`` is spent (:meth:`fork` it
+        first to keep it; a hybrid's kept state at its end may be gone)."""
         if not tokens:
             return state
         if state.cached < len(state.tokens):  # last token not in the cache yet
@@ -557,6 +672,10 @@ class Engine(abc.ABC):
         """An independent copy of a live ``state`` (``n`` sequences from one
         prefill): the same cached tensors (a crop shares them; decoding one copy
         never writes into another) and the same logits."""
+        if self.reuse_off is not None:  # a cache it cannot copy: computed again
+            again = self.prefill(state.tokens[: state.cached]) if state.cached else None
+            cache = again.cache if again is not None else None
+            return KVState(list(state.tokens), cache, state.logits, state.cached)
         cache = self._crop(state.cache, state.cached) if state.cached else None
         return KVState(list(state.tokens), cache, state.logits, state.cached)
 
@@ -606,17 +725,19 @@ class Engine(abc.ABC):
         first_block: int = 0,
     ) -> list[Block]:
         """Blocks for ``state``: full blocks from ``first_block`` on, then the tail.
-        Only positions already in the cache are exported."""
-        tokens = state.tokens
-        if state.cached < len(tokens):  # generated last token: no KV yet, no logits for it
-            tokens = tokens[: state.cached]
+        Only positions already in the cache are exported; none with reuse off."""
+        if self.reuse_off is not None:
+            return []
+        tokens, limit = state.tokens, self.exportable(state)
+        if limit < len(tokens):  # e.g. a generated last token: no KV yet, no logits for it
+            tokens = tokens[:limit]
             logits = None
         else:
             logits = state.logits
         keys = keys or keyer.keys(tokens)
         b = self.card.block_tokens
         out: list[Block] = []
-        for i in range(first_block, len(keys.blocks)):
+        for i in range(first_block, min(len(keys.blocks), limit // b)):
             hdr = self.layout.header("block", keys.blocks[i], keyer.parent_of(keys, i), i * b, b)
             out.append(self._seal(state.cache, hdr))
         if logits is not None:
@@ -628,9 +749,12 @@ class Engine(abc.ABC):
 
     def _seal(self, cache: Any, header: BlockHeader, logits: Any = None) -> Block:
         blob, view = new_blob(header)
-        kv_bytes = header.payload_bytes - (header.logits.nbytes if header.logits else 0)
+        kv, state = header.kv_bytes, header.state_bytes
+        end = header.start + header.tokens
         if header.tokens:
-            self._write_kv(cache, header.start, header.start + header.tokens, view[:kv_bytes])
+            self._write_kv(cache, header.start, end, view[:kv])
+        if state:
+            self._write_state(cache, end, view[kv : kv + state])
         if logits is not None:
-            self._write_logits(logits, view[kv_bytes:])
+            self._write_logits(logits, view[kv + state :])
         return self.layout.seal(header, blob)

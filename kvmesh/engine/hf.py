@@ -27,6 +27,24 @@ Cache layers:
   have (the same view of the same tensor; attention sees identical tensors). A
   crop (sessions, ``n`` sequences) restores from the record the same way.
 
+- ``DummyLayer``: a KV-shared layer (Gemma 3n/4's last ``num_kv_shared_layers``
+  attend to an earlier layer's KV) or one without attention (Nemotron-H's MLP
+  layers): in the card as ``shared`` / ``none``, nothing shipped; restoring the
+  producers' KV is all it needs. Per-layer head dims and KV heads (Gemma 4's
+  sliding vs full layers) are each layer's own in the card; Gemma 4's
+  ``attention_k_eq_v`` layers still cache keys and values as two tensors
+  (values are normed, keys normed and rotated): both ship.
+- ``LinearAttentionLayer`` (Gated DeltaNet, Mamba2, LFM2's short conv): its conv
+  and recurrent states after a position are all a continuation needs, but they
+  cannot be cut back. The layer records (so its conv state is concatenated, never
+  written in place; :func:`_trim_conv` cuts it to the kernel after each forward),
+  forwards stop at every ``state_every`` blocks to keep a copy of the states
+  there (a checkpoint), and at the end of every prefill forward; blocks on the
+  grid and tails carry them. An import or crop ends on a checkpoint
+  (:meth:`TransformersEngine.restorable`).
+- Any other layer class, or keys and values of different shapes (latent
+  attention), turns reuse off (:attr:`Engine.reuse_off`): served, never shared.
+
 Memory: the record holds a sliding layer's KV for every position of the state,
 so a sliding-window state costs what a full-attention one does,
 ``card.kv_bytes_per_token`` per position: exactly what the head already reserves
@@ -40,24 +58,28 @@ producer's cache of the same prefix: same tensors, same layer state.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import threading
 import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from ..blocks import DEFAULT_BLOCK_TOKENS
+from ..blocks import DEFAULT_BLOCK_TOKENS, split_at
 from ..codec import Block, Layout
-from ..compat import kv_quant_params
-from ..errors import CacheMiss, ConfigError
+from ..compat import LayerGeometry, kv_quant_params
+from ..errors import CacheMiss, CannotRestore, ConfigError
+from . import deterministic as det
 from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
 from .compiled import streamed_linear
 from .sampling import distribution, greedy, safe_temperature
@@ -66,6 +88,12 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _NP = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
 _RECORD = "kvmesh_record"  # a sliding layer's K/V of every position [0, cumulative_length)
+# transformers >= 5.20's cache layers of KV-shared / recurrent layers; the 5.19 that
+# vLLM 0.32 pins has neither (its models of those kinds then load with reuse off)
+DummyLayer: Any = getattr(cache_utils, "DummyLayer", None)
+LinearAttentionLayer: Any = getattr(cache_utils, "LinearAttentionLayer", None)
+_STATES = "kvmesh_states"  # on a cache: {position: per layer, its state tensors then}
+_POS = "kvmesh_pos"  # on a cache with recurrent layers: the positions it holds
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -120,7 +148,8 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], t
 
 def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    kernel = getattr(_batched, "kernels", {}).get(rows)
+    kernels = getattr(_batched, "kernels", {})
+    kernel = kernels.get(rows, kernels.get(det.ANY_ROWS))
     if kernel is not None:
         y = KERNELS[kernel](self.weight, self.bias, x.reshape(rows, x.shape[-1]))
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -275,13 +304,70 @@ def _sliding(layer: Any) -> bool:
     return type(layer) is DynamicSlidingWindowLayer  # subclasses keep other state
 
 
+def _holds_kv(layer: Any) -> bool:
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def _recurrent(layer: Any) -> bool:
+    return type(layer) is LinearAttentionLayer
+
+
 def _layer_window(layer: Any) -> int:
-    """The window a cache layer really applies (0 = full attention)."""
-    if type(layer) is DynamicLayer:
+    """The window a cache layer really applies (0 = full attention, or no KV)."""
+    if type(layer) in (DynamicLayer, DummyLayer, LinearAttentionLayer):
         return 0
     if _sliding(layer) and int(layer.sliding_window) >= 2:
         return int(layer.sliding_window)
-    raise ConfigError(f"cache layer {layer!r} is not supported by the transformers adapter")
+    raise CannotRestore(f"cache layer {layer!r} is not supported by the transformers adapter")
+
+
+def _state_slots(layer: Any) -> list[tuple[str, int]]:
+    """Which tensors a recurrent layer's state is, in wire order: per state index,
+    its conv state then its recurrent state (either may be absent: LFM2 has no
+    recurrent state)."""
+    slots = []
+    for i in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[i]:
+            slots.append(("conv", i))
+        if layer.is_recurrent_states_initialized[i]:
+            slots.append(("rec", i))
+    return slots
+
+
+def _state_parts(layer: Any, slots: Sequence[tuple[str, int]]) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        (layer.conv_states if kind == "conv" else layer.recurrent_states)[i] for kind, i in slots
+    )
+
+
+def _set_state(layer: Any, slots: Sequence[tuple[str, int]], parts: Sequence[torch.Tensor]) -> None:
+    """Make a recurrent layer hold ``parts`` (its own copies: the model updates a
+    recurrent state in place), as after a forward that ended there."""
+    for (kind, i), t in zip(slots, parts, strict=True):
+        t = t.clone()
+        if kind == "conv":
+            layer.conv_states[i], layer.conv_kernel_size[i] = t, int(t.shape[-1])
+            layer.is_conv_states_initialized[i] = True
+        else:
+            layer.recurrent_states[i] = t
+            layer.is_recurrent_states_initialized[i] = True
+        layer.has_previous_state[i] = True
+        layer.dtype, layer.device = t.dtype, t.device
+
+
+def _trim_conv(layer: Any) -> None:
+    """A recording conv state keeps every column it was given: cut it to the
+    kernel's width, zeros on the left when fewer came, exactly what transformers
+    keeps without recording (the next forward concatenates: nothing is written
+    in place, so a checkpoint's tensors stay what they were)."""
+    for i, k in layer.conv_kernel_size.items():
+        t = layer.conv_states[i]
+        if t is None or k is None:
+            continue
+        w = t.shape[-1]
+        layer.conv_states[i] = (
+            t[..., -k:] if w >= k else torch.nn.functional.pad(t, (k - w, 0), value=0)
+        )
 
 
 def _config_windows(config: Any) -> tuple[int, ...]:
@@ -293,10 +379,11 @@ def _config_windows(config: Any) -> tuple[int, ...]:
         if getattr(text, "attention_chunk_size", None):
             raise ConfigError("chunked attention is not supported by the transformers adapter")
         return (window,) * int(text.num_hidden_layers)
-    known = {"full_attention": 0, "sliding_attention": window}
-    if unknown := sorted(set(types) - set(known)):
-        raise ConfigError(f"layer types {unknown} are not supported by the transformers adapter")
-    return tuple(known[t] for t in types)
+    if "chunked_attention" in types:  # cached as sliding, masked otherwise
+        raise ConfigError("chunked attention is not supported by the transformers adapter")
+    # any other type (full, linear, conv, mlp, ...) holds no window: the probe checks
+    # that the cache layers transformers built are ones this adapter restores
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 def _record(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -336,8 +423,11 @@ def _restore(layer: Any, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
 def _settle(cache: Any, new: int) -> None:
     """After a forward of ``new`` tokens: append their K/V to each sliding layer's
     record, then trim the layer to its last W - 1 positions exactly as transformers
-    does without ``record_past`` (the same view of the same tensor)."""
+    does without ``record_past`` (the same view of the same tensor); cut each
+    recurrent layer's conv state to its kernel."""
     for layer in cache.layers:
+        if _recurrent(layer):
+            _trim_conv(layer)
         if not _sliding(layer):
             continue
         rec = _record(layer)
@@ -354,14 +444,16 @@ def _settle(cache: Any, new: int) -> None:
 
 class _TorchImporter(Importer):
     """Layers' K and V live in buffers ``[2 * layers, heads, n, head_dim]`` (K0, V0,
-    K1, ...): one for all layers of a full-attention model, one per layer when some
-    layers slide (a sliding layer's record then pins only its own positions, as the
-    layer's own cache would). A block's payload is those tensors back to back, in
-    that order, so it is imported with one strided copy per buffer (NumPy releases
-    the GIL for it) instead of one Python-level copy per tensor: ~4 ms instead of
-    ~6 for the demo's 27.6 MB, and no GIL traffic against the stream and hasher
-    threads. Each layer's K and V are views of its buffer (see
-    :meth:`TransformersEngine.detach`).
+    K1, ...): one for all layers of a full-attention model of one geometry, one per
+    layer otherwise (a sliding layer's record then pins only its own positions, as
+    the layer's own cache would; layers of other head dims cannot share one). A
+    block's KV payload is those tensors back to back, in that order, so it is
+    imported with one strided copy per buffer (NumPy releases the GIL for it)
+    instead of one Python-level copy per tensor: ~4 ms instead of ~6 for the demo's
+    27.6 MB, and no GIL traffic against the stream and hasher threads. Each
+    layer's K and V are views of its buffer (see :meth:`TransformersEngine.detach`).
+    A block that carries recurrent state leaves a copy of it: the cache restores
+    from the last of them and keeps the others as checkpoints.
 
     The buffers are allocated when the first block arrives, on the thread that
     copies it (a fetch's hasher: see :meth:`kvmesh.mesh.client.MeshClient.warm`).
@@ -377,40 +469,72 @@ class _TorchImporter(Importer):
         self.engine = engine
         self._dtype = _BY_NAME[c.kv_dtype]  # the card's (probed) dtype: the cache's
         self._np_dtype = _NP[self._dtype]
-        self._row = (c.num_kv_heads, n_tokens, c.head_dim)  # one K or V
-        self._rows = 2 * c.num_layers  # K and V of every layer, as a payload holds them
-        per = 1 if any(c.sliding_windows) else c.num_layers  # layers per buffer
-        self._groups = [range(i, min(i + per, c.num_layers)) for i in range(0, c.num_layers, per)]
+        kv = [i for i, g in enumerate(c.geometry) if g.has_kv]
+        one = c.uniform and not any(c.sliding_windows)
+        self._groups = [kv] if one else [[i] for i in kv]  # layers per buffer
+        self._geometry = c.geometry
         self._alloc = threading.Lock()
         self._kv: list[torch.Tensor] | None = None
+        self._states: dict[int, tuple[tuple[torch.Tensor, ...], ...]] = {}
+
+    def _shape(self, group: Sequence[int], tokens: int) -> tuple[int, int, int, int]:
+        g = self._geometry[group[0]]
+        return (2 * len(group), g.kv_heads, tokens, g.head_dim)
 
     def _buffers(self) -> list[torch.Tensor]:
         with self._alloc:
             if self._kv is None:
                 self._kv = [
-                    torch.empty((2 * len(g), *self._row), dtype=self._dtype) for g in self._groups
+                    torch.empty(self._shape(g, self.n_tokens), dtype=self._dtype)
+                    for g in self._groups
                 ]
             return self._kv
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
-        heads, _, dim = self._row
         # add() checked the block against the card: its payload starts with exactly
         # these K/V tensors, in the buffers' order
-        count = self._rows * heads * t * dim
-        src = np.frombuffer(block.payload(), self._np_dtype, count=count)
-        src = src.reshape(self._rows, heads, t, dim)
+        payload, off = block.payload(), 0
         for g, buf in zip(self._groups, self._buffers(), strict=True):
-            _np(buf)[:, :, a : a + t] = src[2 * g.start : 2 * g.stop]
+            shape = self._shape(g, t)
+            count = shape[0] * shape[1] * t * shape[3]
+            src = np.frombuffer(payload, self._np_dtype, count=count, offset=off)
+            _np(buf)[:, :, a : a + t] = src.reshape(shape)
+            off += count * src.itemsize
+        if block.header.states:
+            self._keep_state(block)
+
+    def _keep_state(self, block: Block) -> None:
+        per: list[list[torch.Tensor]] = [[] for _ in self._geometry]
+        for i, spec, view in block.state_tensors():  # copies: a view would keep the block
+            t = _frombuffer(view, _BY_NAME[spec.dtype]).view(spec.shape).clone()
+            per[i].append(t)
+        end = block.header.start + block.header.tokens
+        with self._alloc:
+            self._states[end] = tuple(tuple(p) for p in per)
 
     def cache(self) -> Any:
-        cache = self.engine._new_cache()
-        dev = self.engine.device
-        views = [buf[i : i + 1] for buf in self._buffers() for i in range(buf.shape[0])]
+        """The cache of the imported positions; with recurrent layers, of those up
+        to the last block that carried their state (an import ends on one)."""
+        eng, n = self.engine, self.n_tokens
+        cache = eng._new_cache()
+        if eng.card.state_every:
+            n = max((p for p in self._states if p <= n), default=0)
+            if not n:
+                return None
+        dev = eng.device
+        views = {
+            layer: (buf[2 * j : 2 * j + 1, :, :n], buf[2 * j + 1 : 2 * j + 2, :, :n])
+            for group, buf in zip(self._groups, self._buffers(), strict=True)
+            for j, layer in enumerate(group)
+        }
         for i, layer in enumerate(cache.layers):
-            k, v = views[2 * i], views[2 * i + 1]
-            _restore(layer, k.to(dev), v.to(dev), self.n_tokens)
-        return cache
+            if i in views:
+                k, v = views[i]
+                _restore(layer, k.to(dev), v.to(dev), n)
+        if eng.card.state_every:
+            eng._restore_states(cache, n, self._states[n], dict(self._states))
+        return det.mark(cache, n) if eng.grid else cache
 
 
 GROW = 32  # positions a batch cache holds beyond its width: a copy every GROW steps
@@ -492,6 +616,8 @@ class _Batch:
                 _restore(
                     dst, src.keys[row : row + 1, :, span], src.values[row : row + 1, :, span], n
                 )
+            if engine.grid:  # a decode step: canonical as far as before it
+                det.cropped(s.cache, own, n)
             s.cache, s.logits, s.cached = own, logits[row, -1].float(), n
             self.caches.append(own)
 
@@ -507,7 +633,10 @@ class TransformersEngine(Engine):
         dtype: str | None = None,
         threads: int | None = None,
         block_digest: str = "blake3",
+        deterministic_grid: int = 0,
     ) -> None:
+        """``deterministic_grid`` > 0: deterministic mode on a prefill grid of that
+        many tokens (:mod:`kvmesh.engine.deterministic`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
         from transformers.utils import logging as hf_logging
 
@@ -530,6 +659,7 @@ class TransformersEngine(Engine):
         self.model.eval()
         self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
         self._batches: dict[tuple[int, ...], _Batch] = {}  # live batch caches, oldest first
+        self.grid, self._rowwise = 0, False  # deterministic mode (_go_deterministic)
         if self.device.type == "cpu":
             _rows_first_linear(self.model)
             with torch.inference_mode():
@@ -544,15 +674,20 @@ class TransformersEngine(Engine):
         # fixed per model by transformers (e.g. eager for Gemma-2's softcapping); shown, not guessed
         self.attn_implementation = str(getattr(self.model.config, "_attn_implementation", ""))
         quant = cfg.get("quantization_config")
+        self.block_tokens = block_tokens or DEFAULT_BLOCK_TOKENS
+        self._state_every = 0  # the probe runs before the card says how often
         self.card = card_from_hf_dir(
             self.path,
             # attention kernels compute different numbers: part of the namespace
             engine=f"transformers/{self.attn_implementation or 'default'}",
-            geometry=self._probe(),
+            geometry=self._probe_or_off(),
             quantization=json.dumps(quant, sort_keys=True) if quant else "none",
-            block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
+            block_tokens=self.block_tokens,
             block_digest=block_digest,
         )
+        self._state_every = self.card.state_every
+        if deterministic_grid:
+            self._go_deterministic(deterministic_grid)
         self.layout = Layout(self.card)
         eos = self.model.generation_config.eos_token_id
         eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -561,49 +696,230 @@ class TransformersEngine(Engine):
         self.eos_ids = frozenset(int(e) for e in eos_list)
 
     def _probe(self) -> CacheGeometry:
-        """The geometry of the cache a real forward fills, checked against the config."""
+        """The geometry of the cache a real forward fills, checked against the config:
+        per layer its attention KV, its recurrent state, or nothing of its own."""
         cache, _ = self._forward(None, [0], 0)
+        dtypes: set[str] = set()
         layers = []
+        self._slots: dict[int, list[tuple[str, int]]] = {}
+        shared_from = self._first_shared_layer()
         for i, layer in enumerate(cache.layers):
-            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.ndim != 4:
-                raise ConfigError(f"cache layer {i} holds no KV after a forward")
-            if (k.dtype, k.shape) != (v.dtype, v.shape) or k.dtype not in _DTYPES:
-                raise ConfigError(f"cache layer {i}: unsupported K/V {k.dtype} / {v.dtype}")
-            layers.append((_DTYPES[k.dtype], int(k.shape[1]), int(k.shape[3])))
-        windows = tuple(_layer_window(layer) for layer in cache.layers)
-        stated = _config_windows(self.model.config)
+            if type(layer) is DummyLayer:
+                layers.append(LayerGeometry("shared" if i >= shared_from else "none"))
+            elif _recurrent(layer):
+                self._slots[i] = _state_slots(layer)
+                parts = _state_parts(layer, self._slots[i])
+                if not parts or any(t.dtype not in _DTYPES for t in parts):
+                    raise CannotRestore(f"cache layer {i}: a recurrent state kvmesh cannot ship")
+                spec = tuple((_DTYPES[t.dtype], tuple(int(d) for d in t.shape)) for t in parts)
+                layers.append(LayerGeometry("state", state=spec))
+            elif _holds_kv(layer):
+                k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if (
+                    not isinstance(k, torch.Tensor)
+                    or not isinstance(v, torch.Tensor)
+                    or k.ndim != 4
+                ):
+                    raise CannotRestore(f"cache layer {i} holds no KV after a forward")
+                if (k.dtype, k.shape) != (v.dtype, v.shape) or k.dtype not in _DTYPES:
+                    raise CannotRestore(
+                        f"cache layer {i}: keys {k.dtype} {tuple(k.shape)} and values {v.dtype} "
+                        f"{tuple(v.shape)} are not one K/V geometry (latent attention?)"
+                    )
+                dtypes.add(_DTYPES[k.dtype])
+                w = _layer_window(layer)
+                layers.append(LayerGeometry("kv", int(k.shape[1]), int(k.shape[3]), w))
+            else:
+                raise CannotRestore(f"cache layer {i} ({type(layer).__name__}) is not supported")
+        # a layer without KV of its own keeps no window (a KV-shared one attends
+        # through its producer's)
+        windows = tuple(g.window for g in layers)
+        stated = tuple(
+            w if g.has_kv else 0
+            for w, g in zip(_config_windows(self.model.config), layers, strict=True)
+        )
         if windows != stated:
             raise ConfigError(f"the cache applies windows {windows}, the config states {stated}")
-        return CacheGeometry.from_layers(layers, windows)
+        if len(dtypes) > 1:
+            raise ConfigError(f"cache layers differ in KV dtype: {sorted(dtypes)}")
+        kv_dtype = dtypes.pop() if dtypes else _DTYPES[self.dtype]
+        return CacheGeometry(kv_dtype, tuple(layers))
+
+    def _probe_or_off(self) -> CacheGeometry:
+        """:meth:`_probe`; a cache it cannot describe exactly turns reuse off (the
+        model is still served: every prompt computed, nothing exported)."""
+        try:
+            return self._probe()
+        except CannotRestore as e:
+            self.reuse_off = str(e)
+            layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
+            none = tuple(LayerGeometry("none") for _ in range(int(layers)))
+            return CacheGeometry(_DTYPES.get(self.dtype, "float32"), none)
+
+    def _go_deterministic(self, grid: int) -> None:
+        """Deterministic mode: the grid, the decode kernels, and a card that says so."""
+        det.check("torch", grid, self.block_tokens)
+        c = self.card
+        if c.state_every or self.reuse_off is not None or self.device.type != "cpu":
+            raise ConfigError(
+                "--deterministic runs on the CPU, for models whose cache kvmesh restores "
+                "exactly without recurrent state (this one: "
+                f"{'recurrent state' if c.state_every else self.reuse_off or self.device})"
+            )
+        # row-invariant batched decode: the compiled kernel (float32) at every row
+        # count, SDPA row by row; otherwise each sequence decodes alone
+        rows = (
+            self.dtype == torch.float32
+            and self.attn_implementation == "sdpa"
+            and self.batches
+            and _agrees(
+                "streamed", [m for m in self.model.modules() if type(m) is torch.nn.Linear][:1], 1
+            )
+        )
+        if rows:
+            det.install_rowwise_sdpa()
+            self.kernels = {det.ANY_ROWS: "streamed"}
+        self.grid, self._rowwise = grid, rows
+        decode = "rows" if rows else "alone"
+        self.card = dataclasses.replace(
+            c,
+            engine=f"{c.engine}/deterministic:{det.kernel_family()}:decode={decode}",
+            prefill_grid=grid,
+        )
+
+    def _first_shared_layer(self) -> int:
+        """The first layer that attends to another's KV (Gemma 3n/4's
+        ``num_kv_shared_layers``); layers past the count."""
+        text = self.model.config.get_text_config(decoder=True)
+        shared = int(getattr(text, "num_kv_shared_layers", 0) or 0)
+        return int(text.num_hidden_layers) - shared if shared else 1 << 30
 
     # -- KV -------------------------------------------------------------------
 
     def _new_cache(self) -> Any:
         cache: Any = self._cache_cls(config=self.model.config)
         for layer in cache.layers:
-            if _sliding(layer):  # keep whole states until _settle has recorded them
+            # keep whole states until _settle has recorded them; a recording
+            # recurrent layer concatenates its conv state instead of writing in place
+            if _sliding(layer) or _recurrent(layer):
                 layer.activate_past_recording()
+        if self._state_every:
+            setattr(cache, _STATES, {})
+            setattr(cache, _POS, 0)
         return cache
 
     def importer(self, n_tokens: int) -> _TorchImporter:
+        if self.reuse_off is not None:
+            raise CacheMiss(f"reuse is off for this model: {self.reuse_off}")
         return _TorchImporter(self, n_tokens)
 
     @torch.inference_mode()
-    def _forward(self, cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
+    def _forward(
+        self, cache: Any, tokens: Sequence[int], start: int, checkpoint_end: bool = True
+    ) -> tuple[Any, Any]:
+        """With recurrent layers, the forward stops at every state checkpoint
+        (a multiple of ``state_every`` blocks) to keep the state there, and keeps
+        the state at its end too (``checkpoint_end``: a prompt's tail is exported
+        from it while decoding goes on)."""
         if cache is None:
             cache = self._new_cache()
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        kw = {self._cache_kw: cache}
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
-        _settle(cache, len(tokens))  # the cache was extended in place
+        every = self._state_every * self.block_tokens or self.grid
+        pieces = split_at(list(tokens), start, every) if every else [list(tokens)]
+        if self.grid:
+            det.advance(cache, start, [len(p) for p in pieces], self.grid)
+        pos = start
+        for piece in pieces:
+            ids = torch.tensor([piece], dtype=torch.long, device=self.device)
+            kw = {self._cache_kw: cache}
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
+            _settle(cache, len(piece))  # the cache was extended in place
+            pos += len(piece)
+            if self._state_every:
+                setattr(cache, _POS, pos)
+                if pos % every == 0 or (checkpoint_end and piece is pieces[-1]):
+                    self._checkpoint(cache, pos, every, replace=checkpoint_end)
         return cache, out.logits[0, -1].float()
+
+    def _advance(self, state: KVState) -> None:
+        pending = state.tokens[state.cached :]
+        _batched.kernels = self.kernels if self._rowwise else {}  # a lone step as a batch's row
+        try:
+            state.cache, state.logits = self._forward(state.cache, pending, state.cached, False)
+        finally:
+            _batched.kernels = {}
+        state.cached = len(state.tokens)
+
+    # -- recurrent state ----------------------------------------------------------
+
+    def _checkpoint(self, cache: Any, pos: int, every: int, replace: bool = True) -> None:
+        """Keep every recurrent layer's state at ``pos`` (copies: the model updates
+        them in place). A prefill's end off the checkpoint grid ``replace``\ s the
+        one before it (decoding past a grid point keeps the prompt's end: the next
+        chat turn resumes there)."""
+        states = getattr(cache, _STATES)
+        for p in [p for p in states if p % every and p < pos and replace]:
+            del states[p]
+        states[pos] = tuple(
+            tuple(t.clone() for t in _state_parts(layer, self._slots[i]))
+            if i in self._slots
+            else ()
+            for i, layer in enumerate(cache.layers)
+        )
+
+    def _states_at(self, cache: Any, pos: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+        states = getattr(cache, _STATES, {})
+        if pos in states:
+            return states[pos]
+        if getattr(cache, _POS, -1) == pos:  # decoded to here: the live state
+            return tuple(
+                _state_parts(layer, self._slots[i]) if i in self._slots else ()
+                for i, layer in enumerate(cache.layers)
+            )
+        raise CacheMiss(f"no recurrent state was kept at position {pos}")
+
+    def _restore_states(
+        self,
+        cache: Any,
+        n: int,
+        at_n: Sequence[Sequence[torch.Tensor]],
+        states: Mapping[int, Any],
+    ) -> None:
+        """Give ``cache``'s recurrent layers the state at ``n`` and the checkpoints
+        up to it."""
+        dev = self.device
+        for i, layer in enumerate(cache.layers):
+            if i in self._slots:
+                _set_state(layer, self._slots[i], [t.to(dev) for t in at_n[i]])
+        setattr(cache, _STATES, {p: s for p, s in states.items() if p <= n})
+        setattr(cache, _POS, n)
+
+    def _positions(self, cache: Any) -> int | None:
+        return getattr(cache, _POS, None) if self._state_every else None
+
+    def exportable(self, state: KVState) -> int:
+        # deterministic: only what a cold run computes the same way (whole grid cells)
+        if self.grid:
+            return self.restorable(state.cache, state.cached)
+        return super().exportable(state)
+
+    def restorable(self, cache: Any, n: int) -> int:
+        if self.grid and cache is not None:
+            return det.restorable(cache, super().restorable(cache, n), self.grid)
+        if not self._state_every or cache is None:
+            return super().restorable(cache, n)
+        held = getattr(cache, _POS)
+        kept = [p for p in getattr(cache, _STATES) if p <= n]
+        return max(kept + ([held] if held <= n else []), default=0)
 
     # -- batched decode ---------------------------------------------------------
 
     @property
     def batches(self) -> bool:
-        return not any(self.card.sliding_windows)  # full attention: padding is exact to mask
+        # full attention of one geometry: padding is exact to mask (a recurrent
+        # state would run over the padding)
+        c = self.card
+        plain = c.uniform and not any(c.sliding_windows)
+        return plain and (not self.grid or self._rowwise)
 
     @torch.inference_mode()
     def decode_batch(self, states: Sequence[KVState]) -> None:
@@ -627,15 +943,17 @@ class TransformersEngine(Engine):
         mask = batch.grow_mask()
         kw = {self._cache_kw: batch.cache}
         _batched.kernels = self.kernels
+        rows = det.rowwise([n + 1 for n in batch.lens]) if self._rowwise else nullcontext()
         try:
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **kw,
-            )
+            with rows:
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **kw,
+                )
         finally:  # a failed forward leaves the batch half written: it is not kept
             _batched.kernels = {}
         batch.advanced(self, states, out.logits)
@@ -654,6 +972,13 @@ class TransformersEngine(Engine):
         never to nothing); each row at its own positions. Each state then owns a
         copy of its row (the padded batch is freed at once) and the logits of its
         last computed position. One state alone is the single-sequence forward."""
+        if self.grid:  # each prompt alone, its chunk stretched to end on the grid
+            ends = [
+                det.chunk_end(s.cached, q, len(s.tokens), self.grid)
+                for s, q in zip(states, chunks, strict=True)
+            ]
+            super().prefill_batch(states, [e - s.cached for s, e in zip(states, ends, strict=True)])
+            return
         if len(states) < 2 or not self.batches:
             super().prefill_batch(states, chunks)
             return
@@ -738,26 +1063,45 @@ class TransformersEngine(Engine):
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
         """A new cache holding the first ``n_tokens`` positions; ``cache`` is untouched
-        (a session or a background export may still be reading it)."""
+        (a session or a background export may still be reading it). With recurrent
+        layers ``n_tokens`` must be :meth:`restorable`."""
         out = self._new_cache()
         for src, dst in zip(cache.layers, out.layers, strict=True):
-            k, v = _span(src, 0, n_tokens)  # a sliding layer's from its record
-            _restore(dst, k, v, n_tokens)
-        return out
+            if _holds_kv(src):
+                k, v = _span(src, 0, n_tokens)  # a sliding layer's from its record
+                _restore(dst, k, v, n_tokens)
+        if self._state_every:
+            at = self._states_at(cache, n_tokens)
+            self._restore_states(out, n_tokens, at, getattr(cache, _STATES))
+        return det.cropped(cache, out, n_tokens) if self.grid else out
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
         c = self.card
         kv = _BY_NAME[c.kv_dtype]
-        per = c.num_kv_heads * (stop - start) * c.head_dim
         dst = np.frombuffer(out, _NP[kv])
         off = 0
         for layer in cache.layers:
+            if not _holds_kv(layer):
+                continue
             for src in _span(layer, start, stop):
                 if src.dtype != kv:  # never reinterpret: the card must describe these bytes
                     raise ConfigError(f"cache holds {src.dtype}, the card says {c.kv_dtype}")
                 src_np = _np(src[0])
-                dst[off : off + per].reshape(src_np.shape)[...] = src_np
-                off += per
+                dst[off : off + src_np.size].reshape(src_np.shape)[...] = src_np
+                off += src_np.size
+
+    def _write_state(self, cache: Any, pos: int, out: memoryview) -> None:
+        off = 0
+        for layer_states, specs in zip(
+            self._states_at(cache, pos), self.layout.states, strict=True
+        ):
+            for t, spec in zip(layer_states, specs, strict=True):
+                if (_DTYPES.get(t.dtype), tuple(t.shape)) != (spec.dtype, spec.shape):
+                    raise ConfigError(f"state {t.dtype} {tuple(t.shape)}, the card says {spec}")
+                src = _np(t.contiguous())
+                view = np.frombuffer(out[off : off + src.nbytes], src.dtype)
+                view.reshape(src.shape)[...] = src
+                off += src.nbytes
 
     def _write_logits(self, logits: Any, out: memoryview) -> None:
         _frombuffer(out, torch.float32).copy_(logits.detach().to("cpu", torch.float32))
@@ -776,8 +1120,20 @@ class TransformersEngine(Engine):
         return g
 
     def sample(
-        self, logits: Any, sampling: Sampling, rng: Any, counts: Mapping[int, int] | None = None
+        self,
+        logits: Any,
+        sampling: Sampling,
+        rng: Any,
+        counts: Mapping[int, int] | None = None,
+        allowed: np.ndarray | None = None,
     ) -> int:
+        if allowed is not None:  # a grammar's mask: the others never sampled (a copy)
+            if logits.device.type == "cpu":  # NumPy: one thread, never a torch pool's stall
+                x = logits.detach().float().numpy()
+                logits = torch.from_numpy(np.where(allowed, x, np.float32(-np.inf)))
+            else:
+                keep = torch.from_numpy(allowed).to(logits.device)
+                logits = torch.where(keep, logits, float("-inf"))
         if counts and sampling.penalized:  # OpenAI: -= count * frequency + presence
             ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
             n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)

@@ -1,18 +1,31 @@
 """The mlx-lm engine adapter (Metal on Apple silicon; ``mlx[cpu]`` on Linux).
 
 The card describes the cache this model really produces: at load a one-token
-probe forward fills a fresh cache, and the KV dtype, kv heads and head dim are
-read off its arrays (for ``QuantizedKVCache``, off its scales), the sliding
-windows off its layer classes. A 4-bit model with float16 scales computes its
-cache in float16, a bfloat16 model in bfloat16: whatever the weights look like,
-the card says what the cache holds. A probe that disagrees with the config
-(a rotating layer whose window is not ``sliding_window``) or a cache class this
-adapter cannot restore exactly is a :class:`ConfigError` at load.
+probe forward fills a fresh cache, and each layer's geometry is read off its
+arrays: the KV dtype, kv heads and head dim of an attention layer (for
+``QuantizedKVCache``, off its scales; per layer, so Gemma 4's sliding and full
+layers may differ), the sliding windows off the layer classes, a recurrent
+layer's state tensors (dtype and shape each). A 4-bit model with float16
+scales computes its cache in float16, a bfloat16 model in bfloat16: whatever
+the weights look like, the card says what the cache holds. A probe that
+disagrees with the config (a rotating layer whose window is not
+``sliding_window``) is a :class:`ConfigError` at load; a cache class this adapter
+cannot restore exactly, caches it cannot tell the layers of, keys and values of
+different shapes (DeepSeek's latent attention) or a state it cannot ship are
+its subclass :class:`CannotRestore`, with the reason.
+
+Layers and caches: ``make_prompt_cache`` may build fewer caches than the model
+has layers. Gemma 4's KV-shared layers (``num_kv_shared_layers``) attend to an
+earlier layer's K/V and get no cache: the card says ``shared`` and a block
+ships nothing for them. NemotronH's MLP and MoE blocks keep nothing: ``none``.
+Any other count mismatch is a ConfigError.
 
 Cache types:
 
 - ``KVCache``: any prefix is exact. Export reads ``keys[..., a:b, :]``; import
-  builds ``[1, kv_heads, n, head_dim]`` arrays and sets ``offset = n``.
+  builds ``[1, kv_heads, n, head_dim]`` arrays and sets ``offset = n``. Gemma 4's
+  full layers with ``attention_k_eq_v`` still cache two arrays (K is normed and
+  rotated, V only normed): both travel.
 - ``RotatingKVCache`` (sliding-window layers, window ``W``, ``keep`` sink
   positions): mlx-lm trims and rotates its buffer, so after a while it no longer
   holds positions 0.. at 0... Each rotating layer therefore keeps a *record*, its
@@ -25,11 +38,31 @@ Cache types:
   and attends exactly as it would after that pass). The record costs what a
   plain ``KVCache`` layer holds (``card.kv_bytes_per_token`` per position over
   all layers), which the head's KV budget already reserves per sequence.
-  mlx-lm 0.32 builds rotating caches for Gemma-3 (and Llama-style configs with
-  ``layer_types``); its Gemma-2 and Mistral models attend fully on every layer:
-  their caches are ``KVCache`` and their cards say so (window 0).
+  mlx-lm 0.32 builds rotating caches for Gemma-3, Gemma 4, gpt-oss (and
+  Llama-style configs with ``layer_types``); its Gemma-2 and Mistral models
+  attend fully on every layer: their caches are ``KVCache`` and their cards say
+  so (window 0).
 - ``QuantizedKVCache`` (``kv_bits``): each of K and V travels as mlx's
   (packed uint32, scales, biases) triple; bits and group size join the card.
+  Only ``KVCache`` layers are quantized (a recurrent layer keeps its state).
+- ``ArraysCache`` (recurrent layers: Qwen 3.5's Gated DeltaNet holds a conv
+  state and a recurrent state, LFM2's short conv a conv state, NemotronH's
+  Mamba2 a conv state and an SSM state): its arrays after a position are all a
+  continuation needs, and mlx-lm replaces them on every forward (never writes
+  into them), so a state is kept by reference. As in the torch engine, a
+  multi-token forward stops at every multiple of ``state_every`` blocks to keep
+  the state there (a copy of its own, so it pins nothing else), and keeps the
+  state where it ends; a one-token decode forward keeps only grid points (the
+  live state serves an export at the cache's current position). Of the
+  positions off the grid only the latest is kept. Blocks on the grid and every
+  tail carry the state; an import restores the last block that carried one,
+  and a crop (sessions, ``n`` sequences) goes only to a kept position
+  (:meth:`MLXEngine.restorable`).
+
+mlx's CPU build runs mixture-of-experts layers (``gather_mm``) only in float32
+or quantized: a bfloat16 Gemma 4 MoE (or any bfloat16 MoE) cannot run there and
+is a ConfigError at load; its 4-bit conversion (``mlx_lm.convert -q``, group 64)
+and a float32 one run. On Metal all of them do.
 
 bfloat16 arrays travel as their raw 16-bit words (no PEP 3118 format needed).
 The numerics of mlx and torch differ, so an mlx card is a different namespace
@@ -39,21 +72,28 @@ from a torch card for the same weights (the card's ``engine`` field).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..blocks import DEFAULT_BLOCK_TOKENS
+from ..blocks import DEFAULT_BLOCK_TOKENS, split_at
 from ..codec import Block, Layout
-from ..compat import kv_quant_name
-from ..errors import CacheMiss, ConfigError
+from ..compat import LayerGeometry, kv_quant_name
+from ..errors import CacheMiss, CannotRestore, ConfigError
 from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
 from .sampling import distribution, greedy
 
 # wire dtype name -> NumPy buffer dtype (bfloat16 as raw 16-bit words)
 _NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32}
+_NP_NAME = {np.dtype(v): k for k, v in _NP.items()}  # (a raw uint16 buffer is bfloat16)
+_STATE_DTYPES = ("float32", "float16", "bfloat16")
+
+# a state: per cache, its recurrent arrays (mlx arrays, or raw NumPy copies of a
+# block's bytes until a cache restores them); () for an attention cache
+States = tuple[tuple[Any, ...], ...]
 
 
 def _dtype_name(arr: Any) -> str:
@@ -75,25 +115,82 @@ def _from_numpy(buf: np.ndarray, dtype: str) -> Any:
     return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr
 
 
+def _raw(arr: Any) -> bool:
+    """An imported state's raw NumPy copy of a block's bytes (not yet an mlx array)."""
+    return isinstance(arr, np.ndarray)
+
+
+def _own(arr: Any) -> Any:
+    """A copy of an (evaluated) mlx array in a buffer of its own: a slice keeps
+    its whole source buffer alive, a kept state should not."""
+    return _from_numpy(_to_numpy(arr), _dtype_name(arr))
+
+
+class _Cache(list):  # type: ignore[type-arg]
+    """mlx-lm's caches (one per cache, not per layer) as the model takes them,
+    and, for a model with recurrent layers, the states kept along the way:
+    ``states`` {position: :data:`States`} and ``pos``, the position it holds."""
+
+    states: dict[int, States]
+    pos: int
+
+
+def _is_state(layer: Any) -> bool:
+    """An ArraysCache (a recurrent layer's state)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    return type(layer) is ArraysCache
+
+
 class _MLXImporter(Importer):
+    """One ``[1, kv_heads, n, head_dim]`` buffer per K or V array (per quantized
+    part) of each layer with a cache of its own; the states blocks carry are kept
+    (NumPy copies) and :meth:`cache` restores the last, keeping the others as the
+    cache's checkpoints."""
+
     def __init__(self, engine: MLXEngine, n_tokens: int) -> None:
         super().__init__(n_tokens, engine.layout)
         self.engine = engine
-        self.specs = [spec for layer in engine.layout.layers(n_tokens) for spec in layer]
-        self.bufs = [np.empty((1, *s.shape), _NP[s.dtype]) for s in self.specs]
+        per_layer = engine.layout.layers(n_tokens)
+        self.specs = [(i, s) for i, layer in enumerate(per_layer) for s in layer]
+        self.bufs = [np.empty((1, *s.shape), _NP[s.dtype]) for _, s in self.specs]
+        self._states: dict[int, States] = {}
+        self._lock = threading.Lock()
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
         # add() checked the block against the card: K/V match the buffers one to one
         for dst, (spec, view) in zip(self.bufs, block.kv_tensors(), strict=True):
             dst[0, :, a : a + t] = np.frombuffer(view, _NP[spec.dtype]).reshape(spec.shape)
+        if block.header.states:
+            eng = self.engine
+            per: list[list[Any]] = [[] for _ in range(eng.n_caches)]
+            for i, spec, view in block.state_tensors():
+                c = eng.cache_of[i]
+                assert c is not None  # a state layer has a cache of its own (probed)
+                # a copy: a view would pin the whole block (its K/V too) for the cache's life
+                per[c].append(np.frombuffer(view, _NP[spec.dtype]).reshape(spec.shape).copy())
+            with self._lock:
+                self._states[a + t] = tuple(tuple(p) for p in per)
 
     def cache(self) -> Any:
-        caches = self.engine.new_cache()
-        per = len(self.bufs) // len(caches)  # 2 (K, V) or 6 (quantized K, V triples)
-        parts = [_from_numpy(b, s.dtype) for b, s in zip(self.bufs, self.specs, strict=True)]
-        for i, c in enumerate(caches):
-            _set_parts(c, parts[i * per : (i + 1) * per], self.n_tokens)
+        """The cache of the imported positions; with recurrent layers, of those up
+        to the last block that carried their state (an import ends on one)."""
+        eng, n = self.engine, self.n_tokens
+        if eng.card.state_every:
+            n = max((p for p in self._states if p <= n), default=0)
+            if not n:
+                return None
+        caches = eng.new_cache()
+        parts: dict[int, list[Any]] = {}
+        for (i, spec), buf in zip(self.specs, self.bufs, strict=True):
+            parts.setdefault(i, []).append(_from_numpy(buf[..., :n, :], spec.dtype))
+        for i, layer_parts in parts.items():
+            c = eng.cache_of[i]
+            assert c is not None  # a KV layer has a cache of its own (probed)
+            _set_parts(caches[c], layer_parts, n)
+        if eng.card.state_every:
+            eng._restore_states(caches, n, self._states[n], self._states)
         return caches
 
 
@@ -110,6 +207,15 @@ def _parts(layer: Any) -> tuple[Any, ...]:
     if isinstance(layer.keys, tuple):
         return (*layer.keys, *layer.values)
     return layer.keys, layer.values
+
+
+def _arrays(layer: Any) -> tuple[Any, ...]:
+    """Every array a cache holds now (to evaluate after a forward)."""
+    if _is_state(layer):
+        return tuple(a for a in layer.cache if a is not None)
+    if getattr(layer, "keys", None) is None:
+        return ()
+    return (*_parts(layer), *(getattr(layer, _RECORD, None) or ()))
 
 
 def _positions(layer: Any, n: int) -> tuple[Any, ...]:
@@ -173,27 +279,44 @@ def _set_parts(layer: Any, parts: Sequence[Any], n_tokens: int) -> None:
 
 
 def _layer_geometry(layer: Any) -> tuple[str, int, int]:
-    """(dtype, kv_heads, head_dim) of one probed layer cache."""
+    """(dtype, kv_heads, head_dim) of one probed attention cache."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
     if type(layer) is QuantizedKVCache:
         packed, scales = _parts(layer)[:2]  # via Any: mlx-lm types keys as None
         dim = scales.shape[-1] * layer.group_size
         if packed.shape[-1] * 32 != dim * layer.bits:
-            raise ConfigError(f"quantized KV packs {packed.shape[-1]} words for head dim {dim}")
+            raise CannotRestore(f"quantized KV packs {packed.shape[-1]} words for head dim {dim}")
         return _dtype_name(scales), int(scales.shape[1]), int(dim)
     if type(layer) not in (KVCache, RotatingKVCache):
-        raise ConfigError(f"mlx-lm cache {type(layer).__name__} cannot be restored exactly")
+        raise CannotRestore(f"mlx-lm cache {type(layer).__name__} cannot be restored exactly")
     k, v = layer.keys, layer.values
+    if k is None or v is None:
+        raise CannotRestore(f"mlx-lm cache {type(layer).__name__} holds no K/V after a forward")
     if k.shape != v.shape or k.dtype != v.dtype:
-        raise ConfigError(f"keys {k.shape} {k.dtype} and values {v.shape} {v.dtype} differ")
+        raise CannotRestore(
+            f"keys {k.shape} {k.dtype} and values {v.shape} {v.dtype} are not one K/V "
+            "geometry (latent attention?)"
+        )
     return _dtype_name(k), int(k.shape[1]), int(k.shape[-1])
 
 
+def _state_geometry(layer: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(dtype, shape) of each array of one probed recurrent cache."""
+    if layer.lengths is not None or layer.left_padding is not None:
+        raise CannotRestore("a recurrent cache holds batch padding after a one-row forward")
+    if not layer.cache or any(a is None for a in layer.cache):
+        raise CannotRestore("a recurrent cache holds no state after a forward")
+    spec = tuple((_dtype_name(a), tuple(int(d) for d in a.shape)) for a in layer.cache)
+    if bad := sorted({d for d, _ in spec} - set(_STATE_DTYPES)):
+        raise CannotRestore(f"a recurrent state in {bad}, which kvmesh cannot ship")
+    return spec
+
+
 def _windows(caches: Sequence[Any], config: dict[str, Any]) -> list[int]:
-    """Per-layer sliding windows of mlx-lm's caches (0 = full attention), checked
-    against the config's ``sliding_window`` where it declares one (mlx-lm has
-    defaults for configs that do not): a disagreement is a ConfigError."""
+    """Per-cache sliding windows of mlx-lm's caches (0 = full attention or none),
+    checked against the config's ``sliding_window`` where it declares one (mlx-lm
+    has defaults for configs that do not): a disagreement is a ConfigError."""
     from mlx_lm.models.cache import RotatingKVCache
 
     text_cfg = config.get("text_config", config)
@@ -204,9 +327,49 @@ def _windows(caches: Sequence[Any], config: dict[str, Any]) -> list[int]:
         if w and declared is not None and w != declared:
             raise ConfigError(f"mlx-lm built a {w}-token window; config says {declared}")
         if w and not 0 <= c.keep < w:
-            raise ConfigError(f"a rotating cache keeps {c.keep} of a {w}-token window")
+            raise CannotRestore(f"a rotating cache keeps {c.keep} of a {w}-token window")
         windows.append(int(w))
     return windows
+
+
+def _owners(model: Any, n_caches: int) -> list[int | str]:
+    """Per model layer, the index of its cache in ``make_prompt_cache``'s list, or
+    why it has none: ``shared`` (Gemma 4's KV-shared layers, which attend to an
+    earlier layer's K/V: the model appends None caches for them) or ``none``
+    (NemotronH's MLP and MoE blocks; the model hands caches to its Mamba2 and
+    attention blocks in order). Any other mismatch is a ConfigError."""
+    layers = list(getattr(model, "layers", None) or ())
+    if not layers:
+        raise CannotRestore("mlx-lm model lists no layers: kvmesh cannot map its caches")
+    if n_caches == len(layers):
+        return list(range(n_caches))
+    kinds = [getattr(layer, "block_type", None) for layer in layers]
+    if all(isinstance(k, str) and len(k) == 1 for k in kinds):  # NemotronH's pattern
+        owners: list[int | str] = []
+        for k in kinds:
+            mixer = k in ("M", "*")  # Mamba2 and attention blocks hold a cache
+            owners.append(sum(isinstance(o, int) for o in owners) if mixer else "none")
+        if sum(isinstance(o, int) for o in owners) == n_caches:
+            return owners
+    for inner in _submodules(model):
+        prev = getattr(inner, "previous_kvs", None)  # Gemma 4: layer -> whose K/V it uses
+        if isinstance(prev, list) and len(prev) == len(layers):
+            own = [j for j, p in enumerate(prev) if p == j]
+            if own == list(range(n_caches)) and all(p < n_caches for p in prev):
+                return [j if p == j else "shared" for j, p in enumerate(prev)]
+    raise CannotRestore(
+        f"mlx-lm built {n_caches} caches for {len(layers)} layers; kvmesh cannot tell "
+        "which layer each belongs to"
+    )
+
+
+def _submodules(model: Any) -> list[Any]:
+    """Where a text model's own module may sit: the model, ``.model``, and a
+    multimodal wrapper's ``.language_model`` (and its ``.model``)."""
+    out = [model, getattr(model, "model", None)]
+    lm = getattr(model, "language_model", None)
+    out += [lm, getattr(lm, "model", None)]
+    return [m for m in out if m is not None]
 
 
 class MLXEngine(Engine):
@@ -229,62 +392,172 @@ class MLXEngine(Engine):
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         cfg = json.loads((self.path / "config.json").read_text())
         quant = cfg.get("quantization") or cfg.get("quantization_config")
+        self._every = 0  # positions between state checkpoints: the probe runs before the card
         self.card = card_from_hf_dir(
             self.path,
             engine="mlx",
-            geometry=self._probe(cfg),
+            geometry=self._probe_or_off(cfg),
             quantization=json.dumps(quant, sort_keys=True) if quant else "none",
             block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS,
             kv_quant=kv_quant_name(kv_bits, kv_group_size) if kv_bits else "none",
             block_digest=block_digest,
         )
+        self._every = self.card.state_every * self.card.block_tokens
         self.layout = Layout(self.card)
         eos = self.tokenizer.eos_token_ids if hasattr(self.tokenizer, "eos_token_ids") else []
         self.eos_ids = frozenset(int(e) for e in eos)
 
+    def _probe_or_off(self, cfg: dict[str, Any]) -> CacheGeometry:
+        """:meth:`_probe`; a cache it cannot restore exactly turns reuse off (the
+        model is still served: every prompt computed, nothing exported). Any other
+        disagreement (a window, the KV options) stays an error at load."""
+        try:
+            return self._probe(cfg)
+        except CannotRestore as e:
+            self.reuse_off = str(e)
+            text = cfg.get("text_config", cfg)
+            layers = int(text.get("num_hidden_layers") or len(getattr(self.model, "layers", ())))
+            self.n_caches, self.cache_of = 0, list[int | None]()
+            return CacheGeometry("float32", tuple(LayerGeometry("none") for _ in range(layers)))
+
     def _probe(self, cfg: dict[str, Any]) -> CacheGeometry:
-        """The real cache's geometry: a one-token forward into a fresh cache."""
+        """The real cache's geometry: a one-token forward into a fresh cache, each
+        layer read off the cache it owns."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        windows = _windows(make_prompt_cache(self.model), cfg)
+        built = make_prompt_cache(self.model)
+        owners = _owners(self.model, len(built))
+        windows = _windows(built, cfg)
         if self.kv_bits and any(windows):  # mlx-lm: "RotatingKVCache Quantization NYI"
             raise ConfigError("quantized KV (kv_bits) is not supported with sliding windows")
+        self.n_caches = len(built)
+        self.cache_of = [o if isinstance(o, int) else None for o in owners]
         try:
             cache, _ = self._forward(None, [0], 0)
         except ValueError as e:  # e.g. a KV group size mlx cannot quantize with
             raise ConfigError(f"mlx-lm cannot build this cache: {e}") from e
-        return CacheGeometry.from_layers([_layer_geometry(c) for c in cache], windows)
+        except RuntimeError as e:  # e.g. gather_mm (MoE) in bfloat16 on the CPU
+            hint = (
+                " (mlx's CPU backend runs mixture-of-experts layers only in float32 or "
+                "quantized: convert the model with mlx_lm.convert -q or --dtype float32)"
+                if "GatherMM" in str(e) or "gather_mm" in str(e)
+                else ""
+            )
+            raise ConfigError(f"mlx cannot run this model here: {e}{hint}") from e
+        per_cache: list[LayerGeometry] = []
+        dtypes: set[str] = set()
+        for c, w in zip(cache, windows, strict=True):
+            if _is_state(c):
+                per_cache.append(LayerGeometry("state", state=_state_geometry(c)))
+            else:
+                dtype, heads, dim = _layer_geometry(c)
+                dtypes.add(dtype)
+                per_cache.append(LayerGeometry("kv", heads, dim, w))
+        if len(dtypes) > 1:
+            raise CannotRestore(f"cache layers differ in KV dtype: {sorted(dtypes)}")
+        first_state = next((g.state[0][0] for g in per_cache if g.state), "float32")
+        kv_dtype = dtypes.pop() if dtypes else first_state
+        layers = tuple(per_cache[o] if isinstance(o, int) else LayerGeometry(o) for o in owners)
+        return CacheGeometry(kv_dtype, layers)
 
-    def new_cache(self) -> list[Any]:
-        from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+    def new_cache(self) -> _Cache:
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
         caches = make_prompt_cache(self.model)
         if self.kv_bits:
-            return [QuantizedKVCache(self.kv_group_size, self.kv_bits) for _ in caches]
-        return caches
+            caches = [
+                QuantizedKVCache(self.kv_group_size, self.kv_bits) if type(c) is KVCache else c
+                for c in caches
+            ]
+        out = _Cache(caches)
+        out.states, out.pos = {}, 0
+        return out
 
     # -- KV -------------------------------------------------------------------
 
     def importer(self, n_tokens: int) -> _MLXImporter:
+        if self.reuse_off is not None:
+            raise CacheMiss(f"reuse is off for this model: {self.reuse_off}")
         return _MLXImporter(self, n_tokens)
 
-    def _forward(self, cache: Any, tokens: Sequence[int], start: int) -> tuple[Any, Any]:
+    def _forward(
+        self, cache: Any, tokens: Sequence[int], start: int, checkpoint_end: bool = True
+    ) -> tuple[Any, Any]:
+        """With recurrent layers, the forward stops at every state checkpoint (a
+        multiple of ``state_every`` blocks) to keep the state there, and keeps the
+        state at its end too (``checkpoint_end``: a prompt's tail is exported from
+        it while decoding goes on)."""
         mx = self.mx
         if cache is None:
             cache = self.new_cache()
-        logits = self.model(mx.array([list(tokens)]), cache=cache)
-        last = logits[0, -1].astype(mx.float32)
-        _record(cache, len(tokens))
-        recs = [r for c in cache for r in getattr(c, _RECORD, None) or ()]
-        mx.eval(last, *[p for c in cache for p in _parts(c)], *recs)
-        return cache, last
+        every = self._every
+        pieces = split_at(list(tokens), start, every) if every else [list(tokens)]
+        pos = start
+        for piece in pieces:
+            logits = self.model(mx.array([piece]), cache=cache)
+            _record(cache, len(piece))
+            pos += len(piece)
+            last = piece is pieces[-1]
+            out = logits[0, -1].astype(mx.float32) if last else None
+            mx.eval(*([out] if last else []), *[a for c in cache for a in _arrays(c)])
+            if every:
+                cache.pos = pos
+                if pos % every == 0 or (checkpoint_end and last):
+                    self._checkpoint(cache, pos, every)
+        return cache, out
+
+    def _advance(self, state: KVState) -> None:
+        pending = state.tokens[state.cached :]
+        state.cache, state.logits = self._forward(state.cache, pending, state.cached, False)
+        state.cached = len(state.tokens)
+
+    # -- recurrent state ------------------------------------------------------------
+
+    def _live_states(self, cache: Sequence[Any]) -> States:
+        return tuple(tuple(c.cache) if _is_state(c) else () for c in cache)
+
+    def _checkpoint(self, cache: _Cache, pos: int, every: int) -> None:
+        """Keep every recurrent cache's state at ``pos`` (copies of their own). Of
+        the positions off the checkpoint grid only the latest is kept."""
+        for p in [p for p in cache.states if p % every and p < pos]:
+            del cache.states[p]
+        cache.states[pos] = tuple(tuple(_own(a) for a in s) for s in self._live_states(cache))
+
+    def _states_at(self, cache: Any, pos: int) -> States:
+        states = getattr(cache, "states", {})
+        if pos in states:
+            return states[pos]  # type: ignore[no-any-return]
+        if getattr(cache, "pos", -1) == pos:  # decoded to here: the live state
+            return self._live_states(cache)
+        raise CacheMiss(f"no recurrent state was kept at position {pos}")
+
+    def _restore_states(
+        self, cache: _Cache, n: int, at_n: States, states: Mapping[int, States]
+    ) -> None:
+        """Give ``cache``'s recurrent caches the state at ``n`` and the checkpoints
+        up to it."""
+        for c, parts in zip(cache, at_n, strict=True):
+            if _is_state(c):
+                c.cache = [_from_numpy(a, _NP_NAME[a.dtype]) if _raw(a) else a for a in parts]
+        cache.states = {p: s for p, s in states.items() if p <= n}
+        cache.pos = n
+
+    def _positions(self, cache: Any) -> int | None:
+        return cache.pos if self._every and cache is not None else None
+
+    def restorable(self, cache: Any, n: int) -> int:
+        if not self._every or cache is None or self.reuse_off is not None:
+            return super().restorable(cache, n)
+        kept = [p for p in cache.states if p <= n]
+        return max(kept + ([cache.pos] if cache.pos <= n else []), default=0)
 
     # -- batched decode ---------------------------------------------------------
 
     @property
     def batches(self) -> bool:
-        # mlx-lm's BatchKVCache: plain KV caches only (no window, no quantized KV)
-        return not any(self.card.sliding_windows) and not self.kv_bits
+        # mlx-lm's BatchKVCache: plain KV caches of every layer only (no window,
+        # no quantized KV, no shared layer, no recurrent state)
+        return self.card.uniform and not any(self.card.sliding_windows) and not self.kv_bits
 
     def decode_batch(self, states: Sequence[KVState]) -> None:
         """One forward for every state's pending token through mlx-lm's own batch
@@ -305,21 +578,47 @@ class MLXEngine(Engine):
             s.cache, s.logits, s.cached = rows[r], logits[r], s.cached + 1
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
+        """A new cache holding the first ``n_tokens`` positions; ``cache`` is
+        untouched. With recurrent layers ``n_tokens`` must be :meth:`restorable`."""
         out = self.new_cache()
         for src, dst in zip(cache, out, strict=True):
-            _set_parts(dst, [p[..., :n_tokens, :] for p in _positions(src, n_tokens)], n_tokens)
+            if not _is_state(src):
+                parts = [p[..., :n_tokens, :] for p in _positions(src, n_tokens)]
+                _set_parts(dst, parts, n_tokens)
+        if self._every:
+            at = self._states_at(cache, n_tokens)
+            self._restore_states(out, n_tokens, at, cache.states)
         return out
 
     def _write_kv(self, cache: Any, start: int, stop: int, out: memoryview) -> None:
-        specs = [s for layer in self.layout.layers(stop - start) for s in layer]
-        parts = [p for layer in cache for p in _positions(layer, stop)]
         off = 0
-        for spec, src in zip(specs, parts, strict=True):
-            if _dtype_name(src) != spec.dtype:  # never write one dtype's bytes as another's
-                raise ConfigError(f"cache holds {_dtype_name(src)}, the card says {spec.dtype}")
-            arr = _to_numpy(src[0, :, start:stop, :])
-            np.frombuffer(out[off : off + arr.nbytes], arr.dtype).reshape(arr.shape)[...] = arr
-            off += arr.nbytes
+        for i, specs in enumerate(self.layout.layers(stop - start)):
+            if not specs:  # no K/V of its own (shared, recurrent, none)
+                continue
+            c = self.cache_of[i]
+            assert c is not None  # a KV layer has a cache of its own (probed)
+            for spec, src in zip(specs, _positions(cache[c], stop), strict=True):
+                if _dtype_name(src) != spec.dtype:  # never write one dtype's bytes as another's
+                    raise ConfigError(f"cache holds {_dtype_name(src)}, the card says {spec.dtype}")
+                arr = _to_numpy(src[0, :, start:stop, :])
+                np.frombuffer(out[off : off + arr.nbytes], arr.dtype).reshape(arr.shape)[...] = arr
+                off += arr.nbytes
+
+    def _write_state(self, cache: Any, pos: int, out: memoryview) -> None:
+        at = self._states_at(cache, pos)
+        off = 0
+        for i, specs in enumerate(self.layout.states):
+            if not specs:
+                continue
+            c = self.cache_of[i]
+            assert c is not None  # a state layer has a cache of its own (probed)
+            for spec, src in zip(specs, at[c], strict=True):
+                arr = src if _raw(src) else _to_numpy(src)
+                name = _NP_NAME[arr.dtype] if _raw(src) else _dtype_name(src)
+                if (name, tuple(arr.shape)) != (spec.dtype, spec.shape):
+                    raise ConfigError(f"state {name} {tuple(arr.shape)}, the card says {spec}")
+                np.frombuffer(out[off : off + arr.nbytes], arr.dtype).reshape(arr.shape)[...] = arr
+                off += arr.nbytes
 
     def _write_logits(self, logits: Any, out: memoryview) -> None:
         np.frombuffer(out, np.float32)[:] = np.asarray(logits, dtype=np.float32)
@@ -333,9 +632,16 @@ class MLXEngine(Engine):
         return np.random.default_rng(seed)
 
     def sample(
-        self, logits: Any, sampling: Sampling, rng: Any, counts: Mapping[int, int] | None = None
+        self,
+        logits: Any,
+        sampling: Sampling,
+        rng: Any,
+        counts: Mapping[int, int] | None = None,
+        allowed: np.ndarray | None = None,
     ) -> int:
         x = np.asarray(logits, dtype=np.float64)
+        if allowed is not None:  # a grammar's mask: the others never sampled
+            x = np.where(allowed, x, -np.inf)
         if counts and sampling.penalized:  # OpenAI: -= count * frequency + presence
             ids = np.fromiter(counts, np.int64, len(counts))
             n = np.fromiter(counts.values(), np.float64, len(counts))

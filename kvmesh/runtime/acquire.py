@@ -31,6 +31,7 @@ done (an idle head gives back what exports freed).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -90,6 +91,19 @@ class Fetched:
     times: StreamTimes = field(default_factory=StreamTimes)  # the working stream's stages
 
 
+def _importable(card: CompatCard, hit: PeerHit) -> PeerHit:
+    """``hit`` cut to what an import can end on (the blocks past it would be fetched
+    for nothing): a hybrid's chain without a tail ends on its last state
+    checkpoint; a deterministic card's on its prefill grid, tail or not (the
+    positions past the grid are recomputed as a cold prompt computes them)."""
+    if not card.prefill_grid and (hit.tail is not None or not card.state_every):
+        return hit
+    n = card.importable_blocks(len(hit.blocks))
+    if n == len(hit.blocks) and hit.tail is None:
+        return hit
+    return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * card.block_tokens, tail=None)
+
+
 class Acquirer:
     """Local store, fleet candidates, planned verified fetch: see the module."""
 
@@ -113,6 +127,7 @@ class Acquirer:
         peers, longest first. Never raises: a failed lookup is no candidate."""
         t0 = time.perf_counter()
         hits, errors = self.fleet.lookup(card, keys, **self.planner.lookup_hooks(self.count))
+        hits = [_importable(card, h) for h in hits]
         usable = [h for h in hits if h.tokens > have and self.planner.usable(h.node_id)]
         return Candidates(usable, time.perf_counter() - t0, errors[0] if errors else None)
 

@@ -99,6 +99,7 @@ import numpy as np
 from .. import memory
 from ..compat import dtype_size
 from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState, Sampling
+from ..engine.grammar import compile_grammar
 
 log = logging.getLogger("kvmesh.batch")
 
@@ -296,8 +297,13 @@ class BatchRunner:
             )
 
     def submit(self, job: Job) -> Job:
-        """Queue ``job``; read its tokens with ``job.tokens()``."""
+        """Queue ``job``; read its tokens with ``job.tokens()``. A grammar is compiled
+        here, in the caller's thread (an error is the caller's ValueError; the
+        tokenizer's one-off set-up and the compile never stall the engine thread,
+        whose decoders then find it cached)."""
         self.check(job.sampling.n, job.kv_bytes, job.prompt_tokens)
+        if job.sampling.grammar is not None:
+            compile_grammar(self.engine.tokenizer, job.sampling.grammar)
         with self._cv:
             if self.failure is not None:
                 raise EngineFailed(f"the engine failed: {self.failure!r}")
@@ -568,14 +574,16 @@ class BatchRunner:
             n = job.sampling.n
             states = [state] + [self.engine.fork(state) for _ in range(n - 1)]
             job.choices.extend(Decoded() for _ in range(n - len(job.choices)))
-        except Exception as e:  # this job's report or forks: it alone fails
+            seqs = []
+            for i, (st, out) in enumerate(zip(states, job.choices[:n], strict=True)):
+                seed = None if job.sampling.seed is None else job.sampling.seed + i
+                one = replace(job.sampling, seed=seed, n=1)  # each its own grammar matcher
+                seqs.append(_Seq(job, st, Decoder(self.engine, st, one, out)))
+        except Exception as e:  # this job's report, forks or decoders: it alone fails
             self._release(job)
             self._end(job, error=e)
             return
-        for i, (st, out) in enumerate(zip(states, job.choices[:n], strict=True)):
-            seed = None if job.sampling.seed is None else job.sampling.seed + i
-            one = replace(job.sampling, seed=seed, n=1)
-            self._running.append(_Seq(job, st, Decoder(self.engine, st, one, out)))
+        self._running.extend(seqs)
         job._running = n
         self.peak_resident = max(self.peak_resident, len(self._running))
 
@@ -643,6 +651,7 @@ class BatchRunner:
         except Exception as e:  # the prompt is computed as it was planned
             log.warning("sharing a prefix failed: %r", e)
             return False
+        m = state.cached  # a recurrent state restarts from its last checkpoint
         state.imported_tokens, state.computed_tokens = m, len(state.tokens) - m
         pre.plan.state, pre.plan.shared = state, m
         self.shared_tokens += m
@@ -817,8 +826,10 @@ def _geometry(engine: Engine) -> _Geometry:
         v = getattr(cfg, name, None)
         return v if isinstance(v, int) and v > 0 else 0
 
-    heads = read("num_attention_heads") or 8 * card.num_kv_heads
-    hidden = read("hidden_size") or heads * card.head_dim
+    kv_heads = max((g.kv_heads for g in card.geometry), default=0) or 1
+    head_dim = max((g.head_dim for g in card.geometry), default=0) or 128
+    heads = read("num_attention_heads") or 8 * kv_heads
+    hidden = read("hidden_size") or heads * head_dim
     intermediate = read("intermediate_size") or 4 * hidden
     size = getattr(getattr(engine, "dtype", None), "itemsize", None)
     itemsize = size if isinstance(size, int) and size > 0 else dtype_size(card.kv_dtype)

@@ -83,7 +83,10 @@ def demo_messages(target_tokens: int) -> list[dict[str, str]]:
     ]
 
 
-def run_two_node(model: str, engine: str, prompt_tokens: int, as_json: bool) -> dict[str, Any]:
+def run_two_node(
+    model: str, engine: str, prompt_tokens: int, as_json: bool, grid: int = 0
+) -> dict[str, Any]:
+    """A peer and two heads in turn (``grid`` > 0: ``--deterministic`` on that grid)."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -118,6 +121,7 @@ def run_two_node(model: str, engine: str, prompt_tokens: int, as_json: bool) -> 
                 "0.5",
                 # one user on loopback: its own prompt's exact tail is its own to reuse
                 "--exact-reuse-by-address",
+                *(["--deterministic", "--deterministic-grid", str(grid)] if grid else []),
             ]
             status.update(f"starting head 1 on model {model} (building it on first use)")
             head, m = _spawn([*head_args, "--alias", "head-1"], r"(http://\S+)")
@@ -158,7 +162,7 @@ def run_two_node(model: str, engine: str, prompt_tokens: int, as_json: bool) -> 
         finally:
             _stop(procs)
         status.update("the reference: a local import of the same prompt in one process")
-        local = local_hit(model, engine, msgs)
+        local = local_hit(model, engine, msgs, grid)
     kc, kh = cold["kvmesh"], hit["kvmesh"]
     result = {
         "prompt_tokens": cold["usage"]["prompt_tokens"],
@@ -199,13 +203,15 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
             p.wait(5)
 
 
-def local_hit(model: str, engine: str, messages: list[dict[str, str]]) -> LocalResult:
+def local_hit(
+    model: str, engine: str, messages: list[dict[str, str]], grid: int = 0
+) -> LocalResult:
     """What ``kvmesh demo --local`` measures, for the chat prompt ``messages``, in
     this process: a cold prefill, then the same blocks imported from a local store."""
     from ..engine import load_engine
     from ..memory import keep_heap_warm
 
-    eng = load_engine(model, engine)
+    eng = load_engine(model, engine, deterministic_grid=grid)
     keep_heap_warm()  # as a head does once its model is loaded (the caller set up one heap)
     return run_local(eng, gen_tokens=GEN_TOKENS, tokens=eng.encode_chat(messages))
 

@@ -53,7 +53,8 @@ from .. import memory
 from ..blocks import BlockKeyer
 from ..codec import Block, new_blob
 from ..engine import Decoded, Engine, KVState, Sampling
-from ..engine.base import PREFILL_CHUNK, Decoder, Importer
+from ..engine.base import PREFILL_CHUNK, Decoder, Importer, TokenLogprob
+from ..engine.scoring import prompt_logprobs
 from ..errors import CacheMiss
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
@@ -61,7 +62,15 @@ from ..mesh.node import NodeThread
 from ..store import Match
 from .acquire import Acquirer, Publisher
 from .audit import AuditJob, Auditor
-from .batch import DEFAULT_MAX_BATCH, QUEUED, RUNNING, BatchRunner, Job, PrefillPlan
+from .batch import (
+    DEFAULT_MAX_BATCH,
+    QUEUED,
+    RUNNING,
+    BatchRunner,
+    EngineFailed,
+    Job,
+    PrefillPlan,
+)
 from .planner import Planner, failure_reason
 from .telemetry import Count, Family, PrefillReport, Source, Telemetry, labelled
 
@@ -230,7 +239,11 @@ class HeadRuntime:
         self.engine = engine
         self.card = engine.card
         self.node = node
-        self.fleet = Fleet(node) if node is not None else None
+        if engine.reuse_off is not None:  # served, every prompt computed, nothing shared
+            log.warning("prefix reuse is off for this model: %s", engine.reuse_off)
+            publish, max_sessions = False, 0
+        reuse = node is not None and engine.reuse_off is None
+        self.fleet = Fleet(node) if reuse and node is not None else None
         self.keyer = BlockKeyer(self.card.namespace, self.card.block_tokens, hash_key)
         self.planner = planner or Planner()
         self.telemetry = telemetry or Telemetry()
@@ -267,6 +280,10 @@ class HeadRuntime:
         it took."""
         t0 = time.perf_counter()
         try:
+            if self.engine.reuse_off is not None:  # nothing imports: the first token only
+                state = self.engine.prefill([0])
+                Decoder(self.engine, state, Sampling(max_tokens=1)).next()
+                return time.perf_counter() - t0
             sample = self._warm_block()
             if self.fleet is not None:
                 nbytes = min(self.card.kv_bytes_per_token * WARM_TOKENS, MAX_WARM_BYTES)
@@ -402,6 +419,17 @@ class HeadRuntime:
         """A copy of each tenant's counters (for admin reads only)."""
         with self._tenant_lock:
             return {t: dict(c) for t, c in self.tenant_stats.items()}
+
+    def prompt_logprobs(
+        self, tokens: Sequence[int], top: int = 0, cancel: threading.Event | None = None
+    ) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability and ``top`` alternatives (None for the
+        first): one full forward of its own, nothing cached reused (see
+        :mod:`kvmesh.engine.scoring`), the engine lock held one chunk at a time so
+        running requests decode between chunks. An engine that died fails it."""
+        if self.engine_failure is not None:
+            raise EngineFailed(f"the engine thread died: {self.engine_failure!r}")
+        return prompt_logprobs(self.engine, tokens, top, lock=self._lock, cancel=cancel)
 
     def check_request(self, prompt_tokens: int, sampling: Sampling) -> None:
         """Raise ValueError (a 400) for a request this head could never run: ``n``

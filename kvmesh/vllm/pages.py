@@ -57,7 +57,7 @@ def model_card(
     mode (everything the numbers depend on that the other fields do not say)."""
     from ..engine.base import CacheGeometry, card_from_hf_dir
 
-    geometry = CacheGeometry(
+    geometry = CacheGeometry.attention(
         cache.kv_dtype, cache.num_kv_heads, cache.head_dim, (0,) * cache.num_layers
     )
     return card_from_hf_dir(

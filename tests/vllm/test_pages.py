@@ -63,7 +63,11 @@ def test_the_vllm_card_is_another_namespace_than_the_heads(tiny_dir):
     spec = CacheSpec(num_layers=4, num_kv_heads=1, head_dim=32, block_size=32, kv_dtype="float32")
     vcard = model_card(tiny_dir, tiny_dir, spec, engine=ENGINE)
     hcard = card_from_hf_dir(
-        tiny_dir, "transformers/sdpa", CacheGeometry("float32", 1, 32, (0,) * 4), "none", 32
+        tiny_dir,
+        "transformers/sdpa",
+        CacheGeometry.attention("float32", 1, 32, (0,) * 4),
+        "none",
+        32,
     )
     same = {"model_id", "weights_digest", "tokenizer_digest", "rope", "num_layers", "block_tokens"}
     assert all(getattr(vcard, f) == getattr(hcard, f) for f in same)

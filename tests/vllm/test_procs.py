@@ -264,7 +264,7 @@ def test_vllm_and_head_cards_never_share_a_namespace(mesh, tiny_dir):
     )
     vcard = model_card(tiny_dir, tiny_dir, spec, engine=engine)
     assert vcard.namespace_hex == namespace
-    geometry = CacheGeometry(
+    geometry = CacheGeometry.attention(
         vcard.kv_dtype, vcard.num_kv_heads, vcard.head_dim, vcard.sliding_windows
     )
     for engine in ("transformers/sdpa", "transformers/eager", "mlx"):

@@ -1,0 +1,263 @@
+"""Evaluation harnesses and load generators against a real head, with their defaults.
+
+lm-evaluation-harness's ``local-completions`` sends token-id prompts (``prompt: [[ids], ...]``,
+several per request) and scores multiple-choice tasks with ``echo`` and ``logprobs``; guidellm
+checks ``GET /health`` before it starts. Both run here offline on a test-zoo model: local task
+YAML and jsonl data written into ``tmp_path``, the tokenizer loaded from the model's own
+directory. The prompt log-probabilities the head returned are checked against one plain forward
+of the same model, and the head's reuse is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .test_api import Head
+from .zoo import hf_model
+
+lm_eval = pytest.importorskip("lm_eval")
+
+LIMIT = 8
+FEWSHOT = 5
+
+MC_DOCS = [
+    ("Which store keeps blocks after a restart", ["the disk tier", "the session", "the queue"], 0),
+    ("Who computes a prefix nobody holds", ["a peer", "the head", "the router"], 1),
+    ("What names a block", ["its hash", "its size", "its peer"], 0),
+    ("Where do stale entries go", ["nowhere", "the ledger", "the bin"], 2),
+    ("What does the gossip carry", ["weights", "block lists", "logits"], 1),
+    ("Which tokens are reused", ["the prompt's prefix", "the output", "none"], 0),
+    ("What stops a bad peer", ["the breaker", "the tokenizer", "the sampler"], 0),
+    ("What is a miss", ["a computed block", "a fetched block", "a dropped block"], 0),
+    ("What is a hit", ["a reused block", "a lost block", "an empty block"], 0),
+    ("How are blocks checked", ["by audit", "by eye", "by luck"], 0),
+]
+
+GEN_DOCS = [(f"What is {a} plus {b}?", str(a + b)) for a, b in [(i, 2 * i + 1) for i in range(16)]]
+
+
+def write_tasks(root: Path) -> None:
+    """Two local tasks: ``kvmesh_mc`` (multiple choice) and ``kvmesh_gen`` (generation with a
+    few-shot prefix drawn from a train split, the same first ``FEWSHOT`` examples for every
+    document, so that every prompt after the first shares it)."""
+    mc = root / "mc.jsonl"
+    mc.write_text(
+        "".join(
+            json.dumps({"question": q, "choices": c, "label": lbl}) + "\n" for q, c, lbl in MC_DOCS
+        )
+    )
+    train, test = root / "gen_train.jsonl", root / "gen_test.jsonl"
+    rows = [json.dumps({"question": q, "answer": a}) + "\n" for q, a in GEN_DOCS]
+    train.write_text("".join(rows[:6]))
+    test.write_text("".join(rows[6:]))
+    (root / "kvmesh_mc.yaml").write_text(
+        f"""task: kvmesh_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {mc}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}?\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+    )
+    (root / "kvmesh_gen.yaml").write_text(
+        f"""task: kvmesh_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    train: {train}
+    test: {test}
+training_split: train
+fewshot_split: train
+test_split: test
+output_type: generate_until
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_target: " {{{{answer}}}}"
+target_delimiter: ""
+fewshot_delimiter: "\\n\\n"
+fewshot_config:
+  sampler: first_n
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+num_fewshot: {FEWSHOT}
+"""
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return hf_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def head(model_dir):
+    h = Head("--no-publish", "--alias", "harness", model=str(model_dir))
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """log-softmax at every position of one plain transformers forward of the same model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def logprobs(tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+
+    return logprobs
+
+
+def run_lm_eval(head: Head, model_dir: Path, tmp_path: Path, task: str, monkeypatch, **args):
+    """``lm_eval.simple_evaluate`` with ``local-completions`` at its defaults (token-id
+    prompts); every request and the head's JSON answer recorded."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    calls: list[tuple[dict, object]] = []
+    real = LocalCompletionsAPI.model_call
+
+    def model_call(self, messages, *, generate=True, gen_kwargs=None, **kw):
+        out = real(self, messages, generate=generate, gen_kwargs=gen_kwargs, **kw)
+        calls.append(({"prompt": messages, "generate": generate}, out))
+        return out
+
+    monkeypatch.setattr(LocalCompletionsAPI, "model_call", model_call)
+    write_tasks(tmp_path)
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={
+            # the tokenizer is loaded from this directory (``tokenizer`` defaults to ``model``)
+            "model": str(model_dir),
+            "base_url": head.url + "/v1/completions",
+            "max_retries": 1,
+            **args,
+        },
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        limit=LIMIT,
+    )
+    return results["results"][task], calls
+
+
+COUNTERS = ("prompt_tokens", "kv_assisted_tokens", "computed_prompt_tokens")
+
+
+def counters(head: Head) -> dict[str, float]:
+    return {c: head.metric(f"kvmesh_{c}_total") for c in COUNTERS}
+
+
+def delta(head: Head, before: dict[str, float]) -> str:
+    now = counters(head)
+    return ", ".join(f"{c} +{now[c] - before[c]:.0f}" for c in COUNTERS)
+
+
+def reuse(calls) -> tuple[int, int]:
+    """(cached, prompt) tokens summed over the head's answers."""
+    cached = sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for _, o in calls)
+    prompt = sum(o["usage"]["prompt_tokens"] for _, o in calls)
+    return cached, prompt
+
+
+def test_lm_eval_multiple_choice_logprobs_equal_one_forward(
+    head, model_dir, reference, tmp_path, monkeypatch
+):
+    before = counters(head)
+    # batch_size 4: four token-id prompts per request (the only setting changed)
+    metrics, calls = run_lm_eval(head, model_dir, tmp_path, "kvmesh_mc", monkeypatch, batch_size=4)
+    assert math.isfinite(metrics["acc,none"]), metrics
+    scored = [(req, out) for req, out in calls if not req["generate"]]
+    n = sum(len(req["prompt"]) for req, _ in scored)
+    assert n == sum(len(c) for _, c, _ in MC_DOCS[:LIMIT])  # one request per choice
+    assert any(len(req["prompt"]) > 1 for req, _ in scored)  # several prompts per request
+    worst = 0.0
+    for req, out in scored:
+        assert all(isinstance(p, list) for p in req["prompt"])  # token ids, not text
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == list(range(len(req["prompt"])))
+        for tokens, choice in zip(req["prompt"], choices, strict=True):
+            got = choice["logprobs"]["token_logprobs"]
+            # the prompt echoed, then what ``max_tokens`` generated (lm-eval drops the last)
+            assert len(got) >= len(tokens) and got[0] is None
+            lp = reference(tokens)
+            for i in range(1, len(tokens)):
+                worst = max(worst, abs(got[i] - lp[i - 1, tokens[i]].item()))
+    assert worst < 1e-4, worst
+    cached, prompt = reuse(scored)
+    print(
+        f"\nlm-eval multiple choice: {n} scored prompts in {len(scored)} requests, "
+        f"max |logprob - one forward| {worst:.2e}; cached {cached}/{prompt} prompt tokens "
+        f"({cached / prompt:.0%}); /metrics {delta(head, before)}"
+    )
+
+
+def test_lm_eval_generation_with_a_few_shot_prefix(head, model_dir, tmp_path, monkeypatch):
+    before = counters(head)
+    metrics, calls = run_lm_eval(head, model_dir, tmp_path, "kvmesh_gen", monkeypatch)
+    assert math.isfinite(metrics["exact_match,none"]), metrics
+    gen = [(req, out) for req, out in calls if req["generate"]]
+    assert sum(len(req["prompt"]) for req, _ in gen) == LIMIT
+    for req, out in gen:
+        assert all(isinstance(p, list) for p in req["prompt"])
+        assert all(isinstance(c["text"], str) for c in out["choices"])
+    cached, prompt = reuse(gen)
+    print(
+        f"\nlm-eval {FEWSHOT}-shot generation: {LIMIT} prompts, cached {cached}/{prompt} "
+        f"prompt tokens ({cached / prompt:.0%}); /metrics {delta(head, before)}"
+    )
+    # the few-shot prefix is shared by every prompt after the first: the head reuses it
+    assert cached / prompt > 0.5, (cached, prompt)
+
+
+def test_guidellm_runs_without_skipping_checks(head, model_dir, tmp_path):
+    pytest.importorskip("guidellm")
+    out = tmp_path / "guidellm.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "guidellm",
+        "run",
+        "--backend",
+        f"kind=openai_http,target={head.url}",
+        "--profile",
+        "kind=synchronous",
+        "--constraint",
+        "kind=max_requests,count=4",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=64,output_tokens=8",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={model_dir}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    totals = bench["metrics"]["request_totals"]
+    print(f"\nguidellm synchronous: {totals}")
+    assert totals["successful"] == 4 and totals["errored"] == 0, totals
