@@ -4,6 +4,27 @@
  */
 
 export interface paths {
+    "/health": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Health
+         * @description vLLM's liveness check (load generators such as guidellm ask it): 200 with an
+         *     empty body while the engine serves, 503 once it died. Open as /healthz is.
+         */
+        get: operations["health_health_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/healthz": {
         parameters: {
             query?: never;
@@ -32,6 +53,40 @@ export interface paths {
         get: operations["metrics_metrics_get"];
         put?: never;
         post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/admin/tenants": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Tenant Stats */
+        get: operations["tenant_stats_v1_admin_tenants_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/cache/query": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Query */
+        post: operations["query_v1_cache_query_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -230,8 +285,23 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /** CacheQuery */
+        CacheQuery: {
+            /** Cache Salt */
+            cache_salt?: unknown;
+            /** Messages */
+            messages?: components["schemas"]["Message"][] | null;
+            /** Model */
+            model: string;
+            /** Prompt */
+            prompt?: string | number[] | string[] | null;
+            /** Token Ids */
+            token_ids?: number[] | null;
+        };
         /** ChatRequest */
         ChatRequest: {
+            /** Cache Salt */
+            cache_salt?: unknown;
             /**
              * Frequency Penalty
              * @default 0
@@ -260,11 +330,15 @@ export interface components {
              * @default 1
              */
             n?: number;
+            /** Parallel Tool Calls */
+            parallel_tool_calls?: boolean | null;
             /**
              * Presence Penalty
              * @default 0
              */
             presence_penalty?: number;
+            /** Response Format */
+            response_format?: unknown;
             /** Seed */
             seed?: number | null;
             /** Stop */
@@ -283,6 +357,10 @@ export interface components {
              * @default 1
              */
             temperature?: number;
+            /** Tool Choice */
+            tool_choice?: unknown;
+            /** Tools */
+            tools?: unknown;
             /** Top Logprobs */
             top_logprobs?: number | null;
             /**
@@ -297,6 +375,13 @@ export interface components {
         };
         /** CompletionRequest */
         CompletionRequest: {
+            /** Cache Salt */
+            cache_salt?: unknown;
+            /**
+             * Echo
+             * @default false
+             */
+            echo?: boolean;
             /**
              * Frequency Penalty
              * @default 0
@@ -326,7 +411,9 @@ export interface components {
              */
             presence_penalty?: number;
             /** Prompt */
-            prompt: string | number[] | string[];
+            prompt: string | number[] | string[] | number[][];
+            /** Response Format */
+            response_format?: unknown;
             /** Seed */
             seed?: number | null;
             /** Stop */
@@ -418,6 +505,26 @@ export interface components {
 }
 export type $defs = Record<string, never>;
 export interface operations {
+    health_health_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": unknown;
+                };
+            };
+        };
+    };
     healthz_healthz_get: {
         parameters: {
             query?: never;
@@ -454,6 +561,61 @@ export interface operations {
                 };
                 content: {
                     "application/json": unknown;
+                };
+            };
+        };
+    };
+    tenant_stats_v1_admin_tenants_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": unknown;
+                };
+            };
+        };
+    };
+    query_v1_cache_query_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CacheQuery"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };

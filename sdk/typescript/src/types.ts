@@ -62,7 +62,22 @@ export interface Usage {
   prompt_tokens_details: { cached_tokens: number };
 }
 
-export type FinishReason = "stop" | "length" | null;
+export type FinishReason = "stop" | "length" | "tool_calls" | null;
+
+/** A call the model made, parsed from its output by the head's tool-call parser. */
+export interface ToolCall {
+  id: string;
+  type: "function";
+  function: { name: string; arguments: string };
+}
+
+/** A piece of a tool call in a stream: `id` and `name` come first, `arguments` arrive as string pieces. */
+export interface ToolCallDelta {
+  index: number;
+  id?: string;
+  type?: "function";
+  function?: { name?: string; arguments?: string };
+}
 
 export interface CompletionChoice {
   index: number;
@@ -86,7 +101,7 @@ export interface ChatCompletion {
   object: "chat.completion";
   created: number;
   model: string;
-  choices: { index: number; message: { role: "assistant"; content: string }; finish_reason: FinishReason; logprobs: unknown }[];
+  choices: { index: number; message: { role: "assistant"; content: string | null; tool_calls?: ToolCall[] }; finish_reason: FinishReason; logprobs: unknown }[];
   usage: Usage;
   kvmesh: KvmeshReport | null;
 }
@@ -105,7 +120,7 @@ export interface ChatCompletionChunk {
   object: "chat.completion.chunk";
   created: number;
   model: string;
-  choices: { index: number; delta: { role?: "assistant"; content?: string }; finish_reason: FinishReason; logprobs?: unknown }[];
+  choices: { index: number; delta: { role?: "assistant"; content?: string; tool_calls?: ToolCallDelta[] }; finish_reason: FinishReason; logprobs?: unknown }[];
   /** Only on the last chunk, with `stream_options: {include_usage: true}`. */
   usage?: Usage;
 }

@@ -45,9 +45,11 @@ describe("network", () => {
 
   it("tokens and prefill follow a completion", async () => {
     const before = await pub.network.tokens();
-    await pub.completions.create({ model: "demo-tiny", prompt: "count these tokens", max_tokens: 3 });
+    // sampled at OpenAI's default temperature, the tiny model may end early (1 of its 259 tokens is EOS)
+    const r = await pub.completions.create({ model: "demo-tiny", prompt: "count these tokens", max_tokens: 3 });
     const after = await pub.network.tokens();
-    expect(after.completed_tokens).toBeGreaterThanOrEqual(before.completed_tokens + 3);
+    expect(r.usage.completion_tokens).toBeGreaterThanOrEqual(1);
+    expect(after.completed_tokens).toBeGreaterThanOrEqual(before.completed_tokens + r.usage.completion_tokens);
     expect(after.requests).toBeGreaterThan(before.requests);
     // a public window shows only several requests together; an admin sees each window
     expect((await admin.network.tokens()).series.length).toBeGreaterThan(0);
