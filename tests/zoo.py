@@ -13,6 +13,8 @@ Contract (other tests rely on it, keep it stable):
   in ``MLX_VARIANTS``: ``float32``, ``bfloat16``, ``q4`` (4-bit, group 64, float16 scales and
   non-quantized params, like mlx-community models) and ``q8`` (8-bit, group 64, bfloat16).
 - ``convert_mlx(src, dst, variant) -> Path``: the same conversion for any HF directory.
+- ``reshaped(arch, **config) -> Path``: a TODAY text arch with ``config`` changed (other
+  shapes, other seeded weights), e.g. ``reshaped("gpt_oss", head_dim=32)`` for vLLM's CPU build.
 - ``windowed(src, window, layer_types=None) -> Path``: ``src`` (any of the above) with another
   ``sliding_window`` (and ``layer_types``), the same weights.
 - ``prompt_tokens(path, n, seed=0) -> list[int]``: ``n`` ids the model's tokenizer produces for
@@ -90,6 +92,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -953,6 +956,18 @@ def convert_mlx(src: Path, dst: Path, variant: str) -> Path:
     return _atomic(Path(dst), lambda tmp: _convert(Path(src), tmp, variant))
 
 
+def reshaped(arch: str, **config: Any) -> Path:
+    """The TODAY arch ``arch`` built with ``config`` changed in its ``config.json`` (for
+    example ``head_dim=32``: vLLM's CPU attention runs head dims of 32 and more), with
+    seeded weights of the new shapes and the same tokenizer."""
+    _check(arch, TODAY)
+    if arch in HUB_TEXT or not config:
+        raise ValueError(f"reshaped({arch!r}) takes a text arch and at least one change")
+    tag = "-".join(f"{k}{v}" for k, v in sorted(config.items()))
+    dst = zoo_home() / f"{arch}-{tag}-float32-r{_recipe(arch)}"
+    return _atomic(dst, lambda tmp: _build_today(arch, tmp, config))
+
+
 def windowed(src: Path, window: int, layer_types: tuple[str, ...] | None = None) -> Path:
     """A copy of the model directory ``src`` (HF or mlx) whose ``sliding_window`` is
     ``window`` (and ``layer_types`` set, when given): the same weights under a small
@@ -1280,9 +1295,10 @@ def _build_hf(arch: str, out: Path) -> None:
 # --- today's architectures: configs, weights --------------------------------------------------
 
 
-def _today_config(arch: str, ids: dict[str, int]) -> dict:
+def _today_config(arch: str, ids: dict[str, int], changes: dict[str, Any] | None = None) -> dict:
     """The hub-style ``config.json`` of a TODAY arch (token ids from its tokenizer)."""
     hub = json.loads(json.dumps(TODAY_CONFIGS[arch]))  # a deep copy
+    hub.update(changes or {})
     if arch in HUB_TEXT:
         hub["text_config"].update(_token_ids(arch, ids), dtype="float32")
         hub.update({k: ids[t] for k, t in _HUB_TOKEN_IDS[arch].items()})
@@ -1292,13 +1308,13 @@ def _today_config(arch: str, ids: dict[str, int]) -> dict:
     return hub
 
 
-def _build_today(arch: str, out: Path) -> None:
+def _build_today(arch: str, out: Path, changes: dict[str, Any] | None = None) -> None:
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ids = _build_tokenizer(arch, out)
-    hub = _today_config(arch, ids)
+    hub = _today_config(arch, ids, changes)
     _write_json(out / "config.json", hub)
     cfg = AutoConfig.from_pretrained(out)
     torch.manual_seed(_seed(arch))

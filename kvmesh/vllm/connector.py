@@ -316,6 +316,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         if missing:
             raise ConfigError(f"vLLM registered no cache for layers {missing[:3]}")
         tensors = [kv_caches[n] for n in names]
+        self.cache_spec = dataclasses.replace(
+            self.cache_spec, windows=_layer_windows(self._vllm_config, names)
+        )
         probe = model_card(
             *_model_dirs(self._vllm_config),
             self.cache_spec,
@@ -771,20 +774,29 @@ def _keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
 
 
 def _cache_spec(kv_cache_config: KVCacheConfig) -> CacheSpec:
-    """One group of plain full-attention layers, or a clear error: sliding windows,
-    hybrid (Mamba) models, MLA and quantized KV are not served."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    """One group of full-attention pages, or a clear error. Sliding-window layers
+    are served as vLLM runs them beside full ones without the hybrid manager: as
+    full-attention pages that keep every position (the window limits what
+    attention reads, never what is stored). Hybrid (Mamba) models, MLA, windows
+    on every layer (vLLM frees their pages during the prefill) and quantized KV
+    are not served."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(
             f"KVMeshConnector serves models with one KV cache group, this one has {len(groups)} "
-            "(sliding-window or hybrid attention)"
+            "(hybrid attention)"
         )
     spec = groups[0].kv_cache_spec
+    if isinstance(spec, SlidingWindowSpec):
+        raise ConfigError(
+            "KVMeshConnector does not serve a model whose every layer has a sliding window: "
+            "vLLM frees the pages behind the window while the prompt is computed, so they "
+            "cannot be saved"
+        )
     plain = (
         type(spec) is FullAttentionSpec
-        and getattr(spec, "sliding_window", None) is None
         and getattr(spec, "attention_chunk_size", None) is None
         and getattr(spec, "head_size_v", spec.head_size) in (None, spec.head_size)
         and int(getattr(spec, "kv_quant_mode", 0)) == 0
@@ -801,6 +813,12 @@ def _cache_spec(kv_cache_config: KVCacheConfig) -> CacheSpec:
         block_size=int(spec.block_size),
         kv_dtype=DTYPES[spec.dtype],
     )
+
+
+def _layer_windows(vllm_config: VllmConfig, names: list[str]) -> tuple[int, ...]:
+    """Each attention layer's sliding window as vLLM built the layer (0: none)."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    return tuple(int(getattr(ctx.get(n), "sliding_window", None) or 0) for n in names)
 
 
 def _model_dirs(vllm_config: VllmConfig) -> tuple[Path, Path]:

@@ -42,6 +42,10 @@ class CacheSpec:
     head_dim: int
     block_size: int
     kv_dtype: str
+    windows: tuple[int, ...] = ()  # per layer, the sliding window attention reads (0: all)
+
+    def layer_windows(self) -> tuple[int, ...]:
+        return self.windows or (0,) * self.num_layers
 
 
 def model_card(
@@ -58,7 +62,7 @@ def model_card(
     from ..engine.base import CacheGeometry, card_from_hf_dir
 
     geometry = CacheGeometry.attention(
-        cache.kv_dtype, cache.num_kv_heads, cache.head_dim, (0,) * cache.num_layers
+        cache.kv_dtype, cache.num_kv_heads, cache.head_dim, cache.layer_windows()
     )
     return card_from_hf_dir(
         model_dir,
