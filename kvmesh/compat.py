@@ -273,6 +273,8 @@ _DTYPE_SIZES = {
     "bfloat16": 2,
     "int8": 1,
     "uint8": 1,
+    "float8_e4m3fn": 1,  # vLLM's FP8 KV pages (stored as uint8)
+    "float8_e5m2": 1,
     "int32": 4,
     "uint32": 4,
     "float64": 8,

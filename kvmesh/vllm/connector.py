@@ -55,6 +55,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -79,7 +80,7 @@ from ..errors import CacheMiss, ConfigError, KVMeshError
 from ..mesh.hits import PeerHit
 from . import service as services
 from .config import parse_settings
-from .pages import DTYPES, CacheSpec, Pages, check_position, model_card, page_layout
+from .pages import DTYPES, FP8, CacheSpec, Pages, check_position, model_card, page_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -264,7 +265,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = parse_settings(extra)
-        self.cache_spec = _cache_spec(kv_cache_config)
+        self.cache_spec = _cache_spec(kv_cache_config, str(vllm_config.cache_config.cache_dtype))
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError("KVMeshConnector does not serve pipeline parallel deployments")
@@ -328,6 +329,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         kind = page_layout(tensors, probe)  # checks every tensor against the card
         self.rank = int(get_tensor_model_parallel_rank()) if self.tp > 1 else 0
         engine = _engine_name(self._vllm_config, names[0], kind, self.rank, self.tp)
+        if self.cache_spec.kv_dtype in FP8.values():
+            engine += f"/kv_scales={_kv_scales(self._vllm_config, names)}"
         card = dataclasses.replace(probe, engine=engine)
         self.pages = Pages(card, tensors)
         cfg = self.settings.node_config(self.rank, self.tp)
@@ -773,13 +776,13 @@ def _keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
     return keyer.rooted(chain_root(keyer.namespace, None, salt))
 
 
-def _cache_spec(kv_cache_config: KVCacheConfig) -> CacheSpec:
+def _cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> CacheSpec:
     """One group of full-attention pages, or a clear error. Sliding-window layers
     are served as vLLM runs them beside full ones without the hybrid manager: as
     full-attention pages that keep every position (the window limits what
     attention reads, never what is stored). Hybrid (Mamba) models, MLA, windows
     on every layer (vLLM frees their pages during the prefill) and quantized KV
-    are not served."""
+    other than per-tensor FP8 are not served."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
@@ -799,20 +802,45 @@ def _cache_spec(kv_cache_config: KVCacheConfig) -> CacheSpec:
         type(spec) is FullAttentionSpec
         and getattr(spec, "attention_chunk_size", None) is None
         and getattr(spec, "head_size_v", spec.head_size) in (None, spec.head_size)
-        and int(getattr(spec, "kv_quant_mode", 0)) == 0
         and getattr(spec, "page_size_padded", None) is None
     )
     if not plain:
         raise ConfigError(f"KVMeshConnector does not serve {type(spec).__name__} caches: {spec}")
-    if spec.dtype not in DTYPES:
-        raise ConfigError(f"KVMeshConnector does not serve a {spec.dtype} KV cache")
     return CacheSpec(
         num_layers=len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size),
         block_size=int(spec.block_size),
-        kv_dtype=DTYPES[spec.dtype],
+        kv_dtype=_kv_dtype(spec, cache_dtype),
     )
+
+
+def _kv_dtype(spec: Any, cache_dtype: str) -> str:
+    """The card's KV dtype: the model's, or vLLM's FP8 with one scale per layer for
+    K and for V (``FP8_PER_TENSOR``: the page holds FP8 values and nothing else)."""
+    mode = getattr(spec, "kv_quant_mode", 0)
+    if int(mode) == 0 and spec.dtype in DTYPES:
+        return DTYPES[spec.dtype]
+    if getattr(mode, "name", "") == "FP8_PER_TENSOR" and cache_dtype in FP8:
+        return FP8[cache_dtype]
+    raise ConfigError(
+        f"KVMeshConnector does not serve a {spec.dtype} KV cache "
+        f"(kv_cache_dtype {cache_dtype!r}, {getattr(mode, 'name', mode)})"
+    )
+
+
+def _kv_scales(vllm_config: VllmConfig, names: list[str]) -> str:
+    """A digest of every layer's K and V scale, for an FP8 card's engine string: the
+    same bytes under other scales are other numbers."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    scales = [
+        (
+            float(getattr(ctx.get(n), "_k_scale_float", 1.0)),
+            float(getattr(ctx.get(n), "_v_scale_float", 1.0)),
+        )
+        for n in names
+    ]
+    return hashlib.sha256(repr(scales).encode()).hexdigest()[:12]
 
 
 def _layer_windows(vllm_config: VllmConfig, names: list[str]) -> tuple[int, ...]:

@@ -28,6 +28,15 @@ from ..compat import CompatCard
 from ..errors import ConfigError, MalformedPayload
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# vLLM's FP8 KV cache (--kv-cache-dtype): the card's dtype; its pages are uint8 tensors
+FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def storage_dtype(kv_dtype: str) -> str:
+    """The dtype of vLLM's cache tensors for a card's KV dtype."""
+    return "uint8" if kv_dtype in FP8.values() else kv_dtype
+
+
 PAGED = "paged"  # [num_blocks, *page]: one contiguous page per block and layer
 SPLIT_KV = "split_kv"  # [2, num_blocks, *half]: K pages and V pages apart
 
@@ -85,7 +94,7 @@ def page_layout(tensors: Sequence[torch.Tensor], card: CompatCard) -> str:
     half = card.num_kv_heads * card.block_tokens * card.head_dim
     kinds = set()
     for i, t in enumerate(tensors):
-        if DTYPES.get(t.dtype) != card.kv_dtype:
+        if _name(t.dtype) != storage_dtype(card.kv_dtype):
             raise ConfigError(f"cache layer {i} is {t.dtype}, the card says {card.kv_dtype}")
         if t.ndim >= 2 and t.shape[0] == 2 and _elements(t[0, 0]) == half:
             kind, page = SPLIT_KV, t[0, 0]
@@ -101,6 +110,10 @@ def page_layout(tensors: Sequence[torch.Tensor], card: CompatCard) -> str:
     if len(kinds) != 1:
         raise ConfigError(f"cache layers mix page layouts: {sorted(kinds)}")
     return kinds.pop()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _elements(t: torch.Tensor) -> int:

@@ -179,6 +179,7 @@ class APIServer:
     ) -> None:
         from ..procs import free_port
 
+        self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -234,6 +235,20 @@ class APIServer:
             except OSError:
                 time.sleep(1)
         raise TimeoutError(f"vLLM server not ready in {timeout} s; log: {self.log}")
+
+    def complete(self, prompt: list[int], max_tokens: int = 4) -> tuple[Any, ...]:
+        """A greedy completion of token ids through the ``openai`` client: its tokens, top-5
+        log-probabilities (as :func:`token_ids`), cached prompt tokens and what kvmesh did
+        (None when it was not asked: vLLM's own prefix cache held the prompt)."""
+        import openai
+
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=600)
+        resp = client.completions.create(
+            model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=5
+        )
+        tokens, top = token_ids(resp.choices[0])
+        report = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get("kvmesh")
+        return tokens, top, resp.usage.prompt_tokens_details.cached_tokens, report
 
     def close(self) -> None:
         """A clean stop (SIGTERM: the connector flushes its publishes), else killed."""

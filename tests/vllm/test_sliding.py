@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip(
     "vllm",
@@ -28,7 +29,7 @@ pytest.importorskip(
 
 from .. import zoo  # noqa: E402
 from ..procs import Peer  # noqa: E402
-from .serve import APIServer, token_ids  # noqa: E402
+from .serve import APIServer  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU page
 # vLLM 0.32's CPU build decodes gpt-oss differently from one request to the next in
@@ -43,18 +44,6 @@ MODELS = {
     "gemma3": lambda: zoo.windowed(zoo.hf_model("gemma3"), WINDOW),
     "gpt_oss": lambda: zoo.reshaped("gpt_oss", head_dim=32),
 }
-
-
-def complete(srv: APIServer, model: str, prompt: list[int], max_tokens: int):
-    import openai
-
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=600)
-    resp = client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=5
-    )
-    tokens, top = token_ids(resp.choices[0])
-    report = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get("kvmesh")
-    return tokens, top, resp.usage.prompt_tokens_details.cached_tokens, report
 
 
 def windows_of(model: Path) -> tuple[int, ...]:
@@ -81,10 +70,10 @@ def test_a_fresh_vllm_serve_gets_a_sliding_window_prompt_from_the_mesh(arch, tmp
     try:
         conn = {"seed": peer.address}
         with APIServer(str(model), conn, tmp_path / "a.log", max_model_len=2048) as a:
-            cold = complete(a, str(model), prompt, TOKENS[arch])
-            again = complete(a, str(model), prompt, TOKENS[arch])  # vLLM's own prefix-cache hit
+            cold = a.complete(prompt, TOKENS[arch])
+            again = a.complete(prompt, TOKENS[arch])  # vLLM's own prefix-cache hit
         with APIServer(str(model), conn, tmp_path / "b.log", max_model_len=2048) as b:
-            warm = complete(b, str(model), prompt, TOKENS[arch])
+            warm = b.complete(prompt, TOKENS[arch])
     finally:
         peer.kill()
     assert cold[2] == 0 and cold[3]["loaded"] == 0
@@ -112,3 +101,37 @@ def test_a_fresh_vllm_serve_gets_a_sliding_window_prompt_from_the_mesh(arch, tmp
     assert card.namespace_hex == namespace and card.sliding_windows == windows
     unwindowed = model_card(model, model, CacheSpec(**spec), engine=engine)
     assert unwindowed.namespace_hex != namespace
+
+
+def _config(*groups):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(groups)],
+    )
+
+
+def test_which_cache_specs_the_connector_serves():
+    """Sliding layers promoted to full-attention pages and per-tensor FP8 are served;
+    a window on every layer, several groups and other quantized caches are refused."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
+
+    from kvmesh.errors import ConfigError
+    from kvmesh.vllm.connector import _cache_spec
+
+    shape = dict(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    promoted = FullAttentionSpec(**shape, sliding_window=WINDOW)  # vLLM without its hybrid manager
+    assert _cache_spec(_config(promoted)).block_size == BLOCK
+    with pytest.raises(ConfigError, match="every layer has a sliding window"):
+        _cache_spec(_config(SlidingWindowSpec(**shape, sliding_window=WINDOW)))
+    with pytest.raises(ConfigError, match="has 2"):
+        _cache_spec(
+            _config(FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=8))
+        )
+    fp8 = FullAttentionSpec(**{**shape, "dtype": torch.uint8}, kv_quant_mode=KVQuantMode(1))
+    assert _cache_spec(_config(fp8), "fp8").kv_dtype == "float8_e4m3fn"
+    assert _cache_spec(_config(fp8), "fp8_e5m2").kv_dtype == "float8_e5m2"
+    with pytest.raises(ConfigError, match="does not serve a torch.uint8 KV cache"):
+        _cache_spec(_config(FullAttentionSpec(**{**shape, "dtype": torch.uint8})))
