@@ -31,9 +31,11 @@ def test_vllm_with_and_without_kvmesh_serves_the_whole_benchmark(tmp_path: Path)
     assert proc.returncode == 0, text
     d = json.loads(out.read_text())
     rows = {r["server"]: r for r in d["rows"]}
-    assert set(rows) == {"plain", "A", "B"}, rows
+    assert set(rows) == {"plain", "A", "B", "sliding A", "sliding B"}, rows
     for r in rows.values():
         assert r["completed"] == PROMPTS and r["mean_ttft_ms"] > 0, r
-    assert rows["B"]["kvmesh"].get("remote_hits", 0) > 0, rows["B"]  # the warm fleet served B
-    for key in ("b_over_a", "a_over_plain"):
+    for b in ("B", "sliding B"):  # the warm fleet served B
+        assert rows[b]["kvmesh"].get("remote_hits", 0) > 0, rows[b]
+    assert rows["sliding A"]["model"] != rows["A"]["model"]
+    for key in ("b_over_a", "a_over_plain", "sliding_b_over_a"):
         assert math.isfinite(d[key]) and d[key] > 0, d
