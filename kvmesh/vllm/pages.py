@@ -10,7 +10,9 @@ one layer's page, so a page travels as the first and second half of its bytes an
 the codec's checks (namespace, key, sizes, SHA-256) apply unchanged. Backends
 that keep K and V apart (``[2, num_blocks, ...]``) map K to the first spec and V
 to the second. Which layout a card's bytes are in is part of the card's engine
-string, so two layouts never share a namespace. No vLLM import here.
+string, so two layouts never share a namespace. vLLM's FP8 pages are uint8
+tensors whose bytes travel as stored, under a card whose KV dtype names the FP8
+format (:data:`FP8`). No vLLM import here.
 """
 
 from __future__ import annotations
