@@ -318,8 +318,9 @@ def report(
     over ``ready_bytes`` + the budgets, also counts what the runtime itself holds
     (interpreter, libraries, the warm pad: ~550 MiB for ``demo-tiny`` on torch).
     Then the heap (:func:`heap`), its warm pad, the idle passes (after each
-    quiet period: cycles collected, and the heap trimmed when worth it) and the
-    trims so far."""
+    quiet period: cycles collected, and the heap trimmed when worth it), the
+    trims so far and ``excess_bytes``, about what a trim would give back now
+    (:func:`excess`; after an idle pass, no more than :data:`MIN_RELEASE`)."""
     rss = rss_bytes()
     budgets = (budget_bytes or 0) + (kv_budget_bytes or 0)
     bound = model_bytes + budgets
@@ -342,5 +343,6 @@ def report(
         "ready_bytes": ready,
         "ready_ratio": round(rss / (ready + budgets), 3) if ready else None,
         **state,
+        "excess_bytes": excess(),
         "heap": heap(),
     }

@@ -65,7 +65,9 @@ def test_idle_rss_after_load_is_within_the_budgets():
         assert head.metric("kvmesh_memory_rss_bytes") > 0
     finally:
         head.stop()
-    assert idle["heap"]["free"] <= idle["warm_bytes"] + MIN_RELEASE  # nothing kept beyond
+    # nothing worth giving back is kept (free heap a trim already released stays
+    # counted as free heap, no longer resident: excess counts what is resident)
+    assert idle["excess_bytes"] <= MIN_RELEASE, idle
     assert idle["bound_bytes"] == mem["model_bytes"] + 640 * MiB
     assert idle["rss_bytes"] <= 1.5 * idle["bound_bytes"], idle  # the bar
     assert idle["ready_ratio"] <= 1.0, idle  # no more than ready + what the budgets allow

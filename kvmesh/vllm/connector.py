@@ -29,9 +29,17 @@ rank and world size are in the card, so shards of different layouts never mix):
   ``get_block_ids_with_load_errors`` with the request in ``get_finished``, so
   vLLM recomputes them (the answer never depends on the cache). vLLM reports a
   load finished only once every rank has finished it.
-- ``wait_for_save``: once a prompt's prefill is complete, its full pages not yet
-  stored are copied out (one copy, on the model's path), then sealed (BLAKE3),
-  stored and published by the core's publisher through its bounded slots.
+- ``wait_for_save``: the prompt pages a step completed and the store lacks are
+  copied out in that step (one copy, on the model's path: a sliding window's
+  pages are freed at the next step); once the prefill is complete the chain is
+  sealed (BLAKE3), stored and published by the core's publisher through its
+  bounded slots. A page vLLM no longer holds (behind a window, from its own
+  cache) and the store lacks means nothing of that prompt is published.
+
+vLLM's hybrid KV cache manager (``SupportsHMA``): each attention group (full,
+sliding window) has its own block ids; a kvmesh page is one block index over all
+groups, the layers in the model's order, so the card does not depend on how vLLM
+grouped them. A load fills only the blocks vLLM keeps (null ids behind a window).
 
 KV events (vLLM's ``kv_events_config`` with ``enable_kv_cache_events``): rank 0's
 worker hears its store (full blocks stored in or removed from RAM or disk, with
@@ -72,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from ..blocks import BlockKeyer, PrefixKeys, chain_root, check_cache_salt
@@ -108,19 +117,31 @@ class Ask:
     salt: str | None = None  # vLLM's cache_salt: its own key chain (see keyer_for)
 
 
+#: A request's vLLM block ids, one list per KV cache group: page i of group g in
+#: ``ids[g][i]``, 0 (vLLM's null block) where the group holds none (a sliding
+#: window's pages behind it).
+GroupIds = list[list[int]]
+
+
 @dataclass
 class LoadSpec:
     req_id: str
-    block_ids: list[int]  # the request's vLLM blocks, page i in block_ids[i]
+    block_ids: GroupIds  # the request's vLLM blocks
     first_page: int  # pages before this are vLLM's own prefix cache
     pages: int  # load pages [first_page, pages)
 
 
 @dataclass
 class SaveSpec:
+    """Pages [first, first + len(block_ids[0])) of a prompt, computed by this step's
+    end: copied now (a sliding window frees its pages at the next step), stored and
+    published with the rest of the chain once ``final`` (the prefill is complete)."""
+
     req_id: str
-    tokens: list[int]  # the prompt's full pages
-    block_ids: list[int]
+    tokens: list[int]  # the prompt's full pages up to this step's last
+    block_ids: GroupIds  # per group, the ids of pages [first, ...)
+    first: int = 0
+    final: bool = True
     salt: str | None = None
 
 
@@ -249,15 +270,31 @@ class _Asked:
 @dataclass
 class _Tracked:
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: GroupIds
     salt: str | None = None
-    saved: bool = False
+    saved: int = 0  # pages handed to the workers to save
+    final: bool = False  # the prefill is complete: nothing more to save
 
 
-class KVMeshConnector(KVConnectorBase_V1):
+@dataclass
+class _Pending:
+    """A worker's copies of one prompt's pages, until its prefill is complete."""
+
+    have: tuple[Block, ...]  # the chain's start, already in the local store
+    copies: list[tuple[bytearray, object]] = field(default_factory=list)
+    broken: bool = False  # a page could not be had: nothing of it is published
+
+    @property
+    def next_page(self) -> int:
+        return len(self.have) + len(self.copies)
+
+
+class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     """Both roles; each uses only its half. The scheduler (vLLM's engine core)
     decides from the workers' answers; each worker (one per tensor-parallel rank)
-    finds, fetches, loads and saves its own shard of every page."""
+    finds, fetches, loads and saves its own shard of every page. With vLLM's hybrid
+    KV cache manager (``SupportsHMA``) every attention group is paged with its own
+    block ids; a page is a block over all of them."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -299,6 +336,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._answers: dict[str, int] = {}  # to report: req -> pages promised
         self._reports: dict[str, dict[str, Any]] = {}  # to report: req -> load result
         self._done: dict[str, list[int]] = {}  # finished loads -> block ids that failed
+        self._pending: dict[str, _Pending] = {}  # prompts being saved, page by page
         self._errors: set[int] = set()
         self._t_bind = 0.0
         self._inflight = 0  # acquisitions and loads not finished
@@ -312,7 +350,12 @@ class KVMeshConnector(KVConnectorBase_V1):
             get_tensor_model_parallel_rank,
         )
 
-        names = [n for g in self._kv_cache_config.kv_cache_groups for n in g.layer_names]
+        group_of = {
+            n: g
+            for g, grp in enumerate(self._kv_cache_config.kv_cache_groups)
+            for n in grp.layer_names
+        }
+        names = _model_order(list(group_of))  # one card whichever groups vLLM formed
         missing = [n for n in names if n not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no cache for layers {missing[:3]}")
@@ -332,7 +375,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         if self.cache_spec.kv_dtype in FP8.values():
             engine += f"/kv_scales={_kv_scales(self._vllm_config, names)}"
         card = dataclasses.replace(probe, engine=engine)
-        self.pages = Pages(card, tensors)
+        self.pages = Pages(card, tensors, [group_of[n] for n in names])
         cfg = self.settings.node_config(self.rank, self.tp)
         self.svc = services.MeshService(
             self.settings, card, cfg, events=self._events_on and self.rank == 0
@@ -348,6 +391,9 @@ class KVMeshConnector(KVConnectorBase_V1):
                 acq = self._acqs.pop(req_id, None)
                 if acq is not None and acq.done is not None:
                     acq.done.cancel()
+                pending = self._pending.pop(req_id, None)
+                if pending is not None and not pending.broken:
+                    svc.publisher.release()  # aborted before its prefill completed
             for ask in connector_metadata.asks:  # started before the forward: it overlaps
                 if ask.req_id in self._acqs:
                     continue
@@ -496,7 +542,7 @@ class KVMeshConnector(KVConnectorBase_V1):
     def _load(self, spec: LoadSpec) -> None:
         """Fill the request's pages from its acquisition; report the pages that failed."""
         svc = self._require_svc()
-        failed = list(spec.block_ids[spec.first_page : spec.pages])
+        failed = _ids_of(spec.block_ids, spec.first_page, spec.pages)
         report: dict[str, Any] = {"loaded": 0}
         t0 = time.perf_counter()
         try:
@@ -512,18 +558,23 @@ class KVMeshConnector(KVConnectorBase_V1):
             t1 = time.perf_counter()
             svc.count("load_wait_ms", round((t1 - t0) * 1000))
             blocks = self._contiguous(svc, acq, spec)
-            ids = iter(spec.block_ids[spec.first_page :])
+            page = iter(range(spec.first_page, spec.pages))
             assert self.pages is not None
             pages = self.pages
+            loaded = 0
 
             def copy(blk: Block) -> None:
-                pages.copy_in(blk, next(ids))
-                failed.pop(0)
+                nonlocal loaded
+                i = next(page)
+                pages.copy_in(blk, _page_ids(spec.block_ids, i))
+                loaded += 1
+                done = set(_ids_of(spec.block_ids, i, i + 1))
+                failed[:] = [b for b in failed if b not in done]
 
             try:
                 svc.acquirer.imported(blocks, copy)
             finally:
-                report["loaded"] = spec.pages - spec.first_page - len(failed)
+                report["loaded"] = loaded
                 svc.count("pages_loaded", report["loaded"])
                 svc.count("copy_in_ms", round((time.perf_counter() - t1) * 1000))
             if failed:
@@ -555,29 +606,64 @@ class KVMeshConnector(KVConnectorBase_V1):
     # -- saves -----------------------------------------------------------------
 
     def _save(self, spec: SaveSpec) -> None:
+        """Copy this step's new pages of a prompt (the one copy on the model's path);
+        once its prefill is complete, seal, store and publish the chain off the path."""
         svc = self._require_svc()
         assert self.pages is not None
         pages = self.pages
         keys = _keyer_for(svc.keyer, spec.salt).keys(spec.tokens)
-        have = svc.fleet.local_prefix(keys).blocks
-        if len(have) >= len(keys.blocks) or not svc.publisher.reserve():
-            return
-        t0 = time.perf_counter()
-        try:  # the one copy on the model's path; sealing is the publisher's
-            copies = [
-                pages.copy_out(svc.keyer, keys, i, spec.block_ids[i])
-                for i in range(len(have), len(keys.blocks))
-            ]
+        p = self._pending.get(spec.req_id)
+        if p is None:
+            have = svc.fleet.local_prefix(keys).blocks[: len(keys.blocks)]
+            if spec.final and len(have) >= len(keys.blocks):
+                return  # every page already held
+            p = self._pending[spec.req_id] = _Pending(tuple(have))
+            p.broken = not svc.publisher.reserve()
+        try:
+            if not p.broken:
+                self._copy_pages(svc, pages, keys, spec, p)
         except Exception:
+            p.broken = True
             svc.publisher.release()
             raise
+        if spec.final:
+            del self._pending[spec.req_id]
+            if not p.broken:
+                self._publish(svc, pages, p)
+
+    def _copy_pages(
+        self, svc: services.MeshService, pages: Pages, keys: PrefixKeys, spec: SaveSpec, p: _Pending
+    ) -> None:
+        end = spec.first + min((len(g) for g in spec.block_ids), default=0)
+        if p.next_page < spec.first:  # pages neither held nor copied: no chain
+            self._abandon(svc, p)
+            return
+        t0 = time.perf_counter()
+        for i in range(p.next_page, min(end, len(keys.blocks))):
+            ids = _page_ids(spec.block_ids, i, spec.first)
+            if None in ids:  # behind a window, from vLLM's own cache: gone
+                self._abandon(svc, p)
+                return
+            p.copies.append(pages.copy_out(svc.keyer, keys, i, ids))
         svc.count("copy_out_us", round((time.perf_counter() - t0) * 1e6))
+
+    @staticmethod
+    def _abandon(svc: services.MeshService, p: _Pending) -> None:
+        """A page of the chain cannot be had: nothing of this prompt is published."""
+        p.broken = True
+        svc.publisher.release()
+        svc.count("save_gap")
+
+    def _publish(self, svc: services.MeshService, pages: Pages, p: _Pending) -> None:
+        if not p.copies:
+            svc.publisher.release()
+            return
 
         def chains() -> list[list[Block]]:
             t1 = time.perf_counter()
-            sealed = [pages.seal(blob, header) for blob, header in copies]
+            sealed = [pages.seal(blob, header) for blob, header in p.copies]
             svc.count("seal_us", round((time.perf_counter() - t1) * 1e6))
-            return [list(have) + sealed]  # kept here, then sent to the peers
+            return [list(p.have) + sealed]  # kept here, then sent to the peers
 
         svc.publisher.submit(chains, "pages_published")
 
@@ -657,7 +743,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._loads.append(
                 LoadSpec(
                     req_id,
-                    list(blocks.get_block_ids()[0]),
+                    _group_ids(blocks.get_block_ids()),
                     first // self.block_size,
                     end // self.block_size,
                 )
@@ -673,7 +759,7 @@ class KVMeshConnector(KVConnectorBase_V1):
                 if self._eligible.get(new.req_id) and new.prompt_token_ids is not None:
                     self._tracked[new.req_id] = _Tracked(
                         list(new.prompt_token_ids),
-                        list(new.block_ids[0]),
+                        _group_ids(new.block_ids),
                         self._salts.get(new.req_id),
                     )
                     self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
@@ -684,25 +770,39 @@ class KVMeshConnector(KVConnectorBase_V1):
                     continue
                 new_ids = cached.new_block_ids[i]
                 if req_id in cached.resumed_req_ids and new_ids is not None:
-                    tracked.block_ids = list(new_ids[0])
+                    tracked.block_ids = _group_ids(new_ids)
                 elif new_ids is not None:
-                    tracked.block_ids.extend(new_ids[0])
+                    for group, ids in zip(tracked.block_ids, new_ids, strict=True):
+                        group.extend(ids)
                 self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
         return meta
 
     def _maybe_save(
         self, meta: KVMeshMetadata, req_id: str, computed: int, out: SchedulerOutput
     ) -> None:
-        """Save the prompt's full pages in the step that completes its prefill."""
+        """Hand the workers the prompt's pages this step completes (a sliding window
+        frees its pages at the next step, so they are copied in this one); the step
+        that completes the prefill says so (``final``)."""
         t = self._tracked[req_id]
-        if t.saved or computed + out.num_scheduled_tokens.get(req_id, 0) < len(t.tokens):
+        if t.final:
             return
-        t.saved = True
-        pages = min(len(t.tokens) // self.block_size, len(t.block_ids))
-        if pages:
+        end = min(computed + out.num_scheduled_tokens.get(req_id, 0), len(t.tokens))
+        held = min(len(ids) for ids in t.block_ids)
+        pages = min(end // self.block_size, held)
+        t.final = end >= len(t.tokens)
+        if pages > t.saved or (t.final and t.saved):
+            ids = [g[t.saved : pages] for g in t.block_ids]
             meta.saves.append(
-                SaveSpec(req_id, t.tokens[: pages * self.block_size], t.block_ids[:pages], t.salt)
+                SaveSpec(
+                    req_id,
+                    t.tokens[: pages * self.block_size],
+                    ids,
+                    t.saved,
+                    t.final,
+                    t.salt,
+                )
             )
+            t.saved = max(t.saved, pages)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -721,6 +821,13 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._drops.append(req_id)
             cards = {str(rank): card for rank, card in sorted(self._cards.items())}
         return False, {"kvmesh": {**_summary(asked, self.tp), "cards": cards}}
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid manager's ``request_finished``: pages were saved as they were
+        computed, so nothing is held back."""
+        return self.request_finished(request, [])
 
 
 def _summary(asked: _Asked, tp: int) -> dict[str, Any]:
@@ -745,6 +852,29 @@ def _capped(hit: PeerHit, pages: int, block_size: int) -> PeerHit:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+def _group_ids(ids: Iterable[Iterable[int]]) -> GroupIds:
+    """vLLM's block ids (a tuple with one list per KV cache group) as kvmesh keeps them."""
+    return [list(g) for g in ids]
+
+
+def _page_ids(ids: GroupIds, page: int, first: int = 0) -> list[int | None]:
+    """Page ``page``'s block id in each group (lists starting at page ``first``), None
+    where vLLM holds none (its null block, 0)."""
+    return [g[page - first] or None for g in ids]
+
+
+def _ids_of(ids: GroupIds, start: int, stop: int) -> list[int]:
+    """The real (non-null) block ids of pages [start, stop) over every group."""
+    return [b for g in ids for b in g[start:stop] if b]
+
+
+def _model_order(names: list[str]) -> list[str]:
+    """Layer names in the model's order (vLLM lists them group by group)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted(names, key=extract_layer_index)
 
 
 def _eligible(request: Request) -> bool:
@@ -777,37 +907,42 @@ def _keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
 
 
 def _cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> CacheSpec:
-    """One group of full-attention pages, or a clear error. Sliding-window layers
-    are served as vLLM runs them beside full ones without the hybrid manager: as
-    full-attention pages that keep every position (the window limits what
-    attention reads, never what is stored). Hybrid (Mamba) models, MLA, windows
-    on every layer (vLLM frees their pages during the prefill) and quantized KV
-    other than per-tensor FP8 are not served."""
+    """Attention KV of one page shape in one or more groups, or a clear error. With
+    vLLM's hybrid manager sliding-window layers are a group of their own (pages
+    behind the window are freed: a page is saved in the step that computes it);
+    without it they are full-attention pages that keep every position. Mamba /
+    Gated DeltaNet state, MLA, chunked-local attention and quantized KV other than
+    per-tensor FP8 are not served."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"KVMeshConnector serves models with one KV cache group, this one has {len(groups)} "
-            "(hybrid attention)"
+    if not groups:
+        raise ConfigError("vLLM gave KVMeshConnector no KV cache group")
+    specs = [g.kv_cache_spec for g in groups]
+    for spec in specs:
+        plain = (
+            type(spec) in (FullAttentionSpec, SlidingWindowSpec)
+            and getattr(spec, "attention_chunk_size", None) is None
+            and getattr(spec, "head_size_v", spec.head_size) in (None, spec.head_size)
+            and getattr(spec, "page_size_padded", None) is None
         )
-    spec = groups[0].kv_cache_spec
-    if isinstance(spec, SlidingWindowSpec):
+        if not plain:
+            raise ConfigError(
+                f"KVMeshConnector does not serve {type(spec).__name__} caches"
+                f"{' (hybrid recurrent state: not yet)' if 'Mamba' in type(spec).__name__ else ''}"
+                f": {spec}"
+            )
+    shapes = {
+        (s.block_size, s.num_kv_heads, s.head_size, s.dtype, int(getattr(s, "kv_quant_mode", 0)))
+        for s in specs
+    }
+    if len(shapes) != 1:
         raise ConfigError(
-            "KVMeshConnector does not serve a model whose every layer has a sliding window: "
-            "vLLM frees the pages behind the window while the prompt is computed, so they "
-            "cannot be saved"
+            f"KVMeshConnector serves KV cache groups of one page shape; these differ: {sorted(map(str, shapes))}"
         )
-    plain = (
-        type(spec) is FullAttentionSpec
-        and getattr(spec, "attention_chunk_size", None) is None
-        and getattr(spec, "head_size_v", spec.head_size) in (None, spec.head_size)
-        and getattr(spec, "page_size_padded", None) is None
-    )
-    if not plain:
-        raise ConfigError(f"KVMeshConnector does not serve {type(spec).__name__} caches: {spec}")
+    spec = specs[0]
     return CacheSpec(
-        num_layers=len(groups[0].layer_names),
+        num_layers=sum(len(g.layer_names) for g in groups),
         num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size),
         block_size=int(spec.block_size),

@@ -126,20 +126,44 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1) if t.ndim else t.reshape(1).view(torch.uint8)
 
 
-class Pages:
-    """Copies whole pages between vLLM's cache tensors and kvmesh blocks."""
+#: One page's vLLM block ids: an int for a cache of one group, else one per KV cache
+#: group (vLLM's hybrid manager), None where the group holds no page there (a
+#: sliding window's blocks behind it).
+PageIds = int | Sequence[int | None]
 
-    def __init__(self, card: CompatCard, tensors: Sequence[torch.Tensor]) -> None:
+
+class Pages:
+    """Copies whole pages between vLLM's cache tensors and kvmesh blocks. Layer
+    ``i`` of the card is ``tensors[i]``, paged by KV cache group ``groups[i]``."""
+
+    def __init__(
+        self,
+        card: CompatCard,
+        tensors: Sequence[torch.Tensor],
+        groups: Sequence[int] | None = None,
+    ) -> None:
         self.card = card
         self.layout = Layout(card)
         self.kind = page_layout(tensors, card)
         self.tensors = list(tensors)
+        self.groups = list(groups) if groups is not None else [0] * len(self.tensors)
+        if len(self.groups) != len(self.tensors):
+            raise ConfigError(f"{len(self.groups)} group indices for {len(self.tensors)} layers")
+        self._sizes = [p.numel() for p in self._parts(0) if p is not None]  # per part, bytes
 
-    def _parts(self, block_id: int) -> list[torch.Tensor]:
-        """Byte views of one page, per layer K then V (a paged layer as its two halves)."""
-        out = []
-        for t in self.tensors:
-            if self.kind == SPLIT_KV:
+    def _layer_ids(self, ids: PageIds) -> list[int | None]:
+        if isinstance(ids, int):
+            return [ids] * len(self.tensors)
+        return [ids[g] for g in self.groups]
+
+    def _parts(self, ids: PageIds) -> list[torch.Tensor | None]:
+        """Byte views of one page, per layer K then V (a paged layer as its two
+        halves); None, None for a layer whose group holds no page here."""
+        out: list[torch.Tensor | None] = []
+        for t, block_id in zip(self.tensors, self._layer_ids(ids), strict=True):
+            if block_id is None:
+                out += [None, None]
+            elif self.kind == SPLIT_KV:
                 out += [_bytes(t[0, block_id]), _bytes(t[1, block_id])]
             else:
                 page = _bytes(t[block_id])
@@ -148,7 +172,7 @@ class Pages:
         return out
 
     def copy_out(
-        self, keyer: BlockKeyer, keys: PrefixKeys, index: int, block_id: int
+        self, keyer: BlockKeyer, keys: PrefixKeys, index: int, ids: PageIds
     ) -> tuple[bytearray, object]:
         """One page's bytes in a new blob (header written), for :meth:`seal` off the
         model's path. The only work on the path is this one copy."""
@@ -160,7 +184,9 @@ class Pages:
         off = 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns on buffers torch cannot own
-            for part in self._parts(block_id):
+            for part in self._parts(ids):
+                if part is None:
+                    raise MalformedPayload(f"page {index} is not held by every cache group")
                 n = part.numel()
                 torch.frombuffer(view[off : off + n], dtype=torch.uint8).copy_(part)
                 off += n
@@ -171,8 +197,9 @@ class Pages:
     def seal(self, blob: bytearray, header: object) -> Block:
         return self.layout.seal(header, blob)  # type: ignore[arg-type]
 
-    def copy_in(self, block: Block, block_id: int) -> None:
-        """Copy a verified block's bytes into vLLM's page ``block_id``."""
+    def copy_in(self, block: Block, ids: PageIds) -> None:
+        """Copy a verified block's bytes into vLLM's pages ``ids`` (a group that holds
+        no page there, a sliding window's below it, takes nothing)."""
         specs = [spec for layer in block.header.layers for spec in layer]
         expected = [s for layer in self.layout.layers(self.card.block_tokens) for s in layer]
         if block.header.kind != "block" or specs != expected:
@@ -181,9 +208,9 @@ class Pages:
         off = 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only source: copied from, never written
-            for part in self._parts(block_id):
-                n = part.numel()
-                part.copy_(torch.frombuffer(view[off : off + n], dtype=torch.uint8))
+            for part, n in zip(self._parts(ids), self._sizes, strict=True):
+                if part is not None:
+                    part.copy_(torch.frombuffer(view[off : off + n], dtype=torch.uint8))
                 off += n
 
 
