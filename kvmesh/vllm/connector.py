@@ -79,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -105,6 +106,9 @@ IDLE_YIELD_S = 0.002
 MAX_ACQUISITIONS = 256  # requests a worker may be acquiring pages for at once
 ANSWER_GRACE_S = 5.0  # beyond the lookup deadline, before the scheduler stops waiting
 MAX_EVENTS = 10_000  # KV events the scheduler holds for vLLM's publisher, then drops
+# page copies a worker holds for prompts whose prefill is not complete; a prompt
+# that would go past it is not published (counted ``save_dropped``)
+MAX_PENDING_BYTES = 1 << 30
 
 
 # -- metadata: scheduler -> workers (every step) ---------------------------------
@@ -285,6 +289,10 @@ class _Pending:
     broken: bool = False  # a page could not be had: nothing of it is published
 
     @property
+    def nbytes(self) -> int:
+        return sum(len(blob) for blob, _ in self.copies)
+
+    @property
     def next_page(self) -> int:
         return len(self.have) + len(self.copies)
 
@@ -337,6 +345,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         self._reports: dict[str, dict[str, Any]] = {}  # to report: req -> load result
         self._done: dict[str, list[int]] = {}  # finished loads -> block ids that failed
         self._pending: dict[str, _Pending] = {}  # prompts being saved, page by page
+        self._pending_bytes = 0  # their copies' bytes, at most MAX_PENDING_BYTES
+        self._failed_loads: set[str] = set()  # loads that failed, by request
         self._errors: set[int] = set()
         self._t_bind = 0.0
         self._inflight = 0  # acquisitions and loads not finished
@@ -392,8 +402,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                 if acq is not None and acq.done is not None:
                     acq.done.cancel()
                 pending = self._pending.pop(req_id, None)
-                if pending is not None and not pending.broken:
-                    svc.publisher.release()  # aborted before its prefill completed
+                if pending is not None:  # ended before its prefill completed
+                    self._forget(pending)
             for ask in connector_metadata.asks:  # started before the forward: it overlaps
                 if ask.req_id in self._acqs:
                     continue
@@ -440,11 +450,26 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                 svc.count("save_failed")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, (results.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished loads. A failed page is reported as its block ids (vLLM recomputes
+        from the first) on a cache of one full-attention group; with several groups
+        or a window vLLM cannot map block ids back (or would compute over pages the
+        window already dropped), so the whole request is failed and recomputed."""
         with self._lock:
             done, self._done = self._done, {}
+            failed = {r for r, bad in done.items() if bad}
+            if self._request_level_failures():
+                return KVConnectorTransferResults(finished_recving=set(done), failed_recving=failed)
             for bad in done.values():
                 self._errors.update(bad)
-        return None, (set(done) or None)
+        return KVConnectorTransferResults(finished_recving=set(done))
+
+    def _request_level_failures(self) -> bool:
+        assert self.pages is not None
+        return len(set(self.pages.groups)) > 1 or any(self.cache_spec.layer_windows())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -618,46 +643,56 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
             if spec.final and len(have) >= len(keys.blocks):
                 return  # every page already held
             p = self._pending[spec.req_id] = _Pending(tuple(have))
-            p.broken = not svc.publisher.reserve()
         try:
             if not p.broken:
                 self._copy_pages(svc, pages, keys, spec, p)
         except Exception:
-            p.broken = True
-            svc.publisher.release()
+            self._abandon(svc, p, None)  # counted by wait_for_save
             raise
-        if spec.final:
-            del self._pending[spec.req_id]
-            if not p.broken:
-                self._publish(svc, pages, p)
+        finally:
+            if spec.final:
+                del self._pending[spec.req_id]
+                self._forget(p)
+        # a slot only now (never held across steps); none free is counted publish_dropped
+        if spec.final and not p.broken and p.copies and svc.publisher.reserve():
+            self._publish(svc, pages, p)
 
     def _copy_pages(
         self, svc: services.MeshService, pages: Pages, keys: PrefixKeys, spec: SaveSpec, p: _Pending
     ) -> None:
         end = spec.first + min((len(g) for g in spec.block_ids), default=0)
         if p.next_page < spec.first:  # pages neither held nor copied: no chain
-            self._abandon(svc, p)
+            self._abandon(svc, p, "save_gap")
             return
         t0 = time.perf_counter()
         for i in range(p.next_page, min(end, len(keys.blocks))):
             ids = _page_ids(spec.block_ids, i, spec.first)
             if None in ids:  # behind a window, from vLLM's own cache: gone
-                self._abandon(svc, p)
+                self._abandon(svc, p, "save_gap")
+                return
+            if self._pending_bytes + pages.page_bytes > MAX_PENDING_BYTES:
+                self._abandon(svc, p, "save_dropped")
                 return
             p.copies.append(pages.copy_out(svc.keyer, keys, i, ids))
+            self._pending_bytes += len(p.copies[-1][0])
         svc.count("copy_out_us", round((time.perf_counter() - t0) * 1e6))
 
-    @staticmethod
-    def _abandon(svc: services.MeshService, p: _Pending) -> None:
+    def _abandon(self, svc: services.MeshService, p: _Pending, reason: str | None) -> None:
         """A page of the chain cannot be had: nothing of this prompt is published."""
         p.broken = True
-        svc.publisher.release()
-        svc.count("save_gap")
+        self._forget(p)
+        if reason:
+            svc.count(reason)
+
+    def _forget(self, p: _Pending) -> None:
+        """Stop counting ``p``'s copies against the pending budget (a broken prompt's
+        are dropped now; a complete one's go on to be sealed)."""
+        self._pending_bytes -= p.nbytes
+        if p.broken:
+            p.copies.clear()
 
     def _publish(self, svc: services.MeshService, pages: Pages, p: _Pending) -> None:
-        if not p.copies:
-            svc.publisher.release()
-            return
+        """Seal, store and publish ``p``'s chain in a slot reserved for it."""
 
         def chains() -> list[list[Block]]:
             t1 = time.perf_counter()
@@ -813,12 +848,13 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         with self._lock:
             self._eligible.pop(req_id, None)
             self._salts.pop(req_id, None)
-            self._tracked.pop(req_id, None)
+            tracked = self._tracked.pop(req_id, None)
             self._first_local.pop(req_id, None)
             asked = self._asked.pop(req_id, None)
+            if asked is not None or (tracked is not None and tracked.saved and not tracked.final):
+                self._drops.append(req_id)  # its workers forget its acquisition and copies
             if asked is None:
                 return False, None
-            self._drops.append(req_id)
             cards = {str(rank): card for rank, card in sorted(self._cards.items())}
         return False, {"kvmesh": {**_summary(asked, self.tp), "cards": cards}}
 
@@ -874,7 +910,10 @@ def _model_order(names: list[str]) -> list[str]:
     """Layer names in the model's order (vLLM lists them group by group)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    return sorted(names, key=extract_layer_index)
+    try:
+        return sorted(names, key=extract_layer_index)
+    except (AssertionError, ValueError):  # names without one layer number: vLLM's order
+        return names
 
 
 def _eligible(request: Request) -> bool:

@@ -150,6 +150,7 @@ class Pages:
         if len(self.groups) != len(self.tensors):
             raise ConfigError(f"{len(self.groups)} group indices for {len(self.tensors)} layers")
         self._sizes = [p.numel() for p in self._parts(0) if p is not None]  # per part, bytes
+        self.page_bytes = sum(self._sizes)
 
     def _layer_ids(self, ids: PageIds) -> list[int | None]:
         if isinstance(ids, int):

@@ -32,7 +32,7 @@ pytest.importorskip(
 )
 
 from .. import zoo  # noqa: E402
-from ..procs import Peer  # noqa: E402
+from ..procs import FaultProxy, Peer, free_port  # noqa: E402
 from .serve import APIServer  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU page
@@ -57,6 +57,13 @@ ARGS = {"gemma3": (CHUNKED, NO_HMA)}  # A's and B's flags; default: vLLM's defau
 EXACT = {"gemma3": 1, "all_sliding": 4, "gpt_oss": 1}
 
 
+def page_bytes(model: Path) -> int:
+    """One page over every layer: K and V, float32."""
+    cfg = json.loads((model / "config.json").read_text())
+    n, heads, dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+    return n * 2 * heads * BLOCK * dim * 4
+
+
 def windows_of(model: Path) -> tuple[int, ...]:
     """Per layer, the window the config asks for (Gemma-3's pattern, gpt-oss's types)."""
     cfg = json.loads((model / "config.json").read_text())
@@ -78,7 +85,18 @@ def test_a_fresh_vllm_serve_gets_a_sliding_window_prompt_from_the_mesh(arch, tmp
     model = MODELS[arch]()
     prompt = zoo.prompt_tokens(model, PROMPT)
     a_args, b_args = ARGS.get(arch, ((), ()))
-    peer = Peer(alias="cache", log_dir=tmp_path)
+    data_port = free_port()
+    proxy = FaultProxy(data_port)  # block bytes reach the servers only through it
+    peer = Peer(
+        "--data-port",
+        str(data_port),
+        "--advertise-data-port",
+        str(proxy.port),
+        "--no-local-socket",
+        alias="cache",
+        log_dir=tmp_path,
+    )
+    corrupt = None
     try:
         conn = {"seed": peer.address}
         with APIServer(str(model), conn, tmp_path / "a.log", *a_args, max_model_len=2048) as a:
@@ -86,8 +104,20 @@ def test_a_fresh_vllm_serve_gets_a_sliding_window_prompt_from_the_mesh(arch, tmp
             again = a.complete(prompt, TOKENS[arch])  # vLLM's own prefix-cache hit
         with APIServer(str(model), conn, tmp_path / "b.log", *b_args, max_model_len=2048) as b:
             warm = b.complete(prompt, TOKENS[arch])
+        if arch == "all_sliding":  # a bit flipped inside the second page of the stream
+            proxy.corrupt_at(page_bytes(model) * 3 // 2)
+            with APIServer(str(model), conn, tmp_path / "c.log", max_model_len=2048) as c:
+                corrupt = c.complete(prompt, TOKENS[arch])
+            assert proxy.corrupted == 1
     finally:
         peer.kill()
+        proxy.close()
+    if corrupt is not None:
+        # a window's request fails whole (vLLM cannot recompute from a block behind
+        # the window) and is computed from nothing: the cold answer, bit for bit
+        got = corrupt[3]
+        assert got["source"] == "remote" and got.get("fallback") and got["loaded"] < 12, got
+        assert corrupt[:2] == cold[:2]
     assert cold[2] == 0 and cold[3]["loaded"] == 0
     # vLLM's CPU attention computes a sliding layer's last bits differently for a
     # prompt continued from cached pages than for a cold one; the reference is
