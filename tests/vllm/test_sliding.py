@@ -174,7 +174,7 @@ def test_which_cache_specs_the_connector_serves():
     )
 
     from kvmesh.errors import ConfigError
-    from kvmesh.vllm.connector import _cache_spec
+    from kvmesh.vllm.spec import cache_spec as _cache_spec
 
     shape = dict(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
     full, sliding = FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=WINDOW)

@@ -1,0 +1,172 @@
+"""What a vLLM deployment is, read from its config, in kvmesh's terms: the cache
+spec the connector serves (or a clear refusal), the card's engine string, layer
+order and windows, the model's files, and which requests kvmesh's keys describe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..blocks import BlockKeyer, chain_root, check_cache_salt
+from ..errors import ConfigError
+from .pages import DTYPES, FP8, CacheSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> CacheSpec:
+    """Attention KV of one page shape in one or more groups, or a clear error. With
+    vLLM's hybrid manager sliding-window layers are a group of their own (pages
+    behind the window are freed: a page is saved in the step that computes it);
+    without it they are full-attention pages that keep every position. Mamba /
+    Gated DeltaNet state, MLA, chunked-local attention and quantized KV other than
+    per-tensor FP8 are not served."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ConfigError("vLLM gave KVMeshConnector no KV cache group")
+    specs = [g.kv_cache_spec for g in groups]
+    for spec in specs:
+        plain = (
+            type(spec) in (FullAttentionSpec, SlidingWindowSpec)
+            and getattr(spec, "attention_chunk_size", None) is None
+            and getattr(spec, "head_size_v", spec.head_size) in (None, spec.head_size)
+            and getattr(spec, "page_size_padded", None) is None
+        )
+        if not plain:
+            raise ConfigError(
+                f"KVMeshConnector does not serve {type(spec).__name__} caches"
+                f"{' (hybrid recurrent state: not yet)' if 'Mamba' in type(spec).__name__ else ''}"
+                f": {spec}"
+            )
+    shapes = {
+        (s.block_size, s.num_kv_heads, s.head_size, s.dtype, int(getattr(s, "kv_quant_mode", 0)))
+        for s in specs
+    }
+    if len(shapes) != 1:
+        raise ConfigError(
+            f"KVMeshConnector serves KV cache groups of one page shape; these differ: {sorted(map(str, shapes))}"
+        )
+    spec = specs[0]
+    return CacheSpec(
+        num_layers=sum(len(g.layer_names) for g in groups),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        block_size=int(spec.block_size),
+        kv_dtype=kv_dtype(spec, cache_dtype),
+    )
+
+
+def kv_dtype(spec: Any, cache_dtype: str) -> str:
+    """The card's KV dtype: the model's, or vLLM's FP8 with one scale per layer for
+    K and for V (``FP8_PER_TENSOR``: the page holds FP8 values and nothing else)."""
+    mode = getattr(spec, "kv_quant_mode", 0)
+    if int(mode) == 0 and spec.dtype in DTYPES:
+        return DTYPES[spec.dtype]
+    if getattr(mode, "name", "") == "FP8_PER_TENSOR" and cache_dtype in FP8:
+        return FP8[cache_dtype]
+    raise ConfigError(
+        f"KVMeshConnector does not serve a {spec.dtype} KV cache "
+        f"(kv_cache_dtype {cache_dtype!r}, {getattr(mode, 'name', mode)})"
+    )
+
+
+def kv_scales(vllm_config: VllmConfig, names: list[str]) -> str:
+    """A digest of every layer's K and V scale, for an FP8 card's engine string: the
+    same bytes under other scales are other numbers."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    scales = [
+        (
+            float(getattr(ctx.get(n), "_k_scale_float", 1.0)),
+            float(getattr(ctx.get(n), "_v_scale_float", 1.0)),
+        )
+        for n in names
+    ]
+    return hashlib.sha256(repr(scales).encode()).hexdigest()[:12]
+
+
+def layer_windows(vllm_config: VllmConfig, names: list[str]) -> tuple[int, ...]:
+    """Each attention layer's sliding window as vLLM built the layer (0: none)."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    return tuple(int(getattr(ctx.get(n), "sliding_window", None) or 0) for n in names)
+
+
+def model_dirs(vllm_config: VllmConfig) -> tuple[Path, Path]:
+    mc = vllm_config.model_config
+    return _local_dir(mc.model, mc.revision), _local_dir(mc.tokenizer or mc.model, None)
+
+
+def _local_dir(name: str, revision: str | None) -> Path:
+    path = Path(name)
+    if path.is_dir():
+        return path
+    try:  # a hub id vLLM has already downloaded
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+    except Exception:
+        raise ConfigError(
+            f"kvmesh needs the model's files on disk to derive its card; {name!r} is not a "
+            "local directory or a downloaded hub snapshot"
+        ) from None
+
+
+def engine_name(vllm_config: VllmConfig, layer: str, kind: str, rank: int, world: int) -> str:
+    """vLLM version, platform, attention backend, page layout, model dtype, compilation,
+    and which tensor-parallel shard of the KV heads (rank of world size) the pages hold."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    ctx = vllm_config.compilation_config.static_forward_context.get(layer)
+    backend = getattr(getattr(ctx, "attn_backend", None), "get_name", lambda: "unknown")()
+    dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    mode = vllm_config.compilation_config.mode
+    return (
+        f"vllm/{vllm.__version__}/{current_platform.device_type}/{backend}/{kind}/{dtype}/"
+        f"compile={getattr(mode, 'name', mode)}/tp={rank}of{world}"
+    )
+
+
+def model_order(names: list[str]) -> list[str]:
+    """Layer names in the model's order (vLLM lists them group by group)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return sorted(names, key=extract_layer_index)
+    except (AssertionError, ValueError):  # names without one layer number: vLLM's order
+        return names
+
+
+def eligible(request: Request) -> bool:
+    """Requests whose KV is a function of the prompt's token ids alone (a cache
+    salt, when valid, only changes where their key chain starts)."""
+    salt = getattr(request, "cache_salt", None)
+    if salt is not None:
+        try:
+            check_cache_salt(salt)
+        except ValueError:
+            return False
+    return (
+        getattr(request, "lora_request", None) is None
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "prompt_embeds", None) is None
+    )
+
+
+def salt_of(request: Request) -> str | None:
+    return getattr(request, "cache_salt", None) or None
+
+
+def keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
+    """The key chain of a request with vLLM's ``cache_salt``: rooted in the namespace
+    and the salt (:func:`~kvmesh.blocks.chain_root`), so salted requests are saved
+    and found under keys no other salt (or none) shares."""
+    if salt is None:
+        return keyer
+    return keyer.rooted(chain_root(keyer.namespace, None, salt))

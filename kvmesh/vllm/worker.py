@@ -1,0 +1,474 @@
+"""The connector's worker role (one per tensor-parallel rank, in vLLM's worker
+process): its own mesh node, store and shard of the KV heads (the rank and world
+size are in the card, so shards of different layouts never mix).
+
+- an *ask* starts an acquisition on a worker thread through the shared core
+  (:mod:`kvmesh.runtime.acquire`: local store, fleet candidates, planned verified
+  fetch, next candidate on failure); its promise is answered as soon as the
+  fetch starts, the fetch goes on while vLLM allocates pages.
+- ``start_load``: verified pages are copied into the request's pages on a load
+  thread; pages that could not be had are reported so vLLM recomputes them (the
+  answer never depends on the cache). With several KV cache groups or a window
+  the whole request is failed instead (vLLM cannot map a block back there).
+- ``wait_for_save``: the prompt pages a step completed and the store lacks are
+  copied out in that step (one copy, on the model's path: a sliding window's
+  pages are freed at the next step); once the prefill is complete the chain is
+  sealed, stored and published off the path through the core's bounded slots. A
+  page vLLM no longer holds and the store lacks means nothing of that prompt is
+  published.
+- KV events: rank 0 hears its store and sends the changes in its worker metadata.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from ..blocks import PrefixKeys
+from ..codec import Block
+from ..errors import CacheMiss, ConfigError, KVMeshError
+from ..mesh.hits import PeerHit
+from . import service as services
+from .config import ConnectorSettings
+from .meta import KVMeshMetadata, KVMeshWorkerMeta, LoadSpec, SaveSpec, ids_of, page_ids
+from .pages import FP8, CacheSpec, Pages, check_position, model_card, page_layout
+from .spec import engine_name, keyer_for, kv_scales, layer_windows, model_dirs, model_order
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvmesh.vllm")
+IDLE_YIELD_S = 0.002
+MAX_ACQUISITIONS = 256  # requests a worker may be acquiring pages for at once
+# page copies a worker holds for prompts whose prefill is not complete; a prompt
+# that would go past it is not published (counted ``save_dropped``)
+MAX_PENDING_BYTES = 1 << 30
+
+
+@dataclass
+class Acquisition:
+    """Where one prompt's pages come from on this rank: the local store's chain,
+    then verified pages fetched from a peer (by page index)."""
+
+    keys: PrefixKeys
+    local: tuple[Block, ...] = ()
+    pages: int = 0  # pages promised to the scheduler
+    fetched: dict[int, Block] = field(default_factory=dict)
+    source: str = "none"  # local | remote | none
+    peer: str = ""
+    fallback: str | None = None
+    done: concurrent.futures.Future[None] | None = None
+    index: dict[bytes, int] = field(default_factory=dict)  # page key -> page index
+
+    def __post_init__(self) -> None:
+        self.index = {k: i for i, k in enumerate(self.keys.blocks)}
+
+    def block(self, i: int) -> Block | None:
+        return self.local[i] if i < len(self.local) else self.fetched.get(i)
+
+    def add(self, blk: Block) -> None:
+        """The fetch's sink: a verified block, placed by its key."""
+        i = self.index.get(blk.key)
+        if i is not None:
+            self.fetched[i] = blk
+
+
+@dataclass
+class _Pending:
+    """A worker's copies of one prompt's pages, until its prefill is complete."""
+
+    have: tuple[Block, ...]  # the chain's start, already in the local store
+    copies: list[tuple[bytearray, object]] = field(default_factory=list)
+    broken: bool = False  # a page could not be had: nothing of it is published
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(blob) for blob, _ in self.copies)
+
+    @property
+    def next_page(self) -> int:
+        return len(self.have) + len(self.copies)
+
+
+class KVMeshWorker:
+    """The worker role: finds, fetches, loads and saves this rank's shard of every
+    page. The mesh service starts once vLLM registers its cache tensors."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        settings: ConnectorSettings,
+        cache_spec: CacheSpec,
+        tp: int,
+        events: bool,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self.settings = settings
+        self.cache_spec = cache_spec
+        self.block_size = cache_spec.block_size
+        self.tp = tp
+        self._events_on = events
+        self._lock = threading.Lock()
+        self.svc: services.MeshService | None = None
+        self.rank = 0
+        self.pages: Pages | None = None
+        self._acqs: dict[str, Acquisition] = {}
+        self._answers: dict[str, int] = {}  # to report: req -> pages promised
+        self._reports: dict[str, dict[str, Any]] = {}  # to report: req -> load result
+        self._done: dict[str, list[int]] = {}  # finished loads -> block ids that failed
+        self._pending: dict[str, _Pending] = {}  # prompts being saved, page by page
+        self._pending_bytes = 0  # their copies' bytes, at most MAX_PENDING_BYTES
+        self._errors: set[int] = set()
+        self._t_bind = 0.0
+        self._inflight = 0  # acquisitions and loads not finished
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+        )
+
+        group_of = {
+            n: g
+            for g, grp in enumerate(self._kv_cache_config.kv_cache_groups)
+            for n in grp.layer_names
+        }
+        names = model_order(list(group_of))  # one card whichever groups vLLM formed
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"vLLM registered no cache for layers {missing[:3]}")
+        tensors = [kv_caches[n] for n in names]
+        self.cache_spec = dataclasses.replace(
+            self.cache_spec, windows=layer_windows(self._vllm_config, names)
+        )
+        probe = model_card(
+            *model_dirs(self._vllm_config),
+            self.cache_spec,
+            engine="probe",
+            quantization=str(self._vllm_config.model_config.quantization or "none"),
+        )
+        kind = page_layout(tensors, probe)  # checks every tensor against the card
+        self.rank = int(get_tensor_model_parallel_rank()) if self.tp > 1 else 0
+        engine = engine_name(self._vllm_config, names[0], kind, self.rank, self.tp)
+        if self.cache_spec.kv_dtype in FP8.values():
+            engine += f"/kv_scales={kv_scales(self._vllm_config, names)}"
+        card = dataclasses.replace(probe, engine=engine)
+        self.pages = Pages(card, tensors, [group_of[n] for n in names])
+        cfg = self.settings.node_config(self.rank, self.tp)
+        self.svc = services.MeshService(
+            self.settings, card, cfg, events=self._events_on and self.rank == 0
+        )
+
+    def bind(self, connector_metadata: KVMeshMetadata) -> None:
+        """This step's metadata: drops forgotten, asks started (they overlap the forward)."""
+        self._t_bind = time.perf_counter()
+        svc = self._require_svc()
+        with self._lock:
+            for req_id in connector_metadata.drops:
+                acq = self._acqs.pop(req_id, None)
+                if acq is not None and acq.done is not None:
+                    acq.done.cancel()
+                pending = self._pending.pop(req_id, None)
+                if pending is not None:  # ended before its prefill completed
+                    self._forget(pending)
+            for ask in connector_metadata.asks:  # started before the forward: it overlaps
+                if ask.req_id in self._acqs:
+                    continue
+                if len(self._acqs) >= MAX_ACQUISITIONS:
+                    svc.count("acquire_dropped")
+                    self._answers[ask.req_id] = 0
+                    continue
+                keys = keyer_for(svc.keyer, ask.salt).keys(ask.tokens)
+                acq = self._acqs[ask.req_id] = Acquisition(keys)
+                self._inflight += 1
+                acq.done = svc.acquires.submit(self._acquire, ask.req_id, acq)
+
+    def start_load(self, meta: KVMeshMetadata) -> None:
+        for spec in meta.loads:
+            with self._lock:
+                self._inflight += 1
+            self._require_svc().loads.submit(self._load, spec)
+
+    def wait_for_save(self, meta: KVMeshMetadata) -> None:
+        """After the forward: the prefill rate observed, this step's pages saved."""
+        svc = self._require_svc()
+        if meta.step_tokens:
+            svc.planner.observe_prefill(meta.step_tokens, time.perf_counter() - self._t_bind)
+        elif self._inflight:
+            # an idle step while pages are found or arrive: vLLM steps again at once;
+            # give the acquisition threads the interpreter instead of spinning
+            time.sleep(IDLE_YIELD_S)
+        for spec in meta.saves:
+            try:
+                self._save(spec)
+            except Exception as e:  # a save never fails a request
+                log.warning("save of %s failed: %r", spec.req_id, e)
+                svc.count("save_failed")
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """Finished loads. A failed page is reported as its block ids (vLLM recomputes
+        from the first) on a cache of one full-attention group; with several groups
+        or a window vLLM cannot map block ids back (or would compute over pages the
+        window already dropped), so the whole request is failed and recomputed."""
+        with self._lock:
+            done, self._done = self._done, {}
+            failed = {r for r, bad in done.items() if bad}
+            if self._request_level_failures():
+                return KVConnectorTransferResults(finished_recving=set(done), failed_recving=failed)
+            for bad in done.values():
+                self._errors.update(bad)
+        return KVConnectorTransferResults(finished_recving=set(done))
+
+    def _request_level_failures(self) -> bool:
+        assert self.pages is not None
+        return len(set(self.pages.groups)) > 1 or any(self.cache_spec.layer_windows())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._errors = self._errors, set()
+        return out
+
+    def build_worker_meta(self) -> KVMeshWorkerMeta | None:
+        with self._lock:
+            answers, self._answers = self._answers, {}
+            reports, self._reports = self._reports, {}
+        svc = self._require_svc()
+        events, dropped = svc.take_events()
+        if not answers and not reports and not events and not dropped:
+            return None
+        return KVMeshWorkerMeta(
+            {r: {self.rank: n} for r, n in answers.items()},
+            {r: {self.rank: rep} for r, rep in reports.items()},
+            {self.rank: [svc.card.engine, svc.card.namespace_hex]},
+            [events] if events else [],
+            dropped,
+        )
+
+    def shutdown(self) -> None:
+        if self.svc is not None:
+            svc, self.svc = self.svc, None
+            svc.close()
+
+    def _require_svc(self) -> services.MeshService:
+        if self.svc is None:
+            raise RuntimeError("kvmesh: no cache registered yet")
+        return self.svc
+
+    # -- acquisitions (a worker thread per request) ------------------------------
+
+    def _acquire(self, req_id: str, acq: Acquisition) -> None:
+        """Local store, then the fleet through the shared acquisition core; the
+        promise (pages) goes to the scheduler as soon as it is known."""
+        svc = self._require_svc()
+        try:
+            self._find(svc, req_id, acq)
+        except Exception as e:  # the cache never decides correctness
+            log.info("acquisition for %s failed: %r", req_id, e)
+            svc.count("lookup_errors:error")
+        finally:
+            with self._lock:
+                if req_id not in self._answers and acq.pages == 0:
+                    self._answers[req_id] = 0
+                self._inflight -= 1
+
+    def _answer(self, req_id: str, acq: Acquisition, pages: int) -> None:
+        with self._lock:
+            acq.pages = pages
+            self._answers[req_id] = pages
+
+    def _find(self, svc: services.MeshService, req_id: str, acq: Acquisition) -> None:
+        want = len(acq.keys.blocks)
+        local = svc.acquirer.local(acq.keys)
+        acq.local = local.blocks[:want]
+        have = len(acq.local)
+        if have:
+            acq.source = "local"
+        if have >= want:
+            self._answer(req_id, acq, have)
+            return
+        found = svc.acquirer.candidates(svc.card, acq.keys, have * self.block_size)
+        svc.count("lookup_us", round(found.lookup_s * 1e6))
+        hits = [_capped(h, want, self.block_size) for h in found.hits]
+        hits = [h for h in hits if h.tokens > have * self.block_size]
+        if not hits:
+            svc.count(
+                "lookup_misses" if found.fallback is None else f"lookup_errors:{found.fallback}"
+            )
+            self._answer(req_id, acq, have)
+            return
+
+        def started(hit: PeerHit) -> None:
+            if acq.source != "remote":  # the first candidate: the promise
+                acq.source, acq.peer = "remote", hit.alias
+                svc.count("remote_hits")
+                self._answer(req_id, acq, len(hit.blocks))
+
+        budget = svc.acquirer.budget(want * self.block_size) - found.lookup_s
+        done = svc.acquirer.fetch(
+            svc.layout, hits, local, have, have * self.block_size, budget, lambda h: acq, started
+        )
+        acq.fallback = done.fallback
+        if acq.source != "remote":
+            svc.count(
+                "planned_compute" if done.fallback is None else f"fetch_failed:{done.fallback}"
+            )
+            self._answer(req_id, acq, have)
+
+    # -- loads -----------------------------------------------------------------
+
+    def _load(self, spec: LoadSpec) -> None:
+        """Fill the request's pages from its acquisition; report the pages that failed."""
+        svc = self._require_svc()
+        failed = ids_of(spec.block_ids, spec.first_page, spec.pages)
+        report: dict[str, Any] = {"loaded": 0}
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                acq = self._acqs.get(spec.req_id)
+            if acq is None:
+                raise CacheMiss("no pages found for this request")
+            report.update(source=acq.source, peer=acq.peer)
+            if acq.done is not None:
+                # a failed fetch recorded its reason; its verified prefix is still used
+                with contextlib.suppress(Exception):
+                    acq.done.result(timeout=svc.fleet.fetch_deadline + 5)
+            t1 = time.perf_counter()
+            svc.count("load_wait_ms", round((t1 - t0) * 1000))
+            blocks = self._contiguous(svc, acq, spec)
+            page = iter(range(spec.first_page, spec.pages))
+            assert self.pages is not None
+            pages = self.pages
+            loaded = 0
+
+            def copy(blk: Block) -> None:
+                nonlocal loaded
+                i = next(page)
+                pages.copy_in(blk, page_ids(spec.block_ids, i))
+                loaded += 1
+                done = set(ids_of(spec.block_ids, i, i + 1))
+                failed[:] = [b for b in failed if b not in done]
+
+            try:
+                svc.acquirer.imported(blocks, copy)
+            finally:
+                report["loaded"] = loaded
+                svc.count("pages_loaded", report["loaded"])
+                svc.count("copy_in_ms", round((time.perf_counter() - t1) * 1000))
+            if failed:
+                report["fallback"] = acq.fallback or "missing"
+                svc.count(f"load_fallback:{report['fallback']}")
+        except Exception as e:  # the cache never decides correctness
+            log.info("load for %s failed: %r", spec.req_id, e)
+            report["fallback"] = e.reason if isinstance(e, KVMeshError) else "error"
+            svc.count(f"load_failed:{report['fallback']}")
+        with self._lock:
+            self._done[spec.req_id] = failed
+            self._reports[spec.req_id] = report
+            self._inflight -= 1
+
+    def _contiguous(
+        self, svc: services.MeshService, acq: Acquisition, spec: LoadSpec
+    ) -> list[Block]:
+        """The verified pages [first_page, pages) up to the first missing one, each
+        checked to sit where its key says."""
+        out = []
+        for i in range(spec.first_page, spec.pages):
+            blk = acq.block(i)
+            if blk is None:
+                break
+            check_position(blk, svc.keyer, acq.keys, i)
+            out.append(blk)
+        return out
+
+    # -- saves -----------------------------------------------------------------
+
+    def _save(self, spec: SaveSpec) -> None:
+        """Copy this step's new pages of a prompt (the one copy on the model's path);
+        once its prefill is complete, seal, store and publish the chain off the path."""
+        svc = self._require_svc()
+        assert self.pages is not None
+        pages = self.pages
+        keys = keyer_for(svc.keyer, spec.salt).keys(spec.tokens)
+        p = self._pending.get(spec.req_id)
+        if p is None:
+            have = svc.fleet.local_prefix(keys).blocks[: len(keys.blocks)]
+            if spec.final and len(have) >= len(keys.blocks):
+                return  # every page already held
+            p = self._pending[spec.req_id] = _Pending(tuple(have))
+        try:
+            if not p.broken:
+                self._copy_pages(svc, pages, keys, spec, p)
+        except Exception:
+            self._abandon(svc, p, None)  # counted by wait_for_save
+            raise
+        finally:
+            if spec.final:
+                del self._pending[spec.req_id]
+                self._forget(p)
+        # a slot only now (never held across steps); none free is counted publish_dropped
+        if spec.final and not p.broken and p.copies and svc.publisher.reserve():
+            self._publish(svc, pages, p)
+
+    def _copy_pages(
+        self, svc: services.MeshService, pages: Pages, keys: PrefixKeys, spec: SaveSpec, p: _Pending
+    ) -> None:
+        end = spec.first + min((len(g) for g in spec.block_ids), default=0)
+        if p.next_page < spec.first:  # pages neither held nor copied: no chain
+            self._abandon(svc, p, "save_gap")
+            return
+        t0 = time.perf_counter()
+        for i in range(p.next_page, min(end, len(keys.blocks))):
+            ids = page_ids(spec.block_ids, i, spec.first)
+            if None in ids:  # behind a window, from vLLM's own cache: gone
+                self._abandon(svc, p, "save_gap")
+                return
+            if self._pending_bytes + pages.page_bytes > MAX_PENDING_BYTES:
+                self._abandon(svc, p, "save_dropped")
+                return
+            p.copies.append(pages.copy_out(svc.keyer, keys, i, ids))
+            self._pending_bytes += len(p.copies[-1][0])
+        svc.count("copy_out_us", round((time.perf_counter() - t0) * 1e6))
+
+    def _abandon(self, svc: services.MeshService, p: _Pending, reason: str | None) -> None:
+        """A page of the chain cannot be had: nothing of this prompt is published."""
+        p.broken = True
+        self._forget(p)
+        if reason:
+            svc.count(reason)
+
+    def _forget(self, p: _Pending) -> None:
+        """Stop counting ``p``'s copies against the pending budget (a broken prompt's
+        are dropped now; a complete one's go on to be sealed)."""
+        self._pending_bytes -= p.nbytes
+        if p.broken:
+            p.copies.clear()
+
+    def _publish(self, svc: services.MeshService, pages: Pages, p: _Pending) -> None:
+        """Seal, store and publish ``p``'s chain in a slot reserved for it."""
+
+        def chains() -> list[list[Block]]:
+            t1 = time.perf_counter()
+            sealed = [pages.seal(blob, header) for blob, header in p.copies]
+            svc.count("seal_us", round((time.perf_counter() - t1) * 1e6))
+            return [list(p.have) + sealed]  # kept here, then sent to the peers
+
+        svc.publisher.submit(chains, "pages_published")
+
+    # ==========================================================================
+
+
+def _capped(hit: PeerHit, pages: int, block_size: int) -> PeerHit:
+    """A hit cut to the pages asked for (never the tail: vLLM computes the last token)."""
+    n = min(len(hit.blocks), pages)
+    return dataclasses.replace(hit, blocks=hit.blocks[:n], tail=None, tokens=n * block_size)
