@@ -21,7 +21,7 @@ from _common import demo_card, fake_engine, random_state, run_main
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import decode_block
-from kvmesh.engine.base import Engine
+from kvmesh.engine.base import EngineBase
 from kvmesh.store import BlockStore
 
 REPS = [5]  # best of; 1 in --smoke
@@ -41,9 +41,9 @@ def measure(block_tokens: int, n_tokens: int) -> dict[str, float]:
     eng = fake_engine(card)
     state = random_state(card, n_tokens)
     keyer = BlockKeyer(card.namespace, block_tokens)
-    blocks = Engine.export(eng, state, keyer)  # type: ignore[arg-type]
+    blocks = EngineBase.export(eng, state, keyer)  # type: ignore[arg-type]
     nbytes = sum(b.nbytes for b in blocks)
-    enc = _best(lambda: Engine.export(eng, state, keyer))  # type: ignore[arg-type]
+    enc = _best(lambda: EngineBase.export(eng, state, keyer))  # type: ignore[arg-type]
     dec = _best(lambda: [decode_block(b.blob, eng.layout, b.digest) for b in blocks])
     imp = _best(lambda: eng._import(blocks, n_tokens))
     store = BlockStore(1 << 32)

@@ -232,7 +232,7 @@ def test_n_sequences_batched_each_its_own_matcher(kind):
 def test_a_grammar_that_fails_fails_its_request_alone(monkeypatch):
     """Compiled in the caller's thread at submit (its error is the caller's); a
     decoder that still fails on the engine thread fails its job, not the engine."""
-    from kvmesh.engine import base
+    from kvmesh.engine import decode
     from kvmesh.runtime import batch
     from kvmesh.runtime.head import HeadRuntime
 
@@ -253,7 +253,7 @@ def test_a_grammar_that_fails_fails_its_request_alone(monkeypatch):
             def broken(tokenizer, spec):
                 raise RuntimeError("broken on the engine thread")
 
-            mp.setattr(base, "compile_grammar", broken)
+            mp.setattr(decode, "compile_grammar", broken)
             with pytest.raises(RuntimeError, match="broken on the engine thread"):
                 h.complete(prompt(), Sampling(max_tokens=4, n=2, grammar=spec))
         assert h.batch.failure is None

@@ -1,7 +1,9 @@
 """Engine adapters: prefill, export / import KV at a prefix, decode.
 
-The engine layer knows nothing of the network. A new engine is one new module
-implementing :class:`~kvmesh.engine.base.Engine`; :func:`load_engine` picks one.
+The engine layer knows nothing of the network. The runtime sees an
+:class:`~kvmesh.engine.protocol.Engine`; a backend is an
+:class:`~kvmesh.engine.base.EngineBase` subclass named in
+:mod:`kvmesh.engine.registry`, which :func:`load_engine` consults.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from typing import Any
 
 from ..blocks import DEFAULT_BLOCK_TOKENS
 from ..errors import ConfigError
-from .base import Decoded, Engine, KVState, Sampling, TokenLogprob
+from . import registry
+from .decode import Decoded, Decoder, Sampling, TokenLogprob
+from .protocol import PREFILL_CHUNK, Engine
+from .state import Importer, KVState
 
-ENGINES = ("torch", "mlx")
+ENGINES = registry.names()
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -27,17 +32,16 @@ def pick_device(
 ) -> str | None:
     """The device ``engine`` runs on: ``auto`` is CUDA when available, else MPS,
     else the CPU. A device that is not there is a :class:`ConfigError` that says
-    so. mlx picks Metal or the CPU itself: None, and any other request is an error.
+    so. A backend that picks its device itself (mlx): None, and any other request
+    is an error.
     ``cuda`` / ``mps`` say whether those are available (default: ask torch)."""
     kind, _, index = device.partition(":")  # torch's cuda:1 is cuda too
     if kind not in DEVICES or (index and (kind != "cuda" or not index.isdigit())):
         raise ConfigError(f"unknown device {device!r}; choose from {DEVICES}")
-    if engine == "mlx":
+    why = registry.backend(engine).own_device
+    if why is not None:
         if device != "auto":
-            raise ConfigError(
-                f"--device {device} does not apply to the mlx engine: mlx runs on Metal where "
-                "there is one, else on the CPU (use --device auto)"
-            )
+            raise ConfigError(f"--device {device} does not apply to the {engine} engine: {why}")
         return None
     if cuda is None or mps is None:
         import torch
@@ -58,11 +62,9 @@ def pick_dtype(dtype: str = "auto", engine: str = "torch") -> str | None:
     float32 on the CPU, the checkpoint's dtype on a GPU; mlx: the checkpoint's)."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose from {DTYPES}")
-    if engine == "mlx" and dtype != "auto":
-        raise ConfigError(
-            f"--dtype {dtype} is not supported by the mlx engine: it runs the checkpoint's dtype "
-            "(convert the model with mlx_lm.convert --dtype instead)"
-        )
+    why = registry.backend(engine).own_dtype
+    if why is not None and dtype != "auto":
+        raise ConfigError(f"--dtype {dtype} is not supported by the {engine} engine: {why}")
     return None if dtype == "auto" else dtype
 
 
@@ -87,37 +89,31 @@ def load_engine(
     not take is a TypeError."""
     from .demo import resolve_model
 
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
+    backend = registry.backend(engine)
     if deterministic_grid:
         from .deterministic import check
 
         check(engine, deterministic_grid, block_tokens or DEFAULT_BLOCK_TOKENS)
-    where = pick_device(device, engine) if device else None
-    weights = pick_dtype(dtype, engine) if dtype else None
+        kwargs["deterministic_grid"] = deterministic_grid
+    if device and (where := pick_device(device, engine)):
+        kwargs["device"] = where
+    if dtype and (weights := pick_dtype(dtype, engine)):
+        kwargs["dtype"] = weights
     path = resolve_model(model, progress)
-    if engine == "torch":
-        from .hf import TransformersEngine
-
-        return TransformersEngine(
-            path,
-            block_tokens=block_tokens,
-            device=where or "cpu",
-            dtype=weights,
-            deterministic_grid=deterministic_grid,
-            **kwargs,
-        )
-    from .mlx import MLXEngine
-
-    return MLXEngine(path, block_tokens=block_tokens, **kwargs)
+    engine_class = backend.engine_class()
+    loaded: Engine = engine_class(path, block_tokens=block_tokens, **kwargs)
+    return loaded
 
 
 __all__ = [
     "DEVICES",
     "DTYPES",
     "ENGINES",
+    "PREFILL_CHUNK",
     "Decoded",
+    "Decoder",
     "Engine",
+    "Importer",
     "KVState",
     "Sampling",
     "TokenLogprob",

@@ -48,11 +48,9 @@ _rows = threading.local()  # .lengths: per row of a batched decode step, its pos
 
 def check(engine: str, grid: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
     """A :class:`ConfigError` unless ``engine`` can run deterministic on ``grid``."""
-    if engine != "torch":
-        raise ConfigError(
-            "--deterministic runs on the torch engine: mlx picks its kernels (and their "
-            "reduction order) by shape, which kvmesh cannot hold fixed"
-        )
+    from .registry import check_deterministic
+
+    check_deterministic(engine)
     if grid < block_tokens or grid % block_tokens:
         raise ConfigError(
             f"--deterministic-grid {grid}: must be a positive multiple of the block size "

@@ -80,9 +80,12 @@ from ..codec import Block, Layout
 from ..compat import LayerGeometry, kv_quant_params
 from ..errors import CacheMiss, CannotRestore, ConfigError
 from . import deterministic as det
-from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
+from .base import EngineBase
 from .compiled import streamed_linear
+from .decode import Sampling
+from .geometry import CacheGeometry, card_from_hf_dir
 from .sampling import distribution, greedy, safe_temperature
+from .state import Importer, KVState
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
@@ -622,7 +625,7 @@ class _Batch:
             self.caches.append(own)
 
 
-class TransformersEngine(Engine):
+class TransformersEngine(EngineBase):
     name = "torch"
 
     def __init__(

@@ -83,8 +83,11 @@ from ..blocks import DEFAULT_BLOCK_TOKENS, split_at
 from ..codec import Block, Layout
 from ..compat import LayerGeometry, kv_quant_name
 from ..errors import CacheMiss, CannotRestore, ConfigError
-from .base import CacheGeometry, Engine, Importer, KVState, Sampling, card_from_hf_dir
+from .base import EngineBase
+from .decode import Sampling
+from .geometry import CacheGeometry, card_from_hf_dir
 from .sampling import distribution, greedy
+from .state import Importer, KVState
 
 # wire dtype name -> NumPy buffer dtype (bfloat16 as raw 16-bit words)
 _NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32}
@@ -372,7 +375,7 @@ def _submodules(model: Any) -> list[Any]:
     return [m for m in out if m is not None]
 
 
-class MLXEngine(Engine):
+class MLXEngine(EngineBase):
     name = "mlx"
 
     def __init__(

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import Engine, TokenLogprob
+from .decode import TokenLogprob
+from .protocol import Engine
 
 SCORE_CHUNK = 512  # positions per forward: bounds the logits held at once
 

@@ -1,0 +1,136 @@
+"""What the runtime needs of an engine: a tokenizer, a card, prefill (from
+imported blocks or a live state), decode steps, sampling, and export of a
+state's cached positions as blocks.
+
+An engine is not thread-safe: its caller serializes every call but
+:meth:`Engine.importer`'s ``add``. :class:`~kvmesh.engine.base.EngineBase` implements
+all of this over a few per-backend hooks; :mod:`kvmesh.engine.registry` names the
+backends :func:`kvmesh.engine.load_engine` can load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..blocks import BlockKeyer, PrefixKeys
+from ..codec import Block, Layout
+from ..compat import CompatCard
+from .decode import Decoded, Sampling, TokenLogprob
+from .state import Importer, KVState
+
+PREFILL_CHUNK = 512  # tokens per prefill forward while other sequences are decoding
+
+
+class Engine(Protocol):
+    """A loaded model: its card and tokenizer, prefill, decode and export."""
+
+    name: str  # the backend's registry name
+    card: CompatCard
+    layout: Layout
+    tokenizer: Any  # a Hugging Face tokenizer, or one with the same methods
+    eos_ids: frozenset[int]
+    # why this model's cache cannot be exported or restored exactly; None when it can
+    reuse_off: str | None
+
+    # -- text ------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """A completion prompt's ids, with the tokenizer's own special tokens."""
+        ...
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A chat's ids: the chat template alone decides special tokens."""
+        ...
+
+    def decode_text(self, tokens: Sequence[int]) -> str: ...
+
+    # -- prefill ---------------------------------------------------------------
+
+    def importer(self, n_tokens: int) -> Importer:
+        """An empty KV buffer for positions [0, n_tokens) that blocks are copied into."""
+        ...
+
+    def begin_prefill(
+        self, tokens: Sequence[int], prefix: Sequence[Block] = (), imported: Importer | None = None
+    ) -> KVState:
+        """The state of ``tokens`` with ``prefix`` imported, before its suffix is
+        computed (:meth:`prefill_batch`)."""
+        ...
+
+    def begin_resume(self, state: KVState, keep: int, tokens: Sequence[int]) -> KVState:
+        """:meth:`begin_prefill` from the first ``keep`` cached positions of ``state``."""
+        ...
+
+    def prefill_batch(self, states: Sequence[KVState], chunks: Sequence[int]) -> None:
+        """Compute the next ``chunks[i]`` prompt tokens of each ``states[i]``."""
+        ...
+
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        prefix: Sequence[Block] = (),
+        imported: Importer | None = None,
+        between: Callable[[], None] | None = None,
+        chunk: int = PREFILL_CHUNK,
+    ) -> KVState:
+        """:meth:`begin_prefill` then every chunk of the suffix: a whole state."""
+        ...
+
+    # -- decode ----------------------------------------------------------------
+
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`decode_batch` runs several sequences in one forward."""
+        ...
+
+    def decode_batch(self, states: Sequence[KVState]) -> None:
+        """Forward each state's one pending token (the one its decoder just sampled)."""
+        ...
+
+    def generate(
+        self, state: KVState, sampling: Sampling, out: Decoded | None = None
+    ) -> Iterator[int]:
+        """Decode one sequence locally; ``state`` ends holding all of it."""
+        ...
+
+    def fork(self, state: KVState) -> KVState:
+        """An independent copy of a live state (``n`` sequences from one prefill)."""
+        ...
+
+    def detach(self, state: KVState) -> None:
+        """Make ``state`` own its tensors once it leaves a batch."""
+        ...
+
+    def new_rng(self, seed: int | None) -> Any: ...
+
+    def sample(
+        self,
+        logits: Any,
+        sampling: Sampling,
+        rng: Any,
+        counts: Mapping[int, int] | None = None,
+        allowed: np.ndarray | None = None,
+    ) -> int:
+        """The next token from ``logits``: ``counts`` penalized when ``sampling`` has a
+        penalty, tokens outside ``allowed`` (a grammar's mask) never chosen."""
+        ...
+
+    def logprob(self, logits: Any, token: int, top: int) -> TokenLogprob:
+        """``token``'s logprob under the raw ``logits`` and the ``top`` most likely."""
+        ...
+
+    # -- export ----------------------------------------------------------------
+
+    def export(
+        self,
+        state: KVState,
+        keyer: BlockKeyer,
+        keys: PrefixKeys | None = None,
+        first_block: int = 0,
+    ) -> list[Block]:
+        """Blocks of ``state``'s cached positions from ``first_block`` on, then its
+        tail; none with reuse off."""
+        ...
