@@ -20,7 +20,6 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,54 +27,12 @@ if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
     from ..engine import Engine
     from ..mesh.node import NodeConfig, NodeThread
 
-from ..engine.base import PREFILL_CHUNK
+from .head_options import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS  # re-exported
+from .head_options import HeadOptions as HeadOptions  # re-exported
 
 log = logging.getLogger("kvmesh.head")
 
 SWITCH_INTERVAL_S = 0.0005
-DEFAULT_MAX_TOKENS = 1024  # a generous answer; a longer one is asked for with max_tokens
-
-
-@dataclass
-class HeadOptions:
-    model: str = "demo"
-    engine: str = "torch"
-    listen: str = "127.0.0.1:8000"
-    publish: bool = True
-    api_key_file: str | None = None
-    max_sessions: int = 8
-    served_model_names: tuple[str, ...] = ()
-    max_tokens_default: int | None = DEFAULT_MAX_TOKENS  # None: the rest of the context
-    tool_call_parser: str = "auto"  # see kvmesh.api.tools.PARSER_CHOICES
-    audit_rate: float = 0.0
-    max_queue: int = 64
-    max_body_bytes: int = 4 << 20
-    api_key_scope: str = "admin"
-    http_tls_cert: str | None = None
-    http_tls_key: str | None = None
-    device: str = "auto"  # auto | cpu | cuda | mps (torch; mlx picks its own)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    block_digest: str = "blake3"  # blake3 | sha256: part of the card
-    deterministic_grid: int = 0  # > 0: deterministic mode on this prefill grid (tokens)
-    max_batch: int = 8  # sequences decoded together
-    kv_budget_bytes: int | None = None  # KV the running sequences may hold (None: no cap)
-    prefill_chunk: int = PREFILL_CHUNK  # most prompt tokens one request computes in one forward
-    tenant_header: str | None = None  # tenants: see kvmesh.api.credentials
-    shared_tenants: tuple[str, ...] = ()
-    tenant_secret_file: str | None = None
-    tenant_budget_bytes: int | None = None
-    admin_key_file: str | None = None  # roles: see kvmesh.api.credentials
-    gateway_key_file: str | None = None
-    exact_reuse_by_address: bool = False
-    forwarded_allow_ips: str | None = None  # proxies whose X-Forwarded-* count (None: none)
-
-    def model_names(self) -> tuple[str, tuple[str, ...]]:
-        """(canonical name, accepted aliases): the first ``--served-model-name``,
-        else the model directory's name (vLLM lists ``--model`` as given, but a
-        local path is not for public eyes); ``--model`` as given is accepted too."""
-        given = self.model.rstrip("/") or self.model
-        names = (*self.served_model_names, Path(given).name, given)
-        return names[0], tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))
 
 
 def bind(listen: str) -> socket.socket:

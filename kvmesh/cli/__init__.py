@@ -10,6 +10,7 @@ library's own configs, e.g. :func:`kvmesh.mesh.settings.node_from`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -35,6 +36,7 @@ from .options import (
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from ..api.head_options import HeadOptions
     from ..demo import LocalResult
 
 
@@ -221,7 +223,6 @@ def peer(
 ) -> None:
     """Run a cache-only node: stores blocks, serves lookups and fetches, gossips."""
     import asyncio
-    import dataclasses
 
     from ..mesh.peer import run_peer
     from ..mesh.settings import node_from
@@ -276,106 +277,45 @@ def _pair(head_url: str, token: str, alias: str) -> _Pairing:
 
 @main.command()
 @head_options
-def head(
-    model: str,
-    engine: str,
-    device: str,
-    dtype: str,
-    block_digest: str,
-    deterministic: bool,
-    deterministic_grid: int,
-    listen: str,
-    api_key_file: str | None,
-    admin_key_file: str | None,
-    gateway_key_file: str | None,
-    tenant_header: str | None,
-    forwarded_allow_ips: str | None,
-    exact_reuse_by_address: bool,
-    shared_tenant: tuple[str, ...],
-    tenant_secret_file: str | None,
-    tenant_budget: str | None,
-    no_publish: bool,
-    served_model_name: tuple[str, ...],
-    max_tokens_default: int | None,
-    tool_call_parser: str,
-    audit_rate: float,
-    api_key_scope: str,
-    max_batch: int,
-    kv_budget: str,
-    max_sessions: int,
-    prefill_chunk: int,
-    max_queue: int,
-    max_body_bytes: str,
-    http_tls_cert: str | None,
-    http_tls_key: str | None,
-    verbose: bool,
-    **node: object,
-) -> None:
+def head(verbose: bool, **given: object) -> None:
     """Serve the OpenAI-compatible API with prefill from the mesh; decode stays local."""
     from ..api.server import HeadOptions, run_head
     from ..mesh.settings import node_from
-    from ..units import parse_size
 
     _logging(verbose)
-    if bool(http_tls_cert) != bool(http_tls_key):
+    opts = _checked_head(HeadOptions.from_values(given))
+    with _usage_errors():
+        cfg = node_from(given, ("head", "cache"))
+    run_head(opts, cfg)
+
+
+def _checked_head(opts: HeadOptions) -> HeadOptions:
+    """``opts`` checked now, before the model loads (a usage error naming the flag),
+    with ``auto`` resolved to the device the engine will run on."""
+    if bool(opts.http_tls_cert) != bool(opts.http_tls_key):
         raise click.UsageError("--http-tls-cert and --http-tls-key go together")
-    if api_key_scope == "all" and not (api_key_file or admin_key_file or gateway_key_file):
+    keys = (opts.api_key_file, opts.admin_key_file, opts.gateway_key_file)
+    if opts.api_key_scope == "all" and not any(keys):
         raise click.UsageError("--api-key-scope all needs --api-key-file")
-    if tenant_header and not gateway_key_file:
+    if opts.tenant_header and not opts.gateway_key_file:
         raise click.UsageError(
             "--tenant-header is honoured only from a gateway that proves it: give --gateway-key-file"
         )
     with _usage_errors():  # a device that is not there is a clear error now, not at load
-        pick_dtype(dtype, engine)
-        device = pick_device(device, engine) or device
-        if deterministic:
-            check_deterministic(engine, deterministic_grid)
-    tenant_cap = _tenant_options(api_key_file, tenant_header, shared_tenant, tenant_budget)
-    _role_keys(api_key_file, admin_key_file, gateway_key_file)
-    if tenant_secret_file:
+        pick_dtype(opts.dtype, opts.engine)
+        device = pick_device(opts.device, opts.engine) or opts.device
+        if opts.deterministic:
+            check_deterministic(opts.engine, opts.deterministic_grid)
+    _tenant_options(opts.api_key_file, opts.tenant_header, opts.shared_tenant)
+    _role_keys(*keys)
+    if opts.tenant_secret_file:
         from ..api.credentials import KeyFileError, head_secret
 
         try:
-            head_secret(tenant_secret_file)  # made now when missing: a bad path fails here
+            head_secret(opts.tenant_secret_file)  # made now when missing: a bad path fails here
         except KeyFileError as e:
             raise click.BadParameter(str(e), param_hint="--tenant-secret-file") from None
-    with _usage_errors():
-        cfg = node_from(node, ("head", "cache"))
-    run_head(
-        HeadOptions(
-            model=model,
-            engine=engine,
-            device=device,
-            dtype=dtype,
-            block_digest=block_digest,
-            deterministic_grid=deterministic_grid if deterministic else 0,
-            listen=listen,
-            publish=not no_publish,
-            api_key_file=api_key_file,
-            served_model_names=served_model_name,
-            max_tokens_default=max_tokens_default or None,  # 0: no cap
-            tool_call_parser=tool_call_parser,
-            audit_rate=audit_rate,
-            max_queue=max_queue,
-            max_batch=max_batch,
-            kv_budget_bytes=parse_size(kv_budget),
-            prefill_chunk=prefill_chunk,
-            max_sessions=max_sessions,
-            max_body_bytes=parse_size(max_body_bytes),  # sizes are checked by their options
-            api_key_scope=api_key_scope,
-            http_tls_cert=http_tls_cert,
-            http_tls_key=http_tls_key,
-            tenant_header=tenant_header,
-            shared_tenants=shared_tenant,
-            tenant_secret_file=tenant_secret_file,
-            tenant_budget_bytes=tenant_cap,
-            admin_key_file=admin_key_file,
-            gateway_key_file=gateway_key_file,
-            exact_reuse_by_address=exact_reuse_by_address,
-            forwarded_allow_ips=forwarded_allow_ips,
-        ),
-        cfg,
-    )
+    return dataclasses.replace(opts, device=device)
 
 
 def _role_keys(api: str | None, admin: str | None, gateway: str | None) -> None:
@@ -405,13 +345,9 @@ def _role_keys(api: str | None, admin: str | None, gateway: str | None) -> None:
             seen[k] = flag
 
 
-def _tenant_options(
-    api_key_file: str | None, header: str | None, shared: tuple[str, ...], budget: str | None
-) -> int | None:
-    """Check the tenant flags and the key file now (a clear error before the model
-    loads); the per-tenant budget in bytes, or None."""
+def _tenant_options(api_key_file: str | None, header: str | None, shared: tuple[str, ...]) -> None:
+    """Check the tenant flags and the key file now (a clear error before the model loads)."""
     from ..api.credentials import KeyFileError, check_tenant_name, read_key_file
-    from ..units import parse_size
 
     try:
         if api_key_file:
@@ -427,7 +363,6 @@ def _tenant_options(
             check_tenant_name(name)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--shared-tenant") from None
-    return None if budget is None else parse_size(budget)  # checked by its option
 
 
 @main.command()
