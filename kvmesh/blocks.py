@@ -27,11 +27,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Default block size, measured by bench/codec.py on the ~0.5B demo KV shape
-# (24 KiB/token) for a 1024-token prefix: B=16 encodes at 0.46 GB/s and imports
-# at 2.5 GB/s, B=32 at 0.85 and 4.3, B=64 at 1.09 and 5.8. Below 32 per-block
-# overhead dominates; above it the gain is a few ms per 25 MB while the reuse lost
-# at a divergence point (B/2 tokens on average) costs ~8 ms of prefill per token.
+# Below 32 tokens per-block overhead dominates encode and import; above it, the
+# reuse lost at a divergence point (B/2 tokens on average) outweighs the gain (bench/codec.py).
 DEFAULT_BLOCK_TOKENS = 32
 
 KEY_BYTES = 32
@@ -73,7 +70,7 @@ def chain_root(
     namespace: bytes, tenant: bytes | None = None, cache_salt: str | None = None
 ) -> bytes:
     """The root a request's key chain starts from: the namespace itself when there
-    is neither a tenant root nor a salt (the one shared cache, as before tenants),
+    is neither a tenant root nor a salt (the one shared cache),
     else SHA-256 of the namespace, the tenant root (``tenant``, from
     :func:`tenant_root`; absent: the shared namespace) and the salt, each
     length-prefixed. The salt separates requests *within* what ``tenant`` already
@@ -88,6 +85,18 @@ def chain_root(
     t = tenant or b""
     msg = _ROOT_DOMAIN + namespace + bytes([len(t)]) + t + len(salt).to_bytes(4, "little")
     return hashlib.sha256(msg + salt).digest()
+
+
+def request_root(
+    namespace: bytes, tenant: bytes | None = None, cache_salt: str | None = None
+) -> bytes | None:
+    """The root a request's keyer is rooted at (:meth:`BlockKeyer.rooted`), from its
+    tenant root (None: the shared cache) and ``cache_salt``: None, the namespace
+    itself, when there is neither; else :func:`chain_root`. ValueError on a bad salt.
+    The one derivation the head's API, its tenants and the vLLM connector share."""
+    if tenant is None and cache_salt is None:
+        return None
+    return chain_root(namespace, tenant, cache_salt)
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from ..blocks import chain_root, check_cache_salt, tenant_root
+from ..blocks import check_cache_salt, request_root, tenant_root
 from ..private import PrivateFileError, read_private
 
 MAX_TENANT_CHARS = 128
@@ -331,15 +331,15 @@ class Tenants:
         """The chain root of ``tenant``'s requests with ``cache_salt`` (None: the
         namespace). Raises ValueError on a bad salt."""
         if cache_salt is not None:
-            check_cache_salt(cache_salt)
+            check_cache_salt(cache_salt)  # before a tenant root is cached for it
         if tenant is None or tenant in self.shared or tenant == DEFAULT_TENANT:
-            return None if cache_salt is None else chain_root(self.namespace, None, cache_salt)
+            return request_root(self.namespace, None, cache_salt)
         troot = self._roots.get(tenant)
         if troot is None:
             troot = tenant_root(self._secret, tenant)
             if len(self._roots) < 1 << 16:  # header tenants are unbounded: cache a few
                 self._roots[tenant] = troot
-        return chain_root(self.namespace, troot, cache_salt)
+        return request_root(self.namespace, troot, cache_salt)
 
 
 __all__ = [
