@@ -88,7 +88,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from ..blocks import chain_root, check_cache_salt
+from ..blocks import check_cache_salt, request_root
 from ..engine import Decoded, Sampling
 from ..engine.base import TokenLogprob
 from ..engine.grammar import GrammarSpec, compile_grammar
@@ -428,8 +428,7 @@ class OpenAIService:
             raise APIError(400, str(e), param="cache_salt", code="invalid_cache_salt") from None
         who = identity_of(request)
         if self.tenants is None:
-            root = None if salt is None else chain_root(self.runtime.card.namespace, None, salt)
-            return Scope(root, None, who.caller)
+            return Scope(request_root(self.runtime.card.namespace, None, salt), None, who.caller)
         tenant = who.tenant or DEFAULT_TENANT  # keyless requests count (and are capped) too
         return Scope(self.tenants.root(tenant, salt), tenant, who.caller)
 
