@@ -389,6 +389,70 @@ def _config_windows(config: Any) -> tuple[int, ...]:
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
+def _probe_layers(
+    cache: Any, config: Any, dtype: torch.dtype
+) -> tuple[CacheGeometry, dict[int, list[tuple[str, int]]]]:
+    """The geometry of ``cache`` after a one-token forward, checked against the loaded
+    ``config`` (per layer its attention KV, its recurrent state, or nothing of its
+    own), and each recurrent layer's state slots. A layer it cannot describe is
+    :class:`CannotRestore`; a disagreement with the config, a :class:`ConfigError`."""
+    dtypes: set[str] = set()
+    layers = []
+    slots: dict[int, list[tuple[str, int]]] = {}
+    shared_from = _first_shared_layer(config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DummyLayer:
+            layers.append(LayerGeometry("shared" if i >= shared_from else "none"))
+        elif _recurrent(layer):
+            slots[i] = _state_slots(layer)
+            layers.append(_state_geometry(i, _state_parts(layer, slots[i])))
+        elif _holds_kv(layer):
+            layers.append(_kv_geometry(i, layer, dtypes))
+        else:
+            raise CannotRestore(f"cache layer {i} ({type(layer).__name__}) is not supported")
+    # a layer without KV of its own keeps no window (a KV-shared one attends
+    # through its producer's)
+    windows = tuple(g.window for g in layers)
+    stated = tuple(
+        w if g.has_kv else 0 for w, g in zip(_config_windows(config), layers, strict=True)
+    )
+    if windows != stated:
+        raise ConfigError(f"the cache applies windows {windows}, the config states {stated}")
+    if len(dtypes) > 1:
+        raise ConfigError(f"cache layers differ in KV dtype: {sorted(dtypes)}")
+    kv_dtype = dtypes.pop() if dtypes else _DTYPES[dtype]
+    return CacheGeometry(kv_dtype, tuple(layers)), slots
+
+
+def _state_geometry(i: int, parts: Sequence[torch.Tensor]) -> LayerGeometry:
+    if not parts or any(t.dtype not in _DTYPES for t in parts):
+        raise CannotRestore(f"cache layer {i}: a recurrent state kvmesh cannot ship")
+    spec = tuple((_DTYPES[t.dtype], tuple(int(d) for d in t.shape)) for t in parts)
+    return LayerGeometry("state", state=spec)
+
+
+def _kv_geometry(i: int, layer: Any, dtypes: set[str]) -> LayerGeometry:
+    """An attention layer's geometry; its KV dtype is added to ``dtypes``."""
+    k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.ndim != 4:
+        raise CannotRestore(f"cache layer {i} holds no KV after a forward")
+    if (k.dtype, k.shape) != (v.dtype, v.shape) or k.dtype not in _DTYPES:
+        raise CannotRestore(
+            f"cache layer {i}: keys {k.dtype} {tuple(k.shape)} and values {v.dtype} "
+            f"{tuple(v.shape)} are not one K/V geometry (latent attention?)"
+        )
+    dtypes.add(_DTYPES[k.dtype])
+    return LayerGeometry("kv", int(k.shape[1]), int(k.shape[3]), _layer_window(layer))
+
+
+def _first_shared_layer(config: Any) -> int:
+    """The first layer that attends to another's KV (Gemma 3n/4's
+    ``num_kv_shared_layers``); layers past the count."""
+    text = config.get_text_config(decoder=True)
+    shared = int(getattr(text, "num_kv_shared_layers", 0) or 0)
+    return int(text.num_hidden_layers) - shared if shared else 1 << 30
+
+
 def _record(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     return getattr(layer, _RECORD, None)
 
@@ -625,6 +689,111 @@ class _Batch:
             self.caches.append(own)
 
 
+@torch.inference_mode()
+def _prefill_rows(
+    engine: TransformersEngine, states: Sequence[KVState], chunks: Sequence[int]
+) -> None:
+    """:meth:`TransformersEngine.prefill_batch` of two or more states in one forward."""
+    pasts = [s.cached for s in states]
+    for s, q in zip(states, chunks, strict=True):
+        if q < 1 or s.cached + q > len(s.tokens):
+            raise ValueError(f"chunk of {q} tokens at {s.cached} of {len(s.tokens)}")
+    width, q_max, rows = max(pasts), max(chunks), len(states)
+    cache = engine._new_cache()
+    if width:
+        _pad_pasts(cache, states, width)
+    ids = torch.zeros((rows, q_max), dtype=torch.long, device=engine.device)
+    pos = torch.arange(q_max, device=engine.device).repeat(rows, 1)
+    mask = torch.zeros((rows, width + q_max), dtype=torch.long, device=engine.device)
+    for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
+        ids[row, :q] = torch.tensor(s.tokens[n : n + q], device=engine.device)
+        pos[row] += n
+        mask[row, width - n : width + q] = 1
+    last = sorted({q - 1 for q in chunks})  # the positions whose logits are kept
+    keep = torch.tensor(last, dtype=torch.long, device=engine.device)
+    kw = {engine._cache_kw: cache}
+    out = engine.model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=True,
+        logits_to_keep=keep,
+        **kw,
+    )
+    for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
+        own = engine._new_cache()
+        span = slice(width - n, width + q)
+        for src, dst in zip(cache.layers, own.layers, strict=True):
+            k = src.keys[row : row + 1, :, span].clone()
+            v = src.values[row : row + 1, :, span].clone()
+            _restore(dst, k, v, n + q)
+        s.cache, s.logits, s.cached = own, out.logits[row, last.index(q - 1)].float(), n + q
+
+
+def _pad_pasts(cache: Any, states: Sequence[KVState], width: int) -> None:
+    """Fill ``cache`` with every state's cached positions right-aligned at
+    ``width``, zeros before (a state with none: a row of zeros)."""
+    ref = next(s.cache for s in states if s.cached)
+    for i, layer in enumerate(cache.layers):
+        k0 = ref.layers[i].keys
+        shape = (len(states), k0.shape[1], width, k0.shape[3])
+        ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
+        for row, s in enumerate(states):
+            n = s.cached
+            if n:
+                ks[row, :, width - n :] = s.cache.layers[i].keys[0, :, :n]
+                vs[row, :, width - n :] = s.cache.layers[i].values[0, :, :n]
+        _restore(layer, ks, vs, width)
+
+
+def _own_storage(cache: Any) -> None:
+    """Clone each layer's K/V whose storage is larger than what the cache's layers
+    view of it between them."""
+    layers = [ly for ly in cache.layers if isinstance(getattr(ly, "keys", None), torch.Tensor)]
+    held: dict[int, int] = {}  # storage -> bytes of it the cache's layers view
+    for layer in layers:
+        for t in (layer.keys, layer.values):
+            ptr = t.untyped_storage().data_ptr()
+            held[ptr] = held.get(ptr, 0) + t.nbytes
+    for layer in layers:
+        k = layer.keys
+        storage = k.untyped_storage()
+        if storage.nbytes() > held[storage.data_ptr()]:
+            layer.keys, layer.values = k.clone(), layer.values.clone()
+
+
+def _sample(
+    logits: torch.Tensor,
+    sampling: Sampling,
+    rng: torch.Generator,
+    counts: Mapping[int, int] | None,
+    allowed: np.ndarray | None,
+) -> int:
+    """:meth:`TransformersEngine.sample`: greedy is one argmax on the logits' device,
+    anything else samples on the CPU from :func:`distribution`."""
+    if allowed is not None:  # a grammar's mask: the others never sampled (a copy)
+        if logits.device.type == "cpu":  # NumPy: one thread, never a torch pool's stall
+            x = logits.detach().float().numpy()
+            logits = torch.from_numpy(np.where(allowed, x, np.float32(-np.inf)))
+        else:
+            keep = torch.from_numpy(allowed).to(logits.device)
+            logits = torch.where(keep, logits, float("-inf"))
+    if counts and sampling.penalized:  # OpenAI: -= count * frequency + presence
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+        logits = logits.clone()
+        logits[ids] -= n * sampling.frequency_penalty + sampling.presence_penalty
+    if not safe_temperature(sampling.temperature):  # greedy: one argmax on the device
+        i = int(torch.argmax(logits).item())
+        if not torch.isnan(logits[i]):
+            return i
+    x = logits.detach().float().cpu().numpy()
+    p = distribution(x, sampling.temperature, sampling.top_p)
+    if p is None:
+        return greedy(x)  # NaN logits: never chosen
+    return int(torch.multinomial(torch.from_numpy(p), 1, generator=rng).item())
+
+
 class TransformersEngine(EngineBase):
     name = "torch"
 
@@ -699,54 +868,11 @@ class TransformersEngine(EngineBase):
         self.eos_ids = frozenset(int(e) for e in eos_list)
 
     def _probe(self) -> CacheGeometry:
-        """The geometry of the cache a real forward fills, checked against the config:
-        per layer its attention KV, its recurrent state, or nothing of its own."""
-        cache, _ = self._forward(None, [0], 0)
-        dtypes: set[str] = set()
-        layers = []
+        """The geometry of the cache a real forward fills (:func:`_probe_layers`)."""
         self._slots: dict[int, list[tuple[str, int]]] = {}
-        shared_from = self._first_shared_layer()
-        for i, layer in enumerate(cache.layers):
-            if type(layer) is DummyLayer:
-                layers.append(LayerGeometry("shared" if i >= shared_from else "none"))
-            elif _recurrent(layer):
-                self._slots[i] = _state_slots(layer)
-                parts = _state_parts(layer, self._slots[i])
-                if not parts or any(t.dtype not in _DTYPES for t in parts):
-                    raise CannotRestore(f"cache layer {i}: a recurrent state kvmesh cannot ship")
-                spec = tuple((_DTYPES[t.dtype], tuple(int(d) for d in t.shape)) for t in parts)
-                layers.append(LayerGeometry("state", state=spec))
-            elif _holds_kv(layer):
-                k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-                if (
-                    not isinstance(k, torch.Tensor)
-                    or not isinstance(v, torch.Tensor)
-                    or k.ndim != 4
-                ):
-                    raise CannotRestore(f"cache layer {i} holds no KV after a forward")
-                if (k.dtype, k.shape) != (v.dtype, v.shape) or k.dtype not in _DTYPES:
-                    raise CannotRestore(
-                        f"cache layer {i}: keys {k.dtype} {tuple(k.shape)} and values {v.dtype} "
-                        f"{tuple(v.shape)} are not one K/V geometry (latent attention?)"
-                    )
-                dtypes.add(_DTYPES[k.dtype])
-                w = _layer_window(layer)
-                layers.append(LayerGeometry("kv", int(k.shape[1]), int(k.shape[3]), w))
-            else:
-                raise CannotRestore(f"cache layer {i} ({type(layer).__name__}) is not supported")
-        # a layer without KV of its own keeps no window (a KV-shared one attends
-        # through its producer's)
-        windows = tuple(g.window for g in layers)
-        stated = tuple(
-            w if g.has_kv else 0
-            for w, g in zip(_config_windows(self.model.config), layers, strict=True)
-        )
-        if windows != stated:
-            raise ConfigError(f"the cache applies windows {windows}, the config states {stated}")
-        if len(dtypes) > 1:
-            raise ConfigError(f"cache layers differ in KV dtype: {sorted(dtypes)}")
-        kv_dtype = dtypes.pop() if dtypes else _DTYPES[self.dtype]
-        return CacheGeometry(kv_dtype, tuple(layers))
+        cache, _ = self._forward(None, [0], 0)
+        geometry, self._slots = _probe_layers(cache, self.model.config, self.dtype)
+        return geometry
 
     def _probe_or_off(self) -> CacheGeometry:
         """:meth:`_probe`; a cache it cannot describe exactly turns reuse off (the
@@ -789,13 +915,6 @@ class TransformersEngine(EngineBase):
             engine=f"{c.engine}/deterministic:{det.kernel_family()}:decode={decode}",
             prefill_grid=grid,
         )
-
-    def _first_shared_layer(self) -> int:
-        """The first layer that attends to another's KV (Gemma 3n/4's
-        ``num_kv_shared_layers``); layers past the count."""
-        text = self.model.config.get_text_config(decoder=True)
-        shared = int(getattr(text, "num_kv_shared_layers", 0) or 0)
-        return int(text.num_hidden_layers) - shared if shared else 1 << 30
 
     # -- KV -------------------------------------------------------------------
 
@@ -966,7 +1085,6 @@ class TransformersEngine(EngineBase):
 
     # -- batched prefill ----------------------------------------------------------
 
-    @torch.inference_mode()
     def prefill_batch(self, states: Sequence[KVState], chunks: Sequence[int]) -> None:
         """One forward for the next ``chunks[i]`` prompt tokens of every state: each
         row's cached positions right-aligned at the longest (zeros before, hidden by
@@ -985,55 +1103,7 @@ class TransformersEngine(EngineBase):
         if len(states) < 2 or not self.batches:
             super().prefill_batch(states, chunks)
             return
-        pasts = [s.cached for s in states]
-        for s, q in zip(states, chunks, strict=True):
-            if q < 1 or s.cached + q > len(s.tokens):
-                raise ValueError(f"chunk of {q} tokens at {s.cached} of {len(s.tokens)}")
-        width, q_max, rows = max(pasts), max(chunks), len(states)
-        cache = self._new_cache()
-        if width:
-            self._pad_pasts(cache, states, width)
-        ids = torch.zeros((rows, q_max), dtype=torch.long, device=self.device)
-        pos = torch.arange(q_max, device=self.device).repeat(rows, 1)
-        mask = torch.zeros((rows, width + q_max), dtype=torch.long, device=self.device)
-        for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
-            ids[row, :q] = torch.tensor(s.tokens[n : n + q], device=self.device)
-            pos[row] += n
-            mask[row, width - n : width + q] = 1
-        last = sorted({q - 1 for q in chunks})  # the positions whose logits are kept
-        keep = torch.tensor(last, dtype=torch.long, device=self.device)
-        kw = {self._cache_kw: cache}
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=keep,
-            **kw,
-        )
-        for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
-            own = self._new_cache()
-            span = slice(width - n, width + q)
-            for src, dst in zip(cache.layers, own.layers, strict=True):
-                k = src.keys[row : row + 1, :, span].clone()
-                v = src.values[row : row + 1, :, span].clone()
-                _restore(dst, k, v, n + q)
-            s.cache, s.logits, s.cached = own, out.logits[row, last.index(q - 1)].float(), n + q
-
-    def _pad_pasts(self, cache: Any, states: Sequence[KVState], width: int) -> None:
-        """Fill ``cache`` with every state's cached positions right-aligned at
-        ``width``, zeros before (a state with none: a row of zeros)."""
-        ref = next(s.cache for s in states if s.cached)
-        for i, layer in enumerate(cache.layers):
-            k0 = ref.layers[i].keys
-            shape = (len(states), k0.shape[1], width, k0.shape[3])
-            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
-            for row, s in enumerate(states):
-                n = s.cached
-                if n:
-                    ks[row, :, width - n :] = s.cache.layers[i].keys[0, :, :n]
-                    vs[row, :, width - n :] = s.cache.layers[i].values[0, :, :n]
-            _restore(layer, ks, vs, width)
+        _prefill_rows(self, states, chunks)
 
     def _drop(self, states: Sequence[KVState]) -> None:
         """Forget the live batches holding any of ``states``: so live batches never
@@ -1048,21 +1118,8 @@ class TransformersEngine(EngineBase):
         that keeping the state does not keep the rest of that buffer alive. An
         import's buffer, which the state's layers fill exactly, is kept as is."""
         self._drop([state])  # a batch holding it would keep the whole buffer alive
-        if state.cache is None:
-            return
-        layers = [
-            ly for ly in state.cache.layers if isinstance(getattr(ly, "keys", None), torch.Tensor)
-        ]
-        held: dict[int, int] = {}  # storage -> bytes of it the state's layers view
-        for layer in layers:
-            for t in (layer.keys, layer.values):
-                ptr = t.untyped_storage().data_ptr()
-                held[ptr] = held.get(ptr, 0) + t.nbytes
-        for layer in layers:
-            k = layer.keys
-            storage = k.untyped_storage()
-            if storage.nbytes() > held[storage.data_ptr()]:
-                layer.keys, layer.values = k.clone(), layer.values.clone()
+        if state.cache is not None:
+            _own_storage(state.cache)
 
     def _crop(self, cache: Any, n_tokens: int) -> Any:
         """A new cache holding the first ``n_tokens`` positions; ``cache`` is untouched
@@ -1130,27 +1187,7 @@ class TransformersEngine(EngineBase):
         counts: Mapping[int, int] | None = None,
         allowed: np.ndarray | None = None,
     ) -> int:
-        if allowed is not None:  # a grammar's mask: the others never sampled (a copy)
-            if logits.device.type == "cpu":  # NumPy: one thread, never a torch pool's stall
-                x = logits.detach().float().numpy()
-                logits = torch.from_numpy(np.where(allowed, x, np.float32(-np.inf)))
-            else:
-                keep = torch.from_numpy(allowed).to(logits.device)
-                logits = torch.where(keep, logits, float("-inf"))
-        if counts and sampling.penalized:  # OpenAI: -= count * frequency + presence
-            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
-            n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
-            logits = logits.clone()
-            logits[ids] -= n * sampling.frequency_penalty + sampling.presence_penalty
-        if not safe_temperature(sampling.temperature):  # greedy: one argmax on the device
-            i = int(torch.argmax(logits).item())
-            if not torch.isnan(logits[i]):
-                return i
-        x = logits.detach().float().cpu().numpy()
-        p = distribution(x, sampling.temperature, sampling.top_p)
-        if p is None:
-            return greedy(x)  # NaN logits: never chosen
-        return int(torch.multinomial(torch.from_numpy(p), 1, generator=rng).item())
+        return _sample(logits, sampling, rng, counts, allowed)
 
     def _log_softmax(self, logits: Any) -> np.ndarray:
         return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
