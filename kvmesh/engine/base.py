@@ -26,7 +26,7 @@ from ..compat import CompatCard
 from ..errors import ConfigError, MalformedPayload, NoChatTemplate
 from .decode import Decoded, Decoder, Sampling, StopScanner, TokenLogprob, _stop_borders
 from .geometry import MAX_STATE_EVERY, CacheGeometry, card_from_hf_dir, model_name
-from .protocol import PREFILL_CHUNK, Engine
+from .protocol import PREFILL_CHUNK, Engine, Scorer
 from .state import Importer, KVState, check_chain
 
 # names callers import from here
@@ -167,6 +167,9 @@ class EngineBase(abc.ABC):
 
     @abc.abstractmethod
     def new_rng(self, seed: int | None) -> Any: ...
+
+    @abc.abstractmethod
+    def prompt_scorer(self) -> Scorer: ...
 
     # -- engine-neutral -------------------------------------------------------
 

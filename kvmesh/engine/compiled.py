@@ -1,49 +1,35 @@
 """A compiled linear kernel for batched decode steps on the CPU.
 
-Contract: :func:`streamed_linear` computes ``x @ w.T + b`` for a few float32 rows
-(a batched decode step's 2-16 sequences) reading each weight row once per group
-of up to :data:`GROUP` rows, where MKL's ``F.linear`` with 2-16 rows re-packs the
-weights and costs up to twice a one-row step (issue #28). It is a candidate for
-the engine's kernel choice (``hf._choose_kernels``), never forced: it replaces
-``F.linear`` only where it measured faster here, and only in batched steps, so a
-lone request computes exactly as before. Its sums run in another order than
-MKL's: batched rows agree with the single-sequence path within float32 rounding
-(the tolerance the batched tests already use), not bitwise.
+:func:`streamed_linear` computes ``x @ w.T + b`` for a few float32 rows reading
+each weight row once per group of up to :data:`GROUP` rows. It is a candidate for
+the engine's kernel choice (``hf._choose_kernels``), used only in batched steps
+where it measured faster; its sums run in another order than MKL's, so batched
+rows agree with a lone sequence within float32 rounding, not bitwise.
 
-The C source below is built once per machine with the system C compiler
-(``cc``/``gcc``, ``-O3 -march=native -fopenmp``: plain C vector extensions, so
-the compiler picks AVX-512, AVX2 or NEON) into ``$KVMESH_HOME/kernels``, named by
-a digest of the source, the compiler and the CPU's flags. OpenMP: the library
-links ``libgomp.so.1`` by soname, which resolves to the copy torch has already
-loaded, so its threads are torch's threads (the count passed per call is
-``torch.get_num_threads()``).
+The C source is built once per machine with the system C compiler (``cc``/``gcc``,
+``-O3 -march=native -fopenmp``) into ``$KVMESH_HOME/kernels``, named by a digest of
+the source, the compiler and the CPU's flags. The library links ``libgomp.so.1``
+by soname, so its OpenMP threads are the ones torch has loaded.
 
-The cache is trusted only as far as it is private (issue #36: a library planted at
-the predictable path ran inside the head; a truncated one killed it with SIGBUS
-on every start):
+The cache is trusted only as far as it is private:
 
-- The directory is this user's and mode 0700 (created so; one of ours that others
-  could only read is tightened; one that others could write is emptied first; one
-  of another user, or a link, is not used: this process builds in a private
-  temporary directory instead, and says so in the log). It is opened once and
-  everything is done relative to that descriptor, so renaming a path above it
-  changes nothing.
+- The directory is this user's and mode 0700 (one of ours that others could read
+  is tightened; one they could write is emptied first; another user's, or a link,
+  is not used: the build goes to a private temporary directory, with a log line).
+  It is opened once and used through that descriptor.
 - A library is built in a temporary directory inside it, fsynced, and its sha256
-  recorded in a sidecar (``linear-<digest>.sha256``, JSON) before both are renamed
-  into place (under an flock of the directory: processes building at once take
-  turns). Before a library is loaded, it must be a regular file of this user, not
-  writable by group or others, and its bytes (read through the descriptor that is
-  then loaded, ``/proc/<pid>/fd/<n>``) must have the recorded size and digest: a
-  planted, replaced, half-written or truncated file is never ``dlopen``'ed.
-- Anything refused is removed and rebuilt once, with a log line; a build or load
-  that fails leaves the kernel disabled for this process (the engine then uses
-  torch's kernels), with a log line. Nothing here raises into the engine's start.
+  recorded in a sidecar before both are renamed into place (under an flock of the
+  directory). Before loading, the file must be a regular file of this user, not
+  writable by group or others, with the recorded size and digest of the bytes
+  read through the descriptor then loaded: a planted, replaced or truncated file
+  is never ``dlopen``'ed.
+- Anything refused is removed and rebuilt once; a build or load that fails
+  disables the kernel for this process (torch's kernels then), with a log line.
+  Nothing here raises into the engine's start.
 
-The same directory keeps the engine's kernel choice (:func:`remembered`), so a
-restart takes the kernels the first start measured.
-
-Inputs are checked before the call (dtype, contiguity, shapes): the C code trusts
-the sizes it is given.
+The directory also keeps the engine's kernel choice (:func:`remembered`), so a
+restart takes the kernels the first start measured. Inputs are checked before the
+call (dtype, contiguity, shapes): the C code trusts the sizes it is given.
 """
 
 from __future__ import annotations

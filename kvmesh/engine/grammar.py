@@ -2,75 +2,35 @@
 logits, from llguidance.
 
 A request's constraint is a :class:`GrammarSpec` (hashable, so it rides in the frozen
-:class:`~kvmesh.engine.base.Sampling`): a JSON schema, any JSON object, a regular
+:class:`~kvmesh.engine.decode.Sampling`): a JSON schema, any JSON object, a regular
 expression, a choice among strings, or a context-free grammar (Lark or GBNF, as
-vLLM's ``structured_outputs.grammar``). A spec that exists is valid: a bad schema,
-regex or grammar raises :class:`ValueError` when the spec is built (the API answers
-it with a 400). It is compiled once per (tokenizer, spec) (:func:`compile_grammar`,
-a bounded LRU per tokenizer) and each sequence gets its own
-:class:`GrammarMatcher` (a copy of the compiled one's start state): ``allowed()`` is
-the mask over the model's logits for the next token, ``advance(token)`` consumes
-the sampled token, ``done`` says the grammar is complete and the sequence ends
-(finish reason ``stop``). :class:`~kvmesh.engine.base.Decoder` does all of this;
-the engines' ``sample`` only sees the mask. The mask acts after the forward, so the
-KV (and the prefix cache it feeds) is the same with and without a constraint.
+vLLM's ``structured_outputs.grammar``). A spec that exists is valid: a bad one
+raises :class:`ValueError` when it is built (the API answers 400). It is compiled
+once per (tokenizer, spec) (:func:`compile_grammar`, a bounded LRU per tokenizer);
+each sequence gets its own :class:`GrammarMatcher`: ``allowed()`` is the mask over
+the model's logits for the next token, ``advance(token)`` consumes the sampled
+token, ``done`` says the grammar is complete (finish reason ``stop``).
+:class:`~kvmesh.engine.decode.Decoder` drives it; an engine's ``sample`` only sees
+the mask. The mask acts after the forward: the KV is the same with or without a
+constraint.
 
-Building one from a request: :meth:`GrammarSpec.from_response_format` (OpenAI's
-``response_format``), :meth:`GrammarSpec.from_tool` (a tool's ``parameters``
-schema: ``tool_choice`` required or named), :meth:`GrammarSpec.from_structured_outputs`
-(vLLM's ``structured_outputs`` and ``guided_*`` extras), or the kind's own class
-method. Decoding with one: ``Sampling(..., grammar=spec)``.
+Building one from a request: :meth:`GrammarSpec.from_response_format`,
+:meth:`GrammarSpec.from_tool` (``tool_choice`` required or named),
+:meth:`GrammarSpec.from_structured_outputs` (vLLM's ``structured_outputs`` and
+``guided_*`` extras), or the kind's own class method.
 
-EOS: the grammar's own end-of-text token is replaced by the engine's EOS ids
-(``eos_ids``), allowed exactly when the grammar accepts what came so far; tokens
-past the tokenizer's vocabulary (an embedding padded wider than the tokenizer) are
-never allowed.
+EOS: the grammar's end-of-text token is replaced by the engine's ``eos_ids``,
+allowed exactly when the grammar accepts what came so far; tokens past the
+tokenizer's vocabulary are never allowed.
 
 JSON: between tokens, up to 4 spaces or tabs, then at most one line break and up
-to 32 more (:data:`WHITESPACE`): compact JSON, spaced JSON and JSON pretty-printed
-with any usual indent all fit, but not the runaway whitespace that unbounded
-``whitespace_flexible`` (vLLM's default) lets a model write until ``max_tokens``
-(seen here with random weights; reported with real models, the reason vLLM has
-``disable_any_whitespace``); forcing compact JSON instead is known to hurt models
-that format JSON their own way. A schema's ``x-guidance`` options override this.
-(llguidance 1.9 enforces the bound; 1.7, which vLLM 0.32 pins, lets whitespace
-run on as vLLM's default does.)
-``strict`` (OpenAI's ``json_schema.strict``) makes a schema keyword llguidance does
-not implement an error, where a non-strict schema ignores it (llguidance's
-``lenient``). Either way the output is constrained (as vLLM does, strict or not).
+to 32 more (:data:`WHITESPACE`): compact, spaced and pretty-printed JSON fit, the
+runaway whitespace of unbounded ``whitespace_flexible`` does not (llguidance >= 1.9
+enforces the bound). A schema's ``x-guidance`` options override this. ``strict``
+(OpenAI's ``json_schema.strict``) makes a schema keyword llguidance does not
+implement an error; otherwise it is ignored. Either way the output is constrained.
 
-Why llguidance, not xgrammar (``bench/grammar_choice.py``,
-``bench/results/grammar_choice.json``; AMD EPYC, 2 cores shared with other work;
-llguidance 1.9.1, xgrammar 0.2.9; vocabularies: the zoo's 512 tokens and Mistral
-NeMo's Tekken, 131,072; schemas: the tests' (string enum, integer, array of
-strings) and an agent's edit tool (nested array of objects, enums, numbers,
-booleans, optional keys); "warm": every sequence after a process's first):
-
-=============================  ===================  =============================
-131,072-token vocabulary       llguidance           xgrammar
-=============================  ===================  =============================
-compile a schema               1.8 ms (13.6 first)  27-32 ms
-compile any JSON object        1.1 ms               43 ms
-compile a regex                2.2 ms               2.0 ms
-mask per step, warm p50 / p99  9-16 / 42-70 us      12-13 / 16-68 us
-advance per token              1.9-3.3 us           2.5-10 us
-tokenizer set-up (once)        2.6 s                1.1 s
-dependencies                   none (7.6 MB)        torch, triton (1 GB), tvm-ffi
-=============================  ===================  =============================
-
-With 512 tokens both compile in 1-2 ms and mask in 2-10 us (p50). Per step the two
-are within a few microseconds of each other, against a decode forward of
-milliseconds; what kvmesh adds on top (:meth:`GrammarMatcher.allowed`: the bitmask
-as a bool per logit, EOS swapped in; plus ``advance``) is 14-25 us p50 at 512
-tokens and 53-60 us at 131k, and setting the masked logits to -inf another
-0.1-0.16 ms at 131k (``np.where``; ``torch.where`` has a lower median but stalls
-for milliseconds in torch's thread pool when the cores are busy, so the torch
-engine masks on the CPU with NumPy and uses ``torch.where`` only on a GPU).
-Compiling is where the libraries differ, and it sits on the time to first token of
-every request whose schema was not seen before: 1-2 ms against 30-45 ms. llguidance
-also comes without dependencies (xgrammar requires torch and, on Linux, triton).
-Its one-off cost is the tokenizer (2.6 s for 131k tokens, once per model and
-process; :func:`prepare` pays it ahead of the first constrained request).
+Why llguidance rather than xgrammar: docs/benchmarks.md, "Grammar libraries".
 """
 
 from __future__ import annotations

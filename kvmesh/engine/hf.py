@@ -1,59 +1,32 @@
-"""The transformers (PyTorch) engine adapter.
+"""The transformers (PyTorch) engine.
 
-KV layout in a block is ``[kv_heads, tokens, head_dim]`` per layer, K then V: the
-cache's own layout less the batch axis, so export is one strided copy per layer
-and import is one copy into a preallocated ``[1, kv_heads, n, head_dim]`` tensor
-per layer, handed to the cache as is (no concatenation). bfloat16 travels as its
-raw 16-bit words.
-
-The card is read off a real cache (invariant 5). At load a one-token probe forward
-fills a ``DynamicCache`` built from the loaded config; each layer's KV dtype, heads
-and head dim come from its tensors, and the sliding windows from the config object
-(``layer_types``, ``sliding_window``) checked against the layer classes transformers
-actually built. A disagreement, or a layer class not listed below, is a
-:class:`ConfigError` at load.
+A block holds per layer ``[kv_heads, tokens, head_dim]``, K then V (the cache's
+layout less the batch axis); bfloat16 travels as its raw 16-bit words. The card is
+read off the cache a one-token probe forward fills and checked against the
+config's windows (:func:`_probe_layers`); a disagreement is a :class:`ConfigError`
+at load. A continuation from imported KV is bitwise the producer's continuation.
 
 Cache layers:
 
 - ``DynamicLayer`` (full attention): any prefix is exact.
-- ``DynamicSlidingWindowLayer`` (window ``W``): transformers keeps only the last
-  ``W - 1`` positions plus ``cumulative_length``; that is all a continuation needs.
-  Any prefix ``n`` is restored as transformers holds it after computing it: its
-  last ``min(n, W - 1)`` positions live, ``cumulative_length = n``. Blocks carry
-  every position of every layer, so a prefix's blocks hold what the window needs.
-  To export them, the layer runs with ``record_past`` and :func:`_settle`, after
-  every forward, appends the new positions to the layer's *record* (its K/V of
-  every position so far) and then trims the layer exactly as transformers would
-  have (the same view of the same tensor; attention sees identical tensors). A
-  crop (sessions, ``n`` sequences) restores from the record the same way.
+- ``DynamicSlidingWindowLayer`` (window ``W``): live, its last ``W - 1`` positions
+  as transformers keeps them; every position also in a *record* (:func:`_settle`
+  after each forward), so any prefix is exported, cropped and restored as
+  transformers holds it after computing it. The record costs what a full layer
+  holds (``card.kv_bytes_per_token`` per position), which the head's KV budget
+  reserves for every sequence and session.
+- ``DummyLayer`` (Gemma 3n/4's KV-shared layers; layers without attention):
+  ``shared`` / ``none`` in the card, nothing shipped.
+- ``LinearAttentionLayer`` (Gated DeltaNet, Mamba2, short conv): its states cannot
+  be cut back, so forwards stop every ``state_every`` blocks to keep a copy there
+  (a checkpoint) and keep one at every prefill's end; an import or crop ends on
+  one (:meth:`TransformersEngine.restorable`).
+- Anything else, or keys and values of different shapes (latent attention), turns
+  reuse off: served, never exported or imported.
 
-- ``DummyLayer``: a KV-shared layer (Gemma 3n/4's last ``num_kv_shared_layers``
-  attend to an earlier layer's KV) or one without attention (Nemotron-H's MLP
-  layers): in the card as ``shared`` / ``none``, nothing shipped; restoring the
-  producers' KV is all it needs. Per-layer head dims and KV heads (Gemma 4's
-  sliding vs full layers) are each layer's own in the card; Gemma 4's
-  ``attention_k_eq_v`` layers still cache keys and values as two tensors
-  (values are normed, keys normed and rotated): both ship.
-- ``LinearAttentionLayer`` (Gated DeltaNet, Mamba2, LFM2's short conv): its conv
-  and recurrent states after a position are all a continuation needs, but they
-  cannot be cut back. The layer records (so its conv state is concatenated, never
-  written in place; :func:`_trim_conv` cuts it to the kernel after each forward),
-  forwards stop at every ``state_every`` blocks to keep a copy of the states
-  there (a checkpoint), and at the end of every prefill forward; blocks on the
-  grid and tails carry them. An import or crop ends on a checkpoint
-  (:meth:`TransformersEngine.restorable`).
-- Any other layer class, or keys and values of different shapes (latent
-  attention), turns reuse off (:attr:`Engine.reuse_off`): served, never shared.
-
-Memory: the record holds a sliding layer's KV for every position of the state,
-so a sliding-window state costs what a full-attention one does,
-``card.kv_bytes_per_token`` per position: exactly what the head already reserves
-in its KV budget for every running sequence and kept session, so that budget
-bounds it. The live window is transformers' own tensor (or, after a restore, a
-view of the record), never a further copy.
-
-Continuing from an imported cache is bitwise identical to continuing from the
-producer's cache of the same prefix: same tensors, same layer state.
+On the CPU a batched decode step's linear layers take the kernel chosen for its
+row count (:func:`_choose_kernels`); prefill and lone steps take ``F.linear``
+(deterministic mode aside: :mod:`.deterministic`).
 """
 
 from __future__ import annotations
@@ -84,6 +57,7 @@ from .base import EngineBase
 from .compiled import streamed_linear
 from .decode import Sampling
 from .geometry import CacheGeometry, card_from_hf_dir
+from .protocol import Scorer
 from .sampling import distribution, greedy, safe_temperature
 from .state import Importer, KVState
 
@@ -115,18 +89,14 @@ def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
 _batched = threading.local()  # .kernels: {rows: kernel} during a batched step
 MAX_ROWS_FIRST = 16  # batches of more rows always take F.linear
 _BUCKETS = (2, 4, 8, MAX_ROWS_FIRST)
-MARGIN = 0.95  # another kernel replaces F.linear only if measured 5% faster  # row counts measured at start; others take the next one up
+MARGIN = 0.95  # another kernel replaces F.linear only if measured 5% faster
 
 
 def _rows_first_linear(model: Any) -> None:
-    """Route the model's linear layers through :func:`_linear`. With a few rows,
-    ``F.linear`` (MKL) may run far below the one-row speed: on one machine 40 ms for
-    one row of a 151,936-row LM head, 88-137 ms for 2-16, where ``W @ x.T`` keeps
-    streaming the weights once; on a 2-core Xeon (one thread, 24 of the demo's MLP
-    matrices) ``F.linear`` costs 32 / 61 / 85 ms at 2 / 4 / 8 rows, ``W @ x.T`` 58 /
-    70 / 142 ms and oneDNN's linear 42 / 45 / 49 ms. So :func:`_calibrate` measures
-    which wins here, at start. Only batched decode steps take another kernel:
-    prefill and single-sequence decode compute exactly as before."""
+    """Route the model's linear layers through :func:`_linear`: a batched decode
+    step takes the kernel chosen for its row count (at a few rows ``F.linear`` may
+    run far below its one-row speed; docs/benchmarks.md, serving), anything else
+    ``F.linear``."""
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.forward = types.MethodType(_linear, module)  # type: ignore[method-assign]
@@ -167,14 +137,10 @@ def _calibrate(model: Any, reps: int = 3) -> dict[int, str]:
     :data:`MARGIN` in every round (the fastest such; one that lost a round is not
     timed again). A kernel this torch lacks is not a candidate.
 
-    Each pass is timed as the CPU time of one thread (``torch.set_num_threads(1)``
-    for the measurement, restored after): on a shared CPU another process's burst
-    stretches wall time by whole time slices (10-20x at a load of 10 on two cores,
-    where the every-round rule then kept ``F.linear`` everywhere), while a thread's
-    own CPU time moves by a few percent. The kernels are memory-bound at these row
-    counts, so the one-thread ranking is taken for the many-thread one (on a 2-core
-    Xeon, ``F.linear`` against oneDNN ranked the same both ways: see the serving
-    section of docs/benchmarks.md)."""
+    Each pass is timed as one thread's CPU time (``torch.set_num_threads(1)`` for
+    the measurement, restored after): on a shared CPU wall time moves by whole time
+    slices, a thread's CPU time by a few percent. The kernels are memory-bound at
+    these row counts, so the one-thread ranking stands for the many-thread one."""
     import time
 
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
@@ -515,9 +481,7 @@ class _TorchImporter(Importer):
     layer otherwise (a sliding layer's record then pins only its own positions, as
     the layer's own cache would; layers of other head dims cannot share one). A
     block's KV payload is those tensors back to back, in that order, so it is
-    imported with one strided copy per buffer (NumPy releases the GIL for it)
-    instead of one Python-level copy per tensor: ~4 ms instead of ~6 for the demo's
-    27.6 MB, and no GIL traffic against the stream and hasher threads. Each
+    imported with one strided copy per buffer (NumPy releases the GIL for it). Each
     layer's K and V are views of its buffer (see :meth:`TransformersEngine.detach`).
     A block that carries recurrent state leaves a copy of it: the cache restores
     from the last of them and keeps the others as checkpoints.
@@ -792,6 +756,27 @@ def _sample(
     if p is None:
         return greedy(x)  # NaN logits: never chosen
     return int(torch.multinomial(torch.from_numpy(p), 1, generator=rng).item())
+
+
+def _scorer(engine: TransformersEngine) -> Scorer:
+    """:meth:`TransformersEngine.prompt_scorer`: every position's logits of a chunk,
+    on a plain cache (nothing recorded: it is never exported)."""
+    model = engine.model
+    kw = {engine._cache_kw: cache_utils.DynamicCache(config=model.config)}
+
+    @torch.inference_mode()
+    def score(ids: Sequence[int], targets: Sequence[int], top: int) -> Any:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=engine.device)
+        logits = model(input_ids=x, use_cache=True, logits_to_keep=0, **kw).logits[0]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        want = torch.tensor(list(targets), device=lp.device)
+        token_lp = lp.gather(1, want[:, None])[:, 0].cpu().numpy()
+        if top <= 0:
+            return token_lp, np.zeros((len(ids), 0)), np.zeros((len(ids), 0))
+        vals, idx = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+        return token_lp, idx.cpu().numpy(), vals.cpu().numpy()
+
+    return score
 
 
 class TransformersEngine(EngineBase):
@@ -1191,3 +1176,6 @@ class TransformersEngine(EngineBase):
 
     def _log_softmax(self, logits: Any) -> np.ndarray:
         return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+
+    def prompt_scorer(self) -> Scorer:
+        return _scorer(self)

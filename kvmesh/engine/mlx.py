@@ -1,72 +1,35 @@
-"""The mlx-lm engine adapter (Metal on Apple silicon; ``mlx[cpu]`` on Linux).
+"""The mlx-lm engine (Metal on Apple silicon; ``mlx[cpu]`` on Linux).
 
-The card describes the cache this model really produces: at load a one-token
-probe forward fills a fresh cache, and each layer's geometry is read off its
-arrays: the KV dtype, kv heads and head dim of an attention layer (for
-``QuantizedKVCache``, off its scales; per layer, so Gemma 4's sliding and full
-layers may differ), the sliding windows off the layer classes, a recurrent
-layer's state tensors (dtype and shape each). A 4-bit model with float16
-scales computes its cache in float16, a bfloat16 model in bfloat16: whatever
-the weights look like, the card says what the cache holds. A probe that
-disagrees with the config (a rotating layer whose window is not
-``sliding_window``) is a :class:`ConfigError` at load; a cache class this adapter
-cannot restore exactly, caches it cannot tell the layers of, keys and values of
-different shapes (DeepSeek's latent attention) or a state it cannot ship are
-its subclass :class:`CannotRestore`, with the reason.
-
-Layers and caches: ``make_prompt_cache`` may build fewer caches than the model
-has layers. Gemma 4's KV-shared layers (``num_kv_shared_layers``) attend to an
-earlier layer's K/V and get no cache: the card says ``shared`` and a block
-ships nothing for them. NemotronH's MLP and MoE blocks keep nothing: ``none``.
-Any other count mismatch is a ConfigError.
+The card is read off the cache a one-token probe forward fills: per layer the KV
+dtype, KV heads and head dim (``QuantizedKVCache``: off its scales), the window
+(off the layer class), a recurrent layer's state arrays. A disagreement with the
+config is a :class:`ConfigError` at load; a cache this adapter cannot restore
+exactly (an unknown class, latent attention, a state it cannot ship) is
+:class:`CannotRestore`: reuse off. ``make_prompt_cache`` may build fewer caches
+than layers: Gemma 4's KV-shared layers are ``shared``, NemotronH's MLP and MoE
+blocks ``none``; any other mismatch is a ConfigError.
 
 Cache types:
 
-- ``KVCache``: any prefix is exact. Export reads ``keys[..., a:b, :]``; import
-  builds ``[1, kv_heads, n, head_dim]`` arrays and sets ``offset = n``. Gemma 4's
-  full layers with ``attention_k_eq_v`` still cache two arrays (K is normed and
-  rotated, V only normed): both travel.
-- ``RotatingKVCache`` (sliding-window layers, window ``W``, ``keep`` sink
-  positions): mlx-lm trims and rotates its buffer, so after a while it no longer
-  holds positions 0.. at 0... Each rotating layer therefore keeps a *record*, its
-  K/V of every position in order, appended after every forward (the last ``q`` of
-  a ``q``-token update, or the slot a one-token update wrote). Export and crops
-  read the record; a prefix of ``n > W`` tokens is restored as mlx-lm holds it
-  after computing ``n`` tokens in one pass, reduced to what its next update keeps:
-  the ``keep`` first and the last ``W - keep`` positions in order, ``offset = n``,
-  ``_idx = W`` (the next update, in place or concatenating, trims, rotates, masks
-  and attends exactly as it would after that pass). The record costs what a
-  plain ``KVCache`` layer holds (``card.kv_bytes_per_token`` per position over
-  all layers), which the head's KV budget already reserves per sequence.
-  mlx-lm 0.32 builds rotating caches for Gemma-3, Gemma 4, gpt-oss (and
-  Llama-style configs with ``layer_types``); its Gemma-2 and Mistral models
-  attend fully on every layer: their caches are ``KVCache`` and their cards say
-  so (window 0).
-- ``QuantizedKVCache`` (``kv_bits``): each of K and V travels as mlx's
-  (packed uint32, scales, biases) triple; bits and group size join the card.
-  Only ``KVCache`` layers are quantized (a recurrent layer keeps its state).
-- ``ArraysCache`` (recurrent layers: Qwen 3.5's Gated DeltaNet holds a conv
-  state and a recurrent state, LFM2's short conv a conv state, NemotronH's
-  Mamba2 a conv state and an SSM state): its arrays after a position are all a
-  continuation needs, and mlx-lm replaces them on every forward (never writes
-  into them), so a state is kept by reference. As in the torch engine, a
-  multi-token forward stops at every multiple of ``state_every`` blocks to keep
-  the state there (a copy of its own, so it pins nothing else), and keeps the
-  state where it ends; a one-token decode forward keeps only grid points (the
-  live state serves an export at the cache's current position). Of the
-  positions off the grid only the latest is kept. Blocks on the grid and every
-  tail carry the state; an import restores the last block that carried one,
-  and a crop (sessions, ``n`` sequences) goes only to a kept position
-  (:meth:`MLXEngine.restorable`).
+- ``KVCache``: any prefix is exact (both of Gemma 4's ``attention_k_eq_v`` arrays
+  travel).
+- ``RotatingKVCache`` (window ``W``, ``keep`` sink positions): each layer keeps a
+  *record*, its K/V of every position in order, appended after every forward;
+  export and crops read it. A prefix of ``n > W`` is restored as mlx-lm holds it
+  after computing ``n`` tokens in one pass: the ``keep`` first and the last
+  ``W - keep`` positions in order, ``offset = n``, ``_idx = W``. The record costs
+  ``card.kv_bytes_per_token`` per position, which the head's KV budget reserves.
+- ``QuantizedKVCache`` (``kv_bits``): K and V each travel as mlx's (packed uint32,
+  scales, biases); bits and group size join the card.
+- ``ArraysCache`` (recurrent layers): mlx-lm replaces its arrays on every forward,
+  so a state is kept by reference. A multi-token forward stops every
+  ``state_every`` blocks to keep the state there, and keeps it where it ends (of
+  positions off the grid only the latest); an import or crop ends on a kept
+  position (:meth:`MLXEngine.restorable`).
 
-mlx's CPU build runs mixture-of-experts layers (``gather_mm``) only in float32
-or quantized: a bfloat16 Gemma 4 MoE (or any bfloat16 MoE) cannot run there and
-is a ConfigError at load; its 4-bit conversion (``mlx_lm.convert -q``, group 64)
-and a float32 one run. On Metal all of them do.
-
-bfloat16 arrays travel as their raw 16-bit words (no PEP 3118 format needed).
-The numerics of mlx and torch differ, so an mlx card is a different namespace
-from a torch card for the same weights (the card's ``engine`` field).
+mlx's CPU build runs mixture-of-experts layers only in float32 or quantized: a
+bfloat16 MoE is a ConfigError at load there. bfloat16 arrays travel as raw 16-bit
+words. mlx and torch compute different numbers: their cards differ (``engine``).
 """
 
 from __future__ import annotations
@@ -86,6 +49,7 @@ from ..errors import CacheMiss, CannotRestore, ConfigError
 from .base import EngineBase
 from .decode import Sampling
 from .geometry import CacheGeometry, card_from_hf_dir
+from .protocol import Scorer
 from .sampling import distribution, greedy
 from .state import Importer, KVState
 
@@ -375,6 +339,34 @@ def _submodules(model: Any) -> list[Any]:
     return [m for m in out if m is not None]
 
 
+def _scorer(engine: MLXEngine) -> Scorer:
+    """:meth:`MLXEngine.prompt_scorer`: every position's logits of a chunk, on a
+    plain prompt cache (nothing recorded: it is never exported)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(engine.model)
+
+    def score(ids: Sequence[int], targets: Sequence[int], top: int) -> Any:
+        logits = engine.model(mx.array([list(ids)]), cache=cache)[0].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        want = mx.array(list(targets))
+        token_lp = mx.take_along_axis(lp, want[:, None], axis=-1)[:, 0]
+        if top <= 0:
+            mx.eval(token_lp)
+            return np.asarray(token_lp), np.zeros((len(ids), 0)), np.zeros((len(ids), 0))
+        k = min(top, lp.shape[-1])
+        idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(lp, idx, axis=-1)
+        mx.eval(token_lp, idx, vals)
+        order = np.argsort(-np.asarray(vals), axis=-1, kind="stable")
+        top_ids = np.take_along_axis(np.asarray(idx), order, axis=-1)
+        top_lp = np.take_along_axis(np.asarray(vals), order, axis=-1)
+        return np.asarray(token_lp), top_ids, top_lp
+
+    return score
+
+
 class MLXEngine(EngineBase):
     name = "mlx"
 
@@ -658,3 +650,6 @@ class MLXEngine(EngineBase):
         x = np.asarray(logits, dtype=np.float64)
         m = x.max()
         return (x - (m + np.log(np.exp(x - m).sum()))).astype(np.float32)
+
+    def prompt_scorer(self) -> Scorer:
+        return _scorer(self)

@@ -23,6 +23,10 @@ from .state import Importer, KVState
 
 PREFILL_CHUNK = 512  # tokens per prefill forward while other sequences are decoding
 
+# (ids, the id after each, top) -> per position: the next id's logprob, the top
+# ids and their logprobs (most likely first; ``[len(ids), 0]`` with top 0)
+Scorer = Callable[[Sequence[int], Sequence[int], int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
 
 class Engine(Protocol):
     """A loaded model: its card and tokenizer, prefill, decode and export."""
@@ -120,6 +124,11 @@ class Engine(Protocol):
 
     def logprob(self, logits: Any, token: int, top: int) -> TokenLogprob:
         """``token``'s logprob under the raw ``logits`` and the ``top`` most likely."""
+        ...
+
+    def prompt_scorer(self) -> Scorer:
+        """Prompt log-probabilities chunk by chunk on a fresh cache of its own: each
+        call continues where the last ended (:mod:`kvmesh.engine.scoring`)."""
         ...
 
     # -- export ----------------------------------------------------------------
