@@ -225,8 +225,8 @@ class HeadCollector(Collector):
         )
 
     def _aliases(self) -> dict[str, str]:
-        node = self.runtime.node.node if self.runtime.node else None
-        return {m.node_id: m.alias for m in node.membership.live()} if node else {}
+        fleet = self.runtime.fleet
+        return fleet.aliases() if fleet else {}
 
 
 class TenantCollector(Collector):
@@ -314,13 +314,7 @@ def create_app(
 ) -> FastAPI:
     limits = limits or Limits()
     topts = tenant_options or TenantOptions()
-    weights = memory.model_bytes(getattr(runtime.engine, "model", None))  # once: never change
-
-    def memory_report() -> dict[str, Any]:
-        """RSS against model + --budget + --kv-budget (kvmesh.memory.report)."""
-        store = runtime.fleet.store.stats.budget_bytes if runtime.fleet else None
-        return memory.report(store, runtime.batch.kv_budget_bytes, weights)
-
+    memory_report = _memory_reporter(runtime)
     credentials = _credentials(api_key_file, topts.header, access or Access())
     if limits.api_key_scope == "all" and not credentials.any:
         raise ValueError("--api-key-scope all needs --api-key-file")
@@ -347,12 +341,36 @@ def create_app(
         protected=scope.__contains__,
         max_body_bytes=limits.max_body_bytes,
     )
+    _add_error_handlers(app, limits.max_queue)
+    _add_health_routes(app, runtime, scheduler, model_name, memory_report)
+    _add_metrics_routes(app, runtime, scheduler, memory_report)
+    app.include_router(router(service))
+    app.include_router(cache_query.router(runtime, service))
+    app.include_router(network.router(runtime, NetworkState(state_file), fleet_key))
+    _add_dashboard(app)
+    return app
+
+
+def _memory_reporter(runtime: HeadRuntime) -> Callable[[], dict[str, Any]]:
+    """The head's memory report (:func:`kvmesh.memory.report`), as a function."""
+    weights = memory.model_bytes(getattr(runtime.engine, "model", None))  # once: never change
+
+    def memory_report() -> dict[str, Any]:
+        """RSS against model + --budget + --kv-budget (kvmesh.memory.report)."""
+        store = runtime.fleet.store.stats.budget_bytes if runtime.fleet else None
+        return memory.report(store, runtime.batch.kv_budget_bytes, weights)
+
+    return memory_report
+
+
+def _add_error_handlers(app: FastAPI, max_queue: int) -> None:
+    """Every error the app answers, in OpenAI's body (:mod:`.errors`)."""
 
     @app.exception_handler(QueueFull)
     async def _full(request: Request, exc: QueueFull) -> Any:
         return error_response(
             503,
-            f"the request queue is full ({limits.max_queue} waiting); retry later",
+            f"the request queue is full ({max_queue} waiting); retry later",
             "server_error",
             code="queue_full",
             headers={"Retry-After": str(exc.retry_after)},
@@ -364,15 +382,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Any:
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON")
-        if loc == [] and first.get("type") in ("model_attributes_type", "dict_type"):
-            return error_response(400, "the request body must be a JSON object")
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(400, msg, param=".".join(loc) or None)
+        return _validation_error(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Any:
@@ -399,25 +409,37 @@ def create_app(
         log.exception("request failed")
         return error_response(500, "internal error", "server_error")
 
-    registry, private = CollectorRegistry(), CollectorRegistry()
-    for reg in (registry, private):
-        reg.register(HeadCollector(runtime, scheduler, memory_report))
-        if runtime.node is not None:
-            from ..mesh.metrics import NodeCollector
 
-            reg.register(NodeCollector(lambda: runtime.node.node if runtime.node else None))
-    private.register(TenantCollector(runtime))
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    """A body pydantic refused: a 400 naming its first bad field."""
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return error_response(400, "the request body is not valid JSON")
+    if loc == [] and first.get("type") in ("model_attributes_type", "dict_type"):
+        return error_response(400, "the request body must be a JSON object")
+    msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    return error_response(400, msg, param=".".join(loc) or None)
 
+
+def _add_health_routes(
+    app: FastAPI,
+    runtime: HeadRuntime,
+    scheduler: Scheduler,
+    model_name: str,
+    memory_report: Callable[[], dict[str, Any]],
+) -> None:
     @app.get("/healthz")
     async def healthz() -> Any:
-        node = runtime.node.node if runtime.node else None
+        fleet = runtime.fleet
         failure = runtime.engine_failure
         body = {
             "status": "ok" if failure is None else "engine_failed",
             "model": model_name,  # the served name, never a local path (server.model_names)
             "namespace": runtime.card.namespace_hex[:12],
-            "peers": len(node.membership.live()) if node else 0,
-            "compatible_peers": len(node.client.compatible_peers(runtime.card)) if node else 0,
+            "peers": len(fleet.members()) if fleet else 0,
+            "compatible_peers": len(fleet.compatible_peers(runtime.card)) if fleet else 0,
             "publish_pending": runtime.publish_pending(),
             "queue": {
                 "waiting": scheduler.waiting,
@@ -438,6 +460,22 @@ def create_app(
         empty body while the engine serves, 503 once it died. Open as /healthz is."""
         return Response(status_code=200 if runtime.engine_failure is None else 503)
 
+
+def _add_metrics_routes(
+    app: FastAPI,
+    runtime: HeadRuntime,
+    scheduler: Scheduler,
+    memory_report: Callable[[], dict[str, Any]],
+) -> None:
+    """``/metrics`` (per-tenant series only to an admin's scrape) and the admins'
+    per-tenant table."""
+    registry, private = CollectorRegistry(), CollectorRegistry()
+    for reg in (registry, private):
+        reg.register(HeadCollector(runtime, scheduler, memory_report))
+        if runtime.fleet is not None:
+            reg.register(runtime.fleet.collector())
+    private.register(TenantCollector(runtime))
+
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
         admin = identity_of(request).admin  # per-tenant series: admins only
@@ -451,16 +489,13 @@ def create_app(
         require_admin(request)
         return {"tenants": tenant_rows(runtime)}
 
-    app.include_router(router(service))
-    app.include_router(cache_query.router(runtime, service))
-    app.include_router(network.router(runtime, NetworkState(state_file), fleet_key))
 
+def _add_dashboard(app: FastAPI) -> None:
     @app.get("/", include_in_schema=False)
     async def dashboard() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    return app
 
 
 def _credentials(api_key_file: str | None, header: str | None, access: Access) -> Credentials:
