@@ -7,21 +7,21 @@ template applied) or ``token_ids``; the prompt is tokenized exactly as a
 completion's. The answer::
 
     {"model", "prompt_tokens", "block_size", "cached_tokens", "source", "peer",
-     "prefix": {"session": n, "local": n, "disk": n, "<peer alias>": n, ...}}
+     "fallback", "prefix": {"session": n, "local": n, "disk": n, "<peer alias>": n, ...}}
 
 ``prefix`` holds the prompt tokens each source holds from the start: ``session``
 (this head's live sessions), ``local`` (its RAM tier), ``disk`` (its store with
 the disk tier under RAM) and every compatible peer asked (by alias; a peer
 holding nothing, or not answering within the lookup deadline, shows 0).
-``cached_tokens``, ``source`` and ``peer`` are what the next completion of the
-same prompt would report (``usage.prompt_tokens_details.cached_tokens``,
-``kvmesh.source`` and ``kvmesh.peer``) if nothing changed in between: the source the head's
-acquisition would pick (a session wins a tie; a peer only when it holds more and
-the planner would fetch it), and a prefix covering the whole prompt counts in
-full only with its stored tail (logits), else less its last token, which is
-computed. Nothing is fetched; the local store is read from its index without
-being touched (:meth:`BlockStore.peek`). Protected like the OpenAI routes
-(``--api-key-scope all``). Bad input is a 400 naming the field.
+``cached_tokens``, ``source``, ``peer`` and ``fallback`` are what the next
+completion of the same prompt would report (``usage.prompt_tokens_details.
+cached_tokens``, ``kvmesh.source``, ``kvmesh.peer``, ``kvmesh.fallback``) if
+nothing changed in between and its fetch worked: the head's own acquisition
+decision (:meth:`~kvmesh.runtime.acquire.Acquirer.plan`); a prefix covering the
+whole prompt counts in full only with its stored tail (logits), else less its
+last token. Nothing is fetched; the local store is read from its index,
+untouched. Protected like the OpenAI routes (``--api-key-scope all``). Bad input
+is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field, StrictInt
 
-from ..blocks import PrefixKeys
-from ..mesh.hits import PeerHit
 from ..runtime.head import HeadRuntime, Scope
 from ..store import Peek
 from .guard import BodyOffLoop, identity_of
@@ -114,71 +112,33 @@ def cached_prefix(
 ) -> dict[str, Any]:
     """Per source, the prompt tokens held from the start in ``scope``'s cache, with
     ``client``'s own sessions and tails (as its completion would see them; default:
-    the shared cache); and which source the head's acquisition would use, with the
-    tokens it would not recompute."""
+    the shared cache); and the head's acquisition plan (:meth:`Acquirer.plan`):
+    its source, the tokens it would not recompute, and why it would fall back."""
     n = len(tokens)
-    keyer = runtime.keyer_for(scope or Scope(), client)
+    scope = scope or Scope()
+    keyer = runtime.keyer_for(scope, client)
     keys = keyer.keys(tokens)
-    session = runtime.session_prefix(tokens, keyer.root, (scope or Scope()).exact(client))
-    prefix: dict[str, int] = {"session": session, "local": 0, "disk": 0}
-    out: dict[str, Any] = {
+    session = runtime.sessions.prefix(tokens, keyer.root, scope.exact(client))
+    plan = runtime.acquirer.plan(runtime.card, keys, session=session)
+    fleet = runtime.acquirer.fleet
+    peek = fleet.peek(keys) if fleet is not None else Peek(0, 0, False)
+    prefix = {"session": session, "local": peek.ram_tokens, "disk": peek.tokens}
+    if fleet is not None:
+        prefix |= {card.alias: 0 for card in fleet.compatible_peers(runtime.card)}
+    for hit in plan.offered:
+        prefix[hit.alias] = max(prefix.get(hit.alias, 0), hit.tokens)
+    return {
         "prompt_tokens": n,
         "block_size": runtime.card.block_tokens,
-        "cached_tokens": 0,
-        "source": "compute",
-        "peer": None,
+        "cached_tokens": _not_recomputed(plan.tokens, plan.whole, n),
+        "source": plan.source,
+        "peer": plan.hit.alias if plan.hit is not None else None,
+        "fallback": plan.fallback,
+        "prefix": prefix,
     }
-    fleet = runtime.fleet
-    peek = fleet.store.peek(keys) if fleet is not None else Peek(0, 0, False)
-    prefix.update(local=peek.ram_tokens, disk=peek.tokens)
-    if session and session >= peek.tokens:  # resuming is a crop: sessions win ties
-        out.update(cached_tokens=session, source="session")
-    elif peek.tokens:
-        out.update(
-            cached_tokens=_imported(peek.tokens, peek.whole, n),
-            source="disk" if peek.tokens > peek.ram_tokens else "local",
-        )
-    if fleet is not None:
-        have = max(session, peek.tokens)
-        skip = 0 if peek.whole else peek.tokens // runtime.card.block_tokens
-        hit = _remote(runtime, keys, n, have, skip, prefix)
-        if hit is not None:
-            out.update(
-                cached_tokens=_imported(hit.tokens, hit.tail is not None, n),
-                source="remote",
-                peer=hit.alias,
-            )
-    return {**out, "prefix": prefix}
 
 
-def _imported(held: int, whole: bool, n: int) -> int:
+def _not_recomputed(held: int, whole: bool, n: int) -> int:
     """Prompt tokens not recomputed from a prefix of ``held`` tokens: all with the
     stored tail's logits, else at least the last one is computed."""
     return n if whole and held == n else min(held, n - 1)
-
-
-def _remote(
-    runtime: HeadRuntime, keys: PrefixKeys, n: int, have: int, skip: int, prefix: dict[str, int]
-) -> PeerHit | None:
-    """Ask the compatible peers (as a completion would, under the lookup deadline),
-    note each one's prefix, and return the hit the acquisition would fetch."""
-    fleet, node = runtime.fleet, runtime.node
-    assert fleet is not None and node is not None
-    for card in node.node.client.compatible_peers(runtime.card):
-        prefix.setdefault(card.alias, 0)
-    hooks = runtime.planner.lookup_hooks(runtime.telemetry.count)
-    hits, _ = fleet.lookup(runtime.card, keys, **hooks)
-    chosen = None
-    for hit in hits:  # longest first
-        prefix[hit.alias] = max(prefix.get(hit.alias, 0), hit.tokens)
-        if chosen is None and have < n - 1 and _would_fetch(runtime, hit, have, skip):
-            chosen = hit
-    return chosen
-
-
-def _would_fetch(runtime: HeadRuntime, hit: PeerHit, have: int, skip: int) -> bool:
-    planner = runtime.planner
-    if hit.tokens <= have or not planner.usable(hit.node_id):
-        return False
-    nbytes = sum(i.nbytes for i in hit.infos[skip:])
-    return bool(planner.estimate(hit.node_id, hit.tokens - have, nbytes).worth_it)

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
 from ..runtime.head import HeadRuntime
-from ..runtime.telemetry import Source
+from ..runtime.telemetry import Count, Family, Source, Timer, labelled
 from ..units import is_loopback
 from .guard import BodyOffLoop, identity_of
 from .openai import APIError, Body
@@ -124,18 +124,15 @@ class NetworkState:
 
 
 def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list[dict[str, Any]]:
-    node = runtime.node.node if runtime.node else None
+    fleet = runtime.fleet
     rows = []
-    if node is not None:
-        me = node.membership.own_card()
-        cards = [(me, 0.0, True)] + [
-            (c, node.membership.age(c.node_id) or 0.0, False) for c in node.membership.live()
-        ]
-    else:
-        cards = []
+    cards = []
+    if fleet is not None:
+        cards = [(fleet.own_card(), 0.0, True)]
+        cards += [(c, fleet.card_age(c.node_id), False) for c in fleet.members()]
     backed_off = runtime.planner.backed_off()
     for card, age, is_self in cards:
-        ttl = node.membership.ttl if node else 1
+        ttl = fleet.ttl if fleet else 1
         row: dict[str, Any] = {
             "alias": card.alias,
             "roles": list(card.roles),
@@ -170,8 +167,8 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
                         "interface": e.interface,
                         "priority": e.priority,
                         "rtt_ms": None
-                        if is_self or node is None
-                        else node.membership.rtt(card.node_id, e.address),
+                        if is_self or fleet is None
+                        else fleet.rtt(card.node_id, e.address),
                     }
                     for e in card.endpoints
                 ],
@@ -214,11 +211,11 @@ def _tokens(runtime: HeadRuntime, private: bool = False) -> dict[str, Any]:
     least = 1 if private else MIN_PUBLIC_REQUESTS
     series = {k: v for k, v in series.items() if v["requests"] >= least}
     return {
-        "completed_tokens": c.get("completion_tokens", 0),
-        "kv_assisted_tokens": c.get("kv_assisted_tokens", 0),
-        "computed_prompt_tokens": c.get("computed_prompt_tokens", 0),
-        "prompt_tokens": c.get("prompt_tokens", 0),
-        "requests": c.get("requests", 0),
+        "completed_tokens": c.get(Count.COMPLETION_TOKENS, 0),
+        "kv_assisted_tokens": c.get(Count.KV_ASSISTED_TOKENS, 0),
+        "computed_prompt_tokens": c.get(Count.COMPUTED_PROMPT_TOKENS, 0),
+        "prompt_tokens": c.get(Count.PROMPT_TOKENS, 0),
+        "requests": c.get(Count.REQUESTS, 0),
         "series": [series[k] for k in sorted(series)],
     }
 
@@ -226,12 +223,12 @@ def _tokens(runtime: HeadRuntime, private: bool = False) -> dict[str, Any]:
 def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[str, Any]:
     c = runtime.telemetry.snapshot()["counters"]
     t = runtime.telemetry.snapshot()["timers"]
-    sources = {s: c.get(f"prefill_source:{s}", 0) for s in SOURCES}
+    sources = {s: c.get(labelled(Family.PREFILL_SOURCE, s), 0) for s in SOURCES}
     total = sum(sources.values())
-    node = runtime.node.node if runtime.node else None
+    fleet = runtime.fleet
     transfers = []
-    if node is not None and private:  # one transfer is one request's prompt length
-        for tr in list(node.client.transfers)[-20:]:
+    if fleet is not None and private:  # one transfer is one request's prompt length
+        for tr in fleet.transfers()[-20:]:
             transfers.append(
                 {
                     "peer": tr.peer,
@@ -246,9 +243,9 @@ def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[s
         "requests": total,
         "hit_ratio": round((total - sources[Source.COMPUTE]) / total, 3) if total else None,
         "by_source": sources,
-        "bytes_fetched": c.get("bytes_fetched", 0),
-        "bytes_published": node.client.counters.get("bytes_published", 0) if node else 0,
-        "prefill_seconds_saved": round(t.get("saved_s", 0.0), 3),
+        "bytes_fetched": c.get(Count.BYTES_FETCHED, 0),
+        "bytes_published": fleet.counter("bytes_published") if fleet else 0,
+        "prefill_seconds_saved": round(t.get(Timer.SAVED, 0.0), 3),
         "fallback_reasons": runtime.telemetry.fallbacks,
         "recent_transfers": transfers,
         "capacity": [
@@ -261,8 +258,7 @@ def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[s
 def _tiers(runtime: HeadRuntime) -> list[dict[str, Any]]:
     """The head's own store, tier by tier (RAM, then disk): aggregates only, public
     like capacity (never a path, a key or a file name)."""
-    node = runtime.node.node if runtime.node else None
-    if node is None:
+    if runtime.fleet is None:
         return []
     return [
         {
@@ -277,7 +273,7 @@ def _tiers(runtime: HeadRuntime) -> list[dict[str, Any]]:
             "corrupt": t.corrupt,
             "dropped": t.dropped,
         }
-        for t in node.store.tier_stats()
+        for t in runtime.fleet.tier_stats()
     ]
 
 
@@ -359,8 +355,7 @@ def router(runtime: HeadRuntime, state: NetworkState, fleet_key: bytes | None) -
             raise APIError(403, refusal, "permission_error", code="plaintext_pairing")
         if not state.redeem(p.token):
             raise APIError(403, "pairing token is unknown, used or expired", "permission_error")
-        node = runtime.node.node if runtime.node else None
-        seeds = [e.address for e in node.endpoints] if node else []
+        seeds = runtime.fleet.seeds() if runtime.fleet else []
         body: dict[str, Any] = {"seeds": seeds}
         if fleet_key is not None:
             body["fleet_key"] = fleet_key.decode("latin-1")

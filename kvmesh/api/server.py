@@ -107,7 +107,6 @@ def _serve(
     # uses); other tools bring it (sanic, via guidellm), and with it loaded an idle
     # head kept ~40 MiB more free heap after a burst (tests/test_memory_head.py)
     sys.modules.setdefault("ujson", None)  # type: ignore[arg-type]
-    from ..mesh.events import RecordingKeyer
     from ..runtime.head import HeadRuntime
     from ..units import is_loopback
     from .app import Access, Limits, TenantOptions, create_app
@@ -124,9 +123,6 @@ def _serve(
         prefill_chunk=opts.prefill_chunk,
     )
     closers.append(runtime.close)
-    events = node.node.events
-    if events is not None and events.source.token_ids:  # the tokens of the blocks it keys
-        runtime.keyer = RecordingKeyer(runtime.keyer, events.source.memo)
     name, aliases = opts.model_names()
     app = create_app(
         runtime,
@@ -157,7 +153,21 @@ def _serve(
             "(--http-tls-cert/--http-tls-key)",
             host,
         )
-    config = uvicorn.Config(
+    fleet = runtime.fleet
+    assert fleet is not None  # the head was built on a node
+    print(
+        f"kvmesh head {fleet.alias} {'https' if tls else 'http'}://{host}:{port} "
+        f"grpc {fleet.address} epoch {fleet.epoch} "
+        f"model {engine.card.summary()} device {getattr(engine, 'device', 'mlx')}",
+        flush=True,
+    )
+    uvicorn.Server(_uvicorn_config(app, opts)).run(sockets=[sock])
+
+
+def _uvicorn_config(app: Any, opts: HeadOptions) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
         app,
         log_level="warning",
         lifespan="off",
@@ -174,14 +184,6 @@ def _serve(
         ssl_certfile=opts.http_tls_cert,
         ssl_keyfile=opts.http_tls_key,
     )
-    server = uvicorn.Server(config)
-    print(
-        f"kvmesh head {node.node.alias} {'https' if tls else 'http'}://{host}:{port} "
-        f"grpc {node.node.address} epoch {node.node.store.epoch} "
-        f"model {engine.card.summary()} device {getattr(engine, 'device', 'mlx')}",
-        flush=True,
-    )
-    server.run(sockets=[sock])
 
 
 class _SigtermExits:

@@ -1,27 +1,30 @@
-"""The fleet as a head sees it: a small synchronous facade over a :class:`NodeThread`.
+"""The fleet as a head sees it: the one door from a head (or a vLLM worker) to
+its mesh node, a synchronous facade over a :class:`NodeThread`.
 
-A head's request path runs on ordinary threads; the mesh runs on its own event
-loop. ``Fleet`` is the one place that crosses between them: every call has a
-deadline, and the head never reaches through the node's insides. Lookups return
-validated hits only (a peer's claim is checked against the keys asked; see
-:meth:`MeshClient.lookup`) and tell the caller how each peer answered, so its
-circuit breaker can blame and forgive. A fetch's deadline covers the wait for a
-local stream and the stream: a wait that uses it up is our failure
-(:class:`~kvmesh.errors.LocalBusy`), never the peer's; the stream gets the rest.
+Request paths run on ordinary threads, the mesh on its own event loop: every
+call that crosses has a deadline. Lookups return validated hits only (see
+:meth:`MeshClient.lookup`) and report how each peer answered, so a circuit
+breaker can blame and forgive; a failed lookup is no hit and a typed reason. A
+fetch's deadline covers the wait for a local stream and the stream: a wait that
+uses it up is ours (:class:`~kvmesh.errors.LocalBusy`), never the peer's. The
+read-only views (members, transfers, tiers) serve the dashboard and metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from ..blocks import PrefixKeys
+from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, Layout
 from ..compat import CompatCard
-from ..errors import KVMeshError
-from ..store import BlockStore, Match
+from ..errors import KVMeshError, Reason
+from ..store import BlockStore, Match, Peek, TierStats
 from .bulk import StreamTimes
-from .hits import PeerHit
+from .events import RecordingKeyer
+from .hits import PeerHit, Transfer
 from .node import NodeThread
+from .proto import kvmesh_pb2 as pb
 
 
 class Fleet:
@@ -45,8 +48,21 @@ class Fleet:
         node.extra_namespaces[card.namespace_hex] = card.summary()
         node.config.roles = tuple(sorted({"head", *node.config.roles}))
 
+    def keyer(self, card: CompatCard, hash_key: bytes | None = None) -> BlockKeyer:
+        """The keyer of ``card``'s chains; it records each block's tokens when this
+        node publishes KV events with token ids."""
+        keyer = BlockKeyer(card.namespace, card.block_tokens, hash_key)
+        events = self._node.node.events
+        if events is not None and events.source.token_ids:
+            return RecordingKeyer(keyer, events.source.memo)
+        return keyer
+
     def local_prefix(self, keys: PrefixKeys) -> Match:
         return self.store.longest_prefix(keys)
+
+    def peek(self, keys: PrefixKeys) -> Peek:
+        """How much of ``keys`` the local store holds, from its index, untouched."""
+        return self.store.peek(keys)
 
     def lookup(
         self,
@@ -67,9 +83,11 @@ class Fleet:
                 timeout=self._client.lookup_deadline + 1,
             )
         except TimeoutError:
-            return [], ["timeout"]
+            return [], [Reason.TIMEOUT]
+        except KVMeshError as e:
+            return [], [e.reason]
         except Exception:  # the cache never decides correctness
-            return [], ["error"]
+            return [], [Reason.ERROR]
 
     def fetch(
         self,
@@ -118,3 +136,65 @@ class Fleet:
 
     def drain(self, timeout: float) -> None:
         self._node.call(self._client.drain(), timeout=timeout)
+
+    # -- read-only views (dashboard, metrics, pairing) -------------------------
+
+    @property
+    def alias(self) -> str:
+        return self._node.node.alias
+
+    @property
+    def address(self) -> str:
+        return self._node.node.address
+
+    @property
+    def epoch(self) -> str:
+        return self.store.epoch
+
+    @property
+    def ttl(self) -> float:
+        """Seconds a member's card lives without news."""
+        return self._node.node.membership.ttl
+
+    def own_card(self) -> pb.CapabilityCard:
+        return self._node.node.membership.own_card()
+
+    def members(self) -> list[pb.CapabilityCard]:
+        """The live peers' cards."""
+        return self._node.node.membership.live()
+
+    def aliases(self) -> dict[str, str]:
+        """node id -> alias of every live peer."""
+        return {m.node_id: m.alias for m in self.members()}
+
+    def card_age(self, node_id: str) -> float:
+        """Seconds since ``node_id``'s card was last refreshed (0.0: unknown)."""
+        return self._node.node.membership.age(node_id) or 0.0
+
+    def rtt(self, node_id: str, address: str) -> float | None:
+        return self._node.node.membership.rtt(node_id, address)
+
+    def compatible_peers(self, card: CompatCard) -> list[pb.CapabilityCard]:
+        """The peers a lookup for ``card`` may ask."""
+        return self._client.compatible_peers(card)
+
+    def seeds(self) -> list[str]:
+        """This node's own endpoint addresses (what a new node joins through)."""
+        return [e.address for e in self._node.node.endpoints]
+
+    def transfers(self) -> list[Transfer]:
+        """The latest fetches, oldest first."""
+        return list(self._client.transfers)
+
+    def counter(self, name: str) -> int:
+        """One of the mesh client's own counters."""
+        return self._client.counters.get(name, 0)
+
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        return self.store.tier_stats()
+
+    def collector(self) -> Any:
+        """A Prometheus collector of this node's store, serving and events."""
+        from .metrics import NodeCollector
+
+        return NodeCollector(lambda: self._node.node)

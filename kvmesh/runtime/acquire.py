@@ -1,31 +1,30 @@
 """The one acquisition core: how any engine (the head, the vLLM connector) gets a
-prompt's prefix from the mesh, and how it gives computed prefixes back.
+prompt's prefix, and how it gives computed prefixes back.
 
-*Acquire* (:class:`Acquirer`), in order, each step once, for every caller:
+*Acquire* (:meth:`Acquirer.acquire`), each step once, for every caller:
 
-1. **local**: the longest prefix in this node's own store (RAM, then disk);
-2. **candidates**: when the prompt is longer, the fleet's validated hits
-   (longest first; peers backed off by the circuit breaker are not waited for),
-   keeping those longer than what is already held and whose peer is usable;
-3. **plan and fetch**: each candidate in turn, while the cache-time budget
-   (:meth:`Acquirer.budget`, at least :data:`MIN_CACHE_BUDGET_S`) lasts: skipped
-   when the planner says computing is cheaper, else streamed (verified block by
-   block) into a sink the caller opens for it. A failure is counted and, when it
-   is the peer's, backs the peer off; the next candidate is tried. A stream that
-   our own budget ends is no failure of the peer's (fallback ``budget``: the
-   planner tells the two apart, :class:`~.planner.Attempt`). A successful
-   fetch teaches the planner the peer's bandwidth, and the import bandwidth from
-   the time the sink took (:meth:`Planner.observe_import`), and a fetched chain
-   that continues the stored one is kept locally, to serve it from here too.
+1. **held**: the longest prefix in this node's store (RAM, then disk) and, for
+   the head, its live session's (a session wins a tie: resuming is a crop);
+2. **candidates**: when more of the prompt is wanted, the fleet's validated
+   hits, longest first, from usable peers (backed-off ones are not waited for),
+   holding more than is held;
+3. **fetch**: each candidate in turn while the cache-time budget lasts
+   (:meth:`Acquirer.budget` less the lookup's time): skipped when the planner
+   says computing is cheaper, else streamed, verified block by block, into a
+   sink the caller opens. A failure is counted, backs the peer off when it is
+   the peer's (:meth:`Planner.fetch_failed`), and the next candidate is tried. A
+   fetch teaches the planner the peer's and the import's bandwidth; a fetched
+   chain that continues the stored one is kept here.
 
-The caller only decides what a sink is (an engine's importer, or a dict of
-verified pages) and what it does with the blocks.
+:meth:`Acquirer.plan` is the same decision without fetching (the store read from
+its index, untouched): ``/v1/cache/query`` answers with it. Outcomes are
+:class:`~.telemetry.Source` members, reasons :class:`~kvmesh.errors.Reason`
+members (:func:`~.planner.failure_reason`), counters typed in :mod:`.telemetry`.
 
-*Give back* (:class:`Publisher`): computed chains are stored and published on
-one background thread through a bounded number of slots: a publish that finds
-every slot taken is dropped (counted ``publish_dropped``), never waited for. It
-tells :func:`kvmesh.memory.after_request` when it has work and when all of it is
-done (an idle head gives back what exports freed).
+*Give back* (:class:`Publisher`): computed chains are stored and published on one
+background thread through bounded slots: a publish finding none free is dropped
+(counted ``publish_dropped``), never waited for. It tells
+:func:`kvmesh.memory.after_request` when it has work and when all of it is done.
 """
 
 from __future__ import annotations
@@ -50,22 +49,22 @@ from ..mesh.hits import PeerHit
 from ..store import Match
 from .planner import Attempt, Planner, failure_reason
 from .slots import Slots
+from .telemetry import Count, Family, Source, Tally, labelled
 
 log = logging.getLogger("kvmesh.acquire")
 
 MIN_CACHE_BUDGET_S = 0.2  # a fast model still tolerates a scheduling hiccup
 
 
-class Count(Protocol):
-    """A telemetry counter: ``count(name)`` adds one, ``count(name, n)`` adds n."""
-
-    def __call__(self, name: str, n: int = 1, /) -> object: ...
-
-
 class Sink(Protocol):
     """Where a fetch puts verified blocks (an engine's importer, a page table)."""
 
     def add(self, blk: Block, /) -> object: ...
+
+
+#: ``open_sink(hit, held)``: where a fetch from ``hit`` puts its blocks; ``held``
+#: are the local blocks (from the root) the fetched ones continue.
+OpenSink = Callable[[PeerHit, tuple[Block, ...]], Sink]
 
 
 @dataclass
@@ -75,6 +74,7 @@ class Candidates:
     hits: list[PeerHit] = field(default_factory=list)
     lookup_s: float = 0.0
     fallback: str | None = None  # why some peer did not answer (the first reason)
+    offered: list[PeerHit] = field(default_factory=list)  # every hit, as its peer answered
 
 
 @dataclass
@@ -91,6 +91,32 @@ class Fetched:
     times: StreamTimes = field(default_factory=StreamTimes)  # the working stream's stages
 
 
+@dataclass
+class Acquired:
+    """Where a prompt's prefix comes from: what :meth:`Acquirer.acquire` did, or
+    what :meth:`Acquirer.plan` would do (nothing fetched, ``local`` unread)."""
+
+    source: Source = Source.COMPUTE
+    tokens: int = 0  # prompt tokens ``source`` holds from the start
+    whole: bool = False  # they end on a stored tail (its logits: nothing to compute)
+    fallback: str | None = None  # why no peer's prefix is used, when one was sought
+    hit: PeerHit | None = None  # the peer fetched from (plan: the first it would try)
+    local: Match = field(default_factory=lambda: Match((), None))  # the stored chain read
+    start: int = 0  # the chain index a fetch starts from
+    fetched: Fetched = field(default_factory=Fetched)
+    lookup_s: float = 0.0
+    offered: list[PeerHit] = field(default_factory=list)  # every peer's validated hit
+
+    @property
+    def prefix(self) -> tuple[Block, ...]:
+        """The acquired chain from the root (blocks, then a tail); () for a session."""
+        if self.source == Source.REMOTE:
+            return self.local.blocks[: self.start] + tuple(self.fetched.blocks)
+        if self.source in (Source.LOCAL, Source.DISK):
+            return self.local.all()
+        return ()
+
+
 def _importable(card: CompatCard, hit: PeerHit) -> PeerHit:
     """``hit`` cut to what an import can end on (the blocks past it would be fetched
     for nothing): a hybrid's chain without a tail ends on its last state
@@ -104,32 +130,169 @@ def _importable(card: CompatCard, hit: PeerHit) -> PeerHit:
     return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * card.block_tokens, tail=None)
 
 
-class Acquirer:
-    """Local store, fleet candidates, planned verified fetch: see the module."""
+def _paged(hit: PeerHit, pages: int, block_tokens: int) -> PeerHit:
+    """``hit`` cut to at most ``pages`` whole blocks, never its tail."""
+    n = min(len(hit.blocks), pages)
+    if n == len(hit.blocks) and hit.tail is None:
+        return hit
+    return dataclasses.replace(hit, blocks=hit.blocks[:n], tail=None, tokens=n * block_tokens)
 
-    def __init__(self, fleet: Fleet, planner: Planner, count: Count) -> None:
+
+def _choose(session: int, tokens: int, whole: bool, disk: bool) -> Acquired:
+    """The better of a live session's ``session`` tokens and the local store's
+    ``tokens`` (a session wins a tie: resuming is a crop, importing a copy)."""
+    if session and session >= tokens:
+        return Acquired(Source.SESSION, session)
+    if tokens:
+        return Acquired(Source.DISK if disk else Source.LOCAL, tokens, whole)
+    return Acquired()
+
+
+class Acquirer:
+    """Local store, fleet candidates, planned verified fetch: see the module.
+    Without a fleet (prefix reuse off, no node) only a session is ever held."""
+
+    def __init__(self, fleet: Fleet | None, planner: Planner, count: Tally) -> None:
         self.fleet = fleet
         self.planner = planner
         self.count = count
 
+    def acquire(
+        self,
+        layout: Layout,
+        keys: PrefixKeys,
+        open_sink: OpenSink,
+        *,
+        session: int = 0,
+        pages: int | None = None,
+        on_looked_up: Callable[[], None] | None = None,
+        on_start: Callable[[PeerHit], None] | None = None,
+        owner: str | None = None,
+    ) -> Acquired:
+        """The prefix of the prompt ``keys`` name: held here (a live session of
+        ``session`` tokens, the local store) or fetched from the first candidate
+        worth it (see the module). ``open_sink`` (:data:`OpenSink`) raising is our
+        failure: the next candidate is tried. ``pages``: at most that many whole
+        blocks, never a tail (a paged engine computes the rest); None: the whole
+        prompt. ``on_looked_up`` hears when the candidates are known, ``on_start``
+        of each stream as it begins; blocks kept here count against ``owner``'s
+        tenant budget. A cache failure is never raised: it is ``fallback``."""
+        local = self.local(keys)
+        if pages is not None:
+            cut = local.blocks[:pages]
+            local = Match(cut, None, min(local.disk_blocks, len(cut)))
+        out = _choose(session, local.tokens, local.tail is not None, local.from_disk)
+        out.local = local
+        if not self._seeks(out.tokens, keys, pages):
+            return out
+        found = self._candidates(layout.card, keys, out.tokens, pages)
+        if on_looked_up is not None:
+            on_looked_up()
+        out.lookup_s, out.offered = found.lookup_s, found.offered
+        # a tail is matched token-exactly: after one, the fetch starts from the root
+        out.start = len(local.blocks) if local.tail is None else 0
+        held = local.blocks[: out.start]
+        budget = self.budget(self._wanted(keys, pages)) - found.lookup_s
+        out.fetched = self.fetch(
+            layout,
+            found.hits,
+            local,
+            out.start,
+            out.tokens,
+            budget,
+            lambda hit: open_sink(hit, held),
+            on_start,
+            owner,
+        )
+        hit = out.fetched.hit
+        if hit is None:
+            out.fallback = out.fetched.fallback or found.fallback
+            return out
+        out.source, out.tokens, out.whole, out.hit = (
+            Source.REMOTE,
+            hit.tokens,
+            hit.tail is not None,
+            hit,
+        )
+        return out
+
+    def plan(
+        self, card: CompatCard, keys: PrefixKeys, *, session: int = 0, pages: int | None = None
+    ) -> Acquired:
+        """What :meth:`acquire` would do now, acting on nothing: the local store is
+        read from its index (untouched), the fleet asked as acquire asks it (its
+        answers in ``offered`` even when no fetch is sought), nothing fetched."""
+        if self.fleet is None:
+            return _choose(session, 0, False, False)
+        peek = self.fleet.peek(keys)
+        tokens, whole = peek.tokens, peek.whole
+        if pages is not None:
+            tokens, whole = min(tokens // keys.block_tokens, pages) * keys.block_tokens, False
+        out = _choose(session, tokens, whole, tokens > peek.ram_tokens)
+        found = self._candidates(card, keys, out.tokens, pages)
+        out.lookup_s, out.offered = found.lookup_s, found.offered
+        if not self._seeks(out.tokens, keys, pages):
+            return out
+        start = 0 if whole else tokens // keys.block_tokens
+        hit = next((h for h in found.hits if self._worth(h, out.tokens, start)), None)
+        if hit is None:
+            out.fallback = found.fallback
+            return out
+        out.source, out.tokens, out.whole = Source.REMOTE, hit.tokens, hit.tail is not None
+        out.hit, out.start = hit, start
+        return out
+
     def local(self, keys: PrefixKeys) -> Match:
-        return self.fleet.local_prefix(keys)
+        return self.fleet.local_prefix(keys) if self.fleet is not None else Match((), None)
 
     def budget(self, n_tokens: int) -> float:
         """Seconds all remote fetches of one request may take: the estimated cold
         prefill of the prompt (a fetch slower than that is not worth waiting for),
         at least :data:`MIN_CACHE_BUDGET_S`, at most the fetch deadline."""
+        assert self.fleet is not None
         floor = max(self.planner.compute_s(n_tokens), MIN_CACHE_BUDGET_S)
         return min(self.fleet.fetch_deadline, floor)
+
+    def _seeks(self, have: int, keys: PrefixKeys, pages: int | None) -> bool:
+        """Whether the fleet is asked: there is one, and ``have`` tokens are less
+        than is wanted (every page; else all but the last token, computed anyway)."""
+        if self.fleet is None:
+            return False
+        return have < (keys.n_tokens - 1 if pages is None else pages * keys.block_tokens)
+
+    @staticmethod
+    def _wanted(keys: PrefixKeys, pages: int | None) -> int:
+        """The tokens a fetch could save: the budget's measure."""
+        return keys.n_tokens if pages is None else pages * keys.block_tokens
 
     def candidates(self, card: CompatCard, keys: PrefixKeys, have: int) -> Candidates:
         """The fleet's validated hits holding more than ``have`` tokens, from usable
         peers, longest first. Never raises: a failed lookup is no candidate."""
+        assert self.fleet is not None
         t0 = time.perf_counter()
         hits, errors = self.fleet.lookup(card, keys, **self.planner.lookup_hooks(self.count))
+        offered = list(hits)
         hits = [_importable(card, h) for h in hits]
         usable = [h for h in hits if h.tokens > have and self.planner.usable(h.node_id)]
-        return Candidates(usable, time.perf_counter() - t0, errors[0] if errors else None)
+        fallback = errors[0] if errors else None
+        return Candidates(usable, time.perf_counter() - t0, fallback, offered)
+
+    def _candidates(
+        self, card: CompatCard, keys: PrefixKeys, have: int, pages: int | None
+    ) -> Candidates:
+        found = self.candidates(card, keys, have)
+        if pages is not None:
+            paged = (_paged(h, pages, card.block_tokens) for h in found.hits)
+            found.hits = [h for h in paged if h.tokens > have]
+        return found
+
+    def _worth(self, hit: PeerHit, have: int, start: int) -> bool:
+        """Whether ``hit`` is one to fetch from block ``start``: it holds more than
+        ``have``, its peer is usable, and the planner prefers it to computing."""
+        if hit.tokens <= have or not self.planner.usable(hit.node_id):
+            return False
+        nbytes = sum(i.nbytes for i in hit.infos[start:])
+        return self.planner.estimate(hit.node_id, hit.tokens - have, nbytes).worth_it
 
     def fetch(
         self,
@@ -158,11 +321,10 @@ class Acquirer:
             if left <= 0:
                 out.fallback = Reason.BUDGET
                 break
-            nbytes = sum(i.nbytes for i in hit.infos[start:])
-            if not self.planner.estimate(hit.node_id, hit.tokens - have, nbytes).worth_it:
-                self.count("planned_compute")
+            if not self._worth(hit, have, start):
+                self.count(Count.PLANNED_COMPUTE)
                 continue
-            if self._try(layout, hit, local, start, nbytes, left, open_sink, on_start, out, owner):
+            if self._try(layout, hit, local, start, left, open_sink, on_start, out, owner):
                 return out
         return out
 
@@ -172,7 +334,6 @@ class Acquirer:
         hit: PeerHit,
         local: Match,
         start: int,
-        nbytes: int,
         left: float,
         open_sink: Callable[[PeerHit], Sink],
         on_start: Callable[[PeerHit], None] | None,
@@ -180,11 +341,12 @@ class Acquirer:
         owner: str | None = None,
     ) -> bool:
         """One candidate; True (``out`` filled in) when its stream worked."""
+        assert self.fleet is not None
         try:  # ours: a failure here is never the peer's fault
             sink = open_sink(hit)
         except Exception as e:  # e.g. past a sliding window, or a bad local block
             out.fallback = failure_reason(e)
-            self.count(f"local_import_failed:{out.fallback}")
+            self.count(labelled(Family.LOCAL_IMPORT_FAILED, out.fallback))
             return False
         timed = _Timed(sink.add)
         if on_start is not None:
@@ -199,11 +361,12 @@ class Acquirer:
             tried = Attempt(left, time.perf_counter() - t0, timed.nbytes, self.fleet.fetch_deadline)
             out.fallback = self.planner.fetch_failed(hit.node_id, e, self.count, hit.alias, tried)
             return False
+        nbytes = sum(i.nbytes for i in hit.infos[start:])
         out.fetch_s = time.perf_counter() - t0
         self.planner.observe_fetch(hit.node_id, nbytes, out.fetch_s)
         self.planner.observe_import(timed.nbytes, timed.seconds)
         self.planner.peer_succeeded(hit.node_id)
-        self.count("fetched_bytes", nbytes)
+        self.count(Count.FETCHED_BYTES, nbytes)
         out.hit, out.sink, out.blocks, out.nbytes, out.fallback = hit, sink, blocks, nbytes, None
         out.times = times
         if start == len(local.blocks):  # the fetched blocks continue the stored chain
@@ -240,7 +403,7 @@ class Publisher:
     ``slots`` bounded slots (a publish finding none free is dropped and counted)."""
 
     def __init__(
-        self, fleet: Fleet | None, card: CompatCard, slots: int, count: Count, publish: bool = True
+        self, fleet: Fleet | None, card: CompatCard, slots: int, count: Tally, publish: bool = True
     ) -> None:
         self.fleet = fleet
         self.card = card
@@ -255,7 +418,7 @@ class Publisher:
         """One slot, or False (counted ``publish_dropped``) when all are taken."""
         if self._slots.take():
             return True
-        self.count("publish_dropped")
+        self.count(Count.PUBLISH_DROPPED)
         return False
 
     def release(self) -> None:
@@ -299,7 +462,7 @@ class Publisher:
             self.count(counter, len({b.key for c in chains for b in c}))  # distinct blocks
         except Exception as e:  # a publish never fails a request
             log.warning("publish failed: %r", e)
-            self.count("publish_failed")
+            self.count(Count.PUBLISH_FAILED)
         finally:
             self._slots.give()
             self._work(-1)

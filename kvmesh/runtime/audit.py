@@ -13,15 +13,22 @@ the process and counted.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..blocks import BlockKeyer
 from ..codec import Block, TensorSpec
 from ..engine import Engine
+from .planner import Planner
+from .telemetry import Count, Tally
+
+log = logging.getLogger("kvmesh.audit")
 
 # max |a - b| allowed, relative to max(|b|) + 1: loose enough for kernels and
 # thread counts that differ between machines, far below a perturbation that matters
@@ -57,6 +64,32 @@ class Auditor:
         i, blk = self._rng.choice(full)
         end = blk.header.start + blk.header.tokens
         return AuditJob(tuple(tokens[:end]), blk, i, peer_id, peer)
+
+    def check(
+        self,
+        engine: Engine,
+        lock: AbstractContextManager[Any],
+        keyer: BlockKeyer,
+        job: AuditJob,
+        planner: Planner,
+        count: Tally,
+    ) -> None:
+        """Recompute ``job``'s block (off the request path, ``lock``: the engine's,
+        held as for any request) and quarantine its peer in ``planner`` when they
+        disagree; counted ``audits`` and ``audit_mismatch``. Never raises."""
+        try:
+            with lock:
+                agrees = self.agrees(engine, keyer, job)
+        except Exception as e:  # an audit never fails anything else
+            log.warning("audit failed: %r", e)
+            return
+        if agrees is None:
+            return
+        count(Count.AUDITS)
+        if not agrees:
+            count(Count.AUDIT_MISMATCH)
+            planner.quarantine(job.peer_id)
+            log.warning("peer %s served KV that disagrees with a recompute: quarantined", job.peer)
 
     @staticmethod
     def agrees(engine: Engine, keyer: BlockKeyer, job: AuditJob) -> bool | None:

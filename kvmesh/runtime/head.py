@@ -1,39 +1,28 @@
 """The head runtime: one engine, its live sessions, and the fleet behind it.
 
-``generate`` is the path of one request (docs/design.md §3),
-read as plan → fetch → compute:
+``generate`` is the path of one request (docs/design.md §3), plan → fetch → compute:
 
-- *acquire* (no engine lock: network waits never block other requests): every
-  source offers a prefix: the live session sharing the longest prefix, the
-  local store, and — when the prompt is longer than both — the validated hits of
-  the fleet. The longest prefix worth having wins; a remote prefix is fetched
-  from where the local blocks end, and a failed peer gives way to the next one
-  within one cache-time budget, then backs off (circuit breaker).
-- *compute* (on the engine thread, :mod:`.batch`): import the acquired prefix or
-  resume the session, compute the suffix (whatever the prefix came from, in chunks
-  that share forwards with other prompts' and alternate with decode steps; whole
-  blocks another request in flight under the same chain root holds are taken from
-  it), then decode locally, batched with every
-  other running request (continuous batching: one forward per step for all of
-  them; a request running alone decodes exactly as it would unbatched).
+- *acquire* (:meth:`.acquire.Acquirer.acquire`, off the engine thread: network
+  waits never block other requests): the longest prefix worth having among a
+  live session, the local store and the fleet's validated hits;
+- *compute* (on the engine thread, :mod:`.batch`): import the prefix or resume
+  the session, compute the suffix in chunks batched with other prompts' and with
+  decode steps, then decode, batched with every running request.
 
-Every cache failure is caught, counted as a fallback reason, and answered by
-local prefill (invariant 1). Publishing starts only after the last token
-(invariant 3: the decode loop makes no remote call) and runs on a background
-thread. A request can be cancelled (its client left): while queued it never
-takes the engine; while prefilling it stops before its next chunk, and the whole
-blocks it computed are kept (stored and published as any computed block, handed
-to requests waiting for them); while decoding it stops after the current token.
-Cancellations are counted by stage (``cancelled:queued|prefilling|running``).
-``max_batch`` sequences run at once and ``kv_budget_bytes`` bounds the KV they
-may hold; beyond either, requests wait in order.
+Every cache failure is caught, counted as a fallback reason and answered by local
+prefill (invariant 1). Publishing starts after the last token (invariant 3) on a
+background thread. A cancelled request (its client left) never takes the engine
+while queued, stops before its next chunk while prefilling (its computed whole
+blocks kept and published), after the current token while decoding; counted
+``cancelled:queued|prefilling|running``. ``max_batch`` sequences run at once and
+``kv_budget_bytes`` bounds their KV; beyond either, requests wait in order.
 
-Tenants (:class:`Scope`, resolved by the API from what it authenticated): a
-request's key chain starts from its scope's root, so it reads and fills only its
-tenant's cache, in every tier and on every peer; blocks it keeps count against its
-tenant's budget. Whole blocks are shared within a root; token-exact reuse (a live
-session beyond whole blocks, an exact tail) only within one caller's own requests
-(``client``), so no request learns another's prompt finer than a block.
+Tenants (:class:`Scope`, resolved by the API): a request's key chain starts from
+its scope's root, so it reads and fills only its tenant's cache, everywhere;
+blocks it keeps count against its tenant's budget. Whole blocks are shared within
+a root; token-exact reuse (a session beyond whole blocks, an exact tail) only
+within one caller's own requests, so no request learns another's prompt finer
+than a block.
 """
 
 from __future__ import annotations
@@ -43,11 +32,8 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from .. import memory
 from ..blocks import BlockKeyer
@@ -59,9 +45,8 @@ from ..errors import CacheMiss
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
-from ..store import Match
-from .acquire import Acquirer, Publisher
-from .audit import AuditJob, Auditor
+from .acquire import Acquired, Acquirer, Publisher
+from .audit import Auditor
 from .batch import (
     DEFAULT_MAX_BATCH,
     QUEUED,
@@ -72,6 +57,7 @@ from .batch import (
     PrefillPlan,
 )
 from .planner import Planner, failure_reason
+from .sessions import Sessions
 from .telemetry import Count, Family, PrefillReport, Source, Telemetry, labelled
 
 log = logging.getLogger("kvmesh.head")
@@ -176,26 +162,17 @@ class Stamps:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Acquired:
     """The prefix gathered for one request before the engine runs."""
 
-    session: tuple[int, int] | None = None  # (session id, tokens to keep)
-    source: Source = Source.COMPUTE  # disk: local, in part from the disk tier
-    prefix: tuple[Block, ...] = ()  # the chain from the root (blocks, then a tail)
-    importer: Importer | None = None  # ``prefix`` already copied in (remote)
-    peer: str | None = None
-    peer_id: str | None = None
-    fetched: tuple[tuple[int, Block], ...] = ()  # (chain index, block) from the peer
-    fetched_bytes: int = 0
-    lookup_s: float = 0.0
-    fetch_s: float = 0.0
-    fallback: str | None = None
-    owner: str | None = None  # the tenant whose budget blocks kept for it count against
+    found: Acquired = field(default_factory=Acquired)
+    session: int | None = None  # the live session's id, when ``found`` resumes it
 
     @property
-    def session_tokens(self) -> int:
-        return self.session[1] if self.session else 0
+    def fetched(self) -> tuple[tuple[int, Block], ...]:
+        """(chain index, block) of each block fetched from the peer."""
+        return tuple(enumerate(self.found.fetched.blocks, start=self.found.start))
 
 
 @dataclass(frozen=True)
@@ -228,7 +205,6 @@ class HeadRuntime:
         planner: Planner | None = None,
         telemetry: Telemetry | None = None,
         max_sessions: int = 8,
-        fetch_timeout: float = 30.0,
         publish: bool = True,
         max_pending_publishes: int = 2,
         audit_rate: float = 0.0,
@@ -236,37 +212,37 @@ class HeadRuntime:
         kv_budget_bytes: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
+        """``node``: the mesh node this head serves through (:attr:`fleet`, its one
+        door to the mesh; None: a head alone); ``hash_key``: the fleet's block-key
+        secret, from which :attr:`keyer` is made."""
         self.engine = engine
         self.card = engine.card
         self.node = node
         if engine.reuse_off is not None:  # served, every prompt computed, nothing shared
             log.warning("prefix reuse is off for this model: %s", engine.reuse_off)
             publish, max_sessions = False, 0
-        reuse = node is not None and engine.reuse_off is None
-        self.fleet = Fleet(node) if reuse and node is not None else None
-        self.keyer = BlockKeyer(self.card.namespace, self.card.block_tokens, hash_key)
+        self.fleet = Fleet(node) if node is not None else None
+        reuse = self.fleet if engine.reuse_off is None else None  # None: nothing shared
+        if self.fleet is not None:
+            self.keyer = self.fleet.keyer(self.card, hash_key)
+        else:
+            self.keyer = BlockKeyer(self.card.namespace, self.card.block_tokens, hash_key)
         self.planner = planner or Planner()
         self.telemetry = telemetry or Telemetry()
-        self.max_sessions = max_sessions
-        self.fetch_timeout = self.fleet.fetch_deadline if self.fleet else fetch_timeout
         self.publish_enabled = publish
         self.auditor = Auditor(audit_rate) if audit_rate else None
         self._lock = threading.RLock()  # held for each engine step (and audits between)
         self.batch = BatchRunner(
-            engine, self._lock, max_batch, kv_budget_bytes, self._drop_sessions, prefill_chunk
+            engine, self._lock, max_batch, kv_budget_bytes, self._make_room, prefill_chunk
         )
-        self._sessions_lock = threading.Lock()
-        self._sessions: OrderedDict[int, tuple[KVState, int]] = OrderedDict()  # (state, bytes)
-        self._session_scope: dict[int, tuple[bytes, str]] = {}  # id -> (chain root, client)
-        self._tenant_lock = threading.Lock()
-        self.tenant_stats: dict[str, dict[str, int]] = {}  # tenant -> counters (admin reads)
-        self._next_session = 0
+        self.sessions = Sessions(self.card, max_sessions, self.batch)
+        self.tenants = TenantStats()
         count = self.telemetry.count
-        self.acquirer = Acquirer(self.fleet, self.planner, count) if self.fleet else None
+        self.acquirer = Acquirer(reuse, self.planner, count)
         # exports waiting for the publisher: dropped beyond ``max_pending_publishes``
-        self.publisher = Publisher(self.fleet, self.card, max_pending_publishes, count)
-        if self.fleet is not None:
-            self.fleet.advertise(self.card)
+        self.publisher = Publisher(reuse, self.card, max_pending_publishes, count)
+        if reuse is not None:
+            reuse.advertise(self.card)
         self.warm_s = self.warm_up()
 
     def warm_up(self) -> float:
@@ -284,7 +260,7 @@ class HeadRuntime:
                 state = self.engine.prefill([0])
                 Decoder(self.engine, state, Sampling(max_tokens=1)).next()
                 return time.perf_counter() - t0
-            sample = self._warm_block()
+            sample = _warm_block(self.engine)
             if self.fleet is not None:
                 nbytes = min(self.card.kv_bytes_per_token * WARM_TOKENS, MAX_WARM_BYTES)
                 self.fleet.warm(self.engine.layout, sample, nbytes, timeout=5.0)
@@ -298,13 +274,6 @@ class HeadRuntime:
         took = time.perf_counter() - t0
         log.info("warm-up took %.0f ms", took * 1000)
         return took
-
-    def _warm_block(self) -> Block:
-        """A one-token tail of zeros under a key no prompt has (never stored)."""
-        layout = self.engine.layout
-        header = layout.header("tail", bytes(32), self.card.namespace, 0, 1)
-        blob, _ = new_blob(header)
-        return layout.seal(header, blob)
 
     # -- the request path ------------------------------------------------------
 
@@ -338,14 +307,7 @@ class HeadRuntime:
         scope = scope or Scope()
         keyer = self.keyer_for(scope, client)
         stamps = Stamps(t0)
-        # network waits happen here, never on the engine thread; no idle heap trim
-        # may land in the middle of them
-        acquiring = f"acquire-{id(out)}"
-        memory.after_request(idle=False, source=acquiring)
-        try:
-            got = self._acquire(tokens, keyer, scope.exact(client), scope.tenant, stamps)
-        finally:
-            memory.after_request(idle=True, source=acquiring)
+        got = self._acquire(tokens, keyer, scope.exact(client), scope.tenant, stamps, id(out))
         stamps.acquired = time.perf_counter()
         done = _Prefilled()
 
@@ -376,49 +338,55 @@ class HeadRuntime:
             prompt_tokens=len(tokens),
         )
         yield from self.batch.submit(job).tokens()
-        state = job.state
-        if state is None:  # cancelled queued or prefilling: nothing decoded
+        if job.state is None:  # cancelled queued or prefilling: nothing decoded
             self._cancelled(out, job.stage or QUEUED)
             return
         if job.cancelled:  # the state is whole: keep and publish it
             self._cancelled(out, job.stage or RUNNING)
+        self._decoded(tokens, job.state, done, got, out, keyer, scope, client)
+
+    def _decoded(
+        self,
+        tokens: list[int],
+        state: KVState,
+        done: _Prefilled,
+        got: _Acquired,
+        out: Generation,
+        keyer: BlockKeyer,
+        scope: Scope,
+        client: str,
+    ) -> None:
+        """After the last token: count the request, keep its state as a session,
+        publish its blocks, and maybe audit what was fetched for it."""
         report, prompt = done.report, done.prompt
         assert report is not None and prompt is not None  # the job ran: it was prefilled
         self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
-        self._count_tenant(scope.tenant, report)
-        self._keep_session(state, keyer.root, scope.exact(client))
+        self.tenants.count(scope.tenant, report)
+        self.sessions.keep(state, keyer.root, scope.exact(client))
         if self.publish_enabled:
             self._publish_later(
                 prompt, state, done.chain, keyer, scope.tenant, tails=scope.caller != ""
             )
-        if self.auditor is not None and report.source == Source.REMOTE and got.peer_id:
-            audit = self.auditor.pick(tokens, got.fetched, got.peer_id, got.peer or "")
+        hit = got.found.hit
+        if self.auditor is not None and report.source == Source.REMOTE and hit is not None:
+            audit = self.auditor.pick(tokens, got.fetched, hit.node_id, hit.alias)
             if audit is not None:
-                self.publisher.background(self._audit, audit, keyer)
+                check = self.auditor.check
+                args = (self.engine, self._lock, keyer, audit, self.planner, self.telemetry.count)
+                self.publisher.background(check, *args)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Give back at least ``nbytes`` of the KV budget, oldest sessions first (the
+        batch asks before a request would wait for room)."""
+        self.sessions.drop(nbytes)
 
     def keyer_for(self, scope: Scope, client: str = "") -> BlockKeyer:
         """The keyer of ``scope``'s chains, its exact tails ``client``'s own."""
         return self.keyer.rooted(scope.root or self.card.namespace, _caller(scope.exact(client)))
 
-    def _count_tenant(self, tenant: str | None, report: PrefillReport) -> None:
-        if tenant is None:
-            return
-        with self._tenant_lock:
-            if tenant not in self.tenant_stats and len(self.tenant_stats) >= MAX_TENANT_STATS:
-                tenant = OTHER_TENANTS
-            c = self.tenant_stats.setdefault(tenant, {})
-            for name, n in (
-                ("requests", 1),
-                ("hits", int(report.reused_tokens > 0)),
-                ("prompt_tokens", report.prompt_tokens),
-                ("reused_tokens", report.reused_tokens),
-            ):
-                c[name] = c.get(name, 0) + n
-
     def tenant_counters(self) -> dict[str, dict[str, int]]:
         """A copy of each tenant's counters (for admin reads only)."""
-        with self._tenant_lock:
-            return {t: dict(c) for t, c in self.tenant_stats.items()}
+        return self.tenants.counters()
 
     def prompt_logprobs(
         self, tokens: Sequence[int], top: int = 0, cancel: threading.Event | None = None
@@ -457,98 +425,50 @@ class HeadRuntime:
             pass
         return out
 
-    def prefill(self, tokens: list[int]) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
-        """State for ``tokens`` and how it was obtained; also the reused block chain.
-        Beside the batch (see :meth:`_compute`), not through it."""
-        got = self._acquire(list(tokens), self.keyer)
-        return self._compute(list(tokens), got)
-
     def _acquire(
         self,
         tokens: list[int],
         keyer: BlockKeyer,
-        client: str = "",
-        tenant: str | None = None,
-        stamps: Stamps | None = None,
+        client: str,
+        tenant: str | None,
+        stamps: Stamps,
+        request: int,
     ) -> _Acquired:
-        """Gather the best prefix. Sources: a live session, the local store and,
-        when the prompt is longer than both, the fleet (never skipped because a
-        session holds a shorter prefix), through the shared acquisition core
-        (:mod:`.acquire`): failed remote candidates give way to the next within
-        one cache-time budget. ``stamps`` hears when candidates were known and
-        when the stream connected and received."""
-        stamps = stamps or Stamps(time.perf_counter())
+        """The best prefix (:meth:`.acquire.Acquirer.acquire`) among ``client``'s
+        live sessions, the local store and the fleet, a fetched one imported as it
+        arrives. ``stamps`` hears when candidates were known and when the stream
+        connected and received. No idle heap trim lands in the middle of it."""
         keys = keyer.keys(tokens)
-        got = _Acquired(session=self._best_session(tokens, keyer.root, client), owner=tenant)
-        local = self.acquirer.local(keys) if self.acquirer else Match((), None)
-        if got.session_tokens >= local.tokens and got.session_tokens:
-            got.source = Source.SESSION  # resuming is a crop, importing a copy: sessions win ties
-        elif local.tokens:
-            got.source, got.prefix = Source.DISK if local.from_disk else Source.LOCAL, local.all()
-        have = max(got.session_tokens, local.tokens)
-        if self.acquirer is None or have >= len(tokens) - 1:
-            stamps.looked_up = time.perf_counter()
-            return got
-        found = self.acquirer.candidates(self.card, keys, have)
-        stamps.looked_up = time.perf_counter()
-        got.lookup_s, got.fallback = found.lookup_s, found.fallback
-        # a tail is matched token-exactly: after one, the fetch starts from the root
-        skip = len(local.blocks) if local.tail is None else 0
+        session = self.sessions.best(tokens, keyer.root, client)
 
-        def open_importer(hit: PeerHit) -> Importer:
+        def open_importer(hit: PeerHit, held: tuple[Block, ...]) -> Importer:
             # bounded by the prompt: a validated hit holds no more tokens than its keys
             importer = self.engine.importer(hit.tokens)
-            for blk in local.blocks[:skip]:
+            for blk in held:
                 importer.add(blk)
             return importer
 
-        budget = self.acquirer.budget(len(tokens)) - found.lookup_s
-        done = self.acquirer.fetch(
-            self.engine.layout,
-            found.hits,
-            local,
-            skip,
-            have,
-            budget,
-            open_importer,
-            owner=tenant,
-        )
-        if done.hit is None:
-            got.fallback = done.fallback or got.fallback
-            return got
-        stamps.connected, stamps.received = done.times.connected, done.times.received
-        got.source, got.importer, got.fetched_bytes = Source.REMOTE, done.sink, done.nbytes
-        got.peer, got.peer_id, got.fetch_s = done.hit.alias, done.hit.node_id, done.fetch_s
-        got.fetched = tuple(enumerate(done.blocks, start=skip))
-        got.prefix = tuple(local.blocks[:skip]) + tuple(done.blocks)
-        got.fallback = None
-        return got
+        def looked_up() -> None:
+            stamps.looked_up = time.perf_counter()
 
-    def _compute(
-        self, tokens: list[int], got: _Acquired
-    ) -> tuple[KVState, PrefillReport, tuple[Block, ...]]:
-        """Import the acquired prefix (or resume the session) and compute the rest,
-        as the batch does (``prefill_chunk`` tokens a forward), the engine lock held
-        for each step, so running streams decode between them. Any failure to use
-        the prefix computes it all."""
-        with self._lock:
-            begun = self._begin(tokens, got)
-        t0 = time.perf_counter()
+        acquiring = f"acquire-{request}"
+        memory.after_request(idle=False, source=acquiring)
         try:
-            self._finish(begun.state)
-        except Exception as e:  # invariant 1: compute it all
-            if begun.source == Source.COMPUTE:
-                raise
-            with self._lock:
-                begun = self._anew(tokens, e)
-            self._finish(begun.state)
-        return begun.state, *self._report(tokens, got, begun, time.perf_counter() - t0)
-
-    def _finish(self, state: KVState) -> None:
-        while state.cached < len(state.tokens):
-            n = min(self.batch.prefill_chunk, len(state.tokens) - state.cached)
-            with self._lock:
-                self.engine.prefill_batch([state], [n])
+            found = self.acquirer.acquire(
+                self.engine.layout,
+                keys,
+                open_importer,
+                session=session[1] if session else 0,
+                on_looked_up=looked_up,
+                owner=tenant,
+            )
+        finally:
+            memory.after_request(idle=True, source=acquiring)
+        stamps.looked_up = stamps.looked_up or time.perf_counter()
+        if found.source == Source.REMOTE:
+            stamps.connected = found.fetched.times.connected
+            stamps.received = found.fetched.times.received
+        return _Acquired(found, session[0] if session else None)
 
     def _begin(self, tokens: list[int], got: _Acquired) -> _Begun:
         """Under the engine lock: the prompt's state with the acquired prefix imported
@@ -556,13 +476,14 @@ class HeadRuntime:
         be used is dropped (invariant 1: everything is computed)."""
         t0 = time.perf_counter()
         try:
-            if got.source == Source.SESSION:
+            found = got.found
+            if found.source == Source.SESSION:
                 state = self._resume(tokens, got)
             else:
-                state = self.engine.begin_prefill(tokens, got.prefix, got.importer)
+                state = self.engine.begin_prefill(tokens, found.prefix, found.fetched.sink)
         except Exception as e:  # invariant 1: compute it all
             return self._anew(tokens, e, t0)
-        return _Begun(state, got.source, got.prefix, got.fallback, time.perf_counter() - t0)
+        return _Begun(state, found.source, found.prefix, found.fallback, time.perf_counter() - t0)
 
     def _anew(self, tokens: list[int], error: BaseException, t0: float | None = None) -> _Begun:
         """A prompt computed from nothing, after ``error`` made its prefix unusable."""
@@ -616,7 +537,7 @@ class HeadRuntime:
         export of the rest (on the publisher thread)."""
         b = self.card.block_tokens
         n = state.cached // b * b
-        fleet = self.fleet
+        fleet = self.publisher.fleet  # None: nothing shared
         if not self.publish_enabled or fleet is None or n <= state.imported_tokens:
             return
         if not self.publisher.reserve():
@@ -637,6 +558,7 @@ class HeadRuntime:
         """How ``begun``'s prompt was obtained, now that it is computed; and the
         reused block chain."""
         state, fallback, source, prefix = begun.state, begun.fallback, begun.source, begun.prefix
+        found = got.found
         dt = begun.begin_s + compute_s
         if state.computed_tokens:
             self.planner.observe_prefill(state.computed_tokens, dt)
@@ -647,11 +569,11 @@ class HeadRuntime:
             prompt_tokens=len(tokens),
             reused_tokens=state.imported_tokens,
             computed_tokens=state.computed_tokens,
-            peer=got.peer if source == Source.REMOTE else None,
-            bytes_fetched=got.fetched_bytes if source == Source.REMOTE else 0,
+            peer=found.hit.alias if source == Source.REMOTE and found.hit else None,
+            bytes_fetched=found.fetched.nbytes if source == Source.REMOTE else 0,
             fallback=fallback,
-            lookup_s=got.lookup_s,
-            fetch_s=got.fetch_s,
+            lookup_s=found.lookup_s,
+            fetch_s=found.fetched.fetch_s,
             import_s=dt if not state.computed_tokens else 0.0,
             compute_s=dt,
             saved_s=self.planner.compute_s(state.imported_tokens),
@@ -661,102 +583,10 @@ class HeadRuntime:
         return report, tuple(b for b in chain if b.header.kind == "block")
 
     def _resume(self, tokens: list[int], got: _Acquired) -> KVState:
-        assert got.session is not None
-        sid, keep = got.session
-        session = self._take_session(sid)
+        session = self.sessions.take(got.session) if got.session is not None else None
         if session is None:
             raise CacheMiss("the session was taken by another request")
-        return self.engine.begin_resume(session, keep, tokens)
-
-    # -- sessions --------------------------------------------------------------
-
-    def session_prefix(self, tokens: list[int], root: bytes | None = None, client: str = "") -> int:
-        """Prompt tokens a live session would give ``tokens`` now (0: none)."""
-        best = self._best_session(tokens, root, client)
-        return best[1] if best else 0
-
-    def _best_session(
-        self, tokens: list[int], root: bytes | None = None, client: str = ""
-    ) -> tuple[int, int] | None:
-        """(id, tokens it can keep) of the live session sharing the longest prefix
-        with ``tokens``, when that is at least one block. Not taken yet. Only
-        sessions under ``root``; another caller's only in whole blocks."""
-        best, best_len = None, 0
-        root = root or self.card.namespace
-        b = self.card.block_tokens
-        with self._sessions_lock:
-            for sid, (st, _) in self._sessions.items():
-                owner = self._session_scope.get(sid, (self.card.namespace, ""))
-                if owner[0] != root:
-                    continue
-                n = _common_prefix(st.tokens[: st.cached], tokens)
-                if owner[1] != client:  # not the caller's own conversation
-                    n -= n % b
-                if n > best_len:
-                    best, best_len = sid, n
-        if best is None or best_len < self.card.block_tokens:
-            return None
-        return best, min(best_len, len(tokens) - 1)
-
-    def _keep_session(self, state: KVState, root: bytes | None = None, client: str = "") -> None:
-        """Keep ``state`` as a session, its KV reserved in the batch's budget (older
-        sessions give way; a session that cannot fit is not kept), as ``client``'s
-        under ``root``."""
-        nbytes = self.card.kv_bytes_per_token * state.cached
-        if self.max_sessions < 1:
-            return
-        with self._sessions_lock:
-            while len(self._sessions) >= self.max_sessions:
-                self._forget_oldest()
-            while not self.batch.reserve(nbytes):
-                if not self._sessions:
-                    return
-                self._forget_oldest()
-            self._sessions[self._next_session] = (state, nbytes)
-            self._session_scope[self._next_session] = (root or self.card.namespace, client)
-            for sid in [s for s in self._session_scope if s not in self._sessions]:
-                del self._session_scope[sid]  # taken or forgotten
-            self._next_session += 1
-
-    def _take_session(self, sid: int) -> KVState | None:
-        with self._sessions_lock:
-            kept = self._sessions.pop(sid, None)
-        if kept is None:
-            return None
-        self.batch.unreserve(kept[1])  # the request resuming it holds its own share
-        return kept[0]
-
-    def _forget_oldest(self) -> None:
-        _, (_, nbytes) = self._sessions.popitem(last=False)
-        self.batch.unreserve(nbytes)
-
-    def _drop_sessions(self, nbytes: int) -> None:
-        """Give back at least ``nbytes`` of the budget, oldest sessions first (the
-        batch asks before a request would wait for room)."""
-        freed = 0
-        with self._sessions_lock:
-            while self._sessions and freed < nbytes:
-                freed += self._sessions[next(iter(self._sessions))][1]
-                self._forget_oldest()
-
-    # -- audit -----------------------------------------------------------------
-
-    def _audit(self, job: AuditJob, keyer: BlockKeyer | None = None) -> None:
-        """Recompute one imported block (background thread, engine lock held
-        briefly as for any request); quarantine the peer on a disagreement."""
-        try:
-            with self._lock:
-                agrees = Auditor.agrees(self.engine, keyer or self.keyer, job)
-        except Exception as e:  # an audit never fails anything else
-            log.warning("audit failed: %r", e)
-            return
-        if agrees is None:
-            return
-        self.telemetry.count("audits")
-        if not agrees:
-            self.telemetry.count("audit_mismatch")
-            self.planner.quarantine(job.peer_id)
-            log.warning("peer %s served KV that disagrees with a recompute: quarantined", job.peer)
+        return self.engine.begin_resume(session, got.found.tokens, tokens)
 
     # -- publishing ------------------------------------------------------------
 
@@ -791,7 +621,7 @@ class HeadRuntime:
             whole = ([b for b in c if b.header.kind != "tail"] for c in out)
             return [c for c in whole if c]
 
-        self.publisher.submit(chains, "published_blocks", owner)
+        self.publisher.submit(chains, Count.PUBLISHED_BLOCKS, owner)
 
     def publish_pending(self) -> int:
         """Publishes not yet handed to peers (exports running or queued sends)."""
@@ -806,7 +636,37 @@ class HeadRuntime:
         self.publisher.close()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
-    return int(diff[0]) if diff.size else n
+class TenantStats:
+    """Counters per tenant (requests, hits, prompt and reused tokens), bounded:
+    beyond :data:`MAX_TENANT_STATS` names, the rest are counted together."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: dict[str, dict[str, int]] = {}
+
+    def count(self, tenant: str | None, report: PrefillReport) -> None:
+        if tenant is None:
+            return
+        with self._lock:
+            if tenant not in self._stats and len(self._stats) >= MAX_TENANT_STATS:
+                tenant = OTHER_TENANTS
+            c = self._stats.setdefault(tenant, {})
+            for name, n in (
+                ("requests", 1),
+                ("hits", int(report.reused_tokens > 0)),
+                ("prompt_tokens", report.prompt_tokens),
+                ("reused_tokens", report.reused_tokens),
+            ):
+                c[name] = c.get(name, 0) + n
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {t: dict(c) for t, c in self._stats.items()}
+
+
+def _warm_block(engine: Engine) -> Block:
+    """A one-token tail of zeros under a key no prompt has (never stored)."""
+    layout = engine.layout
+    header = layout.header("tail", bytes(32), engine.card.namespace, 0, 1)
+    blob, _ = new_blob(header)
+    return layout.seal(header, blob)

@@ -1,47 +1,28 @@
-"""The cost model: fetch a prefix only when its transfer + import beats computing it.
+"""The cost model and the per-peer circuit breaker: the one policy every caller
+of the fleet (the head, the vLLM connector) applies.
 
-Local prefill speed (tokens/s, per model) and per-peer bandwidth and RTT are
-learned from measurements as exponentially weighted averages, so a slow link or a
-fast accelerator correctly chooses recompute.
+*Cost*: fetch a prefix only when transfer + import beats computing it. Local
+prefill speed and each peer's bandwidth and RTT are learned as exponentially
+weighted averages, so a slow link or a fast accelerator chooses recompute.
 
-A peer that failed is not planned on for a while (a circuit breaker, invariant
-10), kept apart for its two kinds of failure:
+*Breaker*: a peer that failed is not planned on for a while (invariant 10), per
+kind of failure. A *lookup* failure is forgiven by the next lookup the peer
+answers (:meth:`Planner.lookup_succeeded`); a *fetch* failure stands until its
+backoff passes; a successful fetch forgives both. Each backoff is
+``backoff_first_s × 2^(score − 1)``, at most ``BACKOFF_MAX_S``: a failure adds 1
+to the score, which halves for every ``half_life_s`` the peer was usable without
+failing, and stops growing at the maximum backoff. Entries are bounded
+(``MAX_TRACKED``).
 
-- a *lookup* failure (no answer in time, or one that does not add up) is forgiven
-  by the next lookup it answers (:meth:`Planner.lookup_succeeded`: background
-  probes keep asking it), so a peer that recovers is used again at once;
-- a *fetch* failure stands until its backoff passes, whatever lookups say (a peer
-  may answer lookups and still fail every fetch); a successful fetch forgives both.
-
-Each kind's backoff is ``backoff_first_s × 2^(score − 1)``, at most
-``BACKOFF_MAX_S``, where a failure adds 1 to the score and the score halves for
-every ``half_life_s`` of *quiet*: time the peer was usable again without failing
-(time spent backed off is no evidence). So a peer failing on every try reaches
-the maximum, and one isolated failure a day always costs the first backoff only.
-The score stops where the backoff reaches its maximum (a dead peer probed on
-every lookup fails forever without escalating further, or overflowing), so it
-also forgets at most that much. Entries are bounded (``MAX_TRACKED``).
-
-Only a peer's own failures belong here: a busy peer (``PeerBusy``), our own
-saturation (``LocalBusy``) and our own time budget running out are not one. A
-fetch that ends on the requester's deadline (the cache-time budget a head or the
-vLLM connector gives it, shorter than the per-peer fetch deadline) says nothing
-about the peer: it is counted ``fetch_skipped:budget`` (fallback reason
-``budget``) and backs nobody off, while a peer's own failures (refused or reset,
-bad bytes, silent past the progress timeout: ``stalled``, or past the per-peer
-fetch deadline: ``timeout``) still do (:class:`Attempt` tells them apart). One
-thing a short budget cannot hide: a peer that answers lookups but never delivers.
-Silent overruns (nothing delivered before our budget ended) add up per peer,
-decaying like strikes; once they sum to more than a peer may stay silent
-(``stall_s``, the mesh client's progress timeout), the peer has kept us waiting
-past its own per-peer timeout and is blamed as ``stalled``; what a peer did
-deliver before our budget ended teaches its bandwidth. Only a successful fetch
-clears them.
-
-:meth:`Planner.fetch_failed` and :meth:`Planner.lookup_hooks` are the one policy
-every caller of the fleet (the head, the vLLM connector) applies: which failure
-blames the peer, what is counted (``fetch_skipped:<reason>``,
-``peer_failed:<reason>``, ``lookup_failed:<reason>``) and what is logged.
+Only a peer's own failures blame it (:meth:`Planner.fetch_failed`): a busy peer
+(``PeerBusy``), our own saturation (``LocalBusy``) and our own cache-time budget
+running out (:class:`Attempt`: reason ``budget``) are counted
+``fetch_skipped:<reason>`` and back nobody off; refused, reset, bad bytes,
+``stalled`` (silent past the progress timeout) or ``timeout`` (past the per-peer
+fetch deadline) are counted ``peer_failed:<reason>`` and back the peer off. Budget
+overruns on a peer that delivered nothing add up (decaying); past ``stall_s`` in
+all, the peer is blamed as ``stalled``. Lookup failures are counted
+``lookup_failed:<reason>`` (:meth:`Planner.lookup_hooks`).
 """
 
 from __future__ import annotations
@@ -57,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TypedDict
 
 from ..errors import CacheMiss, KVMeshError, LocalBusy, PeerBusy, Reason
+from .telemetry import Family, Tally, labelled
 
 log = logging.getLogger("kvmesh.planner")
 
@@ -71,8 +53,6 @@ STALL_S = 2.0  # how long a peer may keep a stream silent (MeshClient's progress
 # about the lookup deadline, 0.25 s by default)
 DEADLINE_SLACK_S = 0.5
 LOOKUP, FETCH = "lookup", "fetch"
-
-Count = Callable[[str], object]  # a telemetry counter: count(name) adds one
 
 
 class LookupHooks(TypedDict):
@@ -244,7 +224,7 @@ class Planner:
         self,
         peer: str,
         error: BaseException,
-        count: Count,
+        count: Tally,
         alias: str = "",
         attempt: Attempt | None = None,
     ) -> str:
@@ -260,15 +240,15 @@ class Planner:
         reason = failure_reason(error)
         if attempt is not None and attempt.ran_out(error):
             if not self._kept_waiting(peer, attempt):
-                count(f"fetch_skipped:{Reason.BUDGET}")
+                count(labelled(Family.FETCH_SKIPPED, Reason.BUDGET))
                 log.debug("fetch from %s ran past our budget; not its failure", alias or peer)
                 return Reason.BUDGET
             reason = Reason.STALLED  # silent past its progress timeout, over our tries
         if isinstance(error, (PeerBusy, LocalBusy)):  # loaded, or our own streams
-            count(f"fetch_skipped:{reason}")
+            count(labelled(Family.FETCH_SKIPPED, reason))
         elif not isinstance(error, CacheMiss):
             backoff = self.peer_failed(peer)
-            count(f"peer_failed:{reason}")
+            count(labelled(Family.PEER_FAILED, reason))
             log.info(
                 "fetch from %s failed (%s); avoided for %.0f s", alias or peer, reason, backoff
             )
@@ -300,7 +280,7 @@ class Planner:
             s = self._silence.get(peer)
             return 0.0 if s is None else s.seconds
 
-    def lookup_hooks(self, count: Count) -> LookupHooks:
+    def lookup_hooks(self, count: Tally) -> LookupHooks:
         """How a fleet lookup reports to this planner: backed-off peers are not
         waited for; a peer that fails a lookup backs off (counted
         ``lookup_failed:<reason>``), so a frozen peer costs one request its lookup
@@ -309,7 +289,7 @@ class Planner:
 
         def failed(peer: str, reason: str) -> None:
             self.lookup_failed(peer)
-            count(f"lookup_failed:{reason}")
+            count(labelled(Family.LOOKUP_FAILED, reason))
 
         return LookupHooks(skip=self.avoided, on_failure=failed, on_success=self.lookup_succeeded)
 

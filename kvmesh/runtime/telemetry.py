@@ -1,12 +1,12 @@
-"""Counters a head keeps: tokens, hits and misses per tier, fallback reasons,
-bytes, checksum failures, import time and prefill seconds saved.
+"""The cache path's vocabulary and a head's counters.
 
-Contract: the names are typed here, once: :class:`Source` (where a prefill's
-prefix came from), :class:`Count` (plain counters), :class:`Family` (counters
-with a label, kept as ``family:label``: ``prefill_source:remote``,
-``fallback:<Reason>``), :class:`Timer`. They are ``StrEnum`` members, so the
-counters, JSON and metric labels read exactly as the plain strings did; readers
-(``kvmesh.api``) ask by these names, never by a spelled-out string.
+Every name is typed here, once: :class:`Source` (where a prefix came from),
+:class:`Count` (plain counters), :class:`Family` (counters with a label, kept as
+``family:label``: ``prefill_source:remote``, ``fallback:<Reason>``),
+:class:`Timer`; reasons are :class:`kvmesh.errors.Reason`. Members are
+``StrEnum``: counters, JSON and metric labels read as plain strings. Writers and
+readers use these names, never a spelled-out string. :class:`Tally` is what any
+counter sink (a :class:`Telemetry`, the vLLM connector's) looks like.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
+
+
+class Tally(Protocol):
+    """A counter sink: ``tally(name)`` adds one, ``tally(name, n)`` adds n."""
+
+    def __call__(self, name: str, n: int = 1, /) -> object: ...
 
 
 class Source(StrEnum):
@@ -37,7 +43,8 @@ class Count(StrEnum):
     COMPLETION_TOKENS = "completion_tokens"
     KV_ASSISTED_TOKENS = "kv_assisted_tokens"
     COMPUTED_PROMPT_TOKENS = "computed_prompt_tokens"
-    BYTES_FETCHED = "bytes_fetched"
+    BYTES_FETCHED = "bytes_fetched"  # by requests that used a fetched prefix
+    FETCHED_BYTES = "fetched_bytes"  # by every fetch that worked
     PLANNED_COMPUTE = "planned_compute"
     AUDITS = "audits"
     AUDIT_MISMATCH = "audit_mismatch"
@@ -54,7 +61,9 @@ class Family(StrEnum):
 
     PREFILL_SOURCE = "prefill_source"  # label: a Source
     FALLBACK = "fallback"  # label: a Reason
-    PEER_FAILED = "peer_failed"  # label: a Reason
+    PEER_FAILED = "peer_failed"  # label: a Reason (the peer is backed off)
+    FETCH_SKIPPED = "fetch_skipped"  # label: a Reason that blames nobody (busy, budget)
+    LOOKUP_FAILED = "lookup_failed"  # label: a Reason
     LOCAL_IMPORT_FAILED = "local_import_failed"  # label: a Reason
     CANCELLED = "cancelled"  # label: the stage (runtime.batch.CANCEL_STAGES)
 
