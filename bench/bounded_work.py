@@ -68,7 +68,7 @@ import torch
 from _common import machine, run_main, spawn_kvmesh, stop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the reference beside the tests
-from kvmesh.api.openai import MAX_STOP_CHARS, MAX_STOPS, CompletionRequest, _check_text
+from kvmesh.api.requests import MAX_STOP_CHARS, MAX_STOPS, CompletionRequest, _check_text
 from kvmesh.engine import load_engine
 from kvmesh.engine.base import Decoded, Sampling, StopScanner
 from tests.test_stops import Rescanning  # noqa: E402  (the scanner before issue #36)

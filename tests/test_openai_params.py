@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from kvmesh.api.openai import MAX_N, UNSUPPORTED
+from kvmesh.api.requests import MAX_N, UNSUPPORTED
 from kvmesh.engine import Decoded, Sampling, load_engine, pick_device, pick_dtype
 from kvmesh.engine.base import StopScanner
 from kvmesh.errors import ConfigError

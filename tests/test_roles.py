@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvmesh.api.credentials import KeyFileError, default_secret_file, head_secret
-from kvmesh.api.openai import MAX_STOP_CHARS
+from kvmesh.api.requests import MAX_STOP_CHARS
 
 from .procs import Peer
 from .test_api import Head

@@ -341,7 +341,7 @@ class _Scripted:
 
 
 def _scripted_runs(service, answer: str):
-    from kvmesh.api.openai import _Run
+    from kvmesh.api.render import Run as _Run
     from kvmesh.engine import Decoded
     from kvmesh.runtime.head import Generation
 
@@ -353,7 +353,7 @@ def _scripted_runs(service, answer: str):
 
 
 def _chat(**kw):
-    from kvmesh.api.openai import ChatRequest
+    from kvmesh.api.requests import ChatRequest
 
     return ChatRequest(model="tools", messages=[{"role": "user", "content": "hi"}], **kw)
 

@@ -34,15 +34,10 @@ from pydantic import Field, StrictInt
 
 from ..runtime.head import HeadRuntime, Scope
 from ..store import Peek
+from .errors import APIError
 from .guard import BodyOffLoop, identity_of
-from .openai import (
-    APIError,
-    Body,
-    ChatRequest,
-    CompletionRequest,
-    Message,
-    OpenAIService,
-)
+from .openai import OpenAIService
+from .requests import Body, ChatRequest, CompletionRequest, Message
 
 PATH = "/v1/cache/query"
 

@@ -30,8 +30,9 @@ from pydantic import ConfigDict, Field
 from ..runtime.head import HeadRuntime
 from ..runtime.telemetry import Count, Family, Source, Timer, labelled
 from ..units import is_loopback
+from .errors import APIError
 from .guard import BodyOffLoop, identity_of
-from .openai import APIError, Body
+from .requests import Body
 
 PAIRING_TTL_S = 600.0
 SOURCES = tuple(Source)  # where a prefill's prefix came from
