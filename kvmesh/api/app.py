@@ -45,9 +45,10 @@ from .credentials import (
     head_secret,
     read_key_file,
 )
+from .errors import APIError, error_response
 from .guard import Guard, identity_of
 from .network import NetworkState, require_admin
-from .openai import APIError, OpenAIService, error_response, router
+from .openai import OpenAIService, router
 from .scheduler import QueueFull, Scheduler
 
 log = logging.getLogger("kvmesh.api")

@@ -73,21 +73,11 @@ from .credentials import DEFAULT_TENANT, Tenants
 from .errors import APIError, error_response
 from .guard import BodyOffLoop, identity_of
 from .render import Renderer, Run
-
-# moved to .requests and .render: importable here until every caller uses those
-from .render import Run as _Run  # noqa: E402, F401
-from .requests import (  # noqa: E402, F401
+from .requests import (
     GUIDED,
-    MAX_N,
-    MAX_STOP_CHARS,
-    MAX_STOPS,
-    UNSUPPORTED,
-    Body,
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
-    Message,
-    _check_text,
     content_text,
     refuse_unsupported,
 )
