@@ -40,7 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.codec import Block, chunks
 from kvmesh.compat import CompatCard
-from kvmesh.mesh.bulk import BLOCK, FRAME, BulkServer
+from kvmesh.mesh.bulk_server import BulkServer
+from kvmesh.mesh.bulk_wire import BLOCK, FRAME
 from kvmesh.mesh.node import MeshNode, NodeConfig
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.mesh.server import CacheService

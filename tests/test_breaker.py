@@ -17,7 +17,7 @@ import pytest
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.errors import CacheMiss, ChecksumMismatch, LocalBusy, PeerBusy, PeerTimeout
-from kvmesh.mesh.bulk import FetchStalled
+from kvmesh.mesh.bulk_wire import FetchStalled
 from kvmesh.mesh.node import MeshNode, NodeConfig
 from kvmesh.runtime.planner import BACKOFF_MAX_S, MAX_TRACKED, Attempt, Planner
 

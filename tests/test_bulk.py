@@ -1,4 +1,4 @@
-"""The bulk data path (kvmesh/mesh/bulk.py) on real loopback sockets.
+"""The bulk data path (kvmesh/mesh/bulk_*.py) on real loopback sockets.
 
 Honest fetch and publish, under a fleet key and TLS / mutual TLS; then every way a
 hostile client or server may misbehave: each is a typed error on the other side,
@@ -33,9 +33,12 @@ from kvmesh.errors import (
     StaleEpoch,
     Unauthenticated,
 )
-from kvmesh.mesh import bulk
-from kvmesh.mesh.bulk import FRAME, HELLO, BulkServer, Cancel, Dialer, FetchStalled, hello
-from kvmesh.mesh.client import STREAMS, MeshClient
+from kvmesh.mesh import bulk_client, bulk_server
+from kvmesh.mesh import bulk_wire as bulk
+from kvmesh.mesh.bulk_client import STREAMS, Cancel, Dialer
+from kvmesh.mesh.bulk_server import BulkServer
+from kvmesh.mesh.bulk_wire import FRAME, HELLO, FetchStalled, hello
+from kvmesh.mesh.client import MeshClient
 from kvmesh.mesh.hits import PeerHit
 from kvmesh.mesh.membership import Membership
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
@@ -89,7 +92,7 @@ class Served:
         return req.SerializeToString()
 
     def fetch(self, raw=None, want=CHAIN, cred="", dialer=None, progress=5.0):
-        return bulk.fetch(
+        return bulk_client.fetch(
             self.address,
             dialer or Dialer(None),
             cred,
@@ -105,7 +108,7 @@ class Served:
 
     def publish(self, blocks=CHAIN, cred="", body=None, dialer=None):
         body = body or publish_body(blocks)
-        return bulk.publish(
+        return bulk_client.publish(
             self.address,
             dialer or Dialer(None),
             cred,
@@ -371,7 +374,7 @@ def test_a_busy_refusal_reaches_a_client_still_sending_as_busy(monkeypatch):
     """The refusal comes before the body is read: the server drains what the
     client is still sending, so the client reads ``busy`` (not a reset, which
     would blame the peer) even with megabytes of its request unsent."""
-    monkeypatch.setattr(bulk, "DRAIN_S", 60.0)  # ends when the client closes, not by time
+    monkeypatch.setattr(bulk_server, "DRAIN_S", 60.0)  # ends when the client closes, not by time
     s = Served(max_conns=1, progress_s=30.0)
     idle = []
     try:
@@ -396,7 +399,7 @@ def test_connections_refused_busy_are_bounded_and_cut_at_stop(monkeypatch):
     """A connection answered ``busy`` is held (draining) within the gate's
     accounting: at most ``max_conns`` of them, the next closed at once, and all
     cut when the server stops."""
-    monkeypatch.setattr(bulk, "DRAIN_S", 600.0)
+    monkeypatch.setattr(bulk_server, "DRAIN_S", 600.0)
     s = Served(max_conns=1, progress_s=600.0)
     held = []
     try:
@@ -499,15 +502,15 @@ def test_slow_unauthenticated_connections_do_not_stop_an_honest_fetch():
     loris = None
     try:
         loris = SlowLoris(s.address, 32)
-        wait_for(lambda: s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE)
-        assert s.server.gate.counts() == (bulk.PER_SOURCE, 0)
+        wait_for(lambda: s.counters["bulk_rejected:evicted"] == 32 - bulk_server.PER_SOURCE)
+        assert s.server.gate.counts() == (bulk_server.PER_SOURCE, 0)
         client = FleetAuth(KEY, "cli")
         for _ in range(3):
             assert [b.digest for b in _auth_fetch(s, client)] == [b.digest for b in CHAIN]
         assert s.counters["fetches"] == 3 and s.counters["unauthenticated"] == 0
         # the first fetch cut the oldest; the rest found a free place
-        assert s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE + 1
-        wait_for(lambda: loris.cut() == 32 - bulk.PER_SOURCE + 1)
+        assert s.counters["bulk_rejected:evicted"] == 32 - bulk_server.PER_SOURCE + 1
+        wait_for(lambda: loris.cut() == 32 - bulk_server.PER_SOURCE + 1)
     finally:
         if loris is not None:
             loris.close()
@@ -520,10 +523,10 @@ def test_slow_connections_from_another_address_cost_an_honest_client_nothing():
     try:
         loris = SlowLoris(s.address, 32, source="127.0.0.2")
         # 32 connections on a loaded 2-core box: a generous wait, never a time assertion
-        wait_for(lambda: s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE, 60.0)
+        wait_for(lambda: s.counters["bulk_rejected:evicted"] == 32 - bulk_server.PER_SOURCE, 60.0)
         assert len(_auth_fetch(s, FleetAuth(KEY, "cli"))) == len(CHAIN)
-        assert s.counters["bulk_rejected:evicted"] == 32 - bulk.PER_SOURCE  # none of theirs
-        assert s.server.gate.counts() == (bulk.PER_SOURCE, 0)
+        assert s.counters["bulk_rejected:evicted"] == 32 - bulk_server.PER_SOURCE  # none of theirs
+        assert s.server.gate.counts() == (bulk_server.PER_SOURCE, 0)
     finally:
         if loris is not None:
             loris.close()
@@ -597,7 +600,7 @@ def test_a_fetch_limit_counts_from_when_its_thread_starts(served):
     try:
         pool.submit(gate.wait, 60)  # the only thread, busy
         fut = pool.submit(
-            bulk.fetch,
+            bulk_client.fetch,
             served.address,
             Dialer(None),
             "",
@@ -646,7 +649,7 @@ def test_a_fetch_that_cannot_get_a_local_stream_is_local_busy_not_the_peers_faul
         )
         stuck = [asyncio.create_task(client.fetch(LAYOUT, hit(nowhere))) for _ in range(STREAMS)]
         try:
-            while not client._stream_slots.locked():
+            while not client.bulk._stream_slots.locked():
                 await asyncio.sleep(0.01)
             with pytest.raises(LocalBusy):
                 await client.fetch(LAYOUT, hit(served.address), deadline=0.3)
@@ -691,10 +694,10 @@ def _budgeted(wait_s: float, limit_s: float):
     async def run():
         client = MeshClient(Membership("me", pb.CapabilityCard))
         now = [100.0]
-        client._clock = lambda: now[0]
-        client._stream_slots = FakeSlots(now, wait_s)  # type: ignore[assignment]
+        client.bulk._clock = lambda: now[0]
+        client.bulk._stream_slots = FakeSlots(now, wait_s)  # type: ignore[assignment]
         try:
-            out = await client._on_stream(stream, "ok", limit_s=limit_s, digest=b"!")
+            out = await client.bulk._on_stream(stream, "ok", limit_s=limit_s, digest=b"!")
             assert out == "ok!"
             return got[0], client.counters
         except LocalBusy as e:
@@ -718,7 +721,7 @@ def test_the_wait_for_a_stream_and_the_stream_share_one_limit():
 
 
 def test_a_request_body_is_hashed_once_for_its_credential_and_its_hello(monkeypatch):
-    from kvmesh.mesh import client as client_mod
+    from kvmesh.mesh import bulk_client as client_mod
 
     s = Served(auth=FleetAuth(KEY, "srv"))
     hashed: list[str] = []
@@ -732,7 +735,7 @@ def test_a_request_body_is_hashed_once_for_its_credential_and_its_hello(monkeypa
         return digest
 
     monkeypatch.setattr(client_mod, "body_digest", counting("client"))
-    monkeypatch.setattr(bulk, "body_digest", counting("bulk"))
+    monkeypatch.setattr(bulk_server, "body_digest", counting("bulk"))
     hit = PeerHit(
         "srv",
         "srv",
@@ -835,7 +838,7 @@ def _block(conn, blob):
 def _fetch_from(fake, progress=5.0, deadline=20.0, cancel=None):
     raw = pb.FetchRequest(keys=[b.key for b in CHAIN[:3]]).SerializeToString()
     try:
-        return bulk.fetch(
+        return bulk_client.fetch(
             fake.address,
             Dialer(None),
             "",

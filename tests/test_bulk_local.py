@@ -1,4 +1,4 @@
-"""Nodes on one host exchange block bytes over a Unix socket (kvmesh/mesh/bulk.py).
+"""Nodes on one host exchange block bytes over a Unix socket (kvmesh/mesh/bulk_*.py).
 
 A real cache peer process and a real head node: the peer's card says it is on this
 host, so the head's fetch dials the peer's Unix socket, at a path both derive from
@@ -20,8 +20,9 @@ import sys
 import pytest
 
 from kvmesh.engine import Sampling
-from kvmesh.mesh import bulk
-from kvmesh.mesh.bulk import BulkServer, local_socket_path
+from kvmesh.mesh import bulk_wire as bulk
+from kvmesh.mesh.bulk_server import BulkServer
+from kvmesh.mesh.bulk_wire import local_socket_path
 from kvmesh.mesh.server import CacheService
 from kvmesh.runtime.telemetry import Source
 from kvmesh.store import BlockStore
@@ -149,7 +150,11 @@ def test_host_identity_names_this_kernel_mount_namespace_and_user():
     me = bulk.host_identity()
     assert len(me) == 16 and me == bulk.host_identity()  # stable within one host
     child = subprocess.run(
-        [sys.executable, "-c", "from kvmesh.mesh import bulk; print(bulk.host_identity().hex())"],
+        [
+            sys.executable,
+            "-c",
+            "from kvmesh.mesh import bulk_wire; print(bulk_wire.host_identity().hex())",
+        ],
         capture_output=True,
         text=True,
         check=True,

@@ -11,7 +11,8 @@ import pytest
 
 from kvmesh import errors
 from kvmesh.errors import KVMeshError, PeerUnavailable, wire_reason, wire_text
-from kvmesh.mesh import bulk, rpc_errors
+from kvmesh.mesh import bulk_wire as bulk
+from kvmesh.mesh import rpc_errors
 from kvmesh.mesh.security import CallRefused
 
 
@@ -119,7 +120,7 @@ def test_bulk_error_frames_round_trip_over_a_socket(cls):
     a, b = socket.socketpair()
     try:
         deadline = time.monotonic() + 5
-        sender, receiver = bulk._Stream(a, 5.0, deadline), bulk._Stream(b, 5.0, deadline)
+        sender, receiver = bulk.Stream(a, 5.0, deadline), bulk.Stream(b, 5.0, deadline)
         sender.frame(bulk.ERROR, bulk.error_frame(_make(cls)))
         with pytest.raises(KVMeshError) as caught:
             receiver.read_frame(1 << 20)

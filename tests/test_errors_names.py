@@ -7,7 +7,7 @@ import pytest
 
 from kvmesh import errors
 from kvmesh.errors import Reason
-from kvmesh.mesh import bulk
+from kvmesh.mesh import bulk_wire as bulk
 from kvmesh.runtime.telemetry import Count, Family, PrefillReport, Source, Telemetry, labelled
 
 from .test_errors import _all_typed

@@ -16,7 +16,8 @@ import pytest
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import Layout
-from kvmesh.mesh.client import FetchStalled, MeshClient, PeerHit
+from kvmesh.mesh.bulk_wire import FetchStalled
+from kvmesh.mesh.client import MeshClient, PeerHit
 from kvmesh.mesh.membership import Membership
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.mesh.proto import kvmesh_pb2_grpc as pbg

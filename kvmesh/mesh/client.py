@@ -1,99 +1,73 @@
 """What a head uses to reach the fleet: lookup, fetch, publish, gossip exchange.
 
-One long-lived channel per peer address (at most ``MAX_CHANNELS``, least
-recently used closed first). Lookups fan out concurrently under a short deadline
-and are metadata only; a peer the caller marks as failing (``skip``) is not
-waited for, but still asked in the background, so that its failure keeps being
-reported while it lasts and no request pays its deadline again. A fetch streams
-blocks under a lease and hashes them in a worker thread while the next bytes
-arrive: on the peer's bulk data path (:mod:`.bulk`) when it advertises one, else as
-a gRPC stream; it aborts when the total deadline passes or when no bytes arrive for
-``progress_timeout`` (:class:`FetchStalled`). Publishing takes the bulk path too.
-At most ``STREAMS`` bulk streams run at once; a call's deadline covers both the
-wait for one and the stream: the wait is bounded by it (then :class:`LocalBusy`:
-our failure, not the peer's, as when too little of it is left once a stream is
-free), and the stream gets what is left, counted from when it starts. A peer
-that answers ``busy`` raises
-:class:`PeerBusy` (loaded, not failing). Every failure is a typed error whose
-``reason`` the caller counts before falling back. Publishing goes through a
-bounded queue that drops (and counts) rather than ever blocking.
+Lookups are metadata only and fan out concurrently under a short deadline, to
+the peers :func:`~.placement.locate` names (at most ``2 * replicas + 2``). A peer
+the caller marks as failing (``skip``) is not waited for but asked in the
+background, so its outcome keeps being reported (``on_failure``,
+``on_success``, background asks included) while no request pays its deadline.
+Every answer is validated (:func:`~.hits.validated`) before it ranks anything;
+hits come back longest first, the least loaded holder first among equals
+(:func:`~.placement.holders`).
 
-Beyond ``ASK_ALL_BELOW`` cache peers, where lookups go and where publishes land
-follow one policy (:mod:`.placement`): the root's owners, then the owners of the
-first block they lack, then one replica rank of a hot prefix (at most
-``2 * replicas + 2`` peers); the fetch goes to the least loaded holder; a replica
-rank found lacking a hot prefix gets copies from the head that fetched it.
-
-``lookup`` reports each peer's outcome to the caller (``on_failure``,
-``on_success``), background probes included, so a circuit breaker can both back
-off from a failing peer and forgive one that answers again.
-
-Under a fleet key each call's credential is bound to its destination's node id
-and to the exact request bytes sent (requests are serialized once, here).
+A fetch or publish goes over a :class:`~.transport.Transport`: the peer's bulk
+data path (:class:`~.bulk_client.BulkTransport`) when it advertises one, else
+gRPC (:class:`~.transport.GrpcTransport`). Every failure is a typed error whose
+``reason`` the caller counts before falling back. Publishes go through a bounded
+queue that drops (and counts) rather than block, to where
+:func:`~.placement.place` puts them; a fetch that found a hot prefix's replica
+rank lacking it gives copies to such ranks (:func:`~.placement.offer`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import itertools
 import json
 import logging
 import math
 import random
-import socket
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
 from ..blocks import PrefixKeys
-from ..codec import CHUNK_BYTES, Assembler, Block, Layout, chunks, decode_block
+from ..codec import CHUNK_BYTES, Block, Layout
 from ..compat import CompatCard
-from ..errors import (
-    ChecksumMismatch,
-    KVMeshError,
-    LocalBusy,
-    MalformedPayload,
-    OversizePayload,
-    PeerUnavailable,
-)
-from . import bulk
-from .bulk import FetchStalled, StreamTimes
+from ..errors import KVMeshError, MalformedPayload, OversizePayload, PeerUnavailable
+from .bulk_client import BulkTransport
+from .bulk_wire import check_credential, host_identity
 from .hits import PeerHit, Transfer, validated
-from .membership import Membership
+from .membership import INTERFACE_PRIORITY, Membership
 from .placement import (
+    ASK_ALL_BELOW,
     DEFAULT,
     MAX_REPLICAS,
     REPAIR_FANOUT,
+    Answer,
     Policy,
-    by_load,
-    place_index,
-    probe_rank,
+    Ranked,
+    holders,
+    locate,
+    offer,
+    place,
     rendezvous,
-    repair_ranks,
-    replica_ranks,
 )
 from .proto import kvmesh_pb2 as pb
 from .rpc_errors import from_rpc_error
-from .security import ANY_DEST, FleetAuth, TLSConfig, body_digest, open_channel
-from .server import GRPC_OPTIONS
+from .security import ANY_DEST, FleetAuth, TLSConfig
+from .transport import Channels, GrpcTransport, StreamTimes, Transport
+
+__all__ = ["ASK_ALL_BELOW", "MeshClient", "PeerHit"]
 
 log = logging.getLogger("kvmesh.client")
 
-ASK_ALL_BELOW = 8  # fleets this small are asked in full: a lookup is ~1 ms and metadata only
-STREAMS = 8  # bulk streams at once (threads); a call waits for one within its own limit
-MIN_STREAM_S = 0.05  # a stream given less than this (or half its limit) after the wait: LocalBusy
 MAX_REPAIRED = 1024  # hot prefixes whose last repair time is remembered
-MAX_CHANNELS = 512  # addresses come from gossip: a hostile card must not open channels forever
 LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
-FETCH = "/kvmesh.v1.PrefillCache/Fetch"
-PUBLISH = "/kvmesh.v1.PrefillCache/Publish"
 EXCHANGE = "/kvmesh.v1.Membership/Exchange"
 
 
@@ -118,8 +92,7 @@ class MeshClient:
         self._rng = random.Random()
         self._fetching: Counter[str] = Counter()  # our fetches in flight, per peer
         self._repaired: OrderedDict[bytes, float] = OrderedDict()  # prefix -> last repair
-        self.auth = auth
-        self.tls = tls
+        self.auth, self.tls = auth, tls
         self.lookup_deadline = lookup_deadline
         self.fetch_deadline = fetch_deadline
         self.progress_timeout = progress_timeout
@@ -127,7 +100,6 @@ class MeshClient:
         self.replicas = replicas
         self.counters: Counter[str] = Counter()
         self.transfers: deque[Transfer] = deque(maxlen=64)
-        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
         self._probing: set[str] = set()  # node ids with a background lookup in flight
         # blocks alternate between two single-thread hashers: chunks of one block
@@ -135,15 +107,19 @@ class MeshClient:
         self._hashers = [
             ThreadPoolExecutor(1, thread_name_prefix="kvmesh-verify") for _ in range(2)
         ]
+        self.channels = Channels(tls, auth, self.counters, fetch_deadline)
+        self.grpc = GrpcTransport(
+            self.channels, self._hashers, progress_timeout, chunk_bytes, fetch_deadline
+        )
         self.use_bulk = use_bulk
         if use_bulk:
-            bulk.check_credential(auth)  # our own node id fits a bulk hello: ConfigError now
-        self._clock = time.monotonic
-        self._dialer = bulk.Dialer(tls)
+            check_credential(auth)  # our own node id fits a bulk hello: ConfigError now
+        self.bulk = BulkTransport(
+            tls, auth, self.counters, self._hashers, progress_timeout, fetch_deadline
+        )
         # peers whose cards carry this are on this host: their Unix socket is dialled
-        self.local_host = bulk.host_identity() if use_bulk and local_socket else b""
-        self._streams = ThreadPoolExecutor(STREAMS, thread_name_prefix="kvmesh-bulk")
-        self._stream_slots = asyncio.Semaphore(STREAMS)  # a thread free for each holder
+        self.bulk.local_host = host_identity() if use_bulk and local_socket else b""
+        self._clock = time.monotonic
         self._queue: asyncio.Queue[tuple[CompatCard, list[Block], tuple[str, ...] | None]] = (
             asyncio.Queue(publish_queue)
         )
@@ -152,142 +128,43 @@ class MeshClient:
 
     # -- plumbing ----------------------------------------------------------------
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = open_channel(address, self.tls, GRPC_OPTIONS)
-            while len(self._channels) > MAX_CHANNELS:
-                _, old = self._channels.popitem(last=False)
-                self._spawn(old.close(grace=self.fetch_deadline))
-        self._channels.move_to_end(address)
-        return ch
+    @property
+    def local_host(self) -> bytes:
+        """This host's identity as our card carries it (b"": no same-host sockets)."""
+        return self.bulk.local_host
+
+    @local_host.setter
+    def local_host(self, host: bytes) -> None:
+        self.bulk.local_host = host
+
+    @property
+    def local_streams(self) -> int:
+        """Bulk streams that went over a same-host Unix socket."""
+        return self.bulk.dialer.local_streams
+
+    def _transport(self, bulk: bool) -> Transport:
+        """The peer's bulk data path when it has one (``bulk``), else gRPC."""
+        return self.bulk if bulk else self.grpc
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
-    def _cred(self, method: str, dest: str, digest: bytes) -> str:
-        """A bulk stream's credential (the call credential's value; "" without a key)
-        for a body whose :func:`body_digest` is ``digest`` (it goes in the hello too).
-        Our own node id was checked when we were set up: a credential too long for
-        the hello is the peer's node id (:class:`MalformedPayload`)."""
-        self._count_call(method)
-        if self.auth is None:
-            return ""
-        cred = self.auth.call_metadata(method, dest, digest)[0][1]
-        if len(cred.encode()) > bulk.CRED_SLOT:
-            raise MalformedPayload("the peer's node id is too long for a bulk credential")
-        return cred
-
-    def _data_address(self, peer: pb.CapabilityCard, address: str) -> str:
-        """The peer's bulk address on ``address``'s host ("": none, or no bulk). A
-        peer on this host (the same :func:`~.bulk.host_identity`) is dialled at
-        its Unix socket first, by a path derived from its node id."""
-        if not self.use_bulk:
-            return ""
-        data = bulk.data_address(address, peer.data_port)
-        same_host = bool(data and self.local_host) and peer.host == self.local_host
-        path = bulk.local_socket_path(peer.node_id) if same_host else ""  # a digest: only then
-        if path:
-            self._dialer.add_local(data, path)
-        elif data:
-            self._dialer.drop_local(data)  # a card can stop saying it (a restart elsewhere)
-        return data
-
-    @property
-    def local_streams(self) -> int:
-        """Bulk streams that went over a same-host Unix socket."""
-        return self._dialer.local_streams
-
-    async def _on_stream(
-        self, fn: Callable[..., Any], *args: Any, limit_s: float, **kwargs: Any
-    ) -> Any:
-        """``fn(*args, left, cancel, **kwargs)`` on a stream thread once one is free,
-        all within ``limit_s`` of this call: the wait for a thread is bounded by it
-        and ``fn`` gets the ``left`` of it (its own limit, counted from when it
-        starts). A wait that leaves ``fn`` too little (under ``MIN_STREAM_S`` and
-        under half of ``limit_s``) is :class:`LocalBusy`, our own failure, not the
-        peer's, which is never reached. Cancelling us aborts its socket and waits
-        for it, so nothing it hands on (``on_block``) runs after we return."""
-        deadline = self._clock() + limit_s
-        try:
-            async with asyncio.timeout(limit_s):
-                await self._stream_slots.acquire()
-        except TimeoutError:
-            self._local_busy(limit_s)
-        try:
-            left = deadline - self._clock()
-            if left < min(MIN_STREAM_S, limit_s / 2):
-                self._local_busy(limit_s - left)
-            return await self._run_stream(functools.partial(fn, *args, left, **kwargs))
-        finally:
-            self._stream_slots.release()
-
-    def _local_busy(self, waited_s: float) -> NoReturn:
-        self.counters["local_busy"] += 1
-        raise LocalBusy(f"all {STREAMS} bulk streams busy for {waited_s:.2f} s") from None
-
-    async def _run_stream(self, fn: Callable[..., Any]) -> Any:
-        cancel = bulk.Cancel()
-        fut = asyncio.get_running_loop().run_in_executor(self._streams, fn, cancel)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            cancel()
-            await asyncio.wait([fut])
-            if not fut.cancelled():
-                fut.exception()  # retrieved: its failure is moot once we gave up
-            raise
-        except KVMeshError:
-            raise
-        except Exception as e:  # anything else a peer's bytes provoke is still typed
-            raise PeerUnavailable(f"bulk stream failed: {e!r}") from None
-
-    def _count_call(self, method: str) -> None:
-        self.counters[f"rpc:{method.rsplit('/', 1)[-1]}"] += 1
-
-    def _md(self, method: str, dest: str, raw: bytes) -> tuple[tuple[str, str], ...] | None:
-        """Call metadata: a credential for ``dest`` bound to the request bytes ``raw``."""
-        self._count_call(method)
-        return self.auth.call_metadata(method, dest, body_digest(raw)) if self.auth else None
-
-    async def _unary(
-        self, address: str, method: str, dest: str, raw: bytes, response: Any, timeout: float
-    ) -> Any:
-        """One unary call with the request already serialized (``raw`` is what the
-        credential binds, byte for byte)."""
-        call = self.channel(address).unary_unary(
-            method, request_serializer=None, response_deserializer=response.FromString
-        )
-        return await call(raw, timeout=timeout, metadata=self._md(method, dest, raw))
-
     async def warm(self, layout: Layout, sample: Block, nbytes: int) -> None:
         """Pay a new process's first-use costs of a fetch now, not in its first
-        request (a head calls this at start): start the stream thread and both
-        hashers, resolve a numeric address (Python's first lookup imports its IDNA
-        codec), verify ``sample`` on each hasher (the digest and parsing paths),
-        and pre-fault ``nbytes`` of heap (:func:`bulk.prefault`) where a fetch
-        allocates: on the stream thread (received blocks) and on the first hasher
-        (a sink that allocates when its first block arrives does so there). An
-        idle pool hands its next task to the thread that ran this, so the first
-        fetch finds both warm."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._streams, _warm_stream, nbytes, sample.nbytes)
-        for i, h in enumerate(self._hashers):
-            await loop.run_in_executor(h, _warm_hasher, layout, sample, nbytes if i == 0 else 0)
+        request (a head calls this at start): see :meth:`BulkTransport.warm`."""
+        await self.bulk.warm(layout, sample, nbytes)
 
     async def close(self) -> None:
         if self._publisher:
             self._publisher.cancel()
         for task in list(self._background):
             task.cancel()
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self.channels.close()
         for h in self._hashers:
             h.shutdown(wait=False)
-        self._streams.shutdown(wait=False)
+        self.bulk.close()
 
     # -- gossip ------------------------------------------------------------------
 
@@ -295,15 +172,16 @@ class MeshClient:
         """Push-pull our cards with the node at ``address``. Under a fleet key a
         credential names its destination, so a seed whose id is not yet known is
         first asked, with an empty request, who it is (its own card comes first)."""
+        unary = self.channels.unary
         if node_id is None and self.auth is not None:
-            resp = await self._unary(address, EXCHANGE, ANY_DEST, b"", pb.ExchangeResponse, timeout)
+            resp = await unary(address, EXCHANGE, ANY_DEST, b"", pb.ExchangeResponse, timeout)
             self.membership.merge(list(resp.cards))
             if not resp.cards:
                 return
             node_id = resp.cards[0].node_id
         raw = pb.ExchangeRequest(cards=self.membership.outgoing()).SerializeToString()
         t0 = time.perf_counter()
-        resp = await self._unary(
+        resp = await unary(
             address, EXCHANGE, node_id or ANY_DEST, raw, pb.ExchangeResponse, timeout
         )
         rtt_ms = (time.perf_counter() - t0) * 1000
@@ -314,23 +192,27 @@ class MeshClient:
 
     # -- lookup ------------------------------------------------------------------
 
+    def _caches(self) -> dict[str, pb.CapabilityCard]:
+        """Live cache peers by node id."""
+        return {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
+
+    def _ranked(self, key: bytes) -> list[pb.CapabilityCard]:
+        """Live cache peers in rendezvous order of ``key``."""
+        caches = self._caches()
+        return [caches[n] for n in _ranking(list(caches))(key)]
+
     def compatible_peers(
         self, card: CompatCard, root: bytes | None = None
     ) -> list[pb.CapabilityCard]:
-        """Who a lookup may ask, in the order it asks them. In a small fleet every
-        live cache peer, all at once (a card can lag a publish by a gossip
-        interval); beyond that the cache peers in rendezvous order of ``root``,
-        the order publishes follow: a lookup asks the first ``replicas + 1`` and
-        one more for each of those skipped or failing, so its cost stays flat with
-        fleet size. Without a root, the peers that advertise the namespace."""
-        ns = card.namespace_hex
-        caches = [c for c in self.membership.live() if "cache" in c.roles]
+        """Who a lookup may ask: in a small fleet every live cache peer; beyond that
+        the cache peers in rendezvous order of ``root`` (the order publishes
+        follow), or without a root those that advertise the namespace."""
+        caches = list(self._caches().values())
         if len(caches) <= ASK_ALL_BELOW:
             return caches
         if root is None:
-            return [c for c in caches if ns in c.namespaces]
-        by_id = {c.node_id: c for c in caches}
-        return [by_id[n] for n in rendezvous(root, list(by_id), len(by_id))]
+            return [c for c in caches if card.namespace_hex in c.namespaces]
+        return self._ranked(root)
 
     async def lookup(
         self,
@@ -340,43 +222,44 @@ class MeshClient:
         on_failure: Callable[[str, str], None] | None = None,
         on_success: Callable[[str], None] | None = None,
     ) -> tuple[list[PeerHit], list[str]]:
-        """Lookup on the peers that may hold the prompt: (hits longest first, the
-        least loaded holder first among equals; the failure reasons of peers that
-        did not answer).
+        """Lookup on the peers :func:`~.placement.locate` names: (hits longest
+        first, the least loaded holder first among equals; the failure reasons of
+        peers that did not answer).
 
-        A small fleet is asked in full. Beyond that (:mod:`.placement`): the
-        root's owners (``replicas`` + 1), then the owners of the first block they
-        lack (``replicas``), then, when an answer says its prefix is hot, one of
-        that prefix's replica ranks: at most ``2 * replicas + 2`` peers, one more
-        for each skipped or failing owner.
-
-        ``skip(node_id)`` true: that peer (e.g. one backed off by a circuit
-        breaker) is not waited for; it is asked in the background instead (one
-        probe per peer at a time) and its answer is never a hit. ``on_failure
-        (node_id, reason)`` is called, on this loop, for every peer whose lookup
-        failed or whose answer did not add up, and ``on_success(node_id)`` for
-        every peer whose answer (hit or miss) checked out, probes included."""
+        ``skip(node_id)`` true: that peer is not waited for; it is asked in the
+        background instead (one ask per peer at a time) and its answer is never a
+        hit. ``on_failure(node_id, reason)`` is called, on this loop, for every
+        peer whose lookup failed or whose answer did not add up, and
+        ``on_success(node_id)`` for every peer whose answer checked out."""
         chain = _chain(keys)
-        peers = self.compatible_peers(card, chain[0])
+        caches = self._caches()
         req = pb.LookupRequest(
             namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail]
         )
         ask = _Ask(card, keys, req, req.SerializeToString(), on_failure, on_success, skip)
         hits: list[PeerHit] = []
         errors: list[str] = []
-        if len(peers) <= ASK_ALL_BELOW:
-            await self._round(peers, len(peers), ask, hits, errors)
-            return self._ordered(hits), errors
-        asked = await self._round(peers, self.replicas + 1, ask, hits, errors)
-        root_held = max((_held_of(h) for h in hits), default=0)
-        deep = place_index(len(chain), root_held, self.policy)
-        if deep is not None:  # the chain lives with the first block the root's owners lack
-            rest = [p for p in self._ranked(chain[deep]) if p.node_id not in asked]
-            asked += await self._round(rest, self.replicas, ask, hits, errors)
-        shed: set[str] = set()
-        if self.policy.replicate and hits:
-            shed = await self._probe_replica(hits, asked, ask, errors)
-        return self._ordered(hits, shed), errors
+
+        async def ask_round(ids: Sequence[str], want: int) -> tuple[list[str], list[Answer]]:
+            before = len(hits)
+            asked = await self._round([caches[n] for n in ids], want, ask, hits, errors)
+            return asked, [_answer(h) for h in hits[before:]]
+
+        may_probe = None if skip is None else (lambda n: not skip(n))
+        found = await locate(
+            chain,
+            _ranking(list(caches)),
+            ask_round,
+            self.replicas,
+            self.policy,
+            self._rng,
+            may_probe,
+        )
+        if found.probed is not None:
+            self.counters["lookup_replica_probes"] += 1
+        owed, fill = found.owed, found.repair
+        hits = [dataclasses.replace(h, repair=fill) if h.node_id in owed else h for h in hits]
+        return self._ordered(hits, found.shed), errors
 
     async def _round(
         self,
@@ -401,54 +284,14 @@ class MeshClient:
             want = len(batch) - len(waited) + failed
         return [p.node_id for p in peers[:asked]]
 
-    async def _probe_replica(
-        self, hits: list[PeerHit], asked: list[str], ask: _Ask, errors: list[str]
-    ) -> set[str]:
-        """When the longest hit's prefix is hot, ask one of its replica ranks too (a
-        second holder to choose from by load). A rank that lacks the prefix is
-        named in the hits' ``repair``: whoever fetches one gives copies. Returns
-        the owners to try last (:func:`~.placement.by_load`): all asked before
-        the probe, when the probed replica holds the prefix."""
-        best = max(h.tokens for h in hits)
-        top = [h for h in hits if h.tokens == best and h.blocks]
-        replicas = min(max((h.replicas for h in top), default=0), MAX_REPLICAS)
-        if not replicas:
-            return set()
-        key = top[0].blocks[-1].key  # the prefix its holders counted
-        caches = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
-        ranks = replica_ranks(key, list(caches), replicas)
-        node = probe_rank(ranks, asked, self._rng)
-        if node is None or (ask.skip is not None and ask.skip(node)):
-            return set()
-        self.counters["lookup_replica_probes"] += 1
-        found: list[PeerHit] = []
-        await self._ask([caches[node]], ask, found, errors)
-        hits.extend(found)
-        n_blocks = len(top[0].blocks)
-        if any(len(h.blocks) >= n_blocks for h in found):
-            return set(asked)
-        fill = tuple(repair_ranks(ranks, node, self._rng))
-        lack = {id(h) for h in top}
-        hits[:] = [dataclasses.replace(h, repair=fill) if id(h) in lack else h for h in hits]
-        return set()
-
-    def _ranked(self, key: bytes) -> list[pb.CapabilityCard]:
-        """Live cache peers in rendezvous order of ``key``."""
-        by_id = {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
-        return [by_id[n] for n in rendezvous(key, list(by_id), len(by_id))]
-
     def _ordered(self, hits: list[PeerHit], shed: Collection[str] = ()) -> list[PeerHit]:
-        """Longest first; among holders of one length the least loaded (measured
-        fetch rate gossiped by each, plus our own fetches in flight to it), then
-        the best endpoint; ``shed`` (a hot prefix's owners) after the others."""
-        hits = sorted(hits, key=lambda h: (-h.tokens, self._endpoint_rank(h)))
-        out: list[PeerHit] = []
-        for _, group in itertools.groupby(hits, key=lambda h: h.tokens):
-            same = {h.node_id: h for h in group}
-            rtt = {n: self._endpoint_rank(h)[1] for n, h in same.items()}
-            order = by_load(list(same), self.load_of, rtt.__getitem__, self.policy, self._rng, shed)
-            out += [same[n] for n in order]
-        return out
+        """Longest first; among holders of one length the least loaded (:meth:`load_of`),
+        then the best endpoint; ``shed`` (a hot prefix's owners) after the others."""
+        by_id = {h.node_id: h for h in sorted(hits, key=self._endpoint_rank)}
+        rtt = {n: self._endpoint_rank(h)[1] for n, h in by_id.items()}
+        answers = [_answer(h) for h in by_id.values()]
+        order = holders(answers, self.load_of, rtt.__getitem__, self.policy, self._rng, shed)
+        return [by_id[n] for n in order]
 
     def load_of(self, node_id: str) -> float:
         """How busy a peer looks from here: the fetch rate its card reports plus our
@@ -506,8 +349,6 @@ class MeshClient:
         self._spawn(probe())
 
     def _endpoint_rank(self, hit: PeerHit) -> tuple[int, float]:
-        from .membership import INTERFACE_PRIORITY
-
         rtt = self.membership.rtt(hit.node_id, hit.address) or float("inf")
         return INTERFACE_PRIORITY.get(hit.interface, 9), rtt
 
@@ -519,7 +360,7 @@ class MeshClient:
             return None
         ep = eps[0]
         try:
-            resp = await self._unary(
+            resp = await self.channels.unary(
                 ep.address, LOOKUP, peer.node_id, raw, pb.LookupResponse, self.lookup_deadline
             )
         except grpc.aio.AioRpcError as e:
@@ -545,7 +386,7 @@ class MeshClient:
             blocks=tuple(resp.blocks),
             tail=tail,
             tokens=resp.matched_tokens,
-            data_address=self._data_address(peer, ep.address),
+            data_address=self.bulk.address_of(peer, ep.address) if self.use_bulk else "",
             replicas=min(resp.replicas, MAX_REPLICAS) if n_blocks else 0,
         )
 
@@ -564,33 +405,20 @@ class MeshClient:
         """Stream ``hit``'s blocks from index ``start`` on, verified, within ``deadline``
         seconds (at most the client's fetch deadline), each wait for bytes within
         ``progress_timeout``. Raises a typed error. On the bulk path the deadline
-        covers the wait for a stream thread too: a wait that runs it out (or leaves
-        the stream too little) is :class:`LocalBusy` (ours, not the peer's); the
-        stream gets the rest, counted from when it starts.
+        covers the wait for a stream thread too (:class:`BulkTransport`).
 
         ``on_block`` is called on a worker thread with each block as soon as its
         digest has been checked, so the caller can import while the rest arrives.
         ``times`` hears when the stream connected, received and verified it all."""
         infos = hit.infos[start:]
-        cap = layout.max_block_bytes
-        if any(len(i.digest) != 32 for i in infos):
-            raise MalformedPayload("peer announced a block without a 256-bit digest")
-        if any(not 0 < i.nbytes <= cap for i in infos):
-            raise OversizePayload("peer announced a block larger than the card allows")
-        req = pb.FetchRequest(
-            namespace=layout.card.namespace,
-            keys=[i.key for i in infos],
-            epoch=hit.epoch,
-            chunk_bytes=self.chunk_bytes,
-            lease_ttl_s=lease_ttl or max(10.0, self.fetch_deadline),
-        )
-        raw = req.SerializeToString()
+        raw = self._fetch_request(layout, hit, infos, lease_ttl)
         limit = min(self.fetch_deadline, deadline or self.fetch_deadline)
+        transport = self._transport(bool(hit.data_address))
         t0 = time.perf_counter()
         self._fetching[hit.node_id] += 1
         try:
-            blocks = await self._fetch_from(
-                layout, hit, infos, raw, on_block, limit, times or StreamTimes()
+            blocks = await transport.fetch(
+                hit, raw, infos, layout, on_block, limit, times or StreamTimes()
             )
         finally:
             self._fetching[hit.node_id] -= 1
@@ -605,6 +433,25 @@ class MeshClient:
             self._enqueue(layout.card, blocks, hit.repair)
         return blocks
 
+    def _fetch_request(
+        self, layout: Layout, hit: PeerHit, infos: Sequence[pb.BlockInfo], lease_ttl: float | None
+    ) -> bytes:
+        """The serialized FetchRequest for ``infos``, once what they announce is
+        checked against the card (before anything is allocated for them)."""
+        cap = layout.max_block_bytes
+        if any(len(i.digest) != 32 for i in infos):
+            raise MalformedPayload("peer announced a block without a 256-bit digest")
+        if any(not 0 < i.nbytes <= cap for i in infos):
+            raise OversizePayload("peer announced a block larger than the card allows")
+        req = pb.FetchRequest(
+            namespace=layout.card.namespace,
+            keys=[i.key for i in infos],
+            epoch=hit.epoch,
+            chunk_bytes=self.chunk_bytes,
+            lease_ttl_s=lease_ttl or max(10.0, self.fetch_deadline),
+        )
+        return req.SerializeToString()
+
     def _may_repair(self, key: bytes) -> bool:
         """At most one repair per prefix per popularity window from this node: a hot
         claim (a peer's word) never turns each of our fetches into many publishes."""
@@ -617,113 +464,6 @@ class MeshClient:
         while len(self._repaired) > MAX_REPAIRED:
             self._repaired.popitem(last=False)
         return True
-
-    async def _fetch_from(
-        self,
-        layout: Layout,
-        hit: PeerHit,
-        infos: tuple[pb.BlockInfo, ...],
-        raw: bytes,
-        on_block: Callable[[Block], None] | None,
-        limit: float,
-        times: StreamTimes,
-    ) -> list[Block]:
-        """The stream itself: the bulk data path when the peer has one, else gRPC."""
-        if hit.data_address:
-            digest = body_digest(raw)  # hashed once: the credential and the hello carry it
-            cred = self._cred(bulk.METHODS[bulk.FETCH], hit.node_id, digest)
-            blocks: list[Block] = await self._on_stream(
-                bulk.fetch,
-                hit.data_address,
-                self._dialer,
-                cred,
-                raw,
-                infos,
-                layout,
-                self._hashers,
-                on_block,
-                self.progress_timeout,
-                limit_s=limit,
-                digest=digest,
-                times=times,
-            )
-            return blocks
-        return await self._fetch_grpc(layout, hit, infos, raw, on_block, limit, times)
-
-    async def _fetch_grpc(
-        self,
-        layout: Layout,
-        hit: PeerHit,
-        infos: tuple[pb.BlockInfo, ...],
-        raw: bytes,
-        on_block: Callable[[Block], None] | None,
-        limit: float,
-        times: StreamTimes,
-    ) -> list[Block]:
-        """The fetch as a gRPC stream of raw chunks (a peer without a data path);
-        ``connected`` is when the call started (the channel is long-lived)."""
-        loop = asyncio.get_running_loop()
-        times.started = times.connected = time.perf_counter()
-        call = self.channel(hit.address).unary_stream(
-            FETCH, request_serializer=None, response_deserializer=None
-        )(raw, timeout=limit, metadata=self._md(FETCH, hit.node_id, raw))
-        asms = [Assembler(layout, i.nbytes, i.digest) for i in infos]
-        done: list[Block | None] = [None] * len(asms)
-
-        def feed(j: int, data: bytes, last: bool) -> None:
-            asms[j].feed(data)
-            if last:
-                blk = asms[j].finish()  # raises ChecksumMismatch
-                if blk.key != infos[j].key:
-                    raise ChecksumMismatch("peer sent a block other than the one asked for")
-                if on_block is not None:
-                    on_block(blk)
-                done[j] = blk
-
-        pending: list[asyncio.Future[None]] = []
-        i = booked = 0
-        try:
-            while (data := await self._next_chunk(call, hit)) is not None:
-                if i >= len(asms) or booked + len(data) > asms[i].total:
-                    raise MalformedPayload("chunk beyond the blocks asked for")
-                booked += len(data)
-                last = booked == asms[i].total
-                # hashing runs on a worker thread (hashlib drops the GIL) while we receive
-                pending.append(loop.run_in_executor(self._hashers[i % 2], feed, i, data, last))
-                if last:
-                    i, booked = i + 1, 0
-                if len(pending) > 16:
-                    await pending.pop(0)
-            times.received = time.perf_counter()
-            for f in pending:
-                await f
-            pending.clear()
-            times.verified = time.perf_counter()
-            if i < len(asms):
-                raise MalformedPayload(f"stream ended after {i} of {len(asms)} blocks")
-            blocks = [b for b in done if b is not None]
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
-        except (asyncio.CancelledError, KVMeshError):
-            call.cancel()
-            raise
-        finally:
-            if pending:  # the fetch failed: let in-flight hashing finish, its errors moot
-                await asyncio.wait(pending)
-                for f in pending:
-                    if not f.cancelled():
-                        f.exception()  # retrieved, so asyncio does not log it as lost
-        return blocks
-
-    async def _next_chunk(self, call: Any, hit: PeerHit) -> bytes | None:
-        """The next message of a fetch, None at its end; :class:`FetchStalled` when
-        nothing arrives within the progress timeout."""
-        try:
-            async with asyncio.timeout(self.progress_timeout):
-                data = await call.read()
-        except TimeoutError:
-            raise FetchStalled(f"no bytes from {hit.alias} for {self.progress_timeout} s") from None
-        return None if data is grpc.aio.EOF else data
 
     # -- publish -----------------------------------------------------------------
 
@@ -763,9 +503,9 @@ class MeshClient:
                 if to is None:
                     await self._place(card, blocks)
                 else:  # a hot prefix's replica ranks (placement.repair_ranks' order)
-                    peers = {c.node_id: c for c in self.membership.live()}
-                    targets = [peers[n] for n in to if n in peers]
-                    await self._publish_to(targets, card, blocks, REPAIR_FANOUT, {}, missing=True)
+                    live = {c.node_id: c for c in self.membership.live()}
+                    ranks = [n for n in to if n in live]
+                    await self._offer(live, ranks, card, blocks, REPAIR_FANOUT, missing=True)
             except Exception as e:  # a publish never kills the loop
                 log.warning("publish failed: %r", e)
                 self.counters["publish_failed:error"] += 1
@@ -774,52 +514,54 @@ class MeshClient:
                 self._queue.task_done()
 
     async def _place(self, card: CompatCard, blocks: list[Block]) -> None:
-        """Publish a chain where :func:`~.placement.place_index` puts it: the first
-        root owner that answers says how much of it the root holds; the chain goes
-        to the owners of the first block it lacks (or to the root's owners)."""
-        owners = self.publish_targets(blocks[0].key)
-        for peer in owners:
-            try:
-                held = await self._held(peer, card, blocks)
-            except KVMeshError as e:
-                self.counters[f"publish_failed:{e.reason}"] += 1
-                continue
-            i = place_index(len(blocks), held, self.policy)
-            if i is None:  # from the one that answered: those before it failed just now
-                rest = owners[owners.index(peer) :]
-                await self._publish_to(rest, card, blocks, self.replicas, {peer.node_id: held})
-            else:
-                self.counters["publish_placed_deep"] += 1
-                await self._publish_to(self._ranked(blocks[i].key), card, blocks, self.replicas, {})
-            return
+        """Publish a chain where :func:`~.placement.place` puts it."""
+        caches = self._caches()
 
-    async def _publish_to(
+        async def held(node: str) -> int | None:
+            return await self._held_or_none(caches[node], card, blocks)
+
+        where = await place([b.key for b in blocks], _ranking(list(caches)), held, self.policy)
+        if where is None:
+            return
+        if where.deep:
+            self.counters["publish_placed_deep"] += 1
+        await self._offer(caches, where.targets, card, blocks, self.replicas, where.known)
+
+    async def _offer(
         self,
-        targets: list[pb.CapabilityCard],
+        peers: dict[str, pb.CapabilityCard],
+        targets: list[str],
         card: CompatCard,
         blocks: list[Block],
         n: int,
-        held: dict[str, int],
+        known: dict[str, int] | None = None,
         missing: bool = False,
     ) -> None:
-        """Give ``blocks`` to the first ``n`` of ``targets`` that answer (``missing``:
-        that lacked some of them), each only the part it lacks (``held`` says what
-        some of them hold already)."""
-        done = 0
-        for peer in targets:
-            if done >= n:
-                break
+        """Give ``blocks`` to the first ``n`` of ``targets`` that answer, each only the
+        part it lacks (:func:`~.placement.offer`)."""
+
+        async def held(node: str) -> int | None:
+            return await self._held_or_none(peers[node], card, blocks)
+
+        async def send(node: str, have: int) -> bool:
             try:
-                have = held.get(peer.node_id)
-                if have is None:
-                    have = await self._held(peer, card, blocks)
-                if have < len(blocks):
-                    await self.publish(peer, card, blocks[have:])
-                elif missing:
-                    continue
-                done += 1
+                await self.publish(peers[node], card, blocks[have:])
             except KVMeshError as e:
                 self.counters[f"publish_failed:{e.reason}"] += 1
+                return False
+            return True
+
+        await offer(targets, n, len(blocks), held, send, known, missing)
+
+    async def _held_or_none(
+        self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]
+    ) -> int | None:
+        """:meth:`_held`, or None (counted) when ``peer`` did not answer."""
+        try:
+            return await self._held(peer, card, blocks)
+        except KVMeshError as e:
+            self.counters[f"publish_failed:{e.reason}"] += 1
+            return None
 
     async def _held(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> int:
         """How many leading blocks of a chain ``peer`` already stores (one Lookup)."""
@@ -832,7 +574,7 @@ class MeshClient:
             namespace=card.namespace, block_keys=full, tail_keys=tails, quiet=True
         )
         try:
-            resp = await self._unary(
+            resp = await self.channels.unary(
                 eps[0].address,
                 LOOKUP,
                 peer.node_id,
@@ -850,70 +592,12 @@ class MeshClient:
             raise PeerUnavailable("peer has no endpoint")
         if not blocks:
             return pb.PublishResponse()
-        card_json = json.dumps(card.to_json())
-        if peer.data_port and self.use_bulk:
-            resp = await self._publish_bulk(peer, eps[0].address, card_json, blocks)
-        else:
-            resp = await self._publish_grpc(peer, eps[0].address, card_json, blocks)
+        transport = self._transport(bool(peer.data_port) and self.use_bulk)
+        resp = await transport.publish(peer, eps[0].address, json.dumps(card.to_json()), blocks)
         self.counters["bytes_published"] += sum(b.nbytes for b in blocks)
         if resp.rejected:
             self.counters[f"publish_rejected:{resp.reason}"] += 1
         return resp
-
-    async def _publish_bulk(
-        self, peer: pb.CapabilityCard, address: str, card_json: str, blocks: list[Block]
-    ) -> Any:
-        infos = [
-            pb.BlockInfo(key=b.key, nbytes=b.nbytes, digest=b.digest, tokens=b.header.tokens)
-            for b in blocks
-        ]
-        body = pb.BulkPublish(card_json=card_json, blocks=infos).SerializeToString()
-        digest = body_digest(body)  # hashed once: the credential and the hello carry it
-        cred = self._cred(bulk.METHODS[bulk.PUBLISH], peer.node_id, digest)
-        return await self._on_stream(
-            bulk.publish,
-            self._data_address(peer, address),
-            self._dialer,
-            cred,
-            body,
-            blocks,
-            self.progress_timeout,
-            limit_s=self.fetch_deadline,
-            digest=digest,
-        )
-
-    async def _publish_grpc(
-        self, peer: pb.CapabilityCard, address: str, card_json: str, blocks: list[Block]
-    ) -> Any:
-        size = self.chunk_bytes
-
-        def messages():  # type: ignore[no-untyped-def]
-            first = True
-            for i, blk in enumerate(blocks):
-                for j, c in enumerate(chunks(blk.blob, size)):
-                    msg = pb.PublishChunk(block=i, data=bytes(c))
-                    if j == 0:
-                        msg.nbytes, msg.digest = blk.nbytes, blk.digest
-                    if first:
-                        msg.card_json, first = card_json, False
-                    yield msg.SerializeToString()
-
-        stream = messages()
-        first = next(stream)  # the credential binds the first message (see body_digest)
-
-        def raws():  # type: ignore[no-untyped-def]
-            yield first
-            yield from stream
-
-        call = self.channel(address).stream_unary(
-            PUBLISH, request_serializer=None, response_deserializer=pb.PublishResponse.FromString
-        )
-        try:
-            return await call(
-                raws(), timeout=self.fetch_deadline, metadata=self._md(PUBLISH, peer.node_id, first)
-            )
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
 
 
 @dataclass(frozen=True)
@@ -929,14 +613,9 @@ class _Ask:
     skip: Callable[[str], bool] | None = None
 
 
-def _warm_stream(nbytes: int, chunk: int) -> None:
-    socket.getaddrinfo("127.0.0.1", 0, 0, socket.SOCK_STREAM)
-    bulk.prefault(nbytes, chunk)
-
-
-def _warm_hasher(layout: Layout, sample: Block, nbytes: int) -> None:
-    decode_block(sample.blob, layout, sample.digest)
-    bulk.prefault(nbytes, 1 << 20)
+def _ranking(node_ids: list[str]) -> Ranked:
+    """``node_ids`` in rendezvous order of a key, as :mod:`.placement` asks for them."""
+    return lambda key: rendezvous(key, node_ids, len(node_ids))
 
 
 def _chain(keys: PrefixKeys) -> list[bytes]:
@@ -944,9 +623,12 @@ def _chain(keys: PrefixKeys) -> list[bytes]:
     return [*keys.blocks, keys.tail] if keys.tail_tokens or not keys.blocks else list(keys.blocks)
 
 
-def _held_of(hit: PeerHit) -> int:
-    """How many elements of the asked chain (blocks, then the tail) a hit holds."""
-    return len(hit.blocks) + (hit.tail is not None)
+def _answer(hit: PeerHit) -> Answer:
+    """A hit as placement sees it: how much of the asked chain (blocks, then the
+    tail) it holds, and how many extra holders its peer asks for."""
+    return Answer(
+        hit.node_id, len(hit.blocks) + (hit.tail is not None), len(hit.blocks), hit.replicas
+    )
 
 
 def _report(listener: Callable[..., None] | None, *args: str) -> None:

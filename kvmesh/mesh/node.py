@@ -26,7 +26,8 @@ from typing import Any, TypeVar
 
 from ..disk import DiskConfig
 from ..store import BlockStore
-from .bulk import BulkServer, local_socket_path
+from .bulk_server import BulkServer
+from .bulk_wire import local_socket_path
 from .client import MeshClient
 from .events import EventsConfig, NodeEvents
 from .membership import MAX_MEMBERS, Membership, detect_endpoints, parse_advertise
