@@ -81,7 +81,7 @@ from .requests import (
     content_text,
     refuse_unsupported,
 )
-from .scheduler import Job, QueueFull, Scheduler, TokenStream
+from .scheduler import Job, QueueFull, Scheduler
 from .streaming import finish_unless_gone, sse
 from .tools import (
     NamedParser,
@@ -284,13 +284,6 @@ class OpenAIService:
             )
         return len(p)
 
-    def tokens(self, req: GenerationRequest) -> list[int]:
-        """The request's (one) prompt as token ids (CPU work: call off the event loop)."""
-        if isinstance(req, ChatRequest):
-            return self.chat_tokens(req)
-        assert isinstance(req, CompletionRequest)
-        return self.completion_tokens(req)
-
     def prompts(self, req: GenerationRequest) -> list[list[int]]:
         """Every prompt of the request as token ids (CPU work: call off the event loop)."""
         if isinstance(req, ChatRequest):
@@ -413,20 +406,6 @@ class OpenAIService:
                 self.scheduler.release(job)
             raise
         return jobs
-
-    def start(
-        self,
-        req: GenerationRequest,
-        tokens: list[int],
-        job: Job,
-        client: str = "",
-        scope: Scope | None = None,
-    ) -> tuple[Generation, TokenStream]:
-        """Check ``req`` (4xx before anything runs) and start its generation as
-        ``client``'s (its fair share, see :class:`~.credentials.Identity`) in ``scope``'s cache."""
-        sampling = self._checked(req, tokens)
-        out = Generation(choices=[Decoded() for _ in range(sampling.n)])  # read while it runs
-        return out, self.scheduler.start(job, tokens, sampling, out, client, scope)
 
     def _checked(self, req: GenerationRequest, tokens: list[int]) -> Sampling:
         sampling = self._check(req, len(tokens))
