@@ -14,17 +14,11 @@ Contracts:
   string into the object templates print with ``tojson``; kept as the string when
   it is not JSON) and a tool message's ``tool_call_id`` (and ``name``). So turn
   *n + 1*'s prompt is turn *n*'s plus the new turn, and reuses it.
-- Parsers (:data:`PARSERS`, ``kvmesh head --tool-call-parser``) read the text of
-  the generated tokens with special tokens kept (Mistral's ``[TOOL_CALLS]`` and
-  gpt-oss's ``<|channel|>`` are special tokens): ``hermes`` (Qwen 2.5/3/3.5,
-  Hermes: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``),
-  ``llama3_json`` (Llama 3.x: the answer is ``{"name": ..., "parameters": ...}``,
-  several joined by ``;``, after an optional ``<|python_tag|>``), ``mistral``
-  (``[TOOL_CALLS][{"name": ..., "arguments": ...}]`` and the newer
-  ``[TOOL_CALLS]name[ARGS]{...}``), ``harmony`` (gpt-oss, also called ``openai``:
-  ``<|channel|>commentary to=functions.NAME ... <|message|>{args}<|call|>``; the
-  ``final`` channel is the content, ``analysis`` is dropped). ``auto`` picks one
-  from the chat template where that is unambiguous (:func:`detect_parser`).
+- Parsers (:data:`PARSERS`, ``kvmesh head --tool-call-parser``): ``hermes``,
+  ``llama3_json``, ``mistral``, ``harmony`` (also ``openai``), each class stating
+  its family's format. They read the generated text with special tokens kept
+  (several families' call markers are special tokens). ``auto`` picks one from
+  the chat template where that is unambiguous (:func:`detect_parser`).
 - A call's ``arguments`` are the JSON text the model wrote for them (not
   re-serialized), so a stream's argument pieces add up to exactly the whole
   answer's. The content is the text outside calls, stripped; a call the model left
@@ -474,7 +468,8 @@ def _object_call(s: str, i: int, args_keys: tuple[str, ...]) -> tuple[RawCall, i
 
 
 class HermesParser(ToolParser):
-    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen, Hermes)."""
+    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen 2.5/3/3.5,
+    Hermes)."""
 
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
@@ -598,9 +593,6 @@ class HarmonyParser(ToolParser):
     ENDS = ("<|end|>", "<|call|>", "<|return|>")
     RECIPIENT = re.compile(r"to=([^\s<]+)")
     CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
-
-    def new_id(self) -> str:
-        return "call_" + secrets.token_hex(12)
 
     def split(self, text: str, final: bool) -> Split:
         out = Split()
