@@ -4,52 +4,54 @@ fan-out, hit rate and load per node for 10-1,000 nodes.
     python bench/scale_sim.py --json bench/results/scale_sim.json
     python bench/scale_sim.py --smoke --json /tmp/scale_sim.json   # CI: small, same checks
 
-It drives kvmesh's own functions (:mod:`kvmesh.mesh.placement`): rendezvous owners,
-placement by the first block the root's owners lack, popularity-driven replicas
-(:class:`Popularity` counted by every holder that answers), the probe of one
-replica rank, the repair of ranks that lacked a hot prefix, and the choice of
-the least loaded holder. "before" runs the same functions under the policy as
-it was: placement by the root block, no replicas, the first holder.
+It runs the peers' own placement (:mod:`kvmesh.mesh.placement`), composition
+included: :func:`locate` decides whom a lookup asks (the root's ``k + 1`` owners,
+the ``k`` owners of the first block they lack, one replica rank of a hot prefix),
+:func:`holders` which holder serves the fetch (the least loaded), :func:`place`
+where a computed chain goes and :func:`offer` who gets it and who gets repair
+copies: the same calls :class:`kvmesh.mesh.client.MeshClient` makes, with nodes
+in memory where it sends RPCs. Each holder counts the lookups it answers
+(:class:`Popularity`); its load is its fetches served per second over the
+policy's window (the peers use the rate each card gossips, plus their own
+fetches in flight). "before" runs the same calls under the policy without deep
+placement, replicas or load-aware choice.
 
 Workload: every node sends one request per simulated second. Every prompt starts
-with one chat-template block shared by all prompts (``--distinct-roots``: none,
-the workload this simulation had before). 30% of requests are one hot
-system prompt (8 blocks, the template included); the rest come from 200
-conversation openings, each new prompt with its own 31 blocks after the
-template, and a request repeats an earlier prompt with probability 0.7. A node
-holds 400 blocks (LRU by block, leaves first, as the store evicts). A request is a hit when more than the template
-is found (then it is fetched from one holder, whose load this is); otherwise it
-is computed and published where the policy places it. Lookups ask the root's
-``k + 1`` owners, the owners of the first block they lack (``k``), and one replica
-rank when an answer says the prefix is hot; the load a holder is chosen by is its
-fetches served per second over the policy's window (the peers use the rate each
-card gossips, plus their own fetches in flight). Prints busiest/mean, hit rate
-and fan-out per row; writes JSON and a PNG of load per node before and after.
+with one chat-template block shared by all prompts (``--distinct-roots``: none).
+30% of requests are one hot system prompt (8 blocks, the template included); the
+rest come from 200 conversation openings, each new prompt with its own 31 blocks
+after the template, and a request repeats an earlier prompt with probability
+0.7. A node holds 400 blocks (LRU by block, leaves first, as the store evicts).
+A request is a hit when more than the template is found; otherwise it is
+computed and published. Prints busiest/mean, hit rate and fan-out per row;
+writes JSON and a PNG of load per node before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import hashlib
 import json
 import random
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvmesh.mesh.placement import (
     REPAIR_FANOUT,
+    Answer,
     Policy,
     Popularity,
     Rate,
-    by_load,
-    place_index,
-    probe_rank,
-    rendezvous,
-    repair_ranks,
-    replica_ranks,
+    holders,
+    locate,
+    offer,
+    place,
+    ranking,
 )
 
 BEFORE = Policy(deep=False, replicate=False, by_load=False)
@@ -105,80 +107,70 @@ class Fleet:
         self.k, self.policy = k, policy
         self.rng = random.Random(seed)
         self.messages = self.max_messages = 0
-        # memoized calls of the peers' functions (pure: same key, same answer)
-        self.ranked = functools.lru_cache(maxsize=1 << 16)(self._ranked)
-        self.replicas = functools.lru_cache(maxsize=1 << 12)(self._replicas)
+        # memoized: the peers' rendezvous order is pure (same key, same answer)
+        self.ranked = functools.lru_cache(maxsize=1 << 16)(ranking(self.ids))
 
-    def _ranked(self, key: bytes) -> tuple[str, ...]:
-        return tuple(rendezvous(key, self.ids, len(self.ids)))
+    async def request(self, chain: list[bytes], now: float) -> bool:
+        """One lookup, then the fetch from the holder the policy picks (with the
+        repair copies it owes) or the publish of what was computed."""
 
-    def _replicas(self, key: bytes, r: int) -> tuple[str, ...]:
-        return tuple(replica_ranks(key, self.ids, r))
+        async def ask(who: Sequence[str], want: int) -> tuple[list[str], list[Answer]]:
+            asked = list(who[:want])  # nodes in memory always answer
+            return asked, [a for n in asked if (a := self.answer(n, chain, now)).held]
 
-    def ask(
-        self, who: Sequence[str], chain: list[bytes], now: float, hits: dict[str, tuple[int, int]]
-    ) -> None:
-        """Lookups on ``who``: (blocks held, extra holders asked for) per node; each
-        holder counts the prefix it answers as demand."""
-        for n in who:
-            held = self.nodes[n].held(chain)
-            hot = self.nodes[n].popularity.hit(chain[held - 1], now) if held else 0
-            hits[n] = (held, hot)
-
-    def request(self, chain: list[bytes], now: float) -> bool:
-        k, hits = self.k, {}
-        asked = list(self.ranked(chain[0])[: k + 1])  # the root's owners and a spare
-        self.ask(asked, chain, now, hits)
-        deep = place_index(len(chain), max(h for h, _ in hits.values()), self.policy)
-        if deep is not None:
-            more = [n for n in self.ranked(chain[deep]) if n not in asked][:k]
-            self.ask(more, chain, now, hits)
-            asked += more
-        best = max(h for h, _ in hits.values())
-        replicas = max(r for h, r in hits.values() if h == best)  # as the client: the longest
-        repair: list[str] = []
-        shed: list[str] = []
-        if self.policy.replicate and replicas and best:
-            ranks = self.replicas(chain[best - 1], replicas)
-            probe = probe_rank(ranks, asked, self.rng)
-            if probe is not None:
-                asked.append(probe)
-                self.ask([probe], chain, now, hits)
-                if hits[probe][0] < best:
-                    repair = repair_ranks(ranks, probe, self.rng)
-                else:
-                    shed = asked[:-1]  # the owners: a replica holds it
-        self.messages += len(asked)
-        self.max_messages = max(self.max_messages, len(asked))
+        found = await locate(chain, self.ranked, ask, self.k, self.policy, self.rng)
+        fanout = len(found.asked)
+        self.messages += fanout
+        self.max_messages = max(self.max_messages, fanout)
+        best = found.best
         if best > 1:  # more than the template: fetched from the least loaded holder
-            holders = [n for n in asked if hits[n][0] == best]
-            load = {n: self.nodes[n].rate.per_s(now) for n in holders}
-            chosen = by_load(holders, load.__getitem__, None, self.policy, self.rng, shed)[0]
-            self.nodes[chosen].serve(chain[:best], now)
-            sent = 0
-            for n in repair:  # as the peers' fetcher: copies only where one is missing
-                if sent == REPAIR_FANOUT:
-                    break
-                if self.nodes[n].held(chain) < best:
-                    self.nodes[n].put(chain[:best])
-                    sent += 1
+            load = {a.node: self.nodes[a.node].rate.per_s(now) for a in found.answers}
+            order = holders(
+                found.answers, load.__getitem__, None, self.policy, self.rng, found.shed
+            )
+            self.nodes[order[0]].serve(chain[:best], now)
+            if order[0] in found.owed:
+                await offer(
+                    found.repair, REPAIR_FANOUT, best, *self.store(chain[:best]), missing=True
+                )
         if best < len(chain):
-            self.publish(chain)
+            await self.publish(chain)
         return best > 1
 
-    def publish(self, chain: list[bytes]) -> None:
-        """Where the peers' publisher puts a computed chain (placement by what the
-        root's first owner holds)."""
-        owners = self.ranked(chain[0])
-        held = self.nodes[owners[0]].held(chain)
-        i = place_index(len(chain), held, self.policy)
-        targets = owners if i is None else self.ranked(chain[i])
-        for n in targets[: self.k]:
-            self.nodes[n].put(chain)
+    def answer(self, node: str, chain: list[bytes], now: float) -> Answer:
+        """A node's lookup answer; the prefix it holds counts as demand."""
+        held = self.nodes[node].held(chain)
+        hot = self.nodes[node].popularity.hit(chain[held - 1], now) if held else 0
+        return Answer(node, held, held, hot)
+
+    def store(self, chain: list[bytes]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``held`` and ``send`` for :func:`offer` of ``chain``: nodes in memory."""
+
+        async def held(node: str) -> int:
+            return self.nodes[node].held(chain)
+
+        async def send(node: str, have: int) -> bool:
+            self.nodes[node].put(chain)
+            return True
+
+        return held, send
+
+    async def publish(self, chain: list[bytes]) -> None:
+        """Where the peers' publisher puts a computed chain."""
+        held, send = self.store(chain)
+        where = await place(chain, self.ranked, held, self.policy)
+        assert where is not None  # nodes in memory always answer
+        await offer(where.targets, self.k, len(chain), held, send, where.known)
 
 
 def simulate(
     n_nodes: int, k: int, policy: Policy, requests: int, seed: int, template: bool = True
+) -> dict[str, object]:
+    return asyncio.run(_simulate(n_nodes, k, policy, requests, seed, template))
+
+
+async def _simulate(
+    n_nodes: int, k: int, policy: Policy, requests: int, seed: int, template: bool
 ) -> dict[str, object]:
     rng = random.Random(seed)
     fleet = Fleet(n_nodes, k, policy, seed)
@@ -195,7 +187,7 @@ def simulate(
             conv = f"conv-{rng.randrange(200)}".encode() + rng.randbytes(4)
             chain = chain_of(conv, 32, template)
             seen.append(chain)
-        hits += fleet.request(chain, now)
+        hits += await fleet.request(chain, now)
     served = sorted((nd.served for nd in fleet.nodes.values()), reverse=True)
     mean = sum(served) / len(served)
     return {

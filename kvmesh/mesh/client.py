@@ -12,10 +12,9 @@ hits come back longest first, the least loaded holder first among equals
 A fetch or publish goes over a :class:`~.transport.Transport`: the peer's bulk
 data path (:class:`~.bulk_client.BulkTransport`) when it advertises one, else
 gRPC (:class:`~.transport.GrpcTransport`). Every failure is a typed error whose
-``reason`` the caller counts before falling back. Publishes go through a bounded
-queue that drops (and counts) rather than block, to where
-:func:`~.placement.place` puts them; a fetch that found a hot prefix's replica
-rank lacking it gives copies to such ranks (:func:`~.placement.offer`).
+``reason`` the caller counts before falling back. Computed chains, and copies a
+fetch of a hot prefix owes its replica ranks, are published off the request path
+by the client's :class:`~.publisher.Publisher`.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import logging
 import math
 import random
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import grpc
 from ..blocks import PrefixKeys
 from ..codec import CHUNK_BYTES, Block, Layout
 from ..compat import CompatCard
-from ..errors import KVMeshError, MalformedPayload, OversizePayload, PeerUnavailable
+from ..errors import MalformedPayload, OversizePayload, PeerUnavailable
 from .bulk_client import BulkTransport
 from .bulk_wire import check_credential, host_identity
 from .hits import PeerHit, Transfer, validated
@@ -47,27 +46,22 @@ from .placement import (
     ASK_ALL_BELOW,
     DEFAULT,
     MAX_REPLICAS,
-    REPAIR_FANOUT,
     Answer,
     Policy,
-    Ranked,
     holders,
     locate,
-    offer,
-    place,
-    rendezvous,
+    ranking,
 )
 from .proto import kvmesh_pb2 as pb
+from .publisher import Publisher
 from .rpc_errors import from_rpc_error
 from .security import ANY_DEST, FleetAuth, TLSConfig
-from .transport import Channels, GrpcTransport, StreamTimes, Transport
+from .transport import LOOKUP, Channels, GrpcTransport, StreamTimes, Transport
 
 __all__ = ["ASK_ALL_BELOW", "MeshClient", "PeerHit"]
 
 log = logging.getLogger("kvmesh.client")
 
-MAX_REPAIRED = 1024  # hot prefixes whose last repair time is remembered
-LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
 EXCHANGE = "/kvmesh.v1.Membership/Exchange"
 
 
@@ -91,7 +85,6 @@ class MeshClient:
         self.policy = policy
         self._rng = random.Random()
         self._fetching: Counter[str] = Counter()  # our fetches in flight, per peer
-        self._repaired: OrderedDict[bytes, float] = OrderedDict()  # prefix -> last repair
         self.auth, self.tls = auth, tls
         self.lookup_deadline = lookup_deadline
         self.fetch_deadline = fetch_deadline
@@ -119,12 +112,7 @@ class MeshClient:
         )
         # peers whose cards carry this are on this host: their Unix socket is dialled
         self.bulk.local_host = host_identity() if use_bulk and local_socket else b""
-        self._clock = time.monotonic
-        self._queue: asyncio.Queue[tuple[CompatCard, list[Block], tuple[str, ...] | None]] = (
-            asyncio.Queue(publish_queue)
-        )
-        self._publisher: asyncio.Task[None] | None = None
-        self._inflight = 0
+        self.publisher = Publisher(self, publish_queue)
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -157,8 +145,7 @@ class MeshClient:
         await self.bulk.warm(layout, sample, nbytes)
 
     async def close(self) -> None:
-        if self._publisher:
-            self._publisher.cancel()
+        self.publisher.close()
         for task in list(self._background):
             task.cancel()
         await self.channels.close()
@@ -192,14 +179,14 @@ class MeshClient:
 
     # -- lookup ------------------------------------------------------------------
 
-    def _caches(self) -> dict[str, pb.CapabilityCard]:
+    def caches(self) -> dict[str, pb.CapabilityCard]:
         """Live cache peers by node id."""
         return {c.node_id: c for c in self.membership.live() if "cache" in c.roles}
 
     def _ranked(self, key: bytes) -> list[pb.CapabilityCard]:
         """Live cache peers in rendezvous order of ``key``."""
-        caches = self._caches()
-        return [caches[n] for n in _ranking(list(caches))(key)]
+        caches = self.caches()
+        return [caches[n] for n in ranking(list(caches))(key)]
 
     def compatible_peers(
         self, card: CompatCard, root: bytes | None = None
@@ -207,7 +194,7 @@ class MeshClient:
         """Who a lookup may ask: in a small fleet every live cache peer; beyond that
         the cache peers in rendezvous order of ``root`` (the order publishes
         follow), or without a root those that advertise the namespace."""
-        caches = list(self._caches().values())
+        caches = list(self.caches().values())
         if len(caches) <= ASK_ALL_BELOW:
             return caches
         if root is None:
@@ -232,7 +219,7 @@ class MeshClient:
         peer whose lookup failed or whose answer did not add up, and
         ``on_success(node_id)`` for every peer whose answer checked out."""
         chain = _chain(keys)
-        caches = self._caches()
+        caches = self.caches()
         req = pb.LookupRequest(
             namespace=card.namespace, block_keys=keys.blocks, tail_keys=[keys.tail]
         )
@@ -248,7 +235,7 @@ class MeshClient:
         may_probe = None if skip is None else (lambda n: not skip(n))
         found = await locate(
             chain,
-            _ranking(list(caches)),
+            ranking(list(caches)),
             ask_round,
             self.replicas,
             self.policy,
@@ -428,9 +415,8 @@ class MeshClient:
         total = sum(b.nbytes for b in blocks)
         self.counters["bytes_fetched"] += total
         self.transfers.append(Transfer(hit.alias, total, dt, len(blocks), time.time()))
-        if hit.repair and start == 0 and self._may_repair(blocks[-1].key):
-            self.counters["replica_repairs"] += 1  # replica ranks that lacked it get copies
-            self._enqueue(layout.card, blocks, hit.repair)
+        if hit.repair and start == 0:  # replica ranks that lacked it get copies
+            self.publisher.repair(layout.card, blocks, hit.repair)
         return blocks
 
     def _fetch_request(
@@ -452,19 +438,6 @@ class MeshClient:
         )
         return req.SerializeToString()
 
-    def _may_repair(self, key: bytes) -> bool:
-        """At most one repair per prefix per popularity window from this node: a hot
-        claim (a peer's word) never turns each of our fetches into many publishes."""
-        now = self._clock()
-        last = self._repaired.get(key)
-        if last is not None and now - last < self.policy.window_s:
-            return False
-        self._repaired[key] = now
-        self._repaired.move_to_end(key)
-        while len(self._repaired) > MAX_REPAIRED:
-            self._repaired.popitem(last=False)
-        return True
-
     # -- publish -----------------------------------------------------------------
 
     def publish_targets(self, root: bytes) -> list[pb.CapabilityCard]:
@@ -473,118 +446,14 @@ class MeshClient:
 
     def enqueue_publish(self, card: CompatCard, blocks: list[Block]) -> bool:
         """Non-blocking; call on the client's loop. Drops (and counts) when full."""
-        return self._enqueue(card, blocks, None)
-
-    def _enqueue(self, card: CompatCard, blocks: list[Block], to: tuple[str, ...] | None) -> bool:
-        """Queue ``blocks`` for placement (``to`` None) or for the peers ``to`` names."""
-        if not blocks:
-            return True
-        try:
-            self._queue.put_nowait((card, blocks, to))
-        except asyncio.QueueFull:
-            self.counters["publish_dropped"] += 1
-            return False
-        if self._publisher is None or self._publisher.done():
-            self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
-        return True
+        return self.publisher.enqueue(card, blocks, None)
 
     def queued(self) -> int:
         """Publishes queued or being sent."""
-        return self._queue.qsize() + self._inflight
+        return self.publisher.queued()
 
     async def drain(self) -> None:
-        await self._queue.join()
-
-    async def _publish_loop(self) -> None:
-        while True:
-            card, blocks, to = await self._queue.get()
-            self._inflight += 1
-            try:
-                if to is None:
-                    await self._place(card, blocks)
-                else:  # a hot prefix's replica ranks (placement.repair_ranks' order)
-                    live = {c.node_id: c for c in self.membership.live()}
-                    ranks = [n for n in to if n in live]
-                    await self._offer(live, ranks, card, blocks, REPAIR_FANOUT, missing=True)
-            except Exception as e:  # a publish never kills the loop
-                log.warning("publish failed: %r", e)
-                self.counters["publish_failed:error"] += 1
-            finally:
-                self._inflight -= 1
-                self._queue.task_done()
-
-    async def _place(self, card: CompatCard, blocks: list[Block]) -> None:
-        """Publish a chain where :func:`~.placement.place` puts it."""
-        caches = self._caches()
-
-        async def held(node: str) -> int | None:
-            return await self._held_or_none(caches[node], card, blocks)
-
-        where = await place([b.key for b in blocks], _ranking(list(caches)), held, self.policy)
-        if where is None:
-            return
-        if where.deep:
-            self.counters["publish_placed_deep"] += 1
-        await self._offer(caches, where.targets, card, blocks, self.replicas, where.known)
-
-    async def _offer(
-        self,
-        peers: dict[str, pb.CapabilityCard],
-        targets: list[str],
-        card: CompatCard,
-        blocks: list[Block],
-        n: int,
-        known: dict[str, int] | None = None,
-        missing: bool = False,
-    ) -> None:
-        """Give ``blocks`` to the first ``n`` of ``targets`` that answer, each only the
-        part it lacks (:func:`~.placement.offer`)."""
-
-        async def held(node: str) -> int | None:
-            return await self._held_or_none(peers[node], card, blocks)
-
-        async def send(node: str, have: int) -> bool:
-            try:
-                await self.publish(peers[node], card, blocks[have:])
-            except KVMeshError as e:
-                self.counters[f"publish_failed:{e.reason}"] += 1
-                return False
-            return True
-
-        await offer(targets, n, len(blocks), held, send, known, missing)
-
-    async def _held_or_none(
-        self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]
-    ) -> int | None:
-        """:meth:`_held`, or None (counted) when ``peer`` did not answer."""
-        try:
-            return await self._held(peer, card, blocks)
-        except KVMeshError as e:
-            self.counters[f"publish_failed:{e.reason}"] += 1
-            return None
-
-    async def _held(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> int:
-        """How many leading blocks of a chain ``peer`` already stores (one Lookup)."""
-        eps = self.membership.ranked_endpoints(peer)
-        full = [b.key for b in blocks if b.header.kind == "block"]
-        tails = [b.key for b in blocks if b.header.kind == "tail"]
-        if not eps or blocks[0].header.start != 0:
-            return 0
-        req = pb.LookupRequest(
-            namespace=card.namespace, block_keys=full, tail_keys=tails, quiet=True
-        )
-        try:
-            resp = await self.channels.unary(
-                eps[0].address,
-                LOOKUP,
-                peer.node_id,
-                req.SerializeToString(),
-                pb.LookupResponse,
-                self.lookup_deadline * 4,
-            )
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
-        return min(len(blocks), len(resp.blocks) + (1 if resp.HasField("tail") else 0))
+        await self.publisher.drain()
 
     async def publish(self, peer: pb.CapabilityCard, card: CompatCard, blocks: list[Block]) -> Any:
         eps = self.membership.ranked_endpoints(peer)
@@ -611,11 +480,6 @@ class _Ask:
     on_failure: Callable[[str, str], None] | None
     on_success: Callable[[str], None] | None
     skip: Callable[[str], bool] | None = None
-
-
-def _ranking(node_ids: list[str]) -> Ranked:
-    """``node_ids`` in rendezvous order of a key, as :mod:`.placement` asks for them."""
-    return lambda key: rendezvous(key, node_ids, len(node_ids))
 
 
 def _chain(keys: PrefixKeys) -> list[bytes]:

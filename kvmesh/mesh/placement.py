@@ -72,6 +72,12 @@ def rendezvous(root: bytes, node_ids: Sequence[str], k: int) -> list[str]:
     return sorted(node_ids, key=lambda n: score[n], reverse=True)[:k]
 
 
+def ranking(node_ids: Sequence[str]) -> Ranked:
+    """``ranked(key)`` over ``node_ids``: all of them, in rendezvous order of ``key``."""
+    ids = list(node_ids)
+    return lambda key: rendezvous(key, ids, len(ids))
+
+
 def place_index(chain_len: int, root_held: int, policy: Policy = DEFAULT) -> int | None:
     """Which element of a chain (full blocks, then its tail) names the owners that
     hold it, given how many leading elements the root's owners hold: the first

@@ -36,6 +36,7 @@ from .security import FleetAuth, TLSConfig, body_digest, open_channel
 from .server import GRPC_OPTIONS
 
 MAX_CHANNELS = 512  # addresses come from gossip: a hostile card must not open channels forever
+LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
 FETCH = "/kvmesh.v1.PrefillCache/Fetch"
 PUBLISH = "/kvmesh.v1.PrefillCache/Publish"
 
