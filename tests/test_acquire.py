@@ -3,8 +3,10 @@
 A failed candidate gives way to the next one and is backed off; a successful
 fetch teaches the planner the peer's bandwidth and the import bandwidth (issue
 #27: ``observe_import`` is fed by real imports); a fetched chain that continues
-the local one is kept; the publisher drops work beyond its slots; and a stalled
-peer process (SIGSTOP) costs one lookup deadline before the breaker skips it.
+the local one is kept; the publisher drops work beyond its slots; a stalled
+peer process (SIGSTOP) costs one lookup deadline before the breaker skips it; and
+each kind of failure has one reason, whoever acquires: the head's path, a paged
+caller's (the vLLM connector's way of calling) and ``/v1/cache/query``'s plan.
 """
 
 from __future__ import annotations
@@ -17,12 +19,25 @@ from collections import Counter
 
 import pytest
 
-from kvmesh.blocks import BlockKeyer
+from kvmesh.blocks import BlockKeyer, PrefixKeys
 from kvmesh.codec import Block, Layout
+from kvmesh.compat import CompatCard
+from kvmesh.engine import Sampling
+from kvmesh.errors import (
+    ChecksumMismatch,
+    IncompatibleCard,
+    PeerTimeout,
+    PeerUnavailable,
+    Reason,
+)
 from kvmesh.mesh.fleet import Fleet
+from kvmesh.mesh.hits import PeerHit
 from kvmesh.mesh.node import NodeConfig, NodeThread
+from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.runtime.acquire import MIN_CACHE_BUDGET_S, Acquirer, Publisher
-from kvmesh.runtime.planner import Planner
+from kvmesh.runtime.planner import Planner, failure_reason
+from kvmesh.runtime.telemetry import Source
+from kvmesh.store import Match, Peek
 
 from .helpers import small_card, synthetic_chain, wait_for
 from .procs import Peer
@@ -217,3 +232,91 @@ def test_a_hybrids_hit_is_cut_to_its_last_state_checkpoint():
     assert _importable(card, whole) is whole  # a tail carries the state at its end
     plain = small_card()
     assert _importable(plain, bare) is bare
+
+
+# -- one vocabulary: every caller reports a failure kind under one reason ----------
+
+KINDS = {
+    "timeout": (TimeoutError("the deadline passed"), Reason.TIMEOUT),
+    "peer timeout": (PeerTimeout("the peer's deadline passed"), Reason.TIMEOUT),
+    "checksum": (ChecksumMismatch("a block's digest is wrong"), Reason.CHECKSUM_MISMATCH),
+    "peer gone": (PeerUnavailable("connection refused"), Reason.PEER_UNREACHABLE),
+    "incompatible": (IncompatibleCard("another card"), Reason.INCOMPATIBLE_CARD),
+}
+
+
+class FailingFleet:
+    """One peer ("far") holding the prompt's whole blocks; its lookup (``stage``
+    "lookup") or its fetch ("fetch") fails with ``error``, as the mesh reports it."""
+
+    fetch_deadline = 30.0
+
+    def __init__(self, card: CompatCard, keys: PrefixKeys, error: Exception, stage: str) -> None:
+        infos = tuple(pb.BlockInfo(key=k, nbytes=64, digest=bytes(32)) for k in keys.blocks)
+        tokens = len(infos) * card.block_tokens
+        self.hit = PeerHit("far-id", "far", "127.0.0.1:1", "loopback", "e", infos, None, tokens)
+        self.error, self.stage = error, stage
+
+    def local_prefix(self, keys: PrefixKeys) -> Match:
+        return Match((), None)
+
+    def peek(self, keys: PrefixKeys) -> Peek:
+        return Peek(0, 0, False)
+
+    def compatible_peers(self, card: CompatCard) -> list:
+        return []
+
+    def keep(self, blocks, owner=None) -> int:
+        return 0
+
+    def lookup(self, card, keys, skip=None, on_failure=None, on_success=None):
+        if self.stage == "lookup":
+            reason = failure_reason(self.error)  # a peer's typed error, or the call's deadline
+            on_failure("far-id", reason)
+            return [], [reason]
+        return [self.hit], []
+
+    def fetch(self, layout, hit, start, on_block, timeout, times=None):
+        raise self.error
+
+
+@pytest.mark.parametrize("stage", ["lookup", "fetch"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_failure_kind_has_one_reason_for_the_head_a_paged_caller_and_the_query(
+    tiny_engine, kind, stage
+):
+    from kvmesh.api.cache_query import cached_prefix
+    from kvmesh.runtime.head import HeadRuntime
+
+    error, reason = KINDS[kind]
+    planner = Planner(prefill_tps=1.0, default_rtt=0.0)  # computing is slow: fetch worth it
+    rt = HeadRuntime(tiny_engine, None, publish=False, max_sessions=0, planner=planner)
+    try:
+        b = rt.card.block_tokens
+        tokens = [3 + i % 50 for i in range(3 * b + 5)]
+        keys = rt.keyer.keys(tokens)
+        fleet = FailingFleet(rt.card, keys, error, stage)
+        rt.acquirer = Acquirer(fleet, rt.planner, rt.telemetry.count)  # type: ignore[arg-type]
+        query = cached_prefix(rt, tokens)
+        out = rt.complete(tokens, Sampling(max_tokens=1))
+        assert out.report is not None
+        assert (out.report.source, out.report.fallback) == (Source.COMPUTE, reason)
+        if stage == "lookup":  # the plan asks the fleet as the head does: the same reason
+            assert (query["source"], query["fallback"]) == (Source.COMPUTE, reason)
+        else:  # it would fetch (the plan acts on nothing: the failure is the fetch's)
+            assert (query["source"], query["peer"], query["fallback"]) == ("remote", "far", None)
+        # the connector's way of calling: whole pages, promised as a stream starts
+        paged = Acquirer(
+            FailingFleet(rt.card, keys, error, stage), Planner(1.0, default_rtt=0.0), Counts()
+        )
+        got = paged.acquire(
+            Layout(rt.card), keys, lambda hit, held: Sink([]), pages=len(keys.blocks)
+        )
+        assert (got.source, got.fallback) == (Source.COMPUTE, reason)
+        # then (the peer backed off, or failing its lookups) the plan and the head agree
+        again = cached_prefix(rt, tokens)
+        nxt = rt.complete(tokens, Sampling(max_tokens=1))
+        assert nxt.report is not None
+        assert (again["source"], again["fallback"]) == (nxt.report.source, nxt.report.fallback)
+    finally:
+        rt.close()

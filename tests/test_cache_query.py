@@ -40,6 +40,7 @@ def agree(head: Head, tokens: list[int], source: str) -> dict:
     assert q["source"] == c["kvmesh"]["source"] == source, (q, c["kvmesh"])
     assert q["cached_tokens"] == c["usage"]["prompt_tokens_details"]["cached_tokens"], (q, c)
     assert q["peer"] == c["kvmesh"]["peer"]
+    assert q["fallback"] == c["kvmesh"]["fallback"]
     head.wait(lambda s: s["publish_pending"] == 0)
     deadline = time.time() + 15
     while head.metric('kvmesh_tier_queued_bytes{tier="disk"}') and time.time() < deadline:

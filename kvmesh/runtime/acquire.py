@@ -138,6 +138,13 @@ def _paged(hit: PeerHit, pages: int, block_tokens: int) -> PeerHit:
     return dataclasses.replace(hit, blocks=hit.blocks[:n], tail=None, tokens=n * block_tokens)
 
 
+def _fetch_start(blocks: int, tail: bool) -> int:
+    """The chain index a fetch starts from, after ``blocks`` stored whole blocks
+    (and a stored ``tail``): a tail is matched token-exactly, so after one the
+    fetch starts from the root."""
+    return 0 if tail else blocks
+
+
 def _choose(session: int, tokens: int, whole: bool, disk: bool) -> Acquired:
     """The better of a live session's ``session`` tokens and the local store's
     ``tokens`` (a session wins a tie: resuming is a crop, importing a copy)."""
@@ -189,8 +196,7 @@ class Acquirer:
         if on_looked_up is not None:
             on_looked_up()
         out.lookup_s, out.offered = found.lookup_s, found.offered
-        # a tail is matched token-exactly: after one, the fetch starts from the root
-        out.start = len(local.blocks) if local.tail is None else 0
+        out.start = _fetch_start(len(local.blocks), local.tail is not None)
         held = local.blocks[: out.start]
         budget = self.budget(self._wanted(keys, pages)) - found.lookup_s
         out.fetched = self.fetch(
@@ -233,7 +239,7 @@ class Acquirer:
         out.lookup_s, out.offered = found.lookup_s, found.offered
         if not self._seeks(out.tokens, keys, pages):
             return out
-        start = 0 if whole else tokens // keys.block_tokens
+        start = _fetch_start(tokens // keys.block_tokens, whole)
         hit = next((h for h in found.hits if self._worth(h, out.tokens, start)), None)
         if hit is None:
             out.fallback = found.fallback
