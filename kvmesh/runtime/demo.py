@@ -1,19 +1,15 @@
-"""``kvmesh demo``: the original system's live evidence, on one machine.
+"""``kvmesh demo``: a cache peer and a head as real processes on one machine.
 
-A real cache peer process and a real head process on the embedded model: a
-~1000-token prompt is sent cold, published, the head is restarted as a new
-process with an empty store, and the same prompt is sent again: a remote hit,
-fetched and digest-verified (BLAKE3), with identical output. Then a two-turn
-chat in which turn 2 reuses turn 1's prompt and answer.
+A ~1000-token prompt is sent cold to a head and published to the peer; the head
+is restarted as a new process with an empty store and the same prompt is sent
+again: a remote hit, fetched and digest-verified, with identical output. Then a
+two-turn chat in which turn 2 reuses turn 1's prompt and answer.
 
-The hit's time to first token comes with its stages (the head's own
-``kvmesh.breakdown``: lookup, connect, transfer, verify, queue, import, first
-token; they sum to it), and, once the processes are gone, with the reference it
-is held to: what ``kvmesh demo --local`` measures for the same prompt in this
-process (a cold prefill, then an import of the same blocks from a local store),
-in a heap set up as a head's (:mod:`kvmesh.memory`): a warm head's import. In a
-heap left as glibc sets it up, the same import took 6 or 16 ms from run to run,
-as its 27.6 MB buffer happened to reuse freed pages or to fault in fresh ones.
+The hit's time to first token is reported with its stages (the head's
+``kvmesh.breakdown``; they sum to it) and beside a reference measured in this
+process once the others are gone: ``kvmesh demo --local`` on the same prompt (a
+cold prefill, then an import of the same blocks from a local store) in a heap set
+up as a head's (:mod:`kvmesh.memory`).
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from ..demo import TOPICS, LocalResult, run_local
@@ -91,80 +88,97 @@ def run_two_node(
 
     console = Console(stderr=True)
     procs: list[subprocess.Popen[str]] = []
+    msgs = demo_messages(prompt_tokens)
     with console.status("starting a cache peer") as status:
         try:
-            peer, m = _spawn(
-                [
-                    "peer",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--alias",
-                    "cache-peer",
-                    "--gossip-interval",
-                    "0.5",
-                ],
-                r"listening on (\S+)",
-            )
-            procs.append(peer)
-            peer_addr = m.group(1)
-            head_args = [
-                "head",
-                "--model",
-                model,
-                "--engine",
-                engine,
-                "--listen",
-                "127.0.0.1:0",
-                "--seed",
-                peer_addr,
-                "--gossip-interval",
-                "0.5",
-                # one user on loopback: its own prompt's exact tail is its own to reuse
-                "--exact-reuse-by-address",
-                *(["--deterministic", "--deterministic-grid", str(grid)] if grid else []),
-            ]
-            status.update(f"starting head 1 on model {model} (building it on first use)")
-            head, m = _spawn([*head_args, "--alias", "head-1"], r"(http://\S+)")
-            procs.append(head)
-            url = m.group(1)
-            _wait(url, lambda h: h["peers"] >= 1)
-            msgs = demo_messages(prompt_tokens)
-            body = {"model": model, "messages": msgs, "max_tokens": GEN_TOKENS, "temperature": 0}
-            status.update("cold prefill on head 1")
-            cold = _http(url + "/v1/chat/completions", body)
-            status.update("publishing the prefix to the peer")
-            _wait(url, lambda h: h["publish_pending"] == 0)
-            head.send_signal(signal.SIGTERM)
-            head.wait(30)
-            status.update("restarting the head as a new process with an empty store")
-            head, m = _spawn([*head_args, "--alias", "head-2"], r"(http://\S+)")
-            procs.append(head)
-            url = m.group(1)
-            _wait(url, lambda h: h["compatible_peers"] >= 1)
-            status.update("same prompt on the restarted head")
-            hit = _http(url + "/v1/chat/completions", body)
-            status.update("two-turn chat")
-            turn1 = _http(
-                url + "/v1/chat/completions",
-                {
-                    **body,
-                    "messages": msgs[:1]
-                    + [{"role": "user", "content": "Name three uses of idle memory in a fleet."}],
-                },
-            )
-            answer = turn1["choices"][0]["message"]["content"]
-            turn2_msgs = msgs[:1] + [
-                {"role": "user", "content": "Name three uses of idle memory in a fleet."},
-                {"role": "assistant", "content": answer},
-                {"role": "user", "content": "And one risk?"},
-            ]
-            turn2 = _http(url + "/v1/chat/completions", {**body, "messages": turn2_msgs})
+            cold, hit, turn2 = _run_heads(model, engine, msgs, grid, procs, status.update)
         finally:
             _stop(procs)
         status.update("the reference: a local import of the same prompt in one process")
         local = local_hit(model, engine, msgs, grid)
+    result = _summary(cold, hit, turn2, local)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _table(result, console)
+    return result
+
+
+def _head_args(model: str, engine: str, peer_addr: str, grid: int) -> list[str]:
+    return [
+        "head",
+        "--model",
+        model,
+        "--engine",
+        engine,
+        "--listen",
+        "127.0.0.1:0",
+        "--seed",
+        peer_addr,
+        "--gossip-interval",
+        "0.5",
+        # one user on loopback: its own prompt's exact tail is its own to reuse
+        "--exact-reuse-by-address",
+        *(["--deterministic", "--deterministic-grid", str(grid)] if grid else []),
+    ]
+
+
+def _run_heads(
+    model: str,
+    engine: str,
+    msgs: list[dict[str, str]],
+    grid: int,
+    procs: list[subprocess.Popen[str]],
+    say: Callable[[str], Any],
+) -> tuple[Any, Any, Any]:
+    """Start the peer (its process joins ``procs``), send ``msgs`` cold to head 1,
+    restart the head, send them again, then chat two turns: the three answers."""
+    peer, m = _spawn(
+        ["peer", "--listen", "127.0.0.1:0", "--alias", "cache-peer", "--gossip-interval", "0.5"],
+        r"listening on (\S+)",
+    )
+    procs.append(peer)
+    head_args = _head_args(model, engine, m.group(1), grid)
+    say(f"starting head 1 on model {model} (building it on first use)")
+    head, m = _spawn([*head_args, "--alias", "head-1"], r"(http://\S+)")
+    procs.append(head)
+    url = m.group(1)
+    _wait(url, lambda h: h["peers"] >= 1)
+    body = {"model": model, "messages": msgs, "max_tokens": GEN_TOKENS, "temperature": 0}
+    say("cold prefill on head 1")
+    cold = _http(url + "/v1/chat/completions", body)
+    say("publishing the prefix to the peer")
+    _wait(url, lambda h: h["publish_pending"] == 0)
+    head.send_signal(signal.SIGTERM)
+    head.wait(30)
+    say("restarting the head as a new process with an empty store")
+    head, m = _spawn([*head_args, "--alias", "head-2"], r"(http://\S+)")
+    procs.append(head)
+    url = m.group(1)
+    _wait(url, lambda h: h["compatible_peers"] >= 1)
+    say("same prompt on the restarted head")
+    hit = _http(url + "/v1/chat/completions", body)
+    say("two-turn chat")
+    return cold, hit, _two_turns(url, body, msgs)
+
+
+def _two_turns(url: str, body: dict[str, Any], msgs: list[dict[str, str]]) -> Any:
+    """A question, then a follow-up after its answer: the second turn's answer."""
+    question = {"role": "user", "content": "Name three uses of idle memory in a fleet."}
+    turn1 = _http(url + "/v1/chat/completions", {**body, "messages": msgs[:1] + [question]})
+    answer = turn1["choices"][0]["message"]["content"]
+    turn2_msgs = msgs[:1] + [
+        question,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And one risk?"},
+    ]
+    return _http(url + "/v1/chat/completions", {**body, "messages": turn2_msgs})
+
+
+def _summary(cold: Any, hit: Any, turn2: Any, local: LocalResult) -> dict[str, Any]:
+    """The demo's figures from the answers and the local reference."""
     kc, kh = cold["kvmesh"], hit["kvmesh"]
-    result = {
+    return {
         "prompt_tokens": cold["usage"]["prompt_tokens"],
         "reused_tokens": hit["usage"]["prompt_tokens_details"]["cached_tokens"],
         "cold_ttft_s": round(kc["ttft_s"], 6),
@@ -184,11 +198,6 @@ def run_two_node(
         "local_reused_tokens": local.reused_tokens,
         "hit_vs_local": round(kh["ttft_s"] / local.hit_ttft_s, 2) if local.hit_ttft_s else None,
     }
-    if as_json:
-        print(json.dumps(result))
-    else:
-        _table(result, console)
-    return result
 
 
 def _stop(procs: list[subprocess.Popen[str]]) -> None:
