@@ -34,7 +34,7 @@ from kvmesh.mesh.fleet import Fleet
 from kvmesh.mesh.hits import PeerHit
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
-from kvmesh.runtime.acquire import MIN_CACHE_BUDGET_S, Acquirer, Publisher
+from kvmesh.runtime.acquire import MIN_CACHE_BUDGET_S, Acquirer, Pages, Publisher
 from kvmesh.runtime.planner import Planner, failure_reason
 from kvmesh.runtime.telemetry import Source
 from kvmesh.store import Match, Peek
@@ -310,7 +310,7 @@ def test_a_failure_kind_has_one_reason_for_the_head_a_paged_caller_and_the_query
             FailingFleet(rt.card, keys, error, stage), Planner(1.0, default_rtt=0.0), Counts()
         )
         got = paged.acquire(
-            Layout(rt.card), keys, lambda hit, held: Sink([]), pages=len(keys.blocks)
+            Layout(rt.card), keys, lambda hit, held: Sink([]), pages=Pages(len(keys.blocks))
         )
         assert (got.source, got.fallback) == (Source.COMPUTE, reason)
         # then (the peer backed off, or failing its lookups) the plan and the head agree

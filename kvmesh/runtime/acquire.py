@@ -130,12 +130,30 @@ def _importable(card: CompatCard, hit: PeerHit) -> PeerHit:
     return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * card.block_tokens, tail=None)
 
 
-def _paged(hit: PeerHit, pages: int, block_tokens: int) -> PeerHit:
-    """``hit`` cut to at most ``pages`` whole blocks, never its tail."""
-    n = min(len(hit.blocks), pages)
-    if n == len(hit.blocks) and hit.tail is None:
-        return hit
-    return dataclasses.replace(hit, blocks=hit.blocks[:n], tail=None, tokens=n * block_tokens)
+@dataclass(frozen=True)
+class Pages:
+    """What a paged caller (the vLLM connector) may load: at most ``limit`` whole
+    blocks, never a tail (it computes the rest). ``cut_hit`` cuts a candidate
+    further, ``cut_held`` says how many of the stored blocks an import can take
+    (e.g. up to the last page that carries a recurrent state)."""
+
+    limit: int
+    cut_hit: Callable[[PeerHit], PeerHit] | None = None
+    cut_held: Callable[[Sequence[Block]], int] | None = None
+
+    def held(self, local: Match) -> Match:
+        blocks = local.blocks[: self.limit]
+        if self.cut_held is not None:
+            blocks = blocks[: self.cut_held(blocks)]
+        return Match(blocks, None, min(local.disk_blocks, len(blocks)))
+
+    def hit(self, hit: PeerHit, block_tokens: int) -> PeerHit:
+        n = min(len(hit.blocks), self.limit)
+        if n < len(hit.blocks) or hit.tail is not None:
+            hit = dataclasses.replace(
+                hit, blocks=hit.blocks[:n], tail=None, tokens=n * block_tokens
+            )
+        return self.cut_hit(hit) if self.cut_hit is not None else hit
 
 
 def _fetch_start(blocks: int, tail: bool) -> int:
@@ -171,7 +189,7 @@ class Acquirer:
         open_sink: OpenSink,
         *,
         session: int = 0,
-        pages: int | None = None,
+        pages: Pages | None = None,
         on_looked_up: Callable[[], None] | None = None,
         on_start: Callable[[PeerHit], None] | None = None,
         owner: str | None = None,
@@ -179,15 +197,13 @@ class Acquirer:
         """The prefix of the prompt ``keys`` name: held here (a live session of
         ``session`` tokens, the local store) or fetched from the first candidate
         worth it (see the module). ``open_sink`` (:data:`OpenSink`) raising is our
-        failure: the next candidate is tried. ``pages``: at most that many whole
-        blocks, never a tail (a paged engine computes the rest); None: the whole
-        prompt. ``on_looked_up`` hears when the candidates are known, ``on_start``
+        failure: the next candidate is tried. ``pages``: what a paged caller may
+        load (:class:`Pages`); None: the whole prompt, its tail included. ``on_looked_up`` hears when the candidates are known, ``on_start``
         of each stream as it begins; blocks kept here count against ``owner``'s
         tenant budget. A cache failure is never raised: it is ``fallback``."""
         local = self.local(keys)
         if pages is not None:
-            cut = local.blocks[:pages]
-            local = Match(cut, None, min(local.disk_blocks, len(cut)))
+            local = pages.held(local)
         out = _choose(session, local.tokens, local.tail is not None, local.from_disk)
         out.local = local
         if not self._seeks(out.tokens, keys, pages):
@@ -222,9 +238,7 @@ class Acquirer:
         )
         return out
 
-    def plan(
-        self, card: CompatCard, keys: PrefixKeys, *, session: int = 0, pages: int | None = None
-    ) -> Acquired:
+    def plan(self, card: CompatCard, keys: PrefixKeys, *, session: int = 0) -> Acquired:
         """What :meth:`acquire` would do now, acting on nothing: the local store is
         read from its index (untouched), the fleet asked as acquire asks it (its
         answers in ``offered`` even when no fetch is sought), nothing fetched."""
@@ -232,12 +246,10 @@ class Acquirer:
             return _choose(session, 0, False, False)
         peek = self.fleet.peek(keys)
         tokens, whole = peek.tokens, peek.whole
-        if pages is not None:
-            tokens, whole = min(tokens // keys.block_tokens, pages) * keys.block_tokens, False
         out = _choose(session, tokens, whole, tokens > peek.ram_tokens)
-        found = self._candidates(card, keys, out.tokens, pages)
+        found = self.candidates(card, keys, out.tokens)
         out.lookup_s, out.offered = found.lookup_s, found.offered
-        if not self._seeks(out.tokens, keys, pages):
+        if not self._seeks(out.tokens, keys):
             return out
         start = _fetch_start(tokens // keys.block_tokens, whole)
         hit = next((h for h in found.hits if self._worth(h, out.tokens, start)), None)
@@ -259,17 +271,17 @@ class Acquirer:
         floor = max(self.planner.compute_s(n_tokens), MIN_CACHE_BUDGET_S)
         return min(self.fleet.fetch_deadline, floor)
 
-    def _seeks(self, have: int, keys: PrefixKeys, pages: int | None) -> bool:
+    def _seeks(self, have: int, keys: PrefixKeys, pages: Pages | None = None) -> bool:
         """Whether the fleet is asked: there is one, and ``have`` tokens are less
         than is wanted (every page; else all but the last token, computed anyway)."""
         if self.fleet is None:
             return False
-        return have < (keys.n_tokens - 1 if pages is None else pages * keys.block_tokens)
+        return have < (keys.n_tokens - 1 if pages is None else pages.limit * keys.block_tokens)
 
     @staticmethod
-    def _wanted(keys: PrefixKeys, pages: int | None) -> int:
+    def _wanted(keys: PrefixKeys, pages: Pages | None) -> int:
         """The tokens a fetch could save: the budget's measure."""
-        return keys.n_tokens if pages is None else pages * keys.block_tokens
+        return keys.n_tokens if pages is None else pages.limit * keys.block_tokens
 
     def candidates(self, card: CompatCard, keys: PrefixKeys, have: int) -> Candidates:
         """The fleet's validated hits holding more than ``have`` tokens, from usable
@@ -284,11 +296,11 @@ class Acquirer:
         return Candidates(usable, time.perf_counter() - t0, fallback, offered)
 
     def _candidates(
-        self, card: CompatCard, keys: PrefixKeys, have: int, pages: int | None
+        self, card: CompatCard, keys: PrefixKeys, have: int, pages: Pages | None
     ) -> Candidates:
         found = self.candidates(card, keys, have)
         if pages is not None:
-            paged = (_paged(h, pages, card.block_tokens) for h in found.hits)
+            paged = (pages.hit(h, card.block_tokens) for h in found.hits)
             found.hits = [h for h in paged if h.tokens > have]
         return found
 
