@@ -1,4 +1,4 @@
-"""The disk tier's files: one verified block per file, crash-safe, budgeted.
+"""The disk tier's files: one verified block per file, crash-safe.
 
 Layout of a disk tier directory::
 
@@ -10,24 +10,20 @@ Contract:
 - A file is written to ``tmp/``, flushed, fsync'd and renamed into ``blocks/``; the
   directory is fsync'd after each batch. SIGKILL at any moment leaves either a
   whole file under its final name or a temp file, which the next start deletes.
-- :meth:`DiskFiles.scan` reads headers only (never payloads): a file whose name,
-  prefix, header or size is wrong is deleted and counted as ``corrupt``. Headers
-  are parsed strictly here (the codec's structure and card-free form checks);
-  the tier knows no cards, so the store checks them against a namespace's card
-  once it knows it (``BlockStore.expect``), and every import checks each block
-  again (``check_chain``): a file is never trusted for having been written.
+- :meth:`DiskFiles.scan` reads headers only (never payloads), parsed strictly (the
+  codec's card-free form checks): a file whose name, prefix, header or size is
+  wrong is deleted and counted as ``corrupt``. Cards are checked by the store
+  once it knows them (``BlockStore.expect``), and by every import.
 - :meth:`DiskFiles.open` verifies the digest of the whole file against its name
-  before returning a block; a mismatch deletes the file and counts it. The tier
-  does not know cards, so a file matches under either block-digest algorithm
-  (BLAKE3 tried first: the default); both are cryptographic, so accepting either
-  cannot admit corrupt bytes. Nothing is
-  served unverified. A block of at most ``MAX_CHUNK_BYTES`` is read into one
-  ``bytes`` (what a fetch sends as one message anyway); a larger one is an
-  ``mmap``-backed view that a fetch slices chunk by chunk.
+  before returning a block (under either block-digest algorithm, BLAKE3 tried
+  first; both are cryptographic) and raises on a mismatch (the store deletes the
+  file and counts it). A block of at most ``MAX_CHUNK_BYTES`` is read into one
+  ``bytes``; a larger one is an ``mmap``-backed view that a fetch slices chunk by
+  chunk.
 - :class:`Writer` is one thread draining a byte-bounded queue: a request never
   waits on a disk write, and a full queue refuses (the caller drops the write).
 
-The index, budgets and eviction order live in :class:`kvmesh.store.BlockStore`.
+The index, budget and eviction order of the tier live in :mod:`kvmesh.store_disk`.
 """
 
 from __future__ import annotations

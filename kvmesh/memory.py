@@ -1,33 +1,23 @@
 """Keep a head's heap warm while it works, and give it back when it is idle.
 
-A fetched prefix is received into new buffers and copied into new cache tensors:
-~55 MB of fresh memory for a 1,000-token prefix of the 0.5B demo model. glibc
-hands allocations that large to mmap and returns them to the kernel on free, so
-every fetch takes ~20k page faults (measured in a head process: 19-20k faults,
-30-60 ms of a 70-90 ms fetch). Raising glibc's mmap and trim thresholds keeps
-freed memory in the heap, and touching a warm-up region at start pre-faults it.
-No-op where glibc's mallopt is not available.
+A fetched prefix is received into fresh buffers and copied into fresh cache
+tensors; glibc hands allocations that large to mmap and returns them to the
+kernel on free, so every fetch would fault its pages in anew. Raising glibc's mmap
+and trim thresholds keeps freed memory in the heap, and touching a warm-up region
+at start pre-faults it. No-op where glibc's mallopt is not available.
 
-Both only work on one heap: glibc gives threads heaps (arenas) of their own, and
-memory freed in one is never handed to a thread of another. A process sets that
-up with :func:`one_heap` before its first threads allocate (before the model
-loads: torch's threads do), or the fetch's threads import into cold heaps.
+Both work on one heap only: glibc gives threads heaps (arenas) of their own, and
+memory freed in one is never handed to a thread of another. A process calls
+:func:`one_heap` before its first threads allocate (before the model loads:
+torch's threads do).
 
-The same thresholds keep whatever a burst of load freed, and a request's plan
-and state can wait in reference cycles for a full collection (``gc.freeze``
-makes those rare): a ``demo-tiny`` head with a 128 MiB budget sat at ~1 GiB
-after load, ~550 MiB when it was ready. So a warm heap is also given back when
-its process goes idle: the engine loop calls :func:`after_request`
-(``idle=False`` while it works, ``idle=True`` when it has nothing left), so does
-the publisher (its exports free memory too), and after :data:`IDLE_S` with both
-quiet a thread collects cycles and, when more than :data:`MIN_RELEASE` of free
-heap lies beyond the warm pad, trims (:func:`trim`: ``malloc_trim``, then the
-pad faulted in again, as at start). Idle RSS then comes back to what the process
-held when it was ready plus what it keeps (store, sessions). What that costs: a
-head's warm heap spares the page faults of a *fresh* head's first fetch (see
-``tests/test_warm_heap.py``); after a load burst the next fetch faulted its pages
-in either way (measured, 11 MiB fetched after load and 3 s idle: 5,934 faults
-untrimmed, 6,211 trimmed with the pad, 6,628 without it, of 3,044 pages).
+A warm heap is given back when its process goes idle: the engine loop and the
+publisher call :func:`after_request` (``idle=False`` while they work,
+``idle=True`` when they have nothing left); after :data:`IDLE_S` with both quiet
+a thread collects reference cycles and, when more than :data:`MIN_RELEASE` of
+free heap lies beyond the warm pad, trims (:func:`trim`: ``malloc_trim``, then
+the pad faulted in again). Idle RSS then comes back to what the process held when
+it was ready plus what it keeps (store, sessions).
 
 :func:`report` is what ``/healthz`` and the dashboard show: RSS against the model
 and the budgets the operator set.

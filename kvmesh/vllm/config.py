@@ -4,16 +4,14 @@
         "kv_role": "kv_both", "kv_connector_extra_config": {"seed": "10.0.0.2:7070",
         "fleet_key_file": "fleet.key", "budget": "4GiB", "alias": "gpu-1"}}'
 
-Keys are the long flag names of ``kvmesh head`` with ``_`` for ``-`` (``listen``
-is accepted for ``grpc_listen``: a vLLM process has no kvmesh HTTP listener), made
-from the same declarations as the flags (:mod:`kvmesh.mesh.options`: name, default,
-check, help), plus the connector's own :data:`CONNECTOR_ONLY`. Flags that take a
-list (``seed``, ``advertise``) take a string or a list. An unknown key or a bad
-value is one :class:`~kvmesh.errors.ConfigError` naming it (an unknown key lists
-the valid ones), and the node is built by the same function as the CLI's
-(:func:`kvmesh.mesh.settings.node_from`), so the same refusals apply (a plaintext
-or unauthenticated listener off loopback). :func:`settings_table` is docs/vllm.md's
-table of keys. No vLLM import here.
+Keys are ``kvmesh head``'s long flag names with ``_`` for ``-`` (``listen`` also
+names ``grpc_listen``: a vLLM process has no kvmesh HTTP listener), made from the
+flags' own declarations (:mod:`kvmesh.mesh.options`), plus the connector's own
+:data:`CONNECTOR_ONLY`. A list flag (``seed``, ``advertise``) takes a string or a
+list. An unknown key or a bad value is one :class:`~kvmesh.errors.ConfigError`
+naming it (an unknown key lists the valid ones); the node is built by the CLI's
+own :func:`kvmesh.mesh.settings.node_from`, so the same refusals apply.
+:func:`settings_table` is docs/vllm.md's table of keys. No vLLM import here.
 """
 
 from __future__ import annotations

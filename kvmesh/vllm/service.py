@@ -1,21 +1,17 @@
 """The mesh side of one vLLM worker: node, fleet, planner, acquisition core, publisher.
 
-Each vLLM worker process (one per tensor-parallel rank) that registers a KV
-cache starts one :class:`MeshService`, owned by its worker-side connector: one
-mesh node (a head and a cache on the dashboard), one block store holding this
-rank's pages, one planner that learns this rank's prefill and import speed, and
-the shared acquisition core (:mod:`kvmesh.runtime.acquire`) that finds, plans,
-fetches and publishes. The scheduler side needs none of it: it lives in vLLM's
-engine-core process and only exchanges decisions with the workers through
-vLLM's connector metadata. Nothing here is shared through module state.
+Each vLLM worker process (one per tensor-parallel rank) that registers a KV cache
+starts one :class:`MeshService`, owned by its worker-side connector: one mesh node,
+one block store holding this rank's pages, one planner that learns this rank's
+prefill and import speed, and the shared acquisition core
+(:mod:`kvmesh.runtime.acquire`). The scheduler side, in vLLM's engine-core
+process, needs none of it. Nothing here is shared through module state.
 
-With ``events`` (vLLM's ``kv_events_config`` on, and only on the rank that
-reports them), the store's changes are kept for the scheduler in a bounded
-:class:`~kvmesh.mesh.events.StoreEvents` sink that never clears (vLLM's stream
-also carries its own GPU blocks), and the keyer records each full block's tokens
-(salted chains too), so a stored block's event carries them.
-:meth:`MeshService.take_events` drains it as msgpack bytes: vLLM carries them
-to the scheduler in the worker metadata.
+With ``events`` (vLLM's ``kv_events_config`` on, on the rank that reports them),
+the store's changes are kept in a bounded :class:`~kvmesh.mesh.events.StoreEvents`
+sink that never clears, and the keyer records each full block's tokens (salted
+chains too) so a stored block's event carries them; :meth:`MeshService.take_events`
+drains it as msgpack bytes for vLLM's worker metadata.
 """
 
 from __future__ import annotations
