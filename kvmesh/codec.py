@@ -10,12 +10,12 @@ C-contiguous ``[kv_heads, tokens, head_dim]`` array of that layer's own geometry
 nothing); then, in a block that carries one (every tail, every ``state_every``-th
 block), each recurrent layer's state after the block's last token (the header's
 ``states``); then the optional float32 logits of a tail. Every attention layer,
-sliding-window layers included, holds all of the block's positions: an importer
-of a prefix ``[0, P)`` keeps of a sliding layer only what its window needs
-(engine/base.py), and nothing is ever approximated. The block *digest* is the hash of the whole encoded blob under the
-card's ``block_digest`` algorithm: BLAKE3 (default) or SHA-256, both 256-bit and
-cryptographic. The algorithm is part of the card, hence of the namespace, so two
-nodes never compare digests made by different algorithms.
+sliding-window layers included, holds all of the block's positions (an importer
+keeps of a sliding layer only what its window needs): nothing is approximated.
+The block *digest* is the hash of the whole encoded blob under the card's
+``block_digest`` algorithm (BLAKE3 by default, or SHA-256), which is part of the
+card, hence of the namespace: two nodes never compare digests of different
+algorithms.
 
 Decoding validates magic, lengths and every header field against a
 :class:`Layout` derived from the expected card *before* any payload-sized buffer
@@ -176,7 +176,12 @@ class Layout:
     def logits(self) -> TensorSpec:
         return TensorSpec("float32", (self.card.vocab_size,))
 
-    def header(self, kind: str, key: bytes, parent: bytes, start: int, tokens: int) -> BlockHeader:
+    def header(
+        self, kind: str, key: bytes, parent: bytes, start: int, tokens: int, state: bool = False
+    ) -> BlockHeader:
+        """A block's header; ``state``: it carries the recurrent state where the card
+        leaves that to the producer (``state_optional``)."""
+        carries = self.card.carries_state(kind, start) or (state and self.card.state_optional)
         return BlockHeader(
             namespace=self.card.namespace,
             key=key,
@@ -186,7 +191,7 @@ class Layout:
             tokens=tokens,
             layers=self.layers(tokens),
             logits=self.logits() if kind == "tail" else None,
-            states=self.states if self.card.carries_state(kind, start) else (),
+            states=self.states if carries else (),
         )
 
     def seal(self, header: BlockHeader, blob: bytes | bytearray) -> Block:
@@ -420,7 +425,9 @@ def check_header(header: BlockHeader, layout: Layout) -> None:
         raise MalformedPayload("tensor dtype or shape does not match the card")
     if header.logits != (layout.logits() if kind == "tail" else None):
         raise MalformedPayload("bad logits spec")
-    if header.states != (layout.states if c.carries_state(kind, header.start) else ()):
+    if header.states != (layout.states if c.carries_state(kind, header.start) else ()) and not (
+        c.state_optional and header.states == layout.states
+    ):
         raise MalformedPayload("recurrent state does not match the card")
 
 

@@ -24,6 +24,10 @@ from typing import Any
 # its positions and a prefix of any length imports (the last window of them);
 # 4: per-layer geometry (layer_geometry) and recurrent state checkpoints (state_every)
 SCHEMA_VERSION = 4
+#: ``state_every`` of a card whose blocks carry the recurrent state where its producer
+#: kept one (vLLM's ``--mamba-cache-mode align``: the end of each prefill chunk), not on
+#: a fixed grid: an import ends on a block that carries it (see ``state_optional``)
+STATE_WHERE_SAVED = -1
 BLOCK_DIGESTS = ("blake3", "sha256")  # 256-bit cryptographic; blake3 is ~3.5x faster here
 
 # Weight and tokenizer files whose bytes define a model for caching purposes.
@@ -155,7 +159,9 @@ class CompatCard:
         geometry = self.geometry  # parses: a bad card fails here, not at its first block
         if self.layer_geometry and len(geometry) != self.num_layers:
             raise ValueError(f"{len(geometry)} layer geometries for {self.num_layers} layers")
-        if any(g.state for g in geometry) != (self.state_every > 0):
+        if self.state_every < STATE_WHERE_SAVED:
+            raise ValueError(f"bad state_every {self.state_every}")
+        if any(g.state for g in geometry) != (self.state_every != 0):
             raise ValueError("state_every must be set exactly when some layer holds a state")
         if self.prefill_grid and (self.prefill_grid % self.block_tokens or self.state_every):
             raise ValueError(
@@ -181,10 +187,17 @@ class CompatCard:
         """Bytes of one recurrent-state checkpoint (every layer's state)."""
         return sum(g.state_bytes for g in self.geometry)
 
+    @property
+    def state_optional(self) -> bool:
+        """Blocks carry the recurrent state where their producer kept one
+        (:data:`STATE_WHERE_SAVED`); :meth:`carries_state` says where one must."""
+        return self.state_every == STATE_WHERE_SAVED
+
     def carries_state(self, kind: str, start: int) -> bool:
-        """Whether a block of ``kind`` starting at ``start`` carries the recurrent
-        state after its last token: every tail, and every ``state_every``-th block."""
-        if not self.state_every:
+        """Whether a block of ``kind`` starting at ``start`` must carry the recurrent
+        state after its last token: every tail, and every ``state_every``-th block
+        (none must on a :attr:`state_optional` card)."""
+        if self.state_every <= 0:
             return False
         return kind == "tail" or (start // self.block_tokens + 1) % self.state_every == 0
 
@@ -192,7 +205,7 @@ class CompatCard:
         """The most of a chain's first ``blocks`` whole blocks an import can end
         after (a model with recurrent state ends on a checkpoint; a deterministic
         one on its prefill grid)."""
-        every = self.state_every or self.prefill_grid // self.block_tokens
+        every = max(self.state_every, 0) or self.prefill_grid // self.block_tokens
         if not every:
             return blocks
         return blocks - blocks % every
@@ -225,7 +238,7 @@ class CompatCard:
                 bits, group = q
                 per_head = g.head_dim * bits // 8 + 2 * (g.head_dim // group) * size
             total += 2 * g.kv_heads * per_head
-        if self.state_every:
+        if self.state_every > 0:
             total += -(-self.state_bytes // (self.state_every * self.block_tokens))
         return total
 

@@ -83,10 +83,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import io
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -964,6 +966,8 @@ def reshaped(arch: str, **config: Any) -> Path:
     if arch in HUB_TEXT or not config:
         raise ValueError(f"reshaped({arch!r}) takes a text arch and at least one change")
     tag = "-".join(f"{k}{v}" for k, v in sorted(config.items()))
+    if len(tag) > 64 or not re.fullmatch(r"[\w.-]+", tag):  # a file name: short and plain
+        tag = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     dst = zoo_home() / f"{arch}-{tag}-float32-r{_recipe(arch)}"
     return _atomic(dst, lambda tmp: _build_today(arch, tmp, config))
 

@@ -54,6 +54,7 @@ class SaveSpec:
     first: int = 0
     final: bool = True
     salt: str | None = None
+    state_page: int = -1  # the page this step's forward ended on, its state vLLM's checkpoint
 
 
 @dataclass

@@ -12,11 +12,17 @@ that keep K and V apart (``[2, num_blocks, ...]``) map K to the first spec and V
 to the second. Which layout a card's bytes are in is part of the card's engine
 string, so two layouts never share a namespace. vLLM's FP8 pages are uint8
 tensors whose bytes travel as stored, under a card whose KV dtype names the FP8
-format (:data:`FP8`). No vLLM import here.
+format (:data:`FP8`). A recurrent layer's page (vLLM's ``MambaSpec``: Gated
+DeltaNet, Mamba) is one raw byte page holding its state tensors back to back,
+which is exactly the codec's state of that layer; such a card leaves the state
+to the producer (``STATE_WHERE_SAVED``): a page carries it when vLLM kept a
+checkpoint at the page's end, and an import ends on a page that carries it.
+No vLLM import here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +32,7 @@ import torch
 
 from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, Layout, new_blob
-from ..compat import CompatCard
+from ..compat import STATE_WHERE_SAVED, CompatCard, LayerGeometry
 from ..errors import ConfigError, MalformedPayload
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -54,9 +60,15 @@ class CacheSpec:
     block_size: int
     kv_dtype: str
     windows: tuple[int, ...] = ()  # per layer, the sliding window attention reads (0: all)
+    # per layer, a recurrent layer's state tensors (dtype, shape) in vLLM's page order;
+    # () for an attention layer
+    states: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...] = ()
 
     def layer_windows(self) -> tuple[int, ...]:
         return self.windows or (0,) * self.num_layers
+
+    def layer_states(self) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
+        return self.states or ((),) * self.num_layers
 
 
 def model_card(
@@ -72,17 +84,23 @@ def model_card(
     mode (everything the numbers depend on that the other fields do not say)."""
     from ..engine.base import CacheGeometry, card_from_hf_dir
 
-    geometry = CacheGeometry.attention(
-        cache.kv_dtype, cache.num_kv_heads, cache.head_dim, cache.layer_windows()
+    layers = tuple(
+        LayerGeometry("state", state=state)
+        if state
+        else LayerGeometry("kv", cache.num_kv_heads, cache.head_dim, window)
+        for window, state in zip(cache.layer_windows(), cache.layer_states(), strict=True)
     )
-    return card_from_hf_dir(
+    card = card_from_hf_dir(
         model_dir,
         engine,
-        geometry,
+        CacheGeometry(cache.kv_dtype, layers),
         quantization,
         cache.block_size,
         tokenizer_dir=tokenizer_dir,
     )
+    if any(cache.layer_states()):  # vLLM keeps a state where a prefill chunk ended
+        card = dataclasses.replace(card, state_every=STATE_WHERE_SAVED)
+    return card
 
 
 def page_layout(tensors: Sequence[torch.Tensor], card: CompatCard) -> str:
@@ -93,9 +111,13 @@ def page_layout(tensors: Sequence[torch.Tensor], card: CompatCard) -> str:
         raise ConfigError(
             f"vLLM registered {len(tensors)} cache layers, the card says {card.num_layers}"
         )
-    half = card.num_kv_heads * card.block_tokens * card.head_dim
     kinds = set()
     for i, t in enumerate(tensors):
+        g = card.geometry[i]
+        if not g.has_kv:
+            _check_state_page(i, t, g)
+            continue
+        half = g.kv_heads * card.block_tokens * g.head_dim
         if _name(t.dtype) != storage_dtype(card.kv_dtype):
             raise ConfigError(f"cache layer {i} is {t.dtype}, the card says {card.kv_dtype}")
         if t.ndim >= 2 and t.shape[0] == 2 and _elements(t[0, 0]) == half:
@@ -112,6 +134,18 @@ def page_layout(tensors: Sequence[torch.Tensor], card: CompatCard) -> str:
     if len(kinds) != 1:
         raise ConfigError(f"cache layers mix page layouts: {sorted(kinds)}")
     return kinds.pop()
+
+
+def _check_state_page(i: int, t: torch.Tensor, g: LayerGeometry) -> None:
+    """A recurrent layer's cache: raw byte pages ``[num_blocks, ...]`` each holding
+    at least the layer's state tensors back to back."""
+    if not g.state or t.dtype not in (torch.int8, torch.uint8) or t.ndim < 2:
+        raise ConfigError(f"cache layer {i} ({t.dtype}, {tuple(t.shape)}) is not a state page")
+    if _elements(t[0]) < g.state_bytes or not t[0].is_contiguous():
+        raise ConfigError(
+            f"cache layer {i}: a page of {_elements(t[0])} bytes does not hold its "
+            f"{g.state_bytes}-byte state contiguously"
+        )
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -149,19 +183,30 @@ class Pages:
         self.groups = list(groups) if groups is not None else [0] * len(self.tensors)
         if len(self.groups) != len(self.tensors):
             raise ConfigError(f"{len(self.groups)} group indices for {len(self.tensors)} layers")
+        geometry = card.geometry[: card.num_layers]
+        self._kv = [i for i, g in enumerate(geometry) if g.has_kv]
+        self._state = [(i, g.state_bytes) for i, g in enumerate(geometry) if g.state]
         self._sizes = [p.numel() for p in self._parts(0) if p is not None]  # per part, bytes
-        self.page_bytes = sum(self._sizes)
+        self.state_bytes = sum(n for _, n in self._state)
+        self.page_bytes = sum(self._sizes) + self.state_bytes  # at most, with the state
 
     def _layer_ids(self, ids: PageIds) -> list[int | None]:
         if isinstance(ids, int):
             return [ids] * len(self.tensors)
         return [ids[g] for g in self.groups]
 
+    @property
+    def state_groups(self) -> set[int]:
+        """The KV cache groups that hold recurrent state (vLLM pages them apart)."""
+        return {self.groups[i] for i, _ in self._state}
+
     def _parts(self, ids: PageIds) -> list[torch.Tensor | None]:
-        """Byte views of one page, per layer K then V (a paged layer as its two
-        halves); None, None for a layer whose group holds no page here."""
+        """Byte views of one page, per attention layer K then V (a paged layer as its
+        two halves); None, None for a layer whose group holds no page here."""
         out: list[torch.Tensor | None] = []
-        for t, block_id in zip(self.tensors, self._layer_ids(ids), strict=True):
+        layer_ids = self._layer_ids(ids)
+        for i in self._kv:
+            t, block_id = self.tensors[i], layer_ids[i]
             if block_id is None:
                 out += [None, None]
             elif self.kind == SPLIT_KV:
@@ -172,20 +217,40 @@ class Pages:
                 out += [page[:n], page[n:]]
         return out
 
+    def _state_parts(self, ids: PageIds) -> list[torch.Tensor | None]:
+        """Byte views of each recurrent layer's state in one page (None where its
+        group holds no page here: no checkpoint)."""
+        layer_ids = self._layer_ids(ids)
+        out: list[torch.Tensor | None] = []
+        for i, n in self._state:
+            block_id = layer_ids[i]
+            out.append(None if block_id is None else _bytes(self.tensors[i][block_id])[:n])
+        return out
+
+    def holds_kv(self, ids: PageIds) -> bool:
+        """Whether vLLM holds every attention layer's page here (not behind a window)."""
+        return None not in self._parts(ids)
+
+    def holds_state(self, ids: PageIds) -> bool:
+        """Whether vLLM holds every recurrent layer's state for this page."""
+        return bool(self._state) and None not in self._state_parts(ids)
+
     def copy_out(
-        self, keyer: BlockKeyer, keys: PrefixKeys, index: int, ids: PageIds
+        self, keyer: BlockKeyer, keys: PrefixKeys, index: int, ids: PageIds, state: bool = False
     ) -> tuple[bytearray, object]:
         """One page's bytes in a new blob (header written), for :meth:`seal` off the
-        model's path. The only work on the path is this one copy."""
+        model's path, with the recurrent state at its end when ``state``. The only
+        work on the path is this one copy."""
         b = self.card.block_tokens
         header = self.layout.header(
-            "block", keys.blocks[index], keyer.parent_of(keys, index), index * b, b
+            "block", keys.blocks[index], keyer.parent_of(keys, index), index * b, b, state
         )
+        parts = self._parts(ids) + (self._state_parts(ids) if state else [])
         blob, view = new_blob(header)
         off = 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns on buffers torch cannot own
-            for part in self._parts(ids):
+            for part in parts:
                 if part is None:
                     raise MalformedPayload(f"page {index} is not held by every cache group")
                 n = part.numel()
@@ -200,7 +265,8 @@ class Pages:
 
     def copy_in(self, block: Block, ids: PageIds) -> None:
         """Copy a verified block's bytes into vLLM's pages ``ids`` (a group that holds
-        no page there, a sliding window's below it, takes nothing)."""
+        no page there, a sliding window's below it, takes nothing; a recurrent
+        layer's state only where the block carries one)."""
         specs = [spec for layer in block.header.layers for spec in layer]
         expected = [s for layer in self.layout.layers(self.card.block_tokens) for s in layer]
         if block.header.kind != "block" or specs != expected:
@@ -210,6 +276,12 @@ class Pages:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only source: copied from, never written
             for part, n in zip(self._parts(ids), self._sizes, strict=True):
+                if part is not None:
+                    part.copy_(torch.frombuffer(view[off : off + n], dtype=torch.uint8))
+                off += n
+            if not block.header.states:
+                return
+            for part, (_, n) in zip(self._state_parts(ids), self._state, strict=True):
                 if part is not None:
                     part.copy_(torch.frombuffer(view[off : off + n], dtype=torch.uint8))
                 off += n

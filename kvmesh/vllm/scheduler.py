@@ -270,9 +270,9 @@ class KVMeshScheduler:
         t.final = end >= len(t.tokens)
         if pages > t.saved or (t.final and t.saved):
             ids = [g[t.saved : pages] for g in t.block_ids]
-            meta.saves.append(
-                SaveSpec(req_id, t.tokens[: pages * self.block_size], ids, t.saved, t.final, r.salt)
-            )
+            state_page = end // self.block_size - 1 if end % self.block_size == 0 else -1
+            tokens = t.tokens[: pages * self.block_size]
+            meta.saves.append(SaveSpec(req_id, tokens, ids, t.saved, t.final, r.salt, state_page))
             t.saved = max(t.saved, pages)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

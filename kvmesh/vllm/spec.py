@@ -20,40 +20,33 @@ if TYPE_CHECKING:
 
 
 def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> CacheSpec:
-    """Attention KV of one page shape in one or more groups, or a clear error. With
-    vLLM's hybrid manager sliding-window layers are a group of their own (pages
-    behind the window are freed: a page is saved in the step that computes it);
-    without it they are full-attention pages that keep every position. Mamba /
-    Gated DeltaNet state, MLA, chunked-local attention and quantized KV other than
-    per-tensor FP8 are not served."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
+    """Attention KV of one page shape in one or more groups, plus recurrent state
+    groups, or a clear error. With vLLM's hybrid manager sliding-window layers are a
+    group of their own (pages behind the window are freed: a page is saved in the
+    step that computes it); without it they are full-attention pages that keep
+    every position. Gated DeltaNet / Mamba state is served in vLLM's
+    ``--mamba-cache-mode align`` (a state kept at block boundaries); MLA,
+    chunked-local attention and quantized KV other than per-tensor FP8 are not."""
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ConfigError("vLLM gave KVMeshConnector no KV cache group")
     specs = [g.kv_cache_spec for g in groups]
+    attention = [s for s in specs if not _is_state(s)]
     for spec in specs:
-        plain = (
-            type(spec) in (FullAttentionSpec, SlidingWindowSpec)
-            and getattr(spec, "attention_chunk_size", None) is None
-            and getattr(spec, "head_size_v", spec.head_size) in (None, spec.head_size)
-            and getattr(spec, "page_size_padded", None) is None
-        )
-        if not plain:
-            raise ConfigError(
-                f"KVMeshConnector does not serve {type(spec).__name__} caches"
-                f"{' (hybrid recurrent state: not yet)' if 'Mamba' in type(spec).__name__ else ''}"
-                f": {spec}"
-            )
+        _check_served(spec)
+    if not attention:
+        raise ConfigError("KVMeshConnector serves models with attention layers; this has none")
     shapes = {
         (s.block_size, s.num_kv_heads, s.head_size, s.dtype, int(getattr(s, "kv_quant_mode", 0)))
-        for s in specs
+        for s in attention
     }
     if len(shapes) != 1:
         raise ConfigError(
             f"KVMeshConnector serves KV cache groups of one page shape; these differ: {sorted(map(str, shapes))}"
         )
-    spec = specs[0]
+    if len({int(s.block_size) for s in specs}) != 1:
+        raise ConfigError("KVMeshConnector needs one block size over all KV cache groups")
+    spec = attention[0]
     return CacheSpec(
         num_layers=sum(len(g.layer_names) for g in groups),
         num_kv_heads=int(spec.num_kv_heads),
@@ -61,6 +54,59 @@ def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> Cac
         block_size=int(spec.block_size),
         kv_dtype=kv_dtype(spec, cache_dtype),
     )
+
+
+def _is_state(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
+
+
+def _check_served(spec: Any) -> None:
+    """A clear refusal for a group the connector cannot page."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    name = type(spec).__name__
+    if _is_state(spec):
+        if spec.mamba_cache_mode != "align":
+            raise ConfigError(
+                "KVMeshConnector serves recurrent state (Gated DeltaNet, Mamba) with vLLM's "
+                "--mamba-cache-mode align, which keeps a state at block boundaries; with "
+                f"{spec.mamba_cache_mode!r} no state a later request could start from is kept"
+            )
+        if spec.num_prefill_checkpoint_blocks or spec.num_speculative_blocks:
+            raise ConfigError(
+                f"KVMeshConnector does not serve {name} with checkpoints inside a prefill "
+                f"chunk or speculative state blocks: {spec}"
+            )
+        return
+    plain = (
+        type(spec) in (FullAttentionSpec, SlidingWindowSpec)
+        and getattr(spec, "attention_chunk_size", None) is None
+        and getattr(spec, "head_size_v", spec.head_size) in (None, spec.head_size)
+        and getattr(spec, "page_size_padded", None) is None
+    )
+    if not plain:
+        raise ConfigError(f"KVMeshConnector does not serve {name} caches: {spec}")
+
+
+def layer_states(
+    kv_cache_config: KVCacheConfig, names: list[str]
+) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
+    """Each layer's recurrent state tensors, (dtype, shape) in vLLM's page order (()
+    for an attention layer); () when no layer holds state."""
+    by_layer: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        if _is_state(spec):
+            state = tuple(
+                (str(d).removeprefix("torch."), tuple(int(n) for n in shape))
+                for shape, d in zip(spec.shapes, spec.dtypes, strict=True)
+            )
+            by_layer.update(dict.fromkeys(g.layer_names, state))
+    if not by_layer:
+        return ()
+    return tuple(by_layer.get(n, ()) for n in names)
 
 
 def kv_dtype(spec: Any, cache_dtype: str) -> str:

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,13 +36,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from ..blocks import PrefixKeys
 from ..codec import Block
+from ..compat import CompatCard
 from ..errors import CacheMiss, ConfigError, KVMeshError
 from ..mesh.hits import PeerHit
 from . import service as services
 from .config import ConnectorSettings
 from .meta import KVMeshMetadata, KVMeshWorkerMeta, LoadSpec, SaveSpec, ids_of, page_ids
 from .pages import FP8, CacheSpec, Pages, check_position, model_card, page_layout
-from .spec import engine_name, keyer_for, kv_scales, layer_windows, model_dirs, model_order
+from .spec import (
+    engine_name,
+    keyer_for,
+    kv_scales,
+    layer_states,
+    layer_windows,
+    model_dirs,
+    model_order,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -150,7 +160,9 @@ class KVMeshWorker:
             raise ConfigError(f"vLLM registered no cache for layers {missing[:3]}")
         tensors = [kv_caches[n] for n in names]
         self.cache_spec = dataclasses.replace(
-            self.cache_spec, windows=layer_windows(self._vllm_config, names)
+            self.cache_spec,
+            windows=layer_windows(self._vllm_config, names),
+            states=layer_states(self._kv_cache_config, names),
         )
         probe = model_card(
             *model_dirs(self._vllm_config),
@@ -290,7 +302,7 @@ class KVMeshWorker:
     def _find(self, svc: services.MeshService, req_id: str, acq: Acquisition) -> None:
         want = len(acq.keys.blocks)
         local = svc.acquirer.local(acq.keys)
-        acq.local = local.blocks[:want]
+        acq.local = local.blocks[: _state_end(svc.card, local.blocks[:want])]
         have = len(acq.local)
         if have:
             acq.source = "local"
@@ -299,7 +311,7 @@ class KVMeshWorker:
             return
         found = svc.acquirer.candidates(svc.card, acq.keys, have * self.block_size)
         svc.count("lookup_us", round(found.lookup_s * 1e6))
-        hits = [_capped(h, want, self.block_size) for h in found.hits]
+        hits = [_capped(h, want, self.block_size, svc.card) for h in found.hits]
         hits = [h for h in hits if h.tokens > have * self.block_size]
         if not hits:
             svc.count(
@@ -349,6 +361,10 @@ class KVMeshWorker:
             page = iter(range(spec.first_page, spec.pages))
             assert self.pages is not None
             pages = self.pages
+            if svc.card.state_optional and not pages.holds_state(
+                page_ids(spec.block_ids, spec.pages - 1)
+            ):
+                raise CacheMiss("vLLM gave no state page where the load ends")
             loaded = 0
 
             def copy(blk: Block) -> None:
@@ -389,7 +405,7 @@ class KVMeshWorker:
                 break
             check_position(blk, svc.keyer, acq.keys, i)
             out.append(blk)
-        return out
+        return out[: _state_end(svc.card, out)]
 
     # -- saves -----------------------------------------------------------------
 
@@ -430,13 +446,15 @@ class KVMeshWorker:
         t0 = time.perf_counter()
         for i in range(p.next_page, min(end, len(keys.blocks))):
             ids = page_ids(spec.block_ids, i, spec.first)
-            if None in ids:  # behind a window, from vLLM's own cache: gone
+            if not pages.holds_kv(ids):  # behind a window, from vLLM's own cache: gone
                 self._abandon(svc, p, "save_gap")
                 return
             if self._pending_bytes + pages.page_bytes > MAX_PENDING_BYTES:
                 self._abandon(svc, p, "save_dropped")
                 return
-            p.copies.append(pages.copy_out(svc.keyer, keys, i, ids))
+            # a recurrent state only where this step's forward ended: vLLM's checkpoint
+            state = i == spec.state_page and pages.holds_state(ids)
+            p.copies.append(pages.copy_out(svc.keyer, keys, i, ids, state))
             self._pending_bytes += len(p.copies[-1][0])
         svc.count("copy_out_us", round((time.perf_counter() - t0) * 1e6))
 
@@ -468,7 +486,23 @@ class KVMeshWorker:
     # ==========================================================================
 
 
-def _capped(hit: PeerHit, pages: int, block_size: int) -> PeerHit:
-    """A hit cut to the pages asked for (never the tail: vLLM computes the last token)."""
+def _capped(hit: PeerHit, pages: int, block_size: int, card: CompatCard) -> PeerHit:
+    """A hit cut to the pages asked for (never the tail: vLLM computes the last token)
+    and, on a card whose pages carry the recurrent state where vLLM kept one, to the
+    last page whose announced size says it carries one (the fetched block is checked
+    again: a peer's size is a claim)."""
     n = min(len(hit.blocks), pages)
+    if card.state_optional:
+        kv = card.kv_bytes_per_token * card.block_tokens
+        n = max(
+            (i + 1 for i in range(n) if hit.blocks[i].nbytes >= kv + card.state_bytes), default=0
+        )
     return dataclasses.replace(hit, blocks=hit.blocks[:n], tail=None, tokens=n * block_size)
+
+
+def _state_end(card: CompatCard, blocks: Sequence[Block]) -> int:
+    """How many of ``blocks`` an import can take: all, or on a card whose pages carry
+    the recurrent state where vLLM kept one, up to the last that carries it."""
+    if not card.state_optional:
+        return len(blocks)
+    return max((i + 1 for i, b in enumerate(blocks) if b.header.states), default=0)

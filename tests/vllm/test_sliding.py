@@ -164,8 +164,9 @@ def _config(*groups):
 
 def test_which_cache_specs_the_connector_serves():
     """Attention groups of one page shape are served (full, sliding as a group of its
-    own, sliding promoted to full pages, per-tensor FP8); recurrent state, groups of
-    different shapes and other quantized caches are refused with the reason."""
+    own, sliding promoted to full pages, per-tensor FP8), with recurrent state groups
+    in vLLM's align mode; state without checkpoints, groups of different shapes and
+    other quantized caches are refused with the reason."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVQuantMode,
@@ -186,9 +187,18 @@ def test_which_cache_specs_the_connector_serves():
         _cache_spec(
             _config(full, SlidingWindowSpec(**{**shape, "head_size": 64}, sliding_window=8))
         )
-    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 64),), dtypes=(torch.float32,))
-    with pytest.raises(ConfigError, match="recurrent state"):
-        _cache_spec(_config(full, mamba))
+    state = dict(
+        block_size=BLOCK, shapes=((3, 64), (2, 8, 8)), dtypes=(torch.bfloat16, torch.float32)
+    )
+    spec = _cache_spec(_config(MambaSpec(**state, mamba_cache_mode="align"), full))
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 32)
+    with pytest.raises(ConfigError, match="--mamba-cache-mode align"):  # no checkpoint kept
+        _cache_spec(_config(full, MambaSpec(**state)))
+    with pytest.raises(ConfigError, match="checkpoints inside a prefill chunk"):
+        inner = MambaSpec(**state, mamba_cache_mode="align", num_prefill_checkpoint_blocks=1)
+        _cache_spec(_config(full, inner))
+    with pytest.raises(ConfigError, match="attention layers"):
+        _cache_spec(_config(MambaSpec(**state, mamba_cache_mode="align")))
     fp8 = FullAttentionSpec(**{**shape, "dtype": torch.uint8}, kv_quant_mode=KVQuantMode(1))
     assert _cache_spec(_config(fp8), "fp8").kv_dtype == "float8_e4m3fn"
     assert _cache_spec(_config(fp8), "fp8_e5m2").kv_dtype == "float8_e5m2"
