@@ -7,7 +7,7 @@ one tensor ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` whose page
 holds, per head, all keys then all values. The codec's per-layer "K then V"
 specs, each ``[num_kv_heads, block_size, head_dim]``, cover exactly the bytes of
 one layer's page, so a page travels as the first and second half of its bytes and
-the codec's checks (namespace, key, sizes, SHA-256) apply unchanged. Backends
+the codec's checks (namespace, key, sizes, digest) apply unchanged. Backends
 that keep K and V apart (``[2, num_blocks, ...]``) map K to the first spec and V
 to the second. Which layout a card's bytes are in is part of the card's engine
 string, so two layouts never share a namespace. vLLM's FP8 pages are uint8
