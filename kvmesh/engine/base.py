@@ -55,7 +55,7 @@ class EngineBase(abc.ABC):
     methods, and the overridable ``_write_state``, ``_positions``, ``restorable``,
     ``exportable``, ``prefill_batch``, ``decode_batch``, ``detach``)."""
 
-    name: str
+    name: str  # the backend's registry name
     card: CompatCard
     layout: Layout
     eos_ids: frozenset[int]

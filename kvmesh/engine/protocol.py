@@ -2,9 +2,9 @@
 imported blocks or a live state), decode steps, sampling, and export of a
 state's cached positions as blocks.
 
-An engine is not thread-safe: its caller serializes every call but
-:meth:`Engine.importer`'s ``add``. :class:`~kvmesh.engine.base.EngineBase` implements
-all of this over a few per-backend hooks; :mod:`kvmesh.engine.registry` names the
+The caller serializes forwards (prefill, decode steps, scoring); an importer's
+``add`` may run on any thread. :class:`~kvmesh.engine.base.EngineBase` implements
+this over a few per-backend hooks; :mod:`kvmesh.engine.registry` names the
 backends :func:`kvmesh.engine.load_engine` can load.
 """
 
@@ -31,7 +31,6 @@ Scorer = Callable[[Sequence[int], Sequence[int], int], tuple[np.ndarray, np.ndar
 class Engine(Protocol):
     """A loaded model: its card and tokenizer, prefill, decode and export."""
 
-    name: str  # the backend's registry name
     card: CompatCard
     layout: Layout
     tokenizer: Any  # a Hugging Face tokenizer, or one with the same methods
