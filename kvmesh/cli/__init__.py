@@ -1,11 +1,10 @@
 """The ``kvmesh`` command: ``demo``, ``peer``, ``head``, ``status``, ``store``, ``config``.
 
 Contract: expected failures (bad flags, a missing model, refused settings) end in
-one line and exit status 2, never a traceback. Every option is declared once: a
-mesh node's in :mod:`kvmesh.mesh.options` (the vLLM connector's settings are the
-same rows), the rest in :mod:`kvmesh.cli.options`, which makes the click options of
-both; library code never imports this package (it only turns flags into the
-library's own configs, e.g. :func:`kvmesh.mesh.settings.node_from`).
+one line and exit status 2, never a traceback. Every option is declared once, as
+a row (:mod:`kvmesh.cli.options` says where, and makes the click options); library
+code never imports this package, which only turns flags into the library's own
+configs (:func:`kvmesh.mesh.settings.node_from`, ``HeadOptions.from_values``).
 """
 
 from __future__ import annotations
