@@ -20,11 +20,11 @@ from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..errors import KVMeshError, Reason
 from ..store import BlockStore, Match, Peek, TierStats
-from .bulk import StreamTimes
 from .events import RecordingKeyer
 from .hits import PeerHit, Transfer
 from .node import NodeThread
 from .proto import kvmesh_pb2 as pb
+from .transport import StreamTimes
 
 
 class Fleet:

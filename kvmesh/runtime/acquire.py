@@ -43,9 +43,9 @@ from ..blocks import PrefixKeys
 from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..errors import Reason
-from ..mesh.bulk import StreamTimes
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
+from ..mesh.transport import StreamTimes
 from ..store import Match
 from .planner import Attempt, Planner, failure_reason
 from .slots import Slots
