@@ -4,7 +4,7 @@ machine-readable ``reason`` that telemetry counts as a fallback reason.
 A typed error crosses the network as the text ``reason: message``
 (:func:`wire_text`); each transport keeps one map from the reasons it carries
 back to their types (:func:`carried`): ``kvmesh.mesh.rpc_errors`` for gRPC,
-``kvmesh.mesh.bulk`` for the bulk data path. A reason a transport does not carry
+``kvmesh.mesh.bulk_wire`` for the bulk data path. A reason a transport does not carry
 comes back as :class:`PeerUnavailable`.
 """
 
