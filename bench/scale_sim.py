@@ -91,7 +91,7 @@ class Node:
 
 def chain_of(own: bytes, blocks: int, template: bool = True) -> list[bytes]:
     """Chained block keys: the shared template block (unless ``template`` is
-    false: the workload the simulation had before), then ``own`` blocks."""
+    false: ``--distinct-roots``), then ``own`` blocks."""
     keys, parent = [], b"namespace"
     for i in range(blocks):
         token = b"template" if i == 0 and template else own + i.to_bytes(4, "little")

@@ -3,57 +3,46 @@
 Routers that place requests by cached prefix (llm-d's precise prefix-cache
 scorer, Dynamo's KV router) learn what each server holds from vLLM's KV events:
 an ``EventBatch`` of ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``,
-msgpack-encoded by msgspec, sent on a ZMQ PUB socket as the three frames
-``(topic, seq as 8 bytes big-endian, payload)``, with an optional ROUTER socket
-that replays the last batches from a sequence number. This module speaks exactly
-that (the structs below mirror ``vllm.distributed.kv_events`` of vLLM 0.32: the
-batch is array-like, the events are tagged maps; ``tests/vllm`` decodes them
-with vLLM's own classes).
+msgpack-encoded (msgspec), sent on a ZMQ PUB socket as ``(topic, seq as 8 bytes
+big-endian, payload)``, with an optional ROUTER socket that replays the last
+batches from a sequence number. The structs below mirror
+``vllm.distributed.kv_events`` (vLLM 0.32); ``tests/vllm`` decodes them with
+vLLM's own classes.
 
-Contract:
-
-- :class:`StoreEvents` is a store listener (``BlockStore(listener=...)``): it
-  turns each change of a tier (a full block stored in or removed from RAM or the
-  disk tier) into a pending record and never blocks nor allocates beyond
-  ``max_pending`` records: past that a change is dropped and counted, and the
-  next batch starts with ``AllBlocksCleared`` so no router keeps a stale view.
-  :meth:`StoreEvents.take` drains the pending changes as vLLM-shaped events
-  (consecutive blocks of one chain become one ``BlockStored``, as vLLM's own).
-  It is also the sink a vLLM connector's ``take_events()`` drains.
-- Hashes are kvmesh's own block keys in vLLM's default integer form (the key's
-  last 8 bytes, big-endian: what ``maybe_convert_block_hash`` does to vLLM's
-  own); they are opaque to a router. ``parent_block_hash`` is None for a first
-  block. ``medium`` is ``CPU`` for the RAM tier and ``STORAGE`` (vLLM's name for
-  its own disk tiers) for the disk tier. ``token_ids`` are the blocks' tokens when
-  this process saw them (:class:`TokenMemo`, filled by :class:`RecordingKeyer`
-  on a head); a peer never sees tokens, so its events carry hashes only
-  (``token_ids`` empty). Tails (partial blocks) are not announced: vLLM's events
-  speak of full blocks only.
+- :class:`StoreEvents` is a store listener: each full block stored in or removed
+  from a tier becomes a pending record, never blocking nor holding more than
+  ``max_pending``: past that a change is dropped and counted, and the next batch
+  starts with ``AllBlocksCleared`` so no router keeps a stale view.
+  :meth:`StoreEvents.take` drains them as vLLM-shaped events (consecutive blocks
+  of one chain are one ``BlockStored``); a vLLM connector's ``take_events()``
+  drains the same sink.
+- Hashes are kvmesh's block keys in vLLM's integer form (the key's last 8 bytes,
+  big-endian), opaque to a router; ``parent_block_hash`` is None for a first
+  block; ``medium`` is ``CPU`` (RAM tier) or ``STORAGE`` (disk tier).
+  ``token_ids`` are the blocks' tokens where this process saw them
+  (:class:`TokenMemo`, filled by :class:`RecordingKeyer` on a head), else empty.
+  Tails (partial blocks) are not announced.
 - :class:`EventPublisher` owns the ZMQ sockets and one thread. A slow or absent
-  subscriber never slows the store: the PUB socket drops past its high-water
-  mark (a subscriber sees the gap in ``seq`` and asks the replay socket), and
-  the replay ring holds at most ``buffer_batches`` batches. Replay requests are
-  checked (three frames, an 8-byte sequence number) before anything is sent.
+  subscriber never slows the store: PUB drops past its high-water mark (the gap
+  in ``seq`` tells the subscriber to ask for a replay) and the replay ring holds
+  at most ``buffer_batches``. Replay requests are checked (three frames, an
+  8-byte sequence number) before anything is sent.
 
 Who may listen (docs/security.md, "KV events"; :meth:`EventsConfig.check`):
 
 - Events name prompts' tokens, so an endpoint that reaches beyond this host
-  (``tcp://*:P``, ``0.0.0.0``, a LAN address or name, an interface) is refused
-  with a :class:`ConfigError` unless (a) ``curve_key`` names a CURVE secret key
-  file (``--kv-events-curve-key``; made, mode 0600, when missing): both sockets
-  are then CURVE servers, so a subscriber must know the node's public key (logged
-  at start; ``python -m kvmesh.mesh.events FILE`` prints it) and, with
+  (``tcp://*:P``, ``0.0.0.0``, a LAN address or name, an interface) is a
+  :class:`ConfigError` unless (a) ``curve_key`` names a CURVE secret key file
+  (``--kv-events-curve-key``; made, mode 0600, when missing): both sockets are
+  CURVE servers, so a subscriber must know the node's public key (logged at
+  start; ``python -m kvmesh.mesh.events FILE`` prints it) and, with
   ``curve_clients`` (``--kv-events-curve-clients``, one Z85 public key a line),
-  hold one of the listed keys (a ZAP handler on the publisher thread; without
-  the list any client that knows the server key may subscribe); or (b)
-  ``token_ids`` is off (``--kv-events-hashes-only``): an unauthenticated
-  subscriber then gets block hashes, never tokens. ``--plaintext`` does not
-  unlock events. Loopback TCP, ``ipc://`` and ``inproc://`` need neither.
-- With ``token_ids`` off no ``BlockStored`` leaves with tokens, whatever the
-  source fed the publisher (it strips them), and the node's memo keeps none.
+  hold a listed key (a ZAP handler on the publisher thread); or (b) ``token_ids``
+  is off (``--kv-events-hashes-only``): hashes only, never tokens, whatever the
+  source fed the publisher. ``--plaintext`` does not unlock events. Loopback
+  TCP, ``ipc://`` and ``inproc://`` need neither.
 - Every socket is bounded inbound: ``ZMQ_MAXMSGSIZE`` (:data:`MAX_IN_BYTES`, plus
-  the topic's length on the PUB: handshake commands, subscriptions and replay
-  requests are all small), so a peer announcing a larger frame (4 GiB) is
+  the topic's length on the PUB), so a peer announcing a larger frame is
   disconnected before anything is allocated; ``RCVHWM`` :data:`IN_HWM` messages a
   peer, ``SNDHWM`` ``hwm`` batches a subscriber. Not bounded: how many
   connections a reachable socket accepts (the firewall's job).

@@ -1,21 +1,20 @@
 """Prometheus metrics of a mesh node, collected on scrape (no hot-path cost).
 
-Besides store gauges, what this node serves (``kvmesh_fetches_served_total``,
-``kvmesh_bytes_served_total``, ``kvmesh_fetch_rate``: the recent fetches per
-second its card gossips as ``load``, and ``kvmesh_hot_prefixes``: prefixes it
-answers that are asking for replicas), so an operator sees a hot spot; per-tier figures (``kvmesh_tier_*{tier="ram"|"disk"}``:
-bytes, blocks, hits, admissions, evictions, promotions, corrupt files found)
-``kvmesh_kv_events{outcome}`` (routers' KV events: changes, published,
-dropped...) and ``kvmesh_events{kind, side}`` (every counter of the
-node's server and client, ``side`` telling which), two families let an operator
-alert on a hostile or failing fleet without knowing every counter name:
-
-- ``kvmesh_lookup_failures{reason}``: this node's lookups on peers that failed
-  or whose answer did not add up (``lookup_failed:*``, probes included);
-- ``kvmesh_rejections{surface, reason}``: what this node refused as a receiver:
-  ``publish`` (``publish_rejected:*``), ``fetch``, ``lookup``, ``auth`` (call
-  credentials, by why), ``request`` (bytes that do not parse), ``card``
-  (gossiped cards) and ``store``.
+- Store gauges, and per tier ``kvmesh_tier_*{tier="ram"|"disk"}``: bytes,
+  blocks, hits, admissions, evictions, promotions, corrupt files found.
+- What this node serves, so an operator sees a hot spot:
+  ``kvmesh_fetches_served_total``, ``kvmesh_bytes_served_total``,
+  ``kvmesh_fetch_rate`` (the recent fetches per second its card gossips as
+  ``load``) and ``kvmesh_hot_prefixes`` (prefixes it answers that ask for replicas).
+- ``kvmesh_kv_events{outcome}`` (routers' KV events: changes, published,
+  dropped...) and ``kvmesh_events{kind, side}`` (every counter of the node's
+  server and client, ``side`` telling which).
+- Two families to alert on a hostile or failing fleet without knowing every
+  counter name: ``kvmesh_lookup_failures{reason}`` (this node's lookups on peers
+  that failed or whose answer did not add up: ``lookup_failed:*``, background
+  asks included) and ``kvmesh_rejections{surface, reason}`` (what it refused as
+  a receiver: ``publish``, ``fetch``, ``lookup``, ``auth`` by why, ``request``
+  (bytes that do not parse), ``card`` (gossiped cards) and ``store``).
 
 The usual reasons are always present (zero until they happen), so an alert rule
 never waits for a first occurrence to exist.

@@ -1,7 +1,7 @@
 """A mesh node: block store + gRPC server + bulk data path + gossip + client.
 
 The store, gRPC server, gossip and client share one event loop; the bulk data
-path (:mod:`.bulk`) serves block bytes from its own threads on ``data_port``
+path (:mod:`.bulk_server`) serves block bytes from its own threads on ``data_port``
 (advertised in the node's card; 0 binds any free port).
 
 ``kvmesh peer`` runs one as a cache-only node; a head runs one too (a head is
