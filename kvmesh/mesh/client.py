@@ -66,6 +66,9 @@ EXCHANGE = "/kvmesh.v1.Membership/Exchange"
 
 
 class MeshClient:
+    """A node's way to the fleet: gossip with its members, lookups of who holds a
+    prompt, and the transport that moves blocks to or from one of them."""
+
     def __init__(
         self,
         membership: Membership,
