@@ -196,6 +196,9 @@ class _Prefilled:
 
 
 class HeadRuntime:
+    """One engine serving requests (:meth:`generate`) with its sessions, batch,
+    acquirer and publisher; see the module."""
+
     def __init__(
         self,
         engine: Engine,
@@ -217,7 +220,7 @@ class HeadRuntime:
         secret, from which :attr:`keyer` is made."""
         self.engine = engine
         self.card = engine.card
-        self.node = node
+        self.node = node  # the node itself: tests and benchmarks reach in; the head does not
         if engine.reuse_off is not None:  # served, every prompt computed, nothing shared
             log.warning("prefix reuse is off for this model: %s", engine.reuse_off)
             publish, max_sessions = False, 0
