@@ -142,12 +142,14 @@ class Pages:
     cut_held: Callable[[Sequence[Block]], int] | None = None
 
     def held(self, local: Match) -> Match:
+        """The stored chain cut to what may be loaded."""
         blocks = local.blocks[: self.limit]
         if self.cut_held is not None:
             blocks = blocks[: self.cut_held(blocks)]
         return Match(blocks, None, min(local.disk_blocks, len(blocks)))
 
     def hit(self, hit: PeerHit, block_tokens: int) -> PeerHit:
+        """A candidate cut to what may be loaded."""
         n = min(len(hit.blocks), self.limit)
         if n < len(hit.blocks) or hit.tail is not None:
             hit = dataclasses.replace(
@@ -198,9 +200,10 @@ class Acquirer:
         ``session`` tokens, the local store) or fetched from the first candidate
         worth it (see the module). ``open_sink`` (:data:`OpenSink`) raising is our
         failure: the next candidate is tried. ``pages``: what a paged caller may
-        load (:class:`Pages`); None: the whole prompt, its tail included. ``on_looked_up`` hears when the candidates are known, ``on_start``
-        of each stream as it begins; blocks kept here count against ``owner``'s
-        tenant budget. A cache failure is never raised: it is ``fallback``."""
+        load (:class:`Pages`); None: the whole prompt, its tail included.
+        ``on_looked_up`` hears when the candidates are known, ``on_start`` of each
+        stream as it begins; blocks kept here count against ``owner``'s tenant
+        budget. A cache failure is never raised: it is ``fallback``."""
         local = self.local(keys)
         if pages is not None:
             local = pages.held(local)
@@ -230,12 +233,8 @@ class Acquirer:
         if hit is None:
             out.fallback = out.fetched.fallback or found.fallback
             return out
-        out.source, out.tokens, out.whole, out.hit = (
-            Source.REMOTE,
-            hit.tokens,
-            hit.tail is not None,
-            hit,
-        )
+        out.source, out.tokens, out.hit = Source.REMOTE, hit.tokens, hit
+        out.whole = hit.tail is not None
         return out
 
     def plan(self, card: CompatCard, keys: PrefixKeys, *, session: int = 0) -> Acquired:
