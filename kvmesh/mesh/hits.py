@@ -3,6 +3,7 @@
 A :class:`PeerHit` is a validated claim: :func:`validated` checks that its token
 count is exactly what its blocks hold and that every announced size is one the
 card allows, before anything ranks it or allocates for it (invariant 10).
+:func:`rendezvous` (from :mod:`.placement`) names the owners of a key.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 
 from ..codec import Layout
 from ..errors import MalformedPayload, OversizePayload
+from .placement import rendezvous
 from .proto import kvmesh_pb2 as pb
 
-__all__ = ["PeerHit", "Transfer", "validated"]
+__all__ = ["PeerHit", "Transfer", "rendezvous", "validated"]
 
 
 @dataclass(frozen=True)
