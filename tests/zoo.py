@@ -1021,10 +1021,13 @@ LATENT_CONFIG = {  # DeepSeek-V3's multi-head latent attention: K and V of other
 }
 
 
-def latent_model() -> Path:
+def latent_model(**config: Any) -> Path:
     """A tiny DeepSeek-V3 (multi-head latent attention, MoE) with the qwen2 family's
-    tokenizer: a cache kvmesh cannot ship yet (its keys and values differ in shape)."""
-    dst = zoo_home() / f"deepseek_v3-float32-r{TODAY_RECIPE}"
+    tokenizer: a cache kvmesh's head cannot ship (its keys and values differ in
+    shape). ``config`` changes its ``config.json`` (e.g. vLLM's CPU MLA kernel wants a
+    latent of 512 + 64)."""
+    tag = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    dst = zoo_home() / f"deepseek_v3{'-' + tag if config else ''}-float32-r{TODAY_RECIPE}"
 
     def build(tmp: Path) -> None:
         import torch
@@ -1035,7 +1038,7 @@ def latent_model() -> Path:
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
         tokens = json.loads((src / "config.json").read_text())
-        hub = {**LATENT_CONFIG, "dtype": "float32", "torch_dtype": "float32"}
+        hub = {**LATENT_CONFIG, **config, "dtype": "float32", "torch_dtype": "float32"}
         hub.update({k: tokens[k] for k in ("bos_token_id", "eos_token_id") if k in tokens})
         _write_json(tmp / "config.json", hub)
         torch.manual_seed(3000)

@@ -25,8 +25,9 @@ def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> Cac
     group of their own (pages behind the window are freed: a page is saved in the
     step that computes it); without it they are full-attention pages that keep
     every position. Gated DeltaNet / Mamba state is served in vLLM's
-    ``--mamba-cache-mode align`` (a state kept at block boundaries); MLA,
-    chunked-local attention and quantized KV other than per-tensor FP8 are not."""
+    ``--mamba-cache-mode align`` (a state kept at block boundaries), MLA's latent
+    pages like any page; chunked-local attention, DeepSeek-V4's sparse MLA and
+    quantized KV other than per-tensor FP8 are not."""
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ConfigError("vLLM gave KVMeshConnector no KV cache group")
@@ -47,10 +48,15 @@ def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> Cac
     if len({int(s.block_size) for s in specs}) != 1:
         raise ConfigError("KVMeshConnector needs one block size over all KV cache groups")
     spec = attention[0]
+    # MLA's page is one latent vector per token: it travels as the two halves of its
+    # bytes under the codec's K and V specs (the backend in the engine string says MLA)
+    heads, dim = (
+        (1, spec.head_size // 2) if _is_latent(spec) else (spec.num_kv_heads, spec.head_size)
+    )
     return CacheSpec(
         num_layers=sum(len(g.layer_names) for g in groups),
-        num_kv_heads=int(spec.num_kv_heads),
-        head_dim=int(spec.head_size),
+        num_kv_heads=int(heads),
+        head_dim=int(dim),
         block_size=int(spec.block_size),
         kv_dtype=kv_dtype(spec, cache_dtype),
     )
@@ -60,6 +66,12 @@ def _is_state(spec: Any) -> bool:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     return isinstance(spec, MambaSpec)
+
+
+def _is_latent(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return isinstance(spec, MLAAttentionSpec)
 
 
 def _check_served(spec: Any) -> None:
@@ -79,6 +91,10 @@ def _check_served(spec: Any) -> None:
                 f"KVMeshConnector does not serve {name} with checkpoints inside a prefill "
                 f"chunk or speculative state blocks: {spec}"
             )
+        return
+    if _is_latent(spec):
+        if spec.head_size % 2 or spec.alignment or spec.model_version or spec.sliding_window:
+            raise ConfigError(f"KVMeshConnector does not serve this MLA cache: {spec}")
         return
     plain = (
         type(spec) in (FullAttentionSpec, SlidingWindowSpec)
