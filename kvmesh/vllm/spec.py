@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..blocks import BlockKeyer, chain_root, check_cache_salt
+from ..blocks import BlockKeyer, check_cache_salt, request_root
 from ..errors import ConfigError
 from .pages import DTYPES, FP8, CacheSpec
 
@@ -226,9 +226,8 @@ def salt_of(request: Request) -> str | None:
 
 
 def keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
-    """The key chain of a request with vLLM's ``cache_salt``: rooted in the namespace
-    and the salt (:func:`~kvmesh.blocks.chain_root`), so salted requests are saved
+    """The key chain of a request with vLLM's ``cache_salt``: rooted where the head's
+    API roots it (:func:`~kvmesh.blocks.request_root`), so salted requests are saved
     and found under keys no other salt (or none) shares."""
-    if salt is None:
-        return keyer
-    return keyer.rooted(chain_root(keyer.namespace, None, salt))
+    root = request_root(keyer.namespace, None, salt)
+    return keyer if root is None else keyer.rooted(root)
