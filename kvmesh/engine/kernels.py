@@ -1,0 +1,214 @@
+"""Which linear kernel a batched decode step on the CPU takes, by row count.
+
+At a few rows ``F.linear`` may run far below its one-row speed, so at start each
+row count (2..:data:`MAX_ROWS_FIRST`) is given the kernel of :data:`KERNELS` that
+measured faster than ``F.linear`` here by :data:`MARGIN` in every round, and
+computes what it does (:func:`_agrees`); the choice is kept in the private kernel
+cache, so a restart takes the same kernels (float rounding depends on them).
+Inside :func:`batched` the model's linear layers take the chosen kernel; outside
+it (prefill, lone steps) ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import deterministic as det
+from .compiled import streamed_linear
+
+_batched = threading.local()  # .kernels: {rows: kernel} during a batched step
+MAX_ROWS_FIRST = 16  # batches of more rows always take F.linear
+_BUCKETS = (2, 4, 8, MAX_ROWS_FIRST)
+MARGIN = 0.95  # another kernel replaces F.linear only if measured 5% faster
+
+
+def _rows_first_linear(model: Any) -> None:
+    """Route the model's linear layers through :func:`_linear`: a batched decode
+    step takes the kernel chosen for its row count (at a few rows ``F.linear`` may
+    run far below its one-row speed; docs/benchmarks.md, serving), anything else
+    ``F.linear``."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(_linear, module)  # type: ignore[method-assign]
+
+
+def _rows_first(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    # contiguous rows: a transposed view would push SDPA off its fused kernel
+    y = (w @ x.T).T.contiguous()
+    return y if b is None else y + b
+
+
+def _onednn(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")  # type: ignore[no-any-return]
+
+
+KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]] = {
+    "rows_first": _rows_first,  # W @ x.T
+    "onednn": _onednn,  # oneDNN's linear, the weights as they are (no packed copy)
+    "streamed": streamed_linear,  # compiled C: each weight row read once for 4 rows
+}
+
+
+@contextlib.contextmanager
+def batched(kernels: Mapping[int, str]) -> Iterator[None]:
+    """Within it, the linear layers routed by :func:`_rows_first_linear` take
+    ``kernels`` (row count, or :data:`~.deterministic.ANY_ROWS`, -> kernel name)."""
+    _batched.kernels = kernels
+    try:
+        yield
+    finally:
+        _batched.kernels = {}
+
+
+def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    kernels = getattr(_batched, "kernels", {})
+    kernel = kernels.get(rows, kernels.get(det.ANY_ROWS))
+    if kernel is not None:
+        y = KERNELS[kernel](self.weight, self.bias, x.reshape(rows, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _calibrate(model: Any, reps: int = 3) -> dict[int, str]:
+    """The kernel each batch size (2..MAX_ROWS_FIRST) takes on this machine where one
+    beats ``F.linear``: for each bucket of :data:`_BUCKETS`, every kernel runs every
+    linear layer of the model once (the weight traffic of a decode step), interleaved,
+    ``reps`` rounds. A kernel replaces ``F.linear`` only if it beats it by
+    :data:`MARGIN` in every round (the fastest such; one that lost a round is not
+    timed again). A kernel this torch lacks is not a candidate.
+
+    Each pass is timed as one thread's CPU time (``torch.set_num_threads(1)`` for
+    the measurement, restored after): on a shared CPU wall time moves by whole time
+    slices, a thread's CPU time by a few percent. The kernels are memory-bound at
+    these row counts, so the one-thread ranking stands for the many-thread one."""
+    import time
+
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    shapes = list({tuple(m.weight.shape): m for m in layers}.values())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _calibrate_buckets(layers, shapes, reps, time.thread_time)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate_buckets(
+    layers: list[Any], shapes: list[Any], reps: int, clock: Callable[[], float]
+) -> dict[int, str]:
+    chosen: dict[int, str] = {}
+    low = 2
+    for rows in _BUCKETS:
+        xs = {
+            m.in_features: torch.zeros((rows, 1, m.in_features), dtype=m.weight.dtype)
+            for m in layers
+        }
+        # those that compute what F.linear does here, then beat it in every round so far
+        alive = [k for k in KERNELS if _agrees(k, shapes, rows)]
+        rounds: list[dict[str | None, float]] = []
+        for rep in range(reps + 1):  # round 0 warms up (oneDNN builds its kernels), untimed
+            times: dict[str | None, float] = {}
+            for kernel in (None, *alive):
+                _batched.kernels = {rows: kernel} if kernel else {}
+                try:
+                    if rep == 0:
+                        for m in shapes:  # one layer of each weight shape
+                            _linear(m, xs[m.in_features])
+                        continue
+                    t0 = clock()
+                    for m in layers:
+                        _linear(m, xs[m.in_features])
+                    times[kernel] = clock() - t0
+                except Exception:  # not built into this torch (or not for this dtype), or
+                    continue  # it failed: not a candidate (a kernel never fails a start)
+                finally:
+                    _batched.kernels = {}
+            if rep:  # a kernel that lost a round cannot win: not timed again
+                rounds.append(times)
+                alive = [k for k in alive if k in times and times[k] < MARGIN * times[None]]
+        if alive and rounds:
+            chosen.update(
+                dict.fromkeys(
+                    range(low, rows + 1), min(alive, key=lambda k: sum(r[k] for r in rounds))
+                )
+            )
+        low = rows + 1
+    return chosen
+
+
+def _agrees(kernel: str, layers: Sequence[Any], rows: int) -> bool:
+    """Whether ``kernel`` computes what ``F.linear`` does for ``rows`` random rows on
+    each of ``layers`` (within float rounding: the largest difference at most
+    1e-3 of the largest output, 5e-2 in half precision): one that fails, raises or
+    returns garbage is no candidate."""
+    from .compiled import log
+
+    gen = torch.Generator().manual_seed(rows)
+    try:
+        for m in layers:
+            x = torch.randn((rows, m.in_features), generator=gen).to(m.weight.dtype)
+            want = torch.nn.functional.linear(x, m.weight, m.bias).float()
+            got = KERNELS[kernel](m.weight, m.bias, x).float()
+            tol = 1e-3 if m.weight.dtype == torch.float32 else 5e-2
+            if got.shape != want.shape or not bool(
+                (got - want).abs().max() <= tol * (want.abs().max() + 1)
+            ):
+                log.warning("kernel %s disagrees with F.linear at %d rows: not used", kernel, rows)
+                return False
+    except Exception:  # not in this torch, not for this dtype, or broken: not a candidate
+        return False
+    return True
+
+
+def _choose_kernels(model: Any) -> dict[int, str]:
+    """The kernel each batch size takes: :func:`_calibrate`'s measurement the
+    first time this model's linear shapes run on this machine (torch, CPU, compiler
+    and kernel source alike), then the same choice on every later start, kept in
+    the private kernel cache (``compiled.remembered``). Timing depends on the load
+    at start; a batched step's numbers depend on the kernel (float rounding), so a
+    restart must not change them by measuring again. A kept kernel that no longer
+    runs here (or disagrees with ``F.linear``) is dropped, with a log line: its
+    batch sizes take ``F.linear``."""
+    from . import compiled
+    from .compiled import log
+
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    shapes: dict[tuple[int, int, bool, str], int] = {}
+    for m in layers:
+        k = (m.out_features, m.in_features, m.bias is not None, str(m.weight.dtype))
+        shapes[k] = shapes.get(k, 0) + 1
+    key = json.dumps(
+        {
+            "linear": sorted([*k, n] for k, n in shapes.items()),
+            "buckets": _BUCKETS,
+            "margin": MARGIN,
+            "kernels": sorted(KERNELS),
+            "torch": torch.__version__,
+            "build": compiled.fingerprint(),
+        }
+    )
+
+    def valid(v: Any) -> bool:
+        return isinstance(v, dict) and all(
+            isinstance(r, str) and r.isdigit() and 2 <= int(r) <= MAX_ROWS_FIRST and k in KERNELS
+            for r, k in v.items()
+        )
+
+    kept = compiled.remembered(
+        "choice", key, lambda: {str(r): k for r, k in _calibrate(model).items()}, valid
+    )
+    chosen = {int(r): k for r, k in kept.items()}
+    one = {tuple(m.weight.shape): m for m in layers}.values()
+    for kernel in sorted(set(chosen.values())):
+        if not _agrees(kernel, list(one), min(r for r, k in chosen.items() if k == kernel)):
+            log.warning("kept kernel choice %s does not run here now: F.linear instead", kernel)
+            chosen = {r: k for r, k in chosen.items() if k != kernel}
+    return chosen
