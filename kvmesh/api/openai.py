@@ -54,7 +54,6 @@ import concurrent.futures
 import functools
 import secrets
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +135,8 @@ class OpenAIService:
         self.max_tokens_default = max_tokens_default
         self.created = int(time.time())
         self.render = Renderer(runtime, model_name)
+        self.body = self.render.body  # the whole answer
+        self.sse = functools.partial(sse, self.render)  # the answer as server-sent events
         if tool_parser == "auto":
             template = getattr(runtime.engine.tokenizer, "chat_template", None)
             self.tool_parser = detect_parser(template if isinstance(template, str) else None)
@@ -468,30 +469,6 @@ class OpenAIService:
 
     def close(self) -> None:
         self._scoring.shutdown(wait=False, cancel_futures=True)
-
-    # -- answers -----------------------------------------------------------------------
-
-    def body(
-        self,
-        req: GenerationRequest,
-        rid: str,
-        chat: bool,
-        runs: list[Run],
-        parser: ToolParser | None = None,
-    ) -> dict[str, Any]:
-        """The whole answer (:meth:`.render.Renderer.body`)."""
-        return self.render.body(req, rid, chat, runs, parser)
-
-    def sse(
-        self,
-        req: GenerationRequest,
-        rid: str,
-        chat: bool,
-        runs: list[Run],
-        parser: ToolParser | None = None,
-    ) -> AsyncIterator[str]:
-        """The answer as server-sent events (:func:`.streaming.sse`)."""
-        return sse(self.render, req, rid, chat, runs, parser)
 
 
 def router(service: OpenAIService) -> APIRouter:
