@@ -66,6 +66,8 @@ class Family(StrEnum):
     LOOKUP_FAILED = "lookup_failed"  # label: a Reason
     LOCAL_IMPORT_FAILED = "local_import_failed"  # label: a Reason
     CANCELLED = "cancelled"  # label: the stage (runtime.batch.CANCEL_STAGES)
+    LOAD_FALLBACK = "load_fallback"  # label: a Reason (a paged load left pages to compute)
+    LOAD_FAILED = "load_failed"  # label: a Reason (a paged load failed whole)
 
 
 class Timer(StrEnum):

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,8 +38,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from ..blocks import PrefixKeys
 from ..codec import Block
 from ..compat import CompatCard
-from ..errors import CacheMiss, ConfigError, KVMeshError
+from ..errors import CacheMiss, ConfigError, Reason
 from ..mesh.hits import PeerHit
+from ..runtime.acquire import Pages as PageLimits
+from ..runtime.planner import failure_reason
+from ..runtime.telemetry import Count, Family, Source, labelled
 from . import service as services
 from .config import ConnectorSettings
 from .meta import KVMeshMetadata, KVMeshWorkerMeta, LoadSpec, SaveSpec, ids_of, page_ids
@@ -58,6 +62,26 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger("kvmesh.vllm")
+
+
+class WorkerCount(StrEnum):
+    """A connector worker's own counters (beside :mod:`kvmesh.runtime.telemetry`'s)."""
+
+    LOOKUP_US = "lookup_us"
+    LOOKUP_MISSES = "lookup_misses"  # no peer held more than this rank
+    REMOTE_HITS = "remote_hits"
+    ACQUIRE_DROPPED = "acquire_dropped"  # past MAX_ACQUISITIONS: computed
+    LOAD_WAIT_MS = "load_wait_ms"
+    PAGES_LOADED = "pages_loaded"
+    COPY_IN_MS = "copy_in_ms"
+    COPY_OUT_US = "copy_out_us"
+    SEAL_US = "seal_us"
+    PAGES_PUBLISHED = "pages_published"
+    SAVE_FAILED = "save_failed"
+    SAVE_GAP = "save_gap"  # a page neither held nor stored: the prompt is not published
+    SAVE_DROPPED = "save_dropped"  # past MAX_PENDING_BYTES: the prompt is not published
+
+
 IDLE_YIELD_S = 0.002
 MAX_ACQUISITIONS = 256  # requests a worker may be acquiring pages for at once
 # page copies a worker holds for prompts whose prefill is not complete; a prompt
@@ -74,7 +98,7 @@ class Acquisition:
     local: tuple[Block, ...] = ()
     pages: int = 0  # pages promised to the scheduler
     fetched: dict[int, Block] = field(default_factory=dict)
-    source: str = "none"  # local | remote | none
+    source: str = Source.COMPUTE  # a Source
     peer: str = ""
     fallback: str | None = None
     done: concurrent.futures.Future[None] | None = None
@@ -198,7 +222,7 @@ class KVMeshWorker:
                 if ask.req_id in self._acqs:
                     continue
                 if len(self._acqs) >= MAX_ACQUISITIONS:
-                    svc.count("acquire_dropped")
+                    svc.count(WorkerCount.ACQUIRE_DROPPED)
                     self._answers[ask.req_id] = 0
                     continue
                 keys = keyer_for(svc.keyer, ask.salt).keys(ask.tokens)
@@ -226,7 +250,7 @@ class KVMeshWorker:
                 self._save(spec)
             except Exception as e:  # a save never fails a request
                 log.warning("save of %s failed: %r", spec.req_id, e)
-                svc.count("save_failed")
+                svc.count(WorkerCount.SAVE_FAILED)
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """Finished loads. A failed page is reported as its block ids (vLLM recomputes
@@ -287,7 +311,7 @@ class KVMeshWorker:
             self._find(svc, req_id, acq)
         except Exception as e:  # the cache never decides correctness
             log.info("acquisition for %s failed: %r", req_id, e)
-            svc.count("lookup_errors:error")
+            svc.count(labelled(Family.LOOKUP_FAILED, failure_reason(e)))
         finally:
             with self._lock:
                 if req_id not in self._answers and acq.pages == 0:
@@ -300,42 +324,32 @@ class KVMeshWorker:
             self._answers[req_id] = pages
 
     def _find(self, svc: services.MeshService, req_id: str, acq: Acquisition) -> None:
-        want = len(acq.keys.blocks)
-        local = svc.acquirer.local(acq.keys)
-        acq.local = local.blocks[: _state_end(svc.card, local.blocks[:want])]
-        have = len(acq.local)
-        if have:
-            acq.source = "local"
-        if have >= want:
-            self._answer(req_id, acq, have)
-            return
-        found = svc.acquirer.candidates(svc.card, acq.keys, have * self.block_size)
-        svc.count("lookup_us", round(found.lookup_s * 1e6))
-        hits = [_capped(h, want, self.block_size, svc.card) for h in found.hits]
-        hits = [h for h in hits if h.tokens > have * self.block_size]
-        if not hits:
-            svc.count(
-                "lookup_misses" if found.fallback is None else f"lookup_errors:{found.fallback}"
-            )
-            self._answer(req_id, acq, have)
-            return
+        """The shared acquisition (:meth:`Acquirer.acquire`) over whole pages: the
+        store's chain, else the first peer worth fetching from, into ``acq``."""
+        want, card = len(acq.keys.blocks), svc.card
+
+        def open_sink(hit: PeerHit, held: Sequence[Block]) -> Acquisition:
+            acq.local = tuple(held)  # the stored pages the fetch continues
+            return acq
 
         def started(hit: PeerHit) -> None:
-            if acq.source != "remote":  # the first candidate: the promise
-                acq.source, acq.peer = "remote", hit.alias
-                svc.count("remote_hits")
+            if acq.source != Source.REMOTE:  # the first stream: the promise
+                acq.source, acq.peer = Source.REMOTE, hit.alias
+                svc.count(WorkerCount.REMOTE_HITS)
                 self._answer(req_id, acq, len(hit.blocks))
 
-        budget = svc.acquirer.budget(want * self.block_size) - found.lookup_s
-        done = svc.acquirer.fetch(
-            svc.layout, hits, local, have, have * self.block_size, budget, lambda h: acq, started
-        )
-        acq.fallback = done.fallback
-        if acq.source != "remote":
-            svc.count(
-                "planned_compute" if done.fallback is None else f"fetch_failed:{done.fallback}"
-            )
-            self._answer(req_id, acq, have)
+        pages = PageLimits(want, lambda h: _state_capped(h, card), lambda b: _state_end(card, b))
+        got = svc.acquirer.acquire(svc.layout, acq.keys, open_sink, pages=pages, on_start=started)
+        svc.count(WorkerCount.LOOKUP_US, round(got.lookup_s * 1e6))
+        acq.fallback = got.fallback
+        if acq.source == Source.REMOTE:
+            return
+        acq.local, acq.source = got.local.blocks, got.source  # no stream: what is held
+        if got.fallback is not None:
+            svc.count(labelled(Family.FALLBACK, got.fallback))
+        elif got.tokens < want * self.block_size:
+            svc.count(Count.PLANNED_COMPUTE if got.offered else WorkerCount.LOOKUP_MISSES)
+        self._answer(req_id, acq, len(acq.local))
 
     # -- loads -----------------------------------------------------------------
 
@@ -356,7 +370,7 @@ class KVMeshWorker:
                 with contextlib.suppress(Exception):
                     acq.done.result(timeout=svc.fleet.fetch_deadline + 5)
             t1 = time.perf_counter()
-            svc.count("load_wait_ms", round((t1 - t0) * 1000))
+            svc.count(WorkerCount.LOAD_WAIT_MS, round((t1 - t0) * 1000))
             blocks = self._contiguous(svc, acq, spec)
             page = iter(range(spec.first_page, spec.pages))
             assert self.pages is not None
@@ -379,15 +393,15 @@ class KVMeshWorker:
                 svc.acquirer.imported(blocks, copy)
             finally:
                 report["loaded"] = loaded
-                svc.count("pages_loaded", report["loaded"])
-                svc.count("copy_in_ms", round((time.perf_counter() - t1) * 1000))
+                svc.count(WorkerCount.PAGES_LOADED, report["loaded"])
+                svc.count(WorkerCount.COPY_IN_MS, round((time.perf_counter() - t1) * 1000))
             if failed:
-                report["fallback"] = acq.fallback or "missing"
-                svc.count(f"load_fallback:{report['fallback']}")
+                report["fallback"] = acq.fallback or Reason.MISS
+                svc.count(labelled(Family.LOAD_FALLBACK, report["fallback"]))
         except Exception as e:  # the cache never decides correctness
             log.info("load for %s failed: %r", spec.req_id, e)
-            report["fallback"] = e.reason if isinstance(e, KVMeshError) else "error"
-            svc.count(f"load_failed:{report['fallback']}")
+            report["fallback"] = failure_reason(e)
+            svc.count(labelled(Family.LOAD_FAILED, report["fallback"]))
         with self._lock:
             self._done[spec.req_id] = failed
             self._reports[spec.req_id] = report
@@ -441,22 +455,22 @@ class KVMeshWorker:
     ) -> None:
         end = spec.first + min((len(g) for g in spec.block_ids), default=0)
         if p.next_page < spec.first:  # pages neither held nor copied: no chain
-            self._abandon(svc, p, "save_gap")
+            self._abandon(svc, p, WorkerCount.SAVE_GAP)
             return
         t0 = time.perf_counter()
         for i in range(p.next_page, min(end, len(keys.blocks))):
             ids = page_ids(spec.block_ids, i, spec.first)
             if not pages.holds_kv(ids):  # behind a window, from vLLM's own cache: gone
-                self._abandon(svc, p, "save_gap")
+                self._abandon(svc, p, WorkerCount.SAVE_GAP)
                 return
             if self._pending_bytes + pages.page_bytes > MAX_PENDING_BYTES:
-                self._abandon(svc, p, "save_dropped")
+                self._abandon(svc, p, WorkerCount.SAVE_DROPPED)
                 return
             # a recurrent state only where this step's forward ended: vLLM's checkpoint
             state = i == spec.state_page and pages.holds_state(ids)
             p.copies.append(pages.copy_out(svc.keyer, keys, i, ids, state))
             self._pending_bytes += len(p.copies[-1][0])
-        svc.count("copy_out_us", round((time.perf_counter() - t0) * 1e6))
+        svc.count(WorkerCount.COPY_OUT_US, round((time.perf_counter() - t0) * 1e6))
 
     def _abandon(self, svc: services.MeshService, p: _Pending, reason: str | None) -> None:
         """A page of the chain cannot be had: nothing of this prompt is published."""
@@ -478,26 +492,24 @@ class KVMeshWorker:
         def chains() -> list[list[Block]]:
             t1 = time.perf_counter()
             sealed = [pages.seal(blob, header) for blob, header in p.copies]
-            svc.count("seal_us", round((time.perf_counter() - t1) * 1e6))
+            svc.count(WorkerCount.SEAL_US, round((time.perf_counter() - t1) * 1e6))
             return [list(p.have) + sealed]  # kept here, then sent to the peers
 
-        svc.publisher.submit(chains, "pages_published")
+        svc.publisher.submit(chains, WorkerCount.PAGES_PUBLISHED)
 
     # ==========================================================================
 
 
-def _capped(hit: PeerHit, pages: int, block_size: int, card: CompatCard) -> PeerHit:
-    """A hit cut to the pages asked for (never the tail: vLLM computes the last token)
-    and, on a card whose pages carry the recurrent state where vLLM kept one, to the
-    last page whose announced size says it carries one (the fetched block is checked
-    again: a peer's size is a claim)."""
-    n = min(len(hit.blocks), pages)
-    if card.state_optional:
-        kv = card.kv_bytes_per_token * card.block_tokens
-        n = max(
-            (i + 1 for i in range(n) if hit.blocks[i].nbytes >= kv + card.state_bytes), default=0
-        )
-    return dataclasses.replace(hit, blocks=hit.blocks[:n], tail=None, tokens=n * block_size)
+def _state_capped(hit: PeerHit, card: CompatCard) -> PeerHit:
+    """A hit (already cut to the whole pages asked for) on a card whose pages carry
+    the recurrent state where vLLM kept one, cut to the last page whose announced
+    size says it carries one (the fetched block is checked again: a size is a claim)."""
+    if not card.state_optional:
+        return hit
+    kv = card.kv_bytes_per_token * card.block_tokens
+    sizes = [b.nbytes for b in hit.blocks]
+    n = max((i + 1 for i, size in enumerate(sizes) if size >= kv + card.state_bytes), default=0)
+    return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * card.block_tokens)
 
 
 def _state_end(card: CompatCard, blocks: Sequence[Block]) -> int:
