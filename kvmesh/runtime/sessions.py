@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from ..compat import CompatCard
 from ..engine import KVState
+from .prefill import common_prefix
 
 
 class Budget(Protocol):
@@ -63,7 +62,7 @@ class Sessions:
             for sid, kept in self._kept.items():
                 if kept.root != root:
                     continue
-                n = _common_prefix(kept.state.tokens[: kept.state.cached], tokens)
+                n = common_prefix(kept.state.tokens[: kept.state.cached], tokens)
                 if kept.client != client:  # not the caller's own conversation
                     n -= n % b
                 if n > best_len:
@@ -113,9 +112,3 @@ class Sessions:
         _, kept = self._kept.popitem(last=False)
         self.budget.unreserve(kept.nbytes)
         return kept.nbytes
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
-    return int(diff[0]) if diff.size else n
