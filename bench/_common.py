@@ -37,7 +37,6 @@ from transformers.cache_utils import DynamicLayer
 from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import Block, Layout
 from kvmesh.compat import CompatCard
-from kvmesh.engine.base import Engine
 from kvmesh.engine.hf import TransformersEngine
 
 
@@ -101,7 +100,7 @@ def synthetic_blocks(
     eng = fake_engine(card)
     state = random_state(card, n_tokens, seed)
     keyer = BlockKeyer(card.namespace, card.block_tokens)
-    return Engine.export(eng, state, keyer), state.tokens  # type: ignore[arg-type]
+    return eng.export(state, keyer), state.tokens  # type: ignore[arg-type]
 
 
 def machine() -> dict[str, object]:
