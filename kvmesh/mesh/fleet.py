@@ -19,7 +19,7 @@ from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..errors import KVMeshError, Reason
-from ..store import BlockStore, Match, Peek, TierStats
+from ..store import BlockStore, Listener, Match, Peek, TierStats
 from .events import RecordingKeyer
 from .hits import PeerHit, Transfer
 from .node import NodeThread
@@ -56,6 +56,11 @@ class Fleet:
         if events is not None and events.source.token_ids:
             return RecordingKeyer(keyer, events.source.memo)
         return keyer
+
+    def hear_store(self, listener: Listener) -> None:
+        """``listener`` hears every block stored in or removed from this node's store
+        (set before the first block is stored)."""
+        self.store.listener = listener
 
     def local_prefix(self, keys: PrefixKeys) -> Match:
         return self.store.longest_prefix(keys)

@@ -56,7 +56,7 @@ class MeshService:
         self._events_dropped = 0  # drops already reported
         if events:  # before any block is stored: the store is empty until the first save
             self.events = StoreEvents(max_pending=EVENTS_PENDING, clears=False)
-            self.node.node.store.listener = self.events
+            self.fleet.hear_store(self.events)
             self.keyer = RecordingKeyer(self.keyer, self.events.memo)
         self.planner = Planner(prefill_tps=float(settings["prefill_tps"]))
         self.counters: Counter[str] = Counter()
@@ -69,7 +69,7 @@ class MeshService:
         # two pools, so no deadlock
         self.acquires = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvmesh-acq")
         self.loads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvmesh-load")
-        log.info("kvmesh node %s serving %s", self.node.node.address, card.summary())
+        log.info("kvmesh node %s serving %s", self.fleet.address, card.summary())
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
