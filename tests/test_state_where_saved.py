@@ -1,0 +1,72 @@
+"""A card whose blocks carry the recurrent state where its producer kept one
+(``STATE_WHERE_SAVED``: vLLM's align mode): a block with the state or without it is
+valid, a wrong state never is, and only such a card accepts a state off its grid."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvmesh.codec import Layout, check_header, decode_block, new_blob
+from kvmesh.compat import STATE_WHERE_SAVED, CompatCard
+from kvmesh.errors import MalformedPayload
+
+BLOCK = 4
+STATE = "state:bfloat16[3,8];float32[2,4,4]"
+
+
+def _card(state_every: int) -> CompatCard:
+    return CompatCard(
+        engine="test",
+        model_id="m",
+        weights_digest="w",
+        tokenizer_digest="t",
+        quantization="none",
+        kv_dtype="float32",
+        rope="{}",
+        num_layers=2,
+        num_kv_heads=0,
+        head_dim=0,
+        sliding_windows=(0, 0),
+        vocab_size=16,
+        block_tokens=BLOCK,
+        layer_geometry=(STATE, "kv:1x8"),
+        state_every=state_every,
+    )
+
+
+def _block(layout: Layout, start: int, state: bool):
+    header = layout.header("block", bytes(range(32)), bytes(32), start, BLOCK, state)
+    blob, view = new_blob(header)
+    view[:] = bytes(len(view))
+    return layout.seal(header, blob)
+
+
+def test_a_block_with_or_without_the_state_is_valid_where_saved():
+    layout = Layout(_card(STATE_WHERE_SAVED))
+    assert layout.card.state_optional and not layout.card.carries_state("block", 0)
+    with_state, without = _block(layout, 0, True), _block(layout, 0, False)
+    assert with_state.header.states == layout.states and not without.header.states
+    assert with_state.nbytes - without.nbytes > layout.card.state_bytes
+    for blk in (with_state, without):
+        check_header(blk.header, layout)
+        assert decode_block(bytes(blk.blob), layout, blk.digest).header == blk.header
+    assert layout.card.importable_blocks(3) == 3  # the caller ends on a block with state
+
+
+def test_only_a_where_saved_card_takes_a_state_off_its_grid():
+    every_two = Layout(_card(2))
+    off_grid = dataclasses.replace(_block(every_two, 0, False).header, states=every_two.states)
+    with pytest.raises(MalformedPayload, match="recurrent state"):
+        check_header(off_grid, every_two)
+    on_grid = _block(every_two, BLOCK, False).header
+    assert on_grid.states == every_two.states  # the grid's blocks carry it, asked or not
+    with pytest.raises(MalformedPayload, match="recurrent state"):  # and must
+        check_header(dataclasses.replace(on_grid, states=()), every_two)
+    saved = Layout(_card(STATE_WHERE_SAVED))
+    wrong = dataclasses.replace(_block(saved, 0, True).header, states=every_two.states[:1])
+    with pytest.raises(MalformedPayload, match="recurrent state"):
+        check_header(wrong, saved)
+    with pytest.raises(ValueError, match="state_every"):
+        _card(-2)
