@@ -69,6 +69,12 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError("KVMeshConnector does not serve pipeline parallel deployments")
+        if (
+            parallel.decode_context_parallel_size != 1
+            or parallel.prefill_context_parallel_size != 1
+        ):
+            # a vLLM block then holds block_size x ranks tokens: pages would be misnumbered
+            raise ConfigError("KVMeshConnector does not serve context parallel deployments")
         tp = int(parallel.tensor_parallel_size)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # vLLM's default fails a request whose load failed; kvmesh never lets the

@@ -36,7 +36,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ..blocks import PrefixKeys
-from ..codec import Block
+from ..codec import PREFIX, Block, Layout
 from ..compat import CompatCard
 from ..errors import CacheMiss, ConfigError, Reason
 from ..mesh.hits import PeerHit
@@ -196,7 +196,11 @@ class KVMeshWorker:
         )
         kind = page_layout(tensors, probe)  # checks every tensor against the card
         self.rank = int(get_tensor_model_parallel_rank()) if self.tp > 1 else 0
-        engine = engine_name(self._vllm_config, names[0], kind, self.rank, self.tp)
+        # the attention backend of the first layer with KV (a recurrent layer has none)
+        attention = [
+            n for n, st in zip(names, self.cache_spec.layer_states(), strict=True) if not st
+        ]
+        engine = engine_name(self._vllm_config, attention[0], kind, self.rank, self.tp)
         if self.cache_spec.kv_dtype in FP8.values():
             engine += f"/kv_scales={kv_scales(self._vllm_config, names)}"
         card = dataclasses.replace(probe, engine=engine)
@@ -338,7 +342,9 @@ class KVMeshWorker:
                 svc.count(WorkerCount.REMOTE_HITS)
                 self._answer(req_id, acq, len(hit.blocks))
 
-        pages = PageLimits(want, lambda h: _state_capped(h, card), lambda b: _state_end(card, b))
+        pages = PageLimits(
+            want, lambda h: _state_capped(h, svc.layout), lambda b: _state_end(card, b)
+        )
         got = svc.acquirer.acquire(svc.layout, acq.keys, open_sink, pages=pages, on_start=started)
         svc.count(WorkerCount.LOOKUP_US, round(got.lookup_s * 1e6))
         acq.fallback = got.fallback
@@ -500,15 +506,17 @@ class KVMeshWorker:
     # ==========================================================================
 
 
-def _state_capped(hit: PeerHit, card: CompatCard) -> PeerHit:
+def _state_capped(hit: PeerHit, layout: Layout) -> PeerHit:
     """A hit (already cut to the whole pages asked for) on a card whose pages carry
     the recurrent state where vLLM kept one, cut to the last page whose announced
-    size says it carries one (the fetched block is checked again: a size is a claim)."""
+    size (header included) says it carries one: past a stateless page's size by
+    more than half the state (the fetched block is checked again: a size is a claim)."""
+    card = layout.card
     if not card.state_optional:
         return hit
-    kv = card.kv_bytes_per_token * card.block_tokens
-    sizes = [b.nbytes for b in hit.blocks]
-    n = max((i + 1 for i, size in enumerate(sizes) if size >= kv + card.state_bytes), default=0)
+    bare = layout.header("block", bytes(32), bytes(32), 0, card.block_tokens)
+    least = PREFIX.size + len(bare.encode()) + bare.payload_bytes + card.state_bytes // 2
+    n = max((i + 1 for i, b in enumerate(hit.blocks) if b.nbytes >= least), default=0)
     return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * card.block_tokens)
 
 

@@ -70,6 +70,7 @@ def test_a_fresh_vllm_serve_gets_a_hybrid_prompt_and_its_state_from_the_mesh(tmp
     assert warm[0] == cold[0]
 
     engine, namespace = warm[3]["cards"]["0"]
+    assert "/unknown/" not in engine  # the attention layer's backend, not a GDN layer's
     card = _card(model, engine, CacheSpec, model_card, checkpoint // warm[3]["loaded"])
     assert card.namespace_hex == namespace and card.state_optional
     assert [g.kind for g in card.geometry] == ["state"] * 3 + ["kv"]
