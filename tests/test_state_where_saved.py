@@ -12,25 +12,16 @@ from kvmesh.codec import Layout, check_header, decode_block, new_blob
 from kvmesh.compat import STATE_WHERE_SAVED, CompatCard
 from kvmesh.errors import MalformedPayload
 
+from .helpers import small_card
+
 BLOCK = 4
 STATE = "state:bfloat16[3,8];float32[2,4,4]"
 
 
 def _card(state_every: int) -> CompatCard:
-    return CompatCard(
-        engine="test",
-        model_id="m",
-        weights_digest="w",
-        tokenizer_digest="t",
-        quantization="none",
-        kv_dtype="float32",
-        rope="{}",
-        num_layers=2,
+    return small_card(
         num_kv_heads=0,
         head_dim=0,
-        sliding_windows=(0, 0),
-        vocab_size=16,
-        block_tokens=BLOCK,
         layer_geometry=(STATE, "kv:1x8"),
         state_every=state_every,
     )
