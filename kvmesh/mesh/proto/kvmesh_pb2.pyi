@@ -45,18 +45,22 @@ class LookupResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., tail: _Optional[_Union[BlockInfo, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "epoch", "chunk_bytes", "lease_ttl_s")
+    __slots__ = ("namespace", "keys", "epoch", "chunk_bytes", "lease_ttl_s", "keep_from", "codecs")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FROM_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     epoch: str
     chunk_bytes: int
     lease_ttl_s: float
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., epoch: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    keep_from: _containers.RepeatedScalarFieldContainer[int]
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., epoch: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., keep_from: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
     __slots__ = ("block", "data", "lease_id")
@@ -113,7 +117,7 @@ class Endpoint(_message.Message):
     def __init__(self, address: _Optional[str] = ..., interface: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CapabilityCard(_message.Message):
-    __slots__ = ("node_id", "alias", "epoch", "roles", "endpoints", "namespaces", "card_summaries", "budget_bytes", "used_bytes", "entries", "load", "version", "heartbeat", "region", "hits", "misses", "mac", "data_port", "fetches_served", "bytes_served", "host")
+    __slots__ = ("node_id", "alias", "epoch", "roles", "endpoints", "namespaces", "card_summaries", "budget_bytes", "used_bytes", "entries", "load", "version", "heartbeat", "region", "hits", "misses", "mac", "data_port", "fetches_served", "bytes_served", "host", "codecs", "links")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ALIAS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +139,8 @@ class CapabilityCard(_message.Message):
     FETCHES_SERVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     alias: str
     epoch: str
@@ -156,7 +162,21 @@ class CapabilityCard(_message.Message):
     fetches_served: int
     bytes_served: int
     host: bytes
-    def __init__(self, node_id: _Optional[str] = ..., alias: _Optional[str] = ..., epoch: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., card_summaries: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., load: _Optional[float] = ..., version: _Optional[int] = ..., heartbeat: _Optional[float] = ..., region: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., mac: _Optional[bytes] = ..., data_port: _Optional[int] = ..., fetches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., host: _Optional[bytes] = ...) -> None: ...
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    links: _containers.RepeatedCompositeFieldContainer[LinkRate]
+    def __init__(self, node_id: _Optional[str] = ..., alias: _Optional[str] = ..., epoch: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., card_summaries: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., load: _Optional[float] = ..., version: _Optional[int] = ..., heartbeat: _Optional[float] = ..., region: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., mac: _Optional[bytes] = ..., data_port: _Optional[int] = ..., fetches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., host: _Optional[bytes] = ..., codecs: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkRate, _Mapping]]] = ...) -> None: ...
+
+class LinkRate(_message.Message):
+    __slots__ = ("node_id", "bytes_per_s", "rtt_s", "fetches")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    bytes_per_s: float
+    rtt_s: float
+    fetches: int
+    def __init__(self, node_id: _Optional[str] = ..., bytes_per_s: _Optional[float] = ..., rtt_s: _Optional[float] = ..., fetches: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("cards",)
