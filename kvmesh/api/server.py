@@ -12,7 +12,6 @@ whole context by leaving it out.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import signal
@@ -31,8 +30,6 @@ from .head_options import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS  # re-exporte
 from .head_options import HeadOptions as HeadOptions  # re-exported
 
 log = logging.getLogger("kvmesh.head")
-
-SWITCH_INTERVAL_S = 0.0005
 
 
 def bind(listen: str) -> socket.socket:
@@ -53,10 +50,10 @@ def bind(listen: str) -> socket.socket:
 def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
     from ..engine import load_engine
     from ..engine.demo import resolve_model
-    from ..memory import keep_heap_warm, one_heap
     from ..mesh.node import NodeThread
+    from ..runtime.ready import prepare_process, ready
 
-    one_heap()  # before torch's threads allocate: the fetch's threads then share the warm heap
+    prepare_process()  # before torch's threads allocate: the fetch's threads share the warm heap
     engine = load_engine(
         opts.model,
         opts.engine,
@@ -66,13 +63,9 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
         block_digest=opts.block_digest,
         deterministic_grid=opts.deterministic_grid,
     )
-    engine.prefill(engine.encode("warm up"))  # first-call setup is not any request's cost
-    gc.collect()
-    gc.freeze()  # the model's objects never die: keep full collections off the request path
-    # the engine thread takes the GIL back between torch ops thousands of times a step;
-    # a request thread holding it then lets go within this, not the default 5 ms
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    keep_heap_warm()  # after the model's allocations: the warm heap stays free for imports
+    # what a head does once at start (warm prefill, gc frozen, switch interval, warm
+    # heap), after the model's allocations; the HeadRuntime warms the fetch path
+    ready(engine, None, engine.layout)
     path = resolve_model(opts.model)
     cfg = json.loads((Path(path) / "config.json").read_text())
     max_context = int(cfg.get("text_config", cfg).get("max_position_embeddings", 4096))

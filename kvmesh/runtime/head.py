@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 
 from .. import memory
 from ..blocks import BlockKeyer
-from ..codec import Block, new_blob
+from ..codec import Block
 from ..engine import Decoded, Engine, KVState, Sampling
-from ..engine.base import PREFILL_CHUNK, Decoder, Importer, TokenLogprob
+from ..engine.base import PREFILL_CHUNK, Importer, TokenLogprob
 from ..engine.scoring import prompt_logprobs
 from ..errors import CacheMiss
 from ..mesh.fleet import Fleet
@@ -57,14 +57,13 @@ from .batch import (
     PrefillPlan,
 )
 from .planner import Planner, failure_reason
+from .ready import ready
 from .sessions import Sessions
 from .telemetry import Count, Family, PrefillReport, Source, Telemetry, labelled
 
 log = logging.getLogger("kvmesh.head")
 
 MAX_TENANT_STATS = 1024  # tenants counted by name; the rest are counted together
-WARM_TOKENS = 2048  # a fetch of this many tokens' KV finds its heap pre-faulted (see warm_up)
-MAX_WARM_BYTES = 128 << 20  # ... at most this much, in each of two threads
 OTHER_TENANTS = "_other"
 
 
@@ -249,34 +248,12 @@ class HeadRuntime:
         self.warm_s = self.warm_up()
 
     def warm_up(self) -> float:
-        """Pay a new process's first-use costs now rather than in its first request:
-        the fetch path's threads, code paths and pre-faulted heap
-        (:meth:`~kvmesh.mesh.fleet.Fleet.warm`, sized for :data:`WARM_TOKENS` of KV,
-        at most :data:`MAX_WARM_BYTES`), and the engine's import and first-token
-        paths (a one-token synthetic tail imported, its token sampled). Bounded in
-        memory by that size and in time by a short deadline; a failure is logged,
-        never raised (a cold first request is still correct). Returns the seconds
-        it took."""
-        t0 = time.perf_counter()
-        try:
-            if self.engine.reuse_off is not None:  # nothing imports: the first token only
-                state = self.engine.prefill([0])
-                Decoder(self.engine, state, Sampling(max_tokens=1)).next()
-                return time.perf_counter() - t0
-            sample = _warm_block(self.engine)
-            if self.fleet is not None:
-                nbytes = min(self.card.kv_bytes_per_token * WARM_TOKENS, MAX_WARM_BYTES)
-                self.fleet.warm(self.engine.layout, sample, nbytes, timeout=5.0)
-            importer = self.engine.importer(sample.header.tokens)
-            importer.add(sample)
-            tokens = [0] * sample.header.tokens
-            state = self.engine.prefill(tokens, (sample,), importer)
-            Decoder(self.engine, state, Sampling(max_tokens=1)).next()
-        except Exception as e:  # only the first request's speed is at stake
-            log.warning("warm-up failed: %r", e)
-        took = time.perf_counter() - t0
-        log.info("warm-up took %.0f ms", took * 1000)
-        return took
+        """Pay a new process's first-use costs now rather than in its first request
+        (:func:`.ready.ready`: the fetch path's threads, code paths and pre-faulted
+        heap, the engine's import and first-token paths; and, in a process that
+        called :func:`.ready.prepare_process`, what a head does once at start).
+        A failure is logged, never raised. Returns the seconds it took."""
+        return ready(self.engine, self.fleet, self.engine.layout)
 
     # -- the request path ------------------------------------------------------
 
@@ -665,11 +642,3 @@ class TenantStats:
     def counters(self) -> dict[str, dict[str, int]]:
         with self._lock:
             return {t: dict(c) for t, c in self._stats.items()}
-
-
-def _warm_block(engine: Engine) -> Block:
-    """A one-token tail of zeros under a key no prompt has (never stored)."""
-    layout = engine.layout
-    header = layout.header("tail", bytes(32), engine.card.namespace, 0, 1)
-    blob, _ = new_blob(header)
-    return layout.seal(header, blob)
