@@ -12,10 +12,16 @@ block), each recurrent layer's state after the block's last token (the header's
 ``states``); then the optional float32 logits of a tail. Every attention layer,
 sliding-window layers included, holds all of the block's positions (an importer
 keeps of a sliding layer only what its window needs): nothing is approximated.
-The block *digest* is the hash of the whole encoded blob under the card's
-``block_digest`` algorithm (BLAKE3 by default, or SHA-256), which is part of the
-card, hence of the namespace: two nodes never compare digests of different
-algorithms.
+
+A block's *parts* are, in payload order, each layer's K/V bytes (empty for a layer
+without KV), the states, the logits. Its *digest* is a root over its header and
+its parts' digests (:func:`root_digest`) under the card's ``block_digest``
+algorithm (BLAKE3 by default, or SHA-256, part of the card, hence of the
+namespace). So a block *trimmed* to the parts an import of ``[0, P)`` needs
+(:meth:`Layout.keep_from`, :meth:`Layout.want`, :func:`trim`: a sliding layer's
+positions before its window) is still verified against the producer's digest:
+its blob holds the prefix, the header and the present parts back to back, and
+``Block.present`` says which. Only whole blocks are stored or published.
 
 Decoding validates magic, lengths and every header field against a
 :class:`Layout` derived from the expected card *before* any payload-sized buffer
@@ -29,7 +35,7 @@ import functools
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,6 +50,10 @@ MAX_HEADER_BYTES = 64 * 1024
 CHUNK_BYTES = 1 << 20  # 1 MiB wire chunks; bench/transfer.py measures the choice
 MAX_CHUNK_BYTES = 4 << 20
 KINDS = ("block", "tail")
+ALL = -1  # a part mask (Block.present, Layout.want): every part
+DIGEST_DOMAIN = b"kvmesh/block/v5\0"
+U16 = struct.Struct("<H")
+U32 = struct.Struct("<I")
 
 
 class Hasher(Protocol):
@@ -65,6 +75,48 @@ def digest_of(data: Any, algo: str) -> bytes:
     h = hasher(algo)
     h.update(data)
     return h.digest()
+
+
+def root_digest(header_json: Any, parts: Sequence[bytes], algo: str) -> bytes:
+    """A block's digest: its header's bytes and its parts' digests, framed."""
+    h = hasher(algo)
+    h.update(DIGEST_DOMAIN + U32.pack(len(header_json)))
+    h.update(header_json)
+    h.update(U16.pack(len(parts)) + b"".join(parts))
+    return h.digest()
+
+
+def part_digests(
+    payload: memoryview, sizes: Sequence[int], present: int, algo: str
+) -> tuple[bytes, ...]:
+    """The digest of each present part of ``payload`` (present parts back to back)."""
+    out, off = [], 0
+    for i, n in enumerate(sizes):
+        if has(present, i):
+            out.append(digest_of(payload[off : off + n], algo))
+            off += n
+    return tuple(out)
+
+
+def block_digest(
+    blob: Any, payload_offset: int, header: BlockHeader, algo: str
+) -> tuple[bytes, tuple[bytes, ...]]:
+    """(digest, part digests) of a whole block's ``blob``."""
+    view = memoryview(blob)
+    parts = part_digests(view[payload_offset:], header.part_sizes, ALL, algo)
+    return root_digest(view[PREFIX.size : payload_offset], parts, algo), parts
+
+
+def has(mask: int, part: int) -> bool:
+    return bool(mask >> part & 1)
+
+
+def mask_of(parts: Iterable[int], count: int) -> int:
+    """The mask of ``parts`` out of ``count`` (:data:`ALL` when that is all of them)."""
+    m = 0
+    for i in parts:
+        m |= 1 << i
+    return ALL if m == (1 << count) - 1 else m
 
 
 @dataclass(frozen=True)
@@ -116,6 +168,18 @@ class BlockHeader:
     @property
     def kv_bytes(self) -> int:
         return _kv_bytes(self.layers)
+
+    @functools.cached_property
+    def part_sizes(self) -> tuple[int, ...]:
+        """Bytes of each part: every layer's K/V, the states, the logits."""
+        layers = [sum(t.nbytes for t in layer) for layer in self.layers]
+        return (*layers, self.state_bytes, self.logits.nbytes if self.logits else 0)
+
+    def present_bytes(self, mask: int) -> int:
+        """Payload bytes of the parts in ``mask``."""
+        if mask == ALL:
+            return self.payload_bytes
+        return sum(n for i, n in enumerate(self.part_sizes) if has(mask, i))
 
     @property
     def state_bytes(self) -> int:
@@ -194,6 +258,39 @@ class Layout:
             states=self.states if carries else (),
         )
 
+    @functools.lru_cache(maxsize=1024)  # noqa: B019  (a few prompt lengths at a time)
+    def keep_from(self, n: int) -> tuple[int, ...] | None:
+        """Per layer, the first position an import of ``[0, n)`` needs, rounded down
+        to a block boundary (parts are whole (layer, block) pieces): 0 for a full
+        layer; for a sliding layer of window ``W`` the block holding position
+        ``n - 1 - W`` (the import may be cut back to ``n - 1``, whose window starts
+        at ``n - W``; mlx keeps ``W`` positions, transformers ``W - 1``); ``n`` for a
+        layer without KV. None when nothing is saved, or the card's imports may end
+        before ``n`` on positions only its producer knows (recurrent state, a
+        prefill grid): those are fetched whole."""
+        c = self.card
+        if c.state_every or c.prefill_grid or not n:
+            return None
+        b = c.block_tokens
+        out = tuple(
+            (n if not g.has_kv else b * (max(0, n - 1 - g.window) // b) if g.window else 0)
+            for g in c.geometry
+        )
+        return (
+            out if any(lo >= b for lo, g in zip(out, c.geometry, strict=True) if g.has_kv) else None
+        )
+
+    def want(self, header: BlockHeader, keep_from: Sequence[int] | None) -> int:
+        """The parts of a block an import with ``keep_from`` needs: the layers that
+        hold a position at or after their first needed one, the states, the logits,
+        and every empty part (:data:`ALL` when that is all)."""
+        if keep_from is None:
+            return ALL
+        sizes, end = header.part_sizes, header.start + header.tokens
+        layers = len(sizes) - 2
+        needed = (i for i, n in enumerate(sizes) if i >= layers or not n or end > keep_from[i])
+        return mask_of(needed, len(sizes))
+
     def seal(self, header: BlockHeader, blob: bytes | bytearray) -> Block:
         """``blob`` (filled under ``header``) frozen and digested as the card says."""
         return seal(header, blob, self.card.block_digest)
@@ -212,16 +309,44 @@ class Layout:
 
 @dataclass(frozen=True)
 class Block:
-    """One sealed, immutable block: its header, its wire blob and its digest."""
+    """One sealed, immutable block: its header, its wire blob and its digest;
+    ``parts`` the digests of its present parts, ``present`` which parts its blob
+    holds (:data:`ALL`, or a trimmed block's: :func:`trim`)."""
 
     header: BlockHeader
     blob: bytes  # immutable: served as is, without a copy per fetch
     digest: bytes
     payload_offset: int
+    parts: tuple[bytes, ...] = ()
+    present: int = ALL
 
     @property
     def key(self) -> bytes:
         return self.header.key
+
+    @property
+    def whole(self) -> bool:
+        return self.present == ALL
+
+    def _offset(self, part: int) -> int:
+        """Where present part ``part`` starts in the payload."""
+        if not has(self.present, part):
+            raise ValueError(f"part {part} is not in this trimmed block")
+        sizes = self.header.part_sizes
+        return sum(n for i, n in enumerate(sizes[:part]) if has(self.present, i))
+
+    def kv_layers(self) -> Iterator[tuple[int, tuple[tuple[TensorSpec, memoryview], ...]]]:
+        """(layer, its K/V parts as (spec, bytes)) of each present layer with KV."""
+        view, off = self.payload(), 0
+        for i, layer in enumerate(self.header.layers):
+            if not has(self.present, i):
+                continue
+            out = []
+            for spec in layer:
+                out.append((spec, view[off : off + spec.nbytes]))
+                off += spec.nbytes
+            if out:
+                yield i, tuple(out)
 
     @property
     def nbytes(self) -> int:
@@ -233,7 +358,9 @@ class Block:
     def kv_tensors(self) -> Iterator[tuple[TensorSpec, memoryview]]:
         """(spec, bytes) for K0, V0, K1, V1, ... (a quantized layer's K and V as
         their parts; none for a layer without KV): exactly one per destination
-        buffer of an import."""
+        buffer of an import. A whole block's only (see :meth:`kv_layers`)."""
+        if not self.whole:
+            raise ValueError("a trimmed block's tensors are per layer: kv_layers()")
         view = self.payload()
         off = 0
         for layer in self.header.layers:
@@ -243,8 +370,10 @@ class Block:
 
     def state_tensors(self) -> Iterator[tuple[int, TensorSpec, memoryview]]:
         """(layer, spec, bytes) of each recurrent state tensor the block carries."""
+        if not self.header.states:
+            return
         view = self.payload()
-        off = self.header.kv_bytes
+        off = self._offset(len(self.header.layers))
         for i, layer in enumerate(self.header.states):
             for spec in layer:
                 yield i, spec, view[off : off + spec.nbytes]
@@ -256,8 +385,13 @@ class Block:
         for _, spec, view in self.state_tensors():
             yield spec, view
         if self.header.logits is not None:
-            n = self.header.logits.nbytes
-            yield self.header.logits, self.payload()[len(self.blob) - self.payload_offset - n :]
+            yield self.header.logits, self.logits_bytes()
+
+    def logits_bytes(self) -> memoryview:
+        """A tail's float32 logits (the last part)."""
+        assert self.header.logits is not None
+        n = self.header.logits.nbytes
+        return self.payload()[len(self.blob) - self.payload_offset - n :]
 
 
 def new_blob(header: BlockHeader) -> tuple[bytearray, memoryview]:
@@ -275,7 +409,36 @@ def seal(header: BlockHeader, blob: bytes | bytearray, algo: str) -> Block:
     """Freeze a filled blob (one copy, at export, so that serving it never copies),
     digested under ``algo`` (the card's ``block_digest``)."""
     frozen = bytes(blob)
-    return Block(header, frozen, digest_of(frozen, algo), len(frozen) - header.payload_bytes)
+    start = len(frozen) - header.payload_bytes
+    digest, parts = block_digest(frozen, start, header, algo)
+    return Block(header, frozen, digest, start, parts)
+
+
+def trim(block: Block, mask: int) -> Block:
+    """``block`` with only the parts in ``mask`` (a subset of its own): the blob a
+    receiver of those parts holds, verified by the same digest."""
+    if mask == block.present:
+        return block
+    if mask != ALL and block.present != ALL and mask & ~block.present:
+        raise ValueError("a trimmed block cannot grow parts")
+    if mask == ALL:
+        raise ValueError("a trimmed block cannot be made whole")
+    view, sizes = block.payload(), block.header.part_sizes
+    pieces, off = [memoryview(block.blob)[: block.payload_offset]], 0
+    for i, n in enumerate(sizes):
+        if has(block.present, i):
+            if has(mask, i):
+                pieces.append(view[off : off + n])
+            off += n
+    digests = [d for i, d in _present(block) if has(mask, i)]
+    blob = b"".join(pieces)
+    return Block(block.header, blob, block.digest, block.payload_offset, tuple(digests), mask)
+
+
+def _present(block: Block) -> Iterator[tuple[int, bytes]]:
+    """(part, digest) of each present part."""
+    present = (i for i in range(len(block.header.part_sizes)) if has(block.present, i))
+    return zip(present, block.parts, strict=True)
 
 
 # -- decoding ---------------------------------------------------------------
@@ -458,12 +621,12 @@ def check_form(header: BlockHeader) -> None:
 
 
 def check_block(block: Block, layout: Layout) -> None:
-    """:func:`check_header`, and the blob holds exactly the payload it announces."""
+    """:func:`check_header`, and the blob holds exactly the payload it announces
+    (of a trimmed block: its present parts)."""
     check_header(block.header, layout)
-    if (
-        block.payload_offset < PREFIX.size
-        or len(block.blob) != block.payload_offset + block.header.payload_bytes
-    ):
+    if block.payload_offset < PREFIX.size or len(
+        block.blob
+    ) != block.payload_offset + block.header.present_bytes(block.present):
         raise MalformedPayload("block bytes disagree with its header")
 
 
@@ -487,10 +650,20 @@ def decode_block(blob: bytes, layout: Layout, digest: bytes | None = None) -> Bl
         raise MalformedPayload(
             f"payload is {len(blob) - end} bytes, header says {header.payload_bytes}"
         )
-    actual = digest_of(blob, layout.card.block_digest)
+    actual, parts = block_digest(blob, end, header, layout.card.block_digest)
     if digest is not None and actual != digest:
         raise ChecksumMismatch(f"block {header.key.hex()[:12]} digest mismatch")
-    return Block(header, blob, actual, end)
+    return Block(header, blob, actual, end, parts)
+
+
+def digest_blob(blob: Any, algo: str) -> bytes:
+    """The digest of a whole block's bytes read under no card (a tool naming a file
+    by its digest); raises :class:`MalformedPayload` when they are no block."""
+    end = PREFIX.size + parse_prefix(blob)
+    header = read_header(memoryview(blob)[PREFIX.size : end])
+    if len(blob) != end + header.payload_bytes:
+        raise MalformedPayload("block bytes disagree with its header")
+    return block_digest(blob, end, header, algo)[0]
 
 
 def chunks(blob: bytes, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
@@ -503,7 +676,7 @@ def chunks(blob: bytes, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
 
 class Assembler:
     """Reassembles one block from chunks, validating the header before anything
-    payload-sized is kept and hashing as bytes arrive. A block that arrives as one
+    payload-sized is kept, and its digest once whole. A block that arrives as one
     chunk becomes the block's blob as is (no copy)."""
 
     def __init__(self, layout: Layout, total: int, digest: bytes | None = None) -> None:
@@ -514,7 +687,6 @@ class Assembler:
         self.digest = digest
         self._parts: list[bytes] = []
         self.filled = 0
-        self._hash = hasher(layout.card.block_digest)
         self.header: BlockHeader | None = None
         self._head = b""
 
@@ -534,7 +706,6 @@ class Assembler:
                     if end + self.header.payload_bytes != self.total:
                         raise MalformedPayload("announced size disagrees with header")
                     self._head = b""
-        self._hash.update(chunk)
         self._parts.append(chunk)
         self.filled += len(chunk)
 
@@ -545,9 +716,10 @@ class Assembler:
     def finish(self) -> Block:
         if self.header is None or self.filled != self.total:
             raise MalformedPayload(f"truncated block: {self.filled} of {self.total} bytes")
-        actual = self._hash.digest()
-        if self.digest is not None and actual != self.digest:
-            raise ChecksumMismatch(f"block {self.header.key.hex()[:12]} digest mismatch")
         blob = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
         self._parts = []
-        return Block(self.header, blob, actual, self.total - self.header.payload_bytes)
+        start = self.total - self.header.payload_bytes
+        actual, parts = block_digest(blob, start, self.header, self.layout.card.block_digest)
+        if self.digest is not None and actual != self.digest:
+            raise ChecksumMismatch(f"block {self.header.key.hex()[:12]} digest mismatch")
+        return Block(self.header, blob, actual, start, parts)

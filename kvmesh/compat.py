@@ -23,7 +23,9 @@ from typing import Any
 # 2: block_digest joined the card; 3: a block's sliding-window layers carry all of
 # its positions and a prefix of any length imports (the last window of them);
 # 4: per-layer geometry (layer_geometry) and recurrent state checkpoints (state_every)
-SCHEMA_VERSION = 4
+# 5: a block's digest is a root over its header and its parts' digests (codec.block_digest),
+# so a block trimmed to the parts an import needs is still verified against it
+SCHEMA_VERSION = 5
 #: ``state_every`` of a card whose blocks carry the recurrent state where its producer
 #: kept one (vLLM's ``--mamba-cache-mode align``: the end of each prefill chunk), not on
 #: a fixed grid: an import ends on a block that carries it (see ``state_optional``)

@@ -45,8 +45,8 @@ from .codec import (
     PREFIX,
     Block,
     BlockHeader,
+    block_digest,
     check_form,
-    digest_of,
     read_header,
 )
 from .codec import parse_prefix as _parse_prefix
@@ -189,9 +189,14 @@ class DiskFiles:
                 blob: bytes | memoryview = f.read(nbytes + 1)
             else:  # streamed by slices; never whole in a Python object
                 blob = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        if len(blob) != nbytes or not any(digest_of(blob, a) == digest for a in BLOCK_DIGESTS):
-            raise MalformedPayload("digest mismatch")
-        return Block(header, cast(bytes, blob), digest, nbytes - header.payload_bytes)
+        start = nbytes - header.payload_bytes
+        if len(blob) != nbytes or start < PREFIX.size:
+            raise MalformedPayload("file disagrees with its header")
+        for algo in BLOCK_DIGESTS:
+            actual, parts = block_digest(blob, start, header, algo)
+            if actual == digest:
+                return Block(header, cast(bytes, blob), digest, start, parts)
+        raise MalformedPayload("digest mismatch")
 
     def write(self, block: Block) -> None:
         """Temp name, flush, fsync, rename: the final name only ever holds a whole file."""

@@ -8,6 +8,8 @@ Every method runs under the store lock.
 
 from __future__ import annotations
 
+import dataclasses
+
 from .codec import Block
 from .errors import StoreFull
 from .store_disk import DiskTier
@@ -126,7 +128,7 @@ class RamTier:
             self.no_room = True
             return
         if not isinstance(block.blob, bytes):  # an mmap view: RAM wants its own bytes
-            block = Block(block.header, bytes(block.blob), block.digest, block.payload_offset)
+            block = dataclasses.replace(block, blob=bytes(block.blob))
         e.block = block
         ix.add_ram(e)
         ix.disk_stats.promotions += 1

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import blake3
 import pytest
 
 from kvmesh.codec import (
@@ -23,6 +22,7 @@ from kvmesh.codec import (
     check_form,
     check_header,
     decode_block,
+    digest_blob,
     new_blob,
     parse_prefix,
 )
@@ -293,7 +293,7 @@ def rewrite_header(f: Path, mutate: Any) -> Path:
     hdr = json.dumps(doc, separators=(",", ":")).encode()
     blob = PREFIX.pack(b"KVB1", len(hdr)) + hdr + raw[end : end + size]
     assert len(blob) == PREFIX.size + len(hdr) + size
-    new = f.with_name(blake3.blake3(blob).hexdigest() + ".kvb")
+    new = f.with_name(digest_blob(blob, "blake3").hex() + ".kvb")
     new.write_bytes(blob)
     os.unlink(f)
     return new

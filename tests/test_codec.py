@@ -1,5 +1,7 @@
+import dataclasses
 import hashlib
 import json
+import struct
 import tracemalloc
 
 import blake3
@@ -7,12 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvmesh import codec
 from kvmesh.codec import (
     PREFIX,
     Assembler,
     Layout,
+    check_block,
     chunks,
     decode_block,
+    trim,
 )
 from kvmesh.compat import CompatCard
 from kvmesh.errors import ChecksumMismatch, IncompatibleCard, MalformedPayload, OversizePayload
@@ -123,17 +128,33 @@ def test_announced_size_must_match_header():
         asm.feed(block.blob)
 
 
-def test_digest_is_blake3_of_blob_by_default():
+def _root(block, h):
+    """A block's digest as the schema states it, computed here independently: the
+    hash of the domain, the header's bytes and each part's hash (every layer's K/V,
+    the states, the logits)."""
+    hlen = struct.unpack_from("<I", block.blob, 4)[0]
+    header = block.blob[8 : 8 + hlen]
+    payload, off, parts = block.blob[8 + hlen :], 0, []
+    for size in block.header.part_sizes:
+        parts.append(h(payload[off : off + size]).digest())
+        off += size
+    assert off == len(payload)
+    framed = b"kvmesh/block/v5\0" + struct.pack("<I", hlen) + header
+    return h(framed + struct.pack("<H", len(parts)) + b"".join(parts)).digest()
+
+
+def test_digest_is_blake3_of_the_header_and_parts_by_default():
     block = synthetic_chain(CARD, list(range(9)))[0]
     assert CARD.block_digest == "blake3"
-    assert block.digest == blake3.blake3(block.blob).digest()
+    assert block.digest == _root(block, blake3.blake3)
+    assert len(block.parts) == CARD.num_layers + 2
 
 
 def test_sha256_card_digests_with_sha256_and_is_another_namespace():
     sha = small_card(block_digest="sha256")
     assert sha.namespace != CARD.namespace  # mixed fleets never compare digests
     block = synthetic_chain(sha, list(range(9)))[0]
-    assert block.digest == hashlib.sha256(block.blob).digest()
+    assert block.digest == _root(block, hashlib.sha256)
     assert decode_block(block.blob, Layout(sha), block.digest).digest == block.digest
     asm = Assembler(Layout(sha), len(block.blob), block.digest)
     asm.feed(block.blob)
@@ -142,7 +163,7 @@ def test_sha256_card_digests_with_sha256_and_is_another_namespace():
 
 def test_digest_under_the_wrong_algorithm_is_refused():
     block = synthetic_chain(CARD, list(range(9)))[0]
-    sha = hashlib.sha256(block.blob).digest()
+    sha = _root(block, hashlib.sha256)
     with pytest.raises(ChecksumMismatch):
         decode_block(block.blob, LAYOUT, sha)
     asm = Assembler(LAYOUT, len(block.blob), sha)
@@ -180,3 +201,54 @@ def test_unknown_dtype_is_a_malformed_header_not_a_crash():
     raw = _rewrite_header(block, lambda d: d["layers"][0][0].__setitem__(0, "float7"))
     with pytest.raises(MalformedPayload, match="unknown dtype"):
         read_header(raw[PREFIX.size : PREFIX.size + PREFIX.unpack_from(raw, 0)[1]])
+
+
+SLIDING = small_card(num_layers=3, sliding_windows=(8, 0, 8))
+
+
+def test_keep_from_names_each_layers_first_needed_block():
+    """An import of [0, n) needs a full layer's every position, a sliding layer's
+    from the block holding n - 1 - W (window W; the import may be cut to n - 1),
+    and trims nothing where that saves no block, or on a card whose import may end
+    on a recurrent checkpoint."""
+    lay = Layout(SLIDING)
+    assert lay.keep_from(40) == (28, 0, 28)  # 40 - 1 - 8 = 31 -> block at 28
+    assert lay.keep_from(12) is None  # 12 - 1 - 8 = 3: block 0, nothing saved
+    assert lay.keep_from(13) == (4, 0, 4)
+    assert Layout(CARD).keep_from(400) is None  # no sliding layer
+
+
+def test_a_trimmed_block_keeps_the_producers_digest_and_only_its_parts():
+    lay = Layout(SLIDING)
+    chain = synthetic_chain(SLIDING, list(range(41)))
+    keep = lay.keep_from(41)
+    assert keep == (32, 0, 32)
+    for blk in chain:
+        want = lay.want(blk.header, keep)
+        part = trim(blk, want)
+        check_block(part, lay)
+        assert part.digest == blk.digest
+        end = blk.header.start + blk.header.tokens
+        if end <= 32:  # before the window: only the full layer (and empty parts) travel
+            assert [i for i, _ in part.kv_layers()] == [1]
+            assert len(part.blob) < len(blk.blob)
+            with pytest.raises(ValueError):
+                list(part.kv_tensors())
+        else:
+            assert part is blk and part.whole
+        whole = dict(blk.kv_layers())
+        for i, tensors in part.kv_layers():
+            assert [bytes(v) for _, v in tensors] == [bytes(v) for _, v in whole[i]]
+        if blk.header.logits is not None:
+            assert bytes(part.logits_bytes()) == bytes(blk.logits_bytes())
+
+
+def test_a_trimmed_block_whose_bytes_lie_is_refused():
+    lay = Layout(SLIDING)
+    blk = synthetic_chain(SLIDING, list(range(41)))[0]
+    part = trim(blk, lay.want(blk.header, lay.keep_from(41)))
+    short = dataclasses.replace(part, blob=part.blob[:-1])
+    with pytest.raises(MalformedPayload):
+        check_block(short, lay)
+    with pytest.raises(ValueError):
+        trim(part, codec.ALL)

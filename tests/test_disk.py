@@ -7,12 +7,11 @@ import os
 import random
 from pathlib import Path
 
-import blake3
 import pytest
 from click.testing import CliRunner
 
 from kvmesh.blocks import BlockKeyer
-from kvmesh.codec import MAX_CHUNK_BYTES, PREFIX, chunks, parse_prefix
+from kvmesh.codec import MAX_CHUNK_BYTES, PREFIX, chunks, digest_blob, parse_prefix
 from kvmesh.disk import DiskConfig
 from kvmesh.errors import StoreFull
 from kvmesh.store import BlockStore
@@ -547,6 +546,6 @@ def test_head_process_own_disk_hit_and_bad_files(tmp_path):
 
         wait_for(lambda: not list((disk / "tmp").iterdir()), what="the disk writer")
         for f in (disk / "blocks").glob("*.kvb"):
-            assert blake3.blake3(f.read_bytes()).hexdigest() == f.stem, f
+            assert digest_blob(f.read_bytes(), "blake3").hex() == f.stem, f
     finally:
         h.stop()
