@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_network_api import HOSTILE, IP, KEY, fleet  # noqa: F401  (fixture)
+from .test_network_api import HOSTILE, IP, KEY, fetched_from_a_peer, fleet  # noqa: F401
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(
@@ -84,6 +84,27 @@ def test_dashboard_shows_the_fleet_live_and_safely(fleet, browser):  # noqa: F81
     page.click("#keyform button")
     page.wait_for_function(
         "document.getElementById('status').innerText.startsWith('private')", timeout=10000
+    )
+    page.close()
+
+
+def test_the_link_column_shows_a_measured_peer_to_admins(fleet, browser, tiny_engine):  # noqa: F811
+    """After the head fetched from a peer, the private nodes table shows its link
+    (Mbit/s and the last choice); the public one shows none."""
+    head, _, _ = fleet
+    peer = fetched_from_a_peer(fleet, tiny_engine)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(head.url + "/")
+    page.wait_for_function(
+        "document.querySelectorAll('#nodes tbody tr').length >= 3", timeout=15000
+    )
+    assert "Mbit/s" not in page.locator("#nodes").inner_text()
+    page.fill("#apikey", KEY)
+    page.click("#keyform button")
+    page.wait_for_function(
+        "[...document.querySelectorAll('#nodes tbody tr')].some(r => r.innerText.includes("
+        f"{peer!r}) && r.innerText.includes('Mbit/s') && r.innerText.includes('fetch'))",
+        timeout=10000,
     )
     page.close()
 

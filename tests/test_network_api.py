@@ -218,3 +218,34 @@ def test_metrics_count_prefill_work_and_cancellations_by_stage(fleet):
         assert f"kvmesh_{name}_total " in text, name
     for stage in ("queued", "prefilling", "running"):
         assert f'kvmesh_requests_cancelled_total{{stage="{stage}"}}' in text
+
+
+def fetched_from_a_peer(fleet, engine) -> str:
+    """Publish prompts to the fleet's peers until the head fetches one from a peer
+    (a publisher's blocks may land on the head itself: local, no link); its alias."""
+    from .test_mesh import prompt, published
+
+    head, p1, p2 = fleet
+    for i in range(8):
+        toks = prompt(engine, 200, f"link rate {i} ")
+        published(engine, [p1], toks)
+        body = {"model": "demo-tiny", "prompt": toks, "max_tokens": 1}
+        report = head.http.post("/v1/completions", json=body).json()["kvmesh"]
+        if report["source"] == "remote" and report["peer"] in {p1.alias, p2.alias}:
+            return report["peer"]
+    pytest.fail("no prompt was fetched from a peer")
+
+
+def test_the_heads_link_to_a_peer_shows_to_admins_only(fleet, tiny_engine):
+    """A prompt published to a peer and fetched by the head: an admin's node rows
+    show the link rate the head measured to that peer and its choice there
+    (fetch); public rows show neither."""
+    head, _, _ = fleet
+    peer = fetched_from_a_peer(fleet, tiny_engine)
+    admin = head.http.get("/v1/network/nodes", headers={"X-API-Key": KEY}).json()["nodes"]
+    row = next(n for n in admin if n["alias"] == peer)
+    assert row["link_mbps"] > 0 and row["last_choice"] == "fetch"
+    me = next(n for n in admin if n["status"] == "self")
+    assert me["link_mbps"] is None and me["last_choice"] is None
+    public = head.http.get("/v1/network/nodes").json()["nodes"]
+    assert not any({"link_mbps", "link_rtt_ms", "last_choice"} & set(n) for n in public)

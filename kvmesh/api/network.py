@@ -5,7 +5,9 @@ never prompts, prefix hashes, IP addresses, node ids or epochs, and no row of on
 request (token series are ``PUBLIC_BUCKET_S`` windows of at least
 ``MIN_PUBLIC_REQUESTS`` requests; transfers are listed to admins only). With an
 admin key (``--admin-key-file``; the guard decided the role) the same endpoints
-add addresses, endpoints, RTTs, epochs and the last transfers, and the writes
+add addresses, endpoints, RTTs, the link rate the head's planner measured to
+each peer and its last fetch-or-compute choice there (``link_mbps``,
+``link_rtt_ms``, ``last_choice``), epochs and the last transfers, and the writes
 open: groups, pairing. A tenant's key is never an admin's (403). Pairing tokens
 are single use and expire; redeeming one over plaintext from off the host is
 refused (the scheme is the connection's own: forwarded headers count only from
@@ -173,9 +175,24 @@ def _node_rows(runtime: HeadRuntime, state: NetworkState, private: bool) -> list
                     }
                     for e in card.endpoints
                 ],
+                **_link(runtime, card.node_id, is_self),
             )
         rows.append(row)
     return rows
+
+
+def _link(runtime: HeadRuntime, node_id: str, is_self: bool) -> dict[str, Any]:
+    """The head planner's view of its link to a peer (admins only: a rate and a
+    choice hint at what was fetched)."""
+    link = None if is_self else runtime.planner.link(node_id)
+    if link is None:
+        return {"link_mbps": None, "link_rtt_ms": None, "last_choice": None}
+    rate, rtt = link["bytes_per_s"], link["rtt_s"]
+    return {
+        "link_mbps": None if rate is None else round(rate * 8 / 1e6, 1),
+        "link_rtt_ms": None if rtt is None else round(rtt * 1e3, 2),
+        "last_choice": link["last_choice"] or None,
+    }
 
 
 def peer_health(runtime: HeadRuntime, node_id: str, backed_off: Mapping[str, float]) -> str:
@@ -238,6 +255,9 @@ def _prefill(runtime: HeadRuntime, state: NetworkState, private: bool) -> dict[s
                     "gbps": round(tr.gbps, 3),
                     "at": tr.at,
                     "blocks": tr.blocks,
+                    "wire_bytes": tr.wire_bytes,
+                    "codec": tr.codec,
+                    "trimmed": tr.trimmed,
                 }
             )
     return {

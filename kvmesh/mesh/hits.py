@@ -43,11 +43,24 @@ class PeerHit:
 
 @dataclass(frozen=True)
 class Transfer:
+    """One fetch as the dashboard lists it: ``bytes`` of verified blocks in
+    ``seconds``; ``wire_bytes`` what crossed the wire (frames included; 0:
+    not counted), ``raw_bytes`` the blocks' bytes whole (before a window trim or
+    a codec), ``link_s`` connected to last byte in, ``connect_s`` connecting,
+    ``codec`` the part codec used ("" none), ``trimmed`` whether sliding
+    layers' positions outside the window were left out."""
+
     peer: str
     bytes: int
     seconds: float
     blocks: int
     at: float
+    wire_bytes: int = 0
+    raw_bytes: int = 0
+    link_s: float = 0.0
+    connect_s: float = 0.0
+    codec: str = ""
+    trimmed: bool = False
 
     @property
     def gbps(self) -> float:

@@ -6,6 +6,9 @@
   ``kvmesh_fetches_served_total``, ``kvmesh_bytes_served_total``,
   ``kvmesh_fetch_rate`` (the recent fetches per second its card gossips as
   ``load``) and ``kvmesh_hot_prefixes`` (prefixes it answers that ask for replicas).
+- ``kvmesh_link_bytes_per_second{peer}``: the wire rate this node measured
+  fetching from each peer (when a planner feeds ``MeshNode.link_rates``; peers
+  named by alias, else the start of their node id).
 - ``kvmesh_kv_events{outcome}`` (routers' KV events: changes, published,
   dropped...) and ``kvmesh_events{kind, side}`` (every counter of the node's
   server and client, ``side`` telling which).
@@ -77,6 +80,24 @@ class NodeCollector(Collector):
         yield from self._events(node)
         yield from self._failures(node)
         yield from self._kv_events(node)
+        yield from self._links(node)
+
+    def _links(self, node: Any) -> Iterator[Any]:
+        source = getattr(node, "link_rates", None)
+        g = GaugeMetricFamily(
+            "kvmesh_link_bytes_per_second",
+            "Wire bytes per second measured fetching from a peer (EWMA)",
+            labels=["peer"],
+        )
+        if source is not None:
+            alias = {c.node_id: c.alias for c in node.membership.live()}
+            seen: set[str] = set()
+            for r in source():
+                name = alias.get(r["node_id"], r["node_id"][:12])
+                if r["bytes_per_s"] is not None and name not in seen:  # labels unique
+                    seen.add(name)
+                    g.add_metric([name], r["bytes_per_s"])
+        yield g
 
     def _store(self, node: Any) -> Iterator[Any]:
         s = node.store.stats

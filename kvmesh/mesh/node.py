@@ -7,6 +7,11 @@ path (:mod:`.bulk_server`) serves block bytes from its own threads on ``data_por
 ``kvmesh peer`` runs one as a cache-only node; a head runs one too (a head is
 also a peer). :class:`NodeThread` hosts a node's loop in a background thread so
 synchronous engine code can call into it.
+
+The card carries what this node measured fetching from its peers
+(``CapabilityCard.links``, at most ``MAX_CARD_LINKS``) when whoever plans its
+fetches sets :attr:`MeshNode.link_rates` (a head: its planner's ``links``):
+display only, never another node's planner input.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -37,6 +42,7 @@ from .server import DEFAULT_MAX_BLOCK_BYTES, CacheService, start_server
 
 log = logging.getLogger("kvmesh.node")
 T = TypeVar("T")
+MAX_CARD_LINKS = 16  # LinkRates a card carries
 
 
 @dataclass
@@ -65,6 +71,8 @@ class NodeConfig:
     data_port: int = 0  # the bulk path's port on the listen host (0: any free port)
     advertise_data_port: int = 0  # the port peers dial, if not data_port (forwarding)
     local_socket: bool = True  # bulk over a Unix socket with nodes on this host
+    window_trim: bool = True  # fetch only the parts an import needs (sliding windows)
+    serve_rate: float = 0.0  # bytes/s this node's bulk path sends at most (0: no cap)
     kv_events: EventsConfig | None = None  # publish vLLM-format KV events (mesh/events.py)
 
     def disk(self) -> DiskConfig | None:
@@ -117,6 +125,8 @@ class MeshNode:
         self._server: Any = None
         self._gossip: asyncio.Task[None] | None = None
         self.extra_namespaces: dict[str, str] = {}  # hex -> summary (a head's own model)
+        # measured links for the card: node_id, bytes_per_s, rtt_s, fetches (Planner.links)
+        self.link_rates: Callable[[], list[dict[str, Any]]] | None = None
         self._disk_namespaces = self.store.namespaces() if config.disk_path else set()
 
     def _card(self) -> pb.CapabilityCard:
@@ -143,7 +153,28 @@ class MeshNode:
             host=self.client.local_host if self.bulk is not None and self.bulk.local_path else b"",
             fetches_served=self.cache.counters["fetches"],
             bytes_served=self.cache.counters["bytes_served"],
+            links=self._links(),
         )
+
+    def _links(self) -> list[pb.LinkRate]:
+        """This node's measured links for its card; none when nothing plans here or
+        the source fails (a card is always built)."""
+        if self.link_rates is None:
+            return []
+        try:
+            rows = self.link_rates()[:MAX_CARD_LINKS]
+            return [
+                pb.LinkRate(
+                    node_id=str(r["node_id"]),
+                    bytes_per_s=float(r["bytes_per_s"] or 0.0),
+                    rtt_s=float(r.get("rtt_s") or 0.0),
+                    fetches=int(r.get("fetches") or 0),
+                )
+                for r in rows
+            ]
+        except Exception as e:  # display only: never worth a card
+            log.debug("link rates left off the card: %r", e)
+            return []
 
     async def start(self) -> None:
         self._server, self.port, _ = await start_server(
@@ -156,7 +187,9 @@ class MeshNode:
         )
         host = self.config.listen.rpartition(":")[0].strip("[]")
         if self.config.bulk:
-            self.bulk = BulkServer(self.cache, self.auth, self.config.security.tls)
+            self.bulk = BulkServer(
+                self.cache, self.auth, self.config.security.tls, serve_rate=self.config.serve_rate
+            )
             local = local_socket_path(self.node_id) if self.client.local_host else ""
             bound = self.bulk.start(host, self.config.data_port, local)
             self.data_port = self.config.advertise_data_port or bound

@@ -1,9 +1,18 @@
 """The cost model and the per-peer circuit breaker: the one policy every caller
 of the fleet (the head, the vLLM connector) applies.
 
-*Cost*: fetch a prefix only when transfer + import beats computing it. Local
-prefill speed and each peer's bandwidth and RTT are learned as exponentially
-weighted averages, so a slow link or a fast accelerator chooses recompute.
+*Cost* (:meth:`Planner.choose`): fetch a prefix only when it beats computing
+it: ``fetch_s = rtt + wire bytes / link rate + raw bytes / import rate``
+against ``compute_s``, the local prefill curve's cost of the tokens the fetch
+saves. Each peer's link rate and RTT are learned from real fetches
+(:meth:`Planner.observe_link`; priors by interface until then), the prefill
+curve ``a·n + b·n²`` from recent prefills, the import rate as an EWMA (all in
+:mod:`.links`), so a slow link or a fast accelerator chooses recompute. A peer
+busy serving others is slower: its rate is divided by ``1 + load × its mean
+fetch time + our fetches in flight to it``. With a home directory, learned
+link rates and prefill samples persist in ``links.json`` (:mod:`.links`), so a
+restarted head chooses as well as the one before. ``force`` ("fetch" or
+"compute") overrides the choice (not the estimates): for measuring both.
 
 *Breaker*: a peer that failed is not planned on for a while (invariant 10), per
 kind of failure. A *lookup* failure is forgiven by the next lookup the peer
@@ -28,21 +37,32 @@ all, the peer is blamed as ``stalled``. Lookup failures are counted
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypedDict
+from pathlib import Path
+from typing import Any, TypedDict
 
 from ..errors import CacheMiss, KVMeshError, LocalBusy, PeerBusy, Reason
+from .links import (
+    LINK_PRIORS,
+    LINKS_FILE,
+    MAX_SAVED_LINKS,
+    LinkBook,
+    LinksFile,
+    PrefillFit,
+    Saved,
+    ewma,
+)
 from .telemetry import Family, Tally, labelled
 
 log = logging.getLogger("kvmesh.planner")
 
-ALPHA = 0.3
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 HALF_LIFE_S = 60.0  # a failure's weight halves over this much quiet time
@@ -53,6 +73,8 @@ STALL_S = 2.0  # how long a peer may keep a stream silent (MeshClient's progress
 # about the lookup deadline, 0.25 s by default)
 DEADLINE_SLACK_S = 0.5
 LOOKUP, FETCH = "lookup", "fetch"
+FORCES = ("fetch", "compute")
+MAX_CARD_LINKS = 16  # links a node's card carries (display only)
 
 
 class LookupHooks(TypedDict):
@@ -111,18 +133,36 @@ class _Silence:
     at: float = 0.0
 
 
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+@dataclass(frozen=True)
+class Choice:
+    """Fetch or compute, and the estimates it was made from: ``rate`` is the wire
+    bytes/s assumed (measured or the interface's prior, less the peer's load),
+    ``measured`` whether it was measured."""
+
+    fetch: bool
+    fetch_s: float
+    compute_s: float
+    rate: float
+    rtt_s: float = 0.0
+    measured: bool = False
+
+    @property
+    def name(self) -> str:
+        return "fetch" if self.fetch else "compute"
 
 
 @dataclass
 class Estimate:
+    """The old interface (:meth:`Planner.estimate`); ``forced``: the planner's
+    ``force``, which overrides the comparison."""
+
     fetch_s: float
     compute_s: float
+    forced: bool | None = None
 
     @property
     def worth_it(self) -> bool:
-        return self.fetch_s < self.compute_s
+        return self.fetch_s < self.compute_s if self.forced is None else self.forced
 
 
 @dataclass
@@ -156,59 +196,232 @@ class Planner:
     def __init__(
         self,
         prefill_tps: float = 100.0,
-        default_bandwidth: float = 100e6,  # bytes/s before a peer is measured
+        default_bandwidth: float = LINK_PRIORS["unknown"],  # bytes/s, interface unknown
         default_rtt: float = 0.002,
         import_bandwidth: float = 2e9,
         clock: Callable[[], float] = time.monotonic,
         backoff_first_s: float = BACKOFF_FIRST_S,
         half_life_s: float = HALF_LIFE_S,
         stall_s: float = STALL_S,
+        *,
+        home: str | Path | None = None,
+        model: str = "",
+        force: str | None = None,
+        wall: Callable[[], float] = time.time,
+        priors: Mapping[str, float] | None = None,
     ) -> None:
+        """``prefill_tps``: the local prefill rate assumed before one is measured;
+        ``home``: where ``links.json`` is kept (None: nothing persists); ``model``:
+        the key its prefill samples are kept under (e.g. the card's namespace
+        hex; empty: none kept); ``force``: "fetch" or "compute" whatever the
+        estimates say; ``wall``: the clock measurements are dated by (expiry)."""
+        if force not in (None, *FORCES):
+            raise ValueError(f"force must be one of {FORCES} or None, not {force!r}")
         self.backoff_first_s = backoff_first_s
         self.half_life_s = half_life_s
         self.stall_s = stall_s
+        self.force = force
         self._lock = threading.Lock()
         self._clock = clock
         self._breakers: OrderedDict[str, _Breaker] = OrderedDict()  # least recently failed first
         self._silence: OrderedDict[str, _Silence] = OrderedDict()  # least recently silent first
         self.quarantined: set[str] = set()  # peers whose KV failed an audit
-        self.prefill_tps: float | None = None
-        self._prior_tps = prefill_tps
-        self.default_bandwidth = default_bandwidth
+        self._tps: float | None = None  # recent tokens/s (display; the fit decides)
+        self._prefill = PrefillFit(prefill_tps)
         self.default_rtt = default_rtt
         self.import_bandwidth = import_bandwidth
-        self.bandwidth: dict[str, float] = {}
-        self.rtt: dict[str, float] = {}
+        self._book = LinkBook({**LINK_PRIORS, **(priors or {}), "unknown": default_bandwidth}, wall)
+        self.model = model
+        self._file = LinksFile(Path(home) / LINKS_FILE, wall) if home is not None else None
+        if self._file is not None:
+            self._restore(self._file.read())
+
+    def _restore(self, saved: Saved) -> None:
+        self._book.restore(saved.links)
+        if self.model and self.model in saved.prefill:
+            at, samples = saved.prefill[self.model]
+            self._prefill.restore(samples, at)
+
+    # -- what is learned ------------------------------------------------------
+
+    @property
+    def default_bandwidth(self) -> float:
+        return self._book.priors["unknown"]
+
+    @property
+    def prefill_tps(self) -> float | None:
+        """Recent local prefill tokens/s (an EWMA, for display); None before one.
+        Setting it pins the prefill cost to that rate until the next prefill."""
+        return self._tps
+
+    @prefill_tps.setter
+    def prefill_tps(self, tps: float) -> None:
+        with self._lock:
+            self._tps = tps
+            self._prefill.pin(tps)
+
+    @property
+    def bandwidth(self) -> dict[str, float]:
+        """Measured link rates (wire bytes/s) by peer."""
+        with self._lock:
+            return {p: k.rate for p, k in self._book.measured().items() if k.rate is not None}
+
+    @property
+    def rtt(self) -> dict[str, float]:
+        """Measured connect times by peer."""
+        with self._lock:
+            got = {p: self._book.rtt(p) for p in self._book.links}
+        return {p: r for p, r in got.items() if r is not None}
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens >= 16 and seconds > 0:  # short runs measure overhead, not throughput
-            with self._lock:
-                self.prefill_tps = _ewma(self.prefill_tps, tokens / seconds)
+        """One local prefill of ``tokens`` took ``seconds``: teaches the curve."""
+        with self._lock:
+            if not self._prefill.add(tokens, seconds, self._book.wall()):
+                return
+            self._tps = ewma(self._tps, tokens / seconds)
+        self._changed()
+
+    def observe_link(
+        self,
+        peer: str,
+        *,
+        wire_bytes: int,
+        raw_bytes: int,
+        link_s: float,
+        connect_s: float = 0.0,
+        interface: str = "",
+        address: str = "",
+    ) -> None:
+        """A fetch from ``peer`` moved ``wire_bytes`` (``raw_bytes`` once decoded)
+        in ``link_s`` from connected to the last byte in, after ``connect_s`` to
+        connect (0: nothing connected). Teaches the peer's link rate and RTT."""
+        with self._lock:
+            self._book.observe(peer, wire_bytes, raw_bytes, link_s, connect_s, interface, address)
+        self._changed()
 
     def observe_fetch(
         self, peer: str, nbytes: int, seconds: float, rtt: float | None = None
     ) -> None:
-        if nbytes >= 1 << 16 and seconds > 0:
-            with self._lock:
-                self.bandwidth[peer] = _ewma(self.bandwidth.get(peer), nbytes / seconds)
-        if rtt is not None:
-            with self._lock:
-                self.rtt[peer] = _ewma(self.rtt.get(peer), rtt)
+        """The old interface: ``nbytes`` uncompressed in ``seconds``."""
+        self.observe_link(
+            peer, wire_bytes=nbytes, raw_bytes=nbytes, link_s=seconds, connect_s=rtt or 0.0
+        )
 
     def observe_import(self, nbytes: int, seconds: float) -> None:
         if nbytes >= 1 << 16 and seconds > 0:
             with self._lock:
-                self.import_bandwidth = _ewma(self.import_bandwidth, nbytes / seconds)
+                self.import_bandwidth = ewma(self.import_bandwidth, nbytes / seconds)
+
+    # -- the choice -------------------------------------------------------------
+
+    def compute_s(self, tokens: int, have: int = 0) -> float:
+        """Estimated seconds to prefill ``tokens`` locally after ``have`` are in."""
+        with self._lock:
+            return max(0.0, self._prefill.seconds(have + tokens) - self._prefill.seconds(have))
+
+    def link_rate(self, peer: str, interface: str = "") -> float:
+        """Wire bytes/s expected from ``peer``: measured, else the interface's prior."""
+        with self._lock:
+            return self._book.rate(peer, interface)
+
+    def choose(
+        self,
+        peer: str,
+        interface: str,
+        tokens: int,
+        raw_bytes: int,
+        wire_bytes: int | None = None,
+        *,
+        have: int = 0,
+        load: float = 0.0,
+        inflight: int = 0,
+        rtt_s: float | None = None,
+    ) -> Choice:
+        """Fetch ``raw_bytes`` (``wire_bytes`` on the wire: less when trimmed or
+        compressed) from ``peer``, reached on ``interface``, or compute the
+        ``tokens`` it would save after ``have`` already in? ``load``: the fetches
+        per second the peer's card says it serves; ``inflight``: our own fetches
+        to it now; ``rtt_s``: a round trip known otherwise (the membership's),
+        used until a connect is measured. Remembered as the peer's last choice."""
+        wire = raw_bytes if wire_bytes is None else wire_bytes
+        compute = self.compute_s(tokens, have)
+        with self._lock:
+            link = self._book.entry(peer)
+            measured = self._book.fresh(link, link.rate) is not None
+            rtt = self._book.rtt(peer)
+            rtt = rtt if rtt is not None else (rtt_s if rtt_s is not None else self.default_rtt)
+            busy = 1.0 + max(0.0, load) * link.link_s + max(0, inflight)
+            rate = self._book.rate(peer, interface) / (busy if math.isfinite(busy) else 1e9)
+            fetch_s = rtt + wire / rate + raw_bytes / self.import_bandwidth
+            fetch = fetch_s < compute if self.force is None else self.force == "fetch"
+            link.last_choice = "fetch" if fetch else "compute"
+            link.interface = interface or link.interface
+        return Choice(fetch, fetch_s, compute, rate, rtt, measured)
 
     def estimate(self, peer: str | None, tokens: int, nbytes: int) -> Estimate:
-        tps = self.prefill_tps or self._prior_tps
-        compute = tokens / tps
-        imp = nbytes / self.import_bandwidth
-        if peer is None:  # local store: import only
-            return Estimate(imp, compute)
-        bw = self.bandwidth.get(peer, self.default_bandwidth)
-        rtt = self.rtt.get(peer, self.default_rtt)
-        return Estimate(rtt + nbytes / bw + imp, compute)
+        """The old interface: :meth:`choose` on an unknown interface; ``peer``
+        None is the local store (import only)."""
+        forced = None if self.force is None else self.force == "fetch"
+        if peer is None:
+            return Estimate(nbytes / self.import_bandwidth, self.compute_s(tokens), forced)
+        c = self.choose(peer, "", tokens, nbytes)
+        return Estimate(c.fetch_s, c.compute_s, forced)
+
+    # -- what is shown and kept -------------------------------------------------
+
+    def links(self, limit: int = MAX_SAVED_LINKS) -> list[dict[str, Any]]:
+        """Measured links, most recently measured first: node_id, bytes_per_s,
+        rtt_s, fetches, last_choice, interface, age_s (display; a card carries
+        the first ``MAX_CARD_LINKS``)."""
+        with self._lock:
+            now = self._book.wall()
+            return [
+                {
+                    "node_id": peer,
+                    "bytes_per_s": k.rate,
+                    "rtt_s": self._book.fresh(k, k.rtt),
+                    "fetches": k.fetches,
+                    "last_choice": k.last_choice,
+                    "interface": k.interface,
+                    "age_s": max(0.0, now - k.at),
+                }
+                for peer, k in list(self._book.measured().items())[:limit]
+            ]
+
+    def link(self, peer: str) -> dict[str, Any] | None:
+        """One peer's link as :meth:`links` shows it, or None if never seen; its
+        ``bytes_per_s`` None while unmeasured (``last_choice`` may be set)."""
+        with self._lock:
+            k = self._book.links.get(peer)
+            if k is None:
+                return None
+            return {
+                "node_id": peer,
+                "bytes_per_s": self._book.fresh(k, k.rate),
+                "rtt_s": self._book.fresh(k, k.rtt),
+                "fetches": k.fetches,
+                "last_choice": k.last_choice,
+                "interface": k.interface,
+            }
+
+    def _changed(self) -> None:
+        if self._file is not None:
+            self._file.schedule(self.flush)
+
+    def _saved(self) -> Saved:
+        with self._lock:
+            links = dict(list(self._book.measured().items())[:MAX_SAVED_LINKS])
+            links = {p: dataclasses.replace(k, last_choice="") for p, k in links.items()}
+            prefill = {}
+            if self.model and self._prefill.samples:
+                prefill[self.model] = (self._prefill.at, list(self._prefill.samples))
+        return Saved(links, prefill)
+
+    def flush(self) -> None:
+        """Write ``links.json`` now (a head closing); nothing without a home."""
+        if self._file is not None:
+            self._file.cancel()
+            self._file.write(self._saved())
 
     # -- per-peer health -------------------------------------------------------
 
@@ -342,7 +555,3 @@ class Planner:
         with self._lock:
             untils = {p: b.until() for p, b in self._breakers.items()}
         return {p: t - now for p, t in untils.items() if t > now}
-
-    def compute_s(self, tokens: int) -> float:
-        """Estimated seconds to prefill ``tokens`` locally."""
-        return tokens / (self.prefill_tps or self._prior_tps)

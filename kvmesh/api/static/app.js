@@ -85,8 +85,16 @@ function renderNodes(nodes) {
     return [n.alias, n.roles.join(", "), n.region || "–", el("span", n.status, n.status),
       el("span", health, "health-" + health.replace(/[^a-z]+/g, "-")), fmtAge(n.card_age_s),
       fmtAge(n.epoch_age_s), n.interfaces.join(", "), bar, n.capacity.entries, n.hit_ratio === null ? "–" : (n.hit_ratio * 100).toFixed(0) + "%",
-      n.served ? n.served.fetches + " · " + fmtBytes(n.served.bytes) + " · " + n.served.per_s + "/s" : "–"];
+      n.served ? n.served.fetches + " · " + fmtBytes(n.served.bytes) + " · " + n.served.per_s + "/s" : "–", fmtLink(n)];
   });
+}
+// the head's measured link to a node and its last fetch-or-compute choice there (admins only)
+function fmtLink(n) {
+  if (n.link_mbps === undefined) return "–";  // public view
+  const parts = [n.link_mbps === null ? "unmeasured" : n.link_mbps + " Mbit/s"];
+  if (n.link_rtt_ms !== null) parts.push(n.link_rtt_ms.toFixed(1) + " ms");
+  if (n.last_choice) parts.push(n.last_choice);
+  return n.link_mbps === null && !n.last_choice && n.link_rtt_ms === null ? "–" : parts.join(" · ");
 }
 
 function renderChart(series) {
