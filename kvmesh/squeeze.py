@@ -26,8 +26,9 @@ Contract:
   pool while sending part ``i``.
 - :class:`Calibration` keeps EWMAs per codec of the ratio (raw/wire) and of the encode and
   decode speeds, and :meth:`Calibration.best` picks the codec that moves ``nbytes`` fastest
-  over a link: ``argmin max(wire/link, nbytes/enc, nbytes/dec)`` (raw: ``nbytes/link``), so a
-  fast link picks ``raw`` with no special case and an unmeasured codec is never picked.
+  over a link: ``argmin max(wire/link, nbytes/enc, nbytes/dec)`` (raw: ``nbytes/link``, which
+  a codec must beat by 5%), so a fast link picks ``raw`` with no special case and an
+  unmeasured codec is never picked.
 """
 
 from __future__ import annotations
@@ -337,14 +338,20 @@ class Calibration:
         return max(nbytes / s["ratio"] / link_bytes_per_s, nbytes / s["enc"], nbytes / s["dec"])
 
     def best(
-        self, link_bytes_per_s: float, nbytes: int, allowed: Iterable[str] | None = None
+        self,
+        link_bytes_per_s: float,
+        nbytes: int,
+        allowed: Iterable[str] | None = None,
+        min_gain: float = 0.05,
     ) -> str:
         """The codec (of ``allowed``, default all available) that moves ``nbytes`` fastest
-        over a link of ``link_bytes_per_s``; ``raw`` where the link is unknown (<= 0)."""
+        over a link of ``link_bytes_per_s``; ``raw`` where the link is unknown (<= 0), and
+        unless a codec beats raw's time by ``min_gain`` (as a part is sent raw unless it
+        saves 5%: a percent is within the estimates' noise and costs both CPUs)."""
         if link_bytes_per_s <= 0 or nbytes <= 0:
             return "raw"
         names = set(available()) if allowed is None else set(allowed) & set(available())
-        best, best_t = "raw", nbytes / link_bytes_per_s
+        best, best_t = "raw", nbytes / link_bytes_per_s * (1.0 - min_gain)
         for codec in CODECS:  # a fixed order: ties go to the simpler codec
             t = self.seconds(codec, link_bytes_per_s, nbytes) if codec in names else None
             if t is not None and t < best_t:

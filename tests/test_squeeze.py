@@ -218,9 +218,10 @@ def test_every_one_byte_flip_is_refused_or_decodes_to_the_size(codec: str) -> No
 
 def _calibrated(ratio: float, speed: float, codecs=("bp-zstd1",)) -> squeeze.Calibration:
     cal = squeeze.Calibration()
+    raw = 1 << 20
     for c in codecs:
-        cal.observe(c, 1_400_000, 1_000_000, encode_s=1_400_000 / speed)
-        cal.observe(c, 1_400_000, int(1_400_000 / ratio), decode_s=1_400_000 / speed)
+        cal.observe(c, raw, round(raw / ratio), encode_s=raw / speed)
+        cal.observe(c, raw, round(raw / ratio), decode_s=raw / speed)
     return cal
 
 
@@ -237,6 +238,13 @@ def test_best_follows_the_link() -> None:
     cal.observe("bp-lz4", 100, 50, encode_s=100 / 50e6, decode_s=100 / 50e6)
     assert cal.best(12.5e6, nbytes) == "bp-lz4"
     assert cal.best(100e6, nbytes) == "bp-zstd1"
+
+
+def test_a_gain_within_the_noise_keeps_raw() -> None:
+    """Plain LZ4 on float KV: a few parts shrink (ratio 1.01), at a speed above the link."""
+    cal = _calibrated(1.01, 2e9, codecs=("lz4",))
+    assert cal.best(1.25e9, 1 << 26) == "raw"
+    assert cal.best(1.25e9, 1 << 26, min_gain=0.0) == "lz4"
 
 
 def test_unmeasured_codecs_are_not_picked() -> None:
