@@ -10,6 +10,13 @@ last ``W - 1`` positions; mlx-lm's rotating cache: the last ``W``). Backends kee
 a sliding layer's positions past the window (a per-layer record) so they can be
 exported and cropped. A recurrent state is restorable only where it was kept
 (:meth:`EngineBase.restorable`).
+
+An import may leave out a sliding layer's positions before its window
+(``keep_from``, :class:`~kvmesh.engine.state.Importer`): its cache then holds
+that layer from a low bound on, which export and crops never read below
+(:class:`~kvmesh.errors.CacheMiss`), and :meth:`EngineBase.restorable` says 0
+for a cut whose window would reach below it, so sessions and crops compute
+instead.
 """
 
 from __future__ import annotations
@@ -90,11 +97,16 @@ class EngineBase(abc.ABC):
     # -- KV -------------------------------------------------------------------
 
     @abc.abstractmethod
-    def importer(self, n_tokens: int) -> Importer:
-        """An empty KV buffer for positions [0, n_tokens) that blocks are copied into."""
+    def importer(self, n_tokens: int, keep_from: Sequence[int] | None = None) -> Importer:
+        """An empty KV buffer for positions [0, n_tokens) that blocks are copied into;
+        with ``keep_from`` (:meth:`Layout.keep_from` of ``n_tokens``), layer ``i``'s
+        from position ``keep_from[i]`` on only, from trimmed blocks
+        (:class:`~kvmesh.engine.state.Importer`)."""
 
     def _import(self, blocks: Sequence[Block], n_tokens: int) -> Any:
-        imp = self.importer(n_tokens)
+        # trimmed blocks handed over without an importer: trimmed as the card says
+        whole = all(b.whole for b in blocks)
+        imp = self.importer(n_tokens, None if whole else self.layout.keep_from(n_tokens))
         for blk in blocks:
             imp.add(blk)
         return imp.cache()
@@ -193,7 +205,7 @@ class EngineBase(abc.ABC):
         )
         tail = prefix[-1] if prefix and prefix[-1].header.kind == "tail" else None
         if p == len(tokens) and tail is not None and self.restorable(cache, p) == p:
-            logits = self._read_logits(next(v for s, v in reversed(list(tail.tensors()))))
+            logits = self._read_logits(tail.logits_bytes())
             return KVState(tokens, cache, logits, p, p, 0, used_stored_logits=True)
         # no stored logits: recompute the last token; a recurrent state restarts
         # from the last checkpoint the prefix carries

@@ -75,7 +75,8 @@ from .state import Importer, KVState
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _NP = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
-_RECORD = "kvmesh_record"  # a sliding layer's K/V of every position [0, cumulative_length)
+_RECORD = "kvmesh_record"  # a sliding layer's K/V of every position [lo, cumulative_length)
+_LO = "kvmesh_lo"  # a sliding layer's first recorded position (0 unless a trimmed import's)
 # transformers >= 5.20's cache layers of KV-shared / recurrent layers; the 5.19 that
 # vLLM 0.32 pins has neither (its models of those kinds then load with reuse off)
 DummyLayer: Any = getattr(cache_utils, "DummyLayer", None)
@@ -252,14 +253,22 @@ def _record(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     return getattr(layer, _RECORD, None)
 
 
+def _lo(layer: Any) -> int:
+    """A layer's first recorded position: above 0 only for a sliding layer of a
+    trimmed import (and caches cut or continued from it)."""
+    return int(getattr(layer, _LO, 0))
+
+
 def _span(layer: Any, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(K, V) of positions [start, stop) of one layer: a full layer's own tensors, a
-    sliding layer's record (every position it was given or computed)."""
+    sliding layer's record (every position it was given or computed from its
+    :func:`_lo` on: a trimmed import never had the earlier ones)."""
     if _sliding(layer):
-        rec = _record(layer)
-        if rec is None or stop > rec[0].shape[-2]:
+        rec, lo = _record(layer), _lo(layer)
+        if rec is None or start < lo or stop > lo + rec[0].shape[-2]:
             raise CacheMiss(f"positions [{start}, {stop}) were not recorded")
         k, v = rec
+        start, stop = start - lo, stop - lo
     else:
         k, v = layer.keys, layer.values
         if stop > k.shape[-2]:
@@ -267,19 +276,33 @@ def _span(layer: Any, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor
     return k[:, :, start:stop], v[:, :, start:stop]
 
 
-def _restore(layer: Any, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
-    """Make ``layer`` hold positions [0, n) given as (K, V), in the state transformers
-    leaves after computing them (device, dtype, length, trimmed window): a sliding
-    layer keeps its last ``W - 1`` positions live (views of ``k``, ``v``: attention
-    sees the very values the producer's did) and all ``n`` as its record."""
+def _restore(layer: Any, k: torch.Tensor, v: torch.Tensor, n: int, lo: int = 0) -> None:
+    """Make ``layer`` hold positions [0, n), given as (K, V) of [lo, n), in the state
+    transformers leaves after computing them (device, dtype, length, trimmed window):
+    a sliding layer keeps its last ``W - 1`` positions live (views of ``k``, ``v``:
+    attention sees the very values the producer's did) and the given ones as its
+    record. ``lo`` > 0 only for a sliding layer whose live window lies within
+    [lo, n): :class:`CacheMiss` otherwise, before the layer is touched."""
+    if lo and (not _sliding(layer) or n - lo < layer.sliding_window - 1):
+        raise CacheMiss(f"positions [0, {lo}) of a layer are not held: cannot restore {n}")
     layer.lazy_initialization(k, v)  # device, is_initialized, the window tensor's device
     if _sliding(layer):
         keep = layer.sliding_window - 1
         layer.cumulative_length = n
         setattr(layer, _RECORD, (k, v))
+        setattr(layer, _LO, lo)
         if n > keep:  # transformers keeps only the last W - 1 positions
             k, v = k[:, :, -keep:], v[:, :, -keep:]
     layer.keys, layer.values = k, v
+
+
+def _floor(cache: Any) -> int:
+    """The fewest positions ``cache`` can be cut back to other than none: a trimmed
+    sliding layer's live window (its last ``W - 1``) must lie past its low bound."""
+    return max(
+        (_lo(ly) + ly.sliding_window - 1 for ly in cache.layers if _sliding(ly) and _lo(ly)),
+        default=0,
+    )
 
 
 def _settle(cache: Any, new: int) -> None:
@@ -319,10 +342,16 @@ class _TorchImporter(Importer):
     copies it (a fetch's hasher: see :meth:`kvmesh.mesh.client.MeshClient.warm`).
     In a head every thread shares one pre-faulted heap (:func:`kvmesh.memory.one_heap`);
     in a process that could not set that up first, the hashers' heaps are the
-    ones warmed, not the request thread's that opened the importer."""
+    ones warmed, not the request thread's that opened the importer.
 
-    def __init__(self, engine: TransformersEngine, n_tokens: int) -> None:
-        super().__init__(n_tokens, engine.layout)
+    With ``keep_from`` each layer has a buffer of its own holding positions
+    ``[keep_from[i], n)`` (a trimmed sliding layer's earlier ones never arrive);
+    :meth:`cache` marks the layer's record with that low bound (``kvmesh_lo``)."""
+
+    def __init__(
+        self, engine: TransformersEngine, n_tokens: int, keep_from: Sequence[int] | None = None
+    ) -> None:
+        super().__init__(n_tokens, engine.layout, keep_from)
         c = engine.card
         if kv_quant_params(c.kv_quant) is not None:
             raise ValueError("the torch engine keeps an unquantized KV cache")
@@ -330,9 +359,10 @@ class _TorchImporter(Importer):
         self._dtype = _BY_NAME[c.kv_dtype]  # the card's (probed) dtype: the cache's
         self._np_dtype = _NP[self._dtype]
         kv = [i for i, g in enumerate(c.geometry) if g.has_kv]
-        one = c.uniform and not any(c.sliding_windows)
+        one = c.uniform and not any(c.sliding_windows) and keep_from is None
         self._groups = [kv] if one else [[i] for i in kv]  # layers per buffer
         self._geometry = c.geometry
+        self._lo = _low_bounds(engine, n_tokens, self.keep_from)
         self._alloc = threading.Lock()
         self._kv: list[torch.Tensor] | None = None
         self._states: dict[int, tuple[tuple[torch.Tensor, ...], ...]] = {}
@@ -344,13 +374,22 @@ class _TorchImporter(Importer):
     def _buffers(self) -> list[torch.Tensor]:
         with self._alloc:
             if self._kv is None:
+                n = self.n_tokens
                 self._kv = [
-                    torch.empty(self._shape(g, self.n_tokens), dtype=self._dtype)
+                    torch.empty(self._shape(g, n - self._lo[g[0]]), dtype=self._dtype)
                     for g in self._groups
                 ]
             return self._kv
 
     def _copy(self, block: Block) -> None:
+        if self.keep_from is not None:
+            self._copy_layers(block)
+        else:
+            self._copy_whole(block)
+        if block.header.states:
+            self._keep_state(block)
+
+    def _copy_whole(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
         # add() checked the block against the card: its payload starts with exactly
         # these K/V tensors, in the buffers' order
@@ -361,8 +400,22 @@ class _TorchImporter(Importer):
             src = np.frombuffer(payload, self._np_dtype, count=count, offset=off)
             _np(buf)[:, :, a : a + t] = src.reshape(shape)
             off += count * src.itemsize
-        if block.header.states:
-            self._keep_state(block)
+
+    def _copy_layers(self, block: Block) -> None:
+        """A (possibly trimmed) block's wanted layers, each into its own buffer at
+        its offset (a layer's positions before its low bound are dropped)."""
+        t, a = block.header.tokens, block.header.start
+        bufs = dict(zip((g[0] for g in self._groups), self._buffers(), strict=True))
+        want = self.wanted(block)
+        for i, parts in block.kv_layers():
+            lo = self._lo[i]
+            if not want >> i & 1 or a + t <= lo:
+                continue
+            skip = max(0, lo - a)  # a block across the low bound: its later positions
+            dst = _np(bufs[i])[:, :, a + skip - lo : a + t - lo]
+            for j, (spec, view) in enumerate(parts):  # K then V
+                src = np.frombuffer(view, self._np_dtype).reshape(spec.shape)
+                dst[j] = src[:, skip:]
 
     def _keep_state(self, block: Block) -> None:
         per: list[list[torch.Tensor]] = [[] for _ in self._geometry]
@@ -382,19 +435,38 @@ class _TorchImporter(Importer):
             n = max((p for p in self._states if p <= n), default=0)
             if not n:
                 return None
-        dev = eng.device
+        dev, lows = eng.device, self._lo
         views = {
-            layer: (buf[2 * j : 2 * j + 1, :, :n], buf[2 * j + 1 : 2 * j + 2, :, :n])
+            layer: (buf[2 * j : 2 * j + 1], buf[2 * j + 1 : 2 * j + 2])
             for group, buf in zip(self._groups, self._buffers(), strict=True)
             for j, layer in enumerate(group)
         }
         for i, layer in enumerate(cache.layers):
             if i in views:
-                k, v = views[i]
-                _restore(layer, k.to(dev), v.to(dev), n)
+                k, v = (t[:, :, : n - lows[i]] for t in views[i])
+                _restore(layer, k.to(dev), v.to(dev), n, lows[i])
         if eng.card.state_every:
             eng._restore_states(cache, n, self._states[n], dict(self._states))
         return det.mark(cache, n) if eng.grid else cache
+
+
+def _low_bounds(
+    engine: TransformersEngine, n: int, keep_from: Sequence[int] | None
+) -> tuple[int, ...]:
+    """Per layer, the first position an import holds (all 0 without ``keep_from``),
+    checked so that the import restores: 0 for a full-attention layer; a sliding
+    layer's live window (its last ``W - 1`` of ``n``) within what it holds."""
+    c = engine.card
+    if keep_from is None:
+        return (0,) * c.num_layers
+    if c.state_every or engine.grid:  # imports end on positions only a checkpoint knows
+        raise ValueError("this card's imports are never trimmed")
+    for i, (lo, g) in enumerate(zip(keep_from, c.geometry, strict=True)):
+        if not g.has_kv:
+            continue
+        if not 0 <= lo <= n or (lo and (not g.window or n - lo < g.window - 1)):
+            raise ValueError(f"layer {i} (window {g.window}) cannot be imported from {lo} of {n}")
+    return tuple(lo if g.has_kv else 0 for lo, g in zip(keep_from, c.geometry, strict=True))
 
 
 GROW = 32  # positions a batch cache holds beyond its width: a copy every GROW steps
@@ -744,10 +816,10 @@ class TransformersEngine(EngineBase):
             setattr(cache, _POS, 0)
         return cache
 
-    def importer(self, n_tokens: int) -> _TorchImporter:
+    def importer(self, n_tokens: int, keep_from: Sequence[int] | None = None) -> _TorchImporter:
         if self.reuse_off is not None:
             raise CacheMiss(f"reuse is off for this model: {self.reuse_off}")
-        return _TorchImporter(self, n_tokens)
+        return _TorchImporter(self, n_tokens, keep_from)
 
     @torch.inference_mode()
     def _forward(
@@ -839,7 +911,9 @@ class TransformersEngine(EngineBase):
         if self.grid and cache is not None:
             return det.restorable(cache, super().restorable(cache, n), self.grid)
         if not self._state_every or cache is None:
-            return super().restorable(cache, n)
+            m = super().restorable(cache, n)
+            # a trimmed import: a cut whose window reaches below what it holds computes
+            return m if cache is None or m >= _floor(cache) else 0
         held = getattr(cache, _POS)
         kept = [p for p in getattr(cache, _STATES) if p <= n]
         return max(kept + ([held] if held <= n else []), default=0)
@@ -936,8 +1010,9 @@ class TransformersEngine(EngineBase):
         out = self._new_cache()
         for src, dst in zip(cache.layers, out.layers, strict=True):
             if _holds_kv(src):
-                k, v = _span(src, 0, n_tokens)  # a sliding layer's from its record
-                _restore(dst, k, v, n_tokens)
+                lo = _lo(src)  # a trimmed import's sliding layer: from its low bound
+                k, v = _span(src, lo, n_tokens)  # a sliding layer's from its record
+                _restore(dst, k, v, n_tokens, lo)
         if self._state_every:
             at = self._states_at(cache, n_tokens)
             self._restore_states(out, n_tokens, at, getattr(cache, _STATES))

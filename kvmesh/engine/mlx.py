@@ -110,25 +110,43 @@ def _is_state(layer: Any) -> bool:
 
 
 class _MLXImporter(Importer):
-    """One ``[1, kv_heads, n, head_dim]`` buffer per K or V array (per quantized
-    part) of each layer with a cache of its own; the states blocks carry are kept
-    (NumPy copies) and :meth:`cache` restores the last, keeping the others as the
-    cache's checkpoints."""
+    """One ``[1, kv_heads, n - lo, head_dim]`` buffer per K or V array (per
+    quantized part) of each layer with a cache of its own, holding positions
+    ``[lo, n)`` (``lo``: the layer's ``keep_from``, 0 without); the states blocks
+    carry are kept (NumPy copies) and :meth:`cache` restores the last, keeping the
+    others as the cache's checkpoints. A trimmed rotating layer's record is marked
+    with its low bound (``kvmesh_lo``)."""
 
-    def __init__(self, engine: MLXEngine, n_tokens: int) -> None:
-        super().__init__(n_tokens, engine.layout)
+    def __init__(
+        self, engine: MLXEngine, n_tokens: int, keep_from: Sequence[int] | None = None
+    ) -> None:
+        super().__init__(n_tokens, engine.layout, keep_from)
         self.engine = engine
+        self.lows = _low_bounds(engine, n_tokens, self.keep_from)
         per_layer = engine.layout.layers(n_tokens)
         self.specs = [(i, s) for i, layer in enumerate(per_layer) for s in layer]
-        self.bufs = [np.empty((1, *s.shape), _NP[s.dtype]) for _, s in self.specs]
+        self.bufs = [
+            np.empty((1, s.shape[0], n_tokens - self.lows[i], s.shape[2]), _NP[s.dtype])
+            for i, s in self.specs
+        ]
+        self._first: dict[int, int] = {}  # layer -> the index of its first buffer
+        for j, (i, _) in enumerate(self.specs):
+            self._first.setdefault(i, j)
         self._states: dict[int, States] = {}
         self._lock = threading.Lock()
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
-        # add() checked the block against the card: K/V match the buffers one to one
-        for dst, (spec, view) in zip(self.bufs, block.kv_tensors(), strict=True):
-            dst[0, :, a : a + t] = np.frombuffer(view, _NP[spec.dtype]).reshape(spec.shape)
+        want = self.wanted(block)
+        # add() checked the block against the card: a layer's parts match its buffers
+        for i, parts in block.kv_layers():
+            lo = self.lows[i]
+            if not want >> i & 1 or a + t <= lo:
+                continue
+            skip = max(0, lo - a)  # a block across the low bound: its later positions
+            for j, (spec, view) in enumerate(parts, self._first[i]):
+                src = np.frombuffer(view, _NP[spec.dtype]).reshape(spec.shape)
+                self.bufs[j][0, :, a + skip - lo : a + t - lo] = src[:, skip:]
         if block.header.states:
             eng = self.engine
             per: list[list[Any]] = [[] for _ in range(eng.n_caches)]
@@ -151,17 +169,40 @@ class _MLXImporter(Importer):
         caches = eng.new_cache()
         parts: dict[int, list[Any]] = {}
         for (i, spec), buf in zip(self.specs, self.bufs, strict=True):
-            parts.setdefault(i, []).append(_from_numpy(buf[..., :n, :], spec.dtype))
+            held = buf[..., : n - self.lows[i], :]
+            parts.setdefault(i, []).append(_from_numpy(held, spec.dtype))
         for i, layer_parts in parts.items():
             c = eng.cache_of[i]
             assert c is not None  # a KV layer has a cache of its own (probed)
-            _set_parts(caches[c], layer_parts, n)
+            _set_parts(caches[c], layer_parts, n, self.lows[i])
         if eng.card.state_every:
             eng._restore_states(caches, n, self._states[n], self._states)
         return caches
 
 
-_RECORD = "kvmesh_record"  # a rotating layer's K/V of every position [0, offset)
+def _low_bounds(engine: MLXEngine, n: int, keep_from: Sequence[int] | None) -> tuple[int, ...]:
+    """Per layer, the first position an import holds (all 0 without ``keep_from``),
+    checked so that the import restores: 0 for a full-attention layer; a rotating
+    layer's live window (its last ``W`` of ``n``) within what it holds."""
+    c = engine.card
+    if keep_from is None:
+        return (0,) * c.num_layers
+    if c.state_every:  # imports end on positions only a checkpoint knows
+        raise ValueError("this card's imports are never trimmed")
+    for i, (lo, g) in enumerate(zip(keep_from, c.geometry, strict=True)):
+        if not g.has_kv:
+            continue
+        if not 0 <= lo <= n or (lo and (not g.window or n - lo < g.window)):
+            raise ValueError(f"layer {i} (window {g.window}) cannot be imported from {lo} of {n}")
+    return tuple(lo if g.has_kv else 0 for lo, g in zip(keep_from, c.geometry, strict=True))
+
+
+_RECORD = "kvmesh_record"  # a rotating layer's K/V of every position [lo, offset)
+_LO = "kvmesh_lo"  # a rotating layer's first recorded position (0 unless a trimmed import's)
+
+
+def _lo(layer: Any) -> int:
+    return int(getattr(layer, _LO, 0))
 
 
 def _rotating(layer: Any) -> bool:
@@ -185,18 +226,24 @@ def _arrays(layer: Any) -> tuple[Any, ...]:
     return (*_parts(layer), *(getattr(layer, _RECORD, None) or ()))
 
 
-def _positions(layer: Any, n: int) -> tuple[Any, ...]:
-    """A layer's arrays holding positions [0, n) at indices 0..n-1: a plain cache's
-    own, a rotating layer's record. CacheMiss when they are not all there."""
+def _span(layer: Any, start: int, stop: int) -> tuple[Any, ...]:
+    """A layer's arrays of positions [start, stop): a plain cache's own, a rotating
+    layer's record (from its :func:`_lo` on: a trimmed import never had the earlier
+    ones). CacheMiss when they are not all there."""
     if _rotating(layer):
-        rec = getattr(layer, _RECORD, None)
-        if rec is None or rec[0].shape[2] < n:
-            raise CacheMiss(f"positions [0, {n}) were not recorded")
-        return rec
-    parts = _parts(layer)
-    if layer.offset < n:
-        raise CacheMiss(f"positions [0, {n}) are not in the cache")
-    return parts
+        rec, lo = getattr(layer, _RECORD, None), _lo(layer)
+        if rec is None or start < lo or lo + rec[0].shape[2] < stop:
+            raise CacheMiss(f"positions [{start}, {stop}) were not recorded")
+        return tuple(a[..., start - lo : stop - lo, :] for a in rec)
+    if layer.offset < stop:
+        raise CacheMiss(f"positions [{start}, {stop}) are not in the cache")
+    return tuple(a[..., start:stop, :] for a in _parts(layer))
+
+
+def _floor(cache: Sequence[Any]) -> int:
+    """The fewest positions ``cache`` can be cut back to other than none: a trimmed
+    rotating layer's window (its last ``W``) must lie past its low bound."""
+    return max((_lo(c) + c.max_size for c in cache if _rotating(c) and _lo(c)), default=0)
 
 
 def _record(cache: Sequence[Any], new: int) -> None:
@@ -213,28 +260,36 @@ def _record(cache: Sequence[Any], new: int) -> None:
         else:
             i = layer._idx
             k, v = layer.keys[..., i - 1 : i, :], layer.values[..., i - 1 : i, :]
-        rec = getattr(layer, _RECORD, None)
-        if rec is not None and rec[0].shape[2] == layer.offset - new:
+        rec, lo = getattr(layer, _RECORD, None), _lo(layer)
+        if rec is not None and lo + rec[0].shape[2] == layer.offset - new:
             k, v = mx.concatenate([rec[0], k], axis=2), mx.concatenate([rec[1], v], axis=2)
-        elif layer.offset != new:  # no record from position 0: nothing to extend
+        elif layer.offset != new:  # no record up to this forward: nothing to extend
             k = v = None
+        if k is None or layer.offset == new:  # none, or a first forward's: from position 0
+            lo = 0
         setattr(layer, _RECORD, None if k is None else (k, v))
+        setattr(layer, _LO, lo)
 
 
-def _set_parts(layer: Any, parts: Sequence[Any], n_tokens: int) -> None:
-    """Make ``layer`` hold exactly ``parts`` for positions [0, n_tokens), in the
-    state mlx-lm leaves after computing them in one pass. A rotating layer past
-    its window ``W`` holds its ``keep`` first and last ``W - keep`` positions in
-    order (its next update trims, rotates and attends exactly as after that pass)
-    and records all of them."""
+def _set_parts(layer: Any, parts: Sequence[Any], n_tokens: int, lo: int = 0) -> None:
+    """Make ``layer`` hold exactly ``parts`` for positions [0, n_tokens) (given from
+    ``lo`` on), in the state mlx-lm leaves after computing them in one pass. A
+    rotating layer past its window ``W`` holds its ``keep`` first and last
+    ``W - keep`` positions in order (its next update trims, rotates and attends
+    exactly as after that pass) and records all it is given. ``lo`` > 0 only for a
+    rotating layer without sink positions whose window lies within [lo, n_tokens):
+    :class:`CacheMiss` otherwise, before the layer is touched."""
     import mlx.core as mx
 
+    if lo and (not _rotating(layer) or layer.keep or n_tokens - lo < layer.max_size):
+        raise CacheMiss(f"positions [0, {lo}) of a layer are not held: cannot restore {n_tokens}")
     if _rotating(layer):
         k, v = parts
         setattr(layer, _RECORD, (k, v))
+        setattr(layer, _LO, lo)
         w, keep = layer.max_size, layer.keep
         if n_tokens > w:
-            cut = [slice(0, keep), slice(n_tokens - w + keep, n_tokens)]
+            cut = [slice(0, keep), slice(n_tokens - lo - w + keep, n_tokens - lo)]
             k, v = (mx.concatenate([a[..., c, :] for c in cut], axis=2) for a in (k, v))
         layer.keys, layer.values = k, v
         layer._idx = min(n_tokens, w)
@@ -470,10 +525,10 @@ class MLXEngine(EngineBase):
 
     # -- KV -------------------------------------------------------------------
 
-    def importer(self, n_tokens: int) -> _MLXImporter:
+    def importer(self, n_tokens: int, keep_from: Sequence[int] | None = None) -> _MLXImporter:
         if self.reuse_off is not None:
             raise CacheMiss(f"reuse is off for this model: {self.reuse_off}")
-        return _MLXImporter(self, n_tokens)
+        return _MLXImporter(self, n_tokens, keep_from)
 
     def _forward(
         self, cache: Any, tokens: Sequence[int], start: int, checkpoint_end: bool = True
@@ -542,7 +597,9 @@ class MLXEngine(EngineBase):
 
     def restorable(self, cache: Any, n: int) -> int:
         if not self._every or cache is None or self.reuse_off is not None:
-            return super().restorable(cache, n)
+            m = super().restorable(cache, n)
+            # a trimmed import: a cut whose window reaches below what it holds computes
+            return m if cache is None or m >= _floor(cache) else 0
         kept = [p for p in cache.states if p <= n]
         return max(kept + ([cache.pos] if cache.pos <= n else []), default=0)
 
@@ -578,8 +635,8 @@ class MLXEngine(EngineBase):
         out = self.new_cache()
         for src, dst in zip(cache, out, strict=True):
             if not _is_state(src):
-                parts = [p[..., :n_tokens, :] for p in _positions(src, n_tokens)]
-                _set_parts(dst, parts, n_tokens)
+                lo = _lo(src)  # a trimmed import's rotating layer: from its low bound
+                _set_parts(dst, _span(src, lo, n_tokens), n_tokens, lo)
         if self._every:
             at = self._states_at(cache, n_tokens)
             self._restore_states(out, n_tokens, at, cache.states)
@@ -592,10 +649,10 @@ class MLXEngine(EngineBase):
                 continue
             c = self.cache_of[i]
             assert c is not None  # a KV layer has a cache of its own (probed)
-            for spec, src in zip(specs, _positions(cache[c], stop), strict=True):
+            for spec, src in zip(specs, _span(cache[c], start, stop), strict=True):
                 if _dtype_name(src) != spec.dtype:  # never write one dtype's bytes as another's
                     raise ConfigError(f"cache holds {_dtype_name(src)}, the card says {spec.dtype}")
-                arr = _to_numpy(src[0, :, start:stop, :])
+                arr = _to_numpy(src[0])
                 np.frombuffer(out[off : off + arr.nbytes], arr.dtype).reshape(arr.shape)[...] = arr
                 off += arr.nbytes
 

@@ -52,8 +52,11 @@ class Engine(Protocol):
 
     # -- prefill ---------------------------------------------------------------
 
-    def importer(self, n_tokens: int) -> Importer:
-        """An empty KV buffer for positions [0, n_tokens) that blocks are copied into."""
+    def importer(self, n_tokens: int, keep_from: Sequence[int] | None = None) -> Importer:
+        """An empty KV buffer for positions [0, n_tokens) that blocks are copied into.
+        With ``keep_from`` (``layout.keep_from(n_tokens)``) layer ``i`` is imported
+        from position ``keep_from[i]`` on, from blocks that carry at least
+        ``layout.want(header, keep_from)``; without it every block must be whole."""
         ...
 
     def begin_prefill(

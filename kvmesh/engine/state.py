@@ -6,6 +6,13 @@ tokens, and the next-token logits (None until computed). Imported blocks are a
 contiguous chain from the card's namespace, each checked against the card before
 any byte is copied; their bytes become the cache's tensors unchanged
 (invariant 2).
+
+An importer opened with ``keep_from`` (:meth:`kvmesh.codec.Layout.keep_from`:
+per layer, the first position the import needs) takes *trimmed* blocks: each
+must carry at least the parts :meth:`~kvmesh.codec.Layout.want` names for it,
+and only those are copied; a layer's positions before its ``keep_from`` are
+never read (the engine's cache refuses to export or crop into them). Without
+``keep_from`` every block must be whole.
 """
 
 from __future__ import annotations
@@ -63,11 +70,30 @@ class Importer(abc.ABC):
     before anything is copied, so ``_copy`` may rely on the block holding exactly
     one tensor per buffer, of the card's dtype and shape, and a bad block (from
     any tier) writes nothing. Without one, only :func:`check_chain` at prefill
-    checks the blocks."""
+    checks the blocks.
 
-    def __init__(self, n_tokens: int, layout: Layout | None = None) -> None:
+    With ``keep_from`` (it needs ``layout``), layer ``i``'s positions before
+    ``keep_from[i]`` are not imported: ``add`` takes a block that carries at
+    least ``layout.want(header, keep_from)`` and ``_copy`` copies only the
+    layers :meth:`wanted` names (a whole block's others are ignored)."""
+
+    def __init__(
+        self,
+        n_tokens: int,
+        layout: Layout | None = None,
+        keep_from: Sequence[int] | None = None,
+    ) -> None:
+        if keep_from is not None:
+            if layout is None:
+                raise ValueError("keep_from needs the card's layout")
+            if len(keep_from) != layout.card.num_layers:
+                raise ValueError(
+                    f"keep_from has {len(keep_from)} layers, the card {layout.card.num_layers}"
+                )
+            keep_from = tuple(int(lo) for lo in keep_from)
         self.n_tokens = n_tokens
         self.layout = layout
+        self.keep_from: tuple[int, ...] | None = keep_from
         self.added = 0
         self._count = threading.Lock()
 
@@ -77,15 +103,29 @@ class Importer(abc.ABC):
             check_block(block, self.layout)
         if h.start + h.tokens > self.n_tokens:
             raise MalformedPayload("block beyond the imported prefix")
+        if self.keep_from is None:
+            if not block.whole:
+                raise MalformedPayload("a trimmed block where the import needs whole ones")
+        else:
+            assert self.layout is not None  # __init__ checked
+            want = self.layout.want(h, self.keep_from)
+            if block.present & want != want:
+                raise MalformedPayload("block lacks parts the import needs")
         if h.tokens or h.states:  # an empty tail may carry the state at its start
             self._copy(block)
         with self._count:
             self.added += 1
 
+    def wanted(self, block: Block) -> int:
+        """The parts of ``block`` to copy: all of them without ``keep_from``."""
+        if self.keep_from is None or self.layout is None:
+            return block.present
+        return self.layout.want(block.header, self.keep_from) & block.present
+
     @abc.abstractmethod
     def _copy(self, block: Block) -> None:
-        """Copy ``block``'s K/V (:meth:`Block.kv_tensors`, one per buffer, in
-        order) into positions ``[start, start + tokens)``."""
+        """Copy ``block``'s K/V (the layers :meth:`wanted` names:
+        :meth:`Block.kv_layers`) into positions ``[start, start + tokens)``."""
 
     @abc.abstractmethod
     def cache(self) -> Any: ...
