@@ -284,12 +284,7 @@ class Layout:
         """The parts of a block an import with ``keep_from`` needs: the layers that
         hold a position at or after their first needed one, the states, the logits,
         and every empty part (:data:`ALL` when that is all)."""
-        if keep_from is None:
-            return ALL
-        sizes, end = header.part_sizes, header.start + header.tokens
-        layers = len(sizes) - 2
-        needed = (i for i, n in enumerate(sizes) if i >= layers or not n or end > keep_from[i])
-        return mask_of(needed, len(sizes))
+        return want_mask(header, keep_from)
 
     def seal(self, header: BlockHeader, blob: bytes | bytearray) -> Block:
         """``blob`` (filled under ``header``) frozen and digested as the card says."""
@@ -723,3 +718,180 @@ class Assembler:
         if self.digest is not None and actual != self.digest:
             raise ChecksumMismatch(f"block {self.header.key.hex()[:12]} digest mismatch")
         return Block(self.header, blob, actual, start, parts)
+
+
+# -- trimmed blocks on the wire ----------------------------------------------
+
+PARTS_MAGIC = b"KVP1"
+PART_ENTRY = struct.Struct("<HBQ")  # part, codec id, wire bytes
+DIGEST_BYTES = 32
+
+
+def want_mask(header: BlockHeader, keep_from: Sequence[int] | None) -> int:
+    """:meth:`Layout.want` for a reader that checked ``header`` already."""
+    if keep_from is None:
+        return ALL
+    sizes, end = header.part_sizes, header.start + header.tokens
+    if len(keep_from) != len(sizes) - 2:
+        raise MalformedPayload(
+            f"keep_from names {len(keep_from)} layers, the block has {len(sizes) - 2}"
+        )
+    needed = (i for i, n in enumerate(sizes) if i >= len(keep_from) or not n or end > keep_from[i])
+    return mask_of(needed, len(sizes))
+
+
+def part_itemsize(header: BlockHeader, part: int) -> int:
+    """The element size a part's bytes are made of (what byte planes split by)."""
+    if part < len(header.layers):
+        sizes = {dtype_size(t.dtype) for t in header.layers[part]}
+    elif part == len(header.layers):
+        sizes = {dtype_size(t.dtype) for layer in header.states for t in layer}
+    else:
+        sizes = {4}
+    return sizes.pop() if len(sizes) == 1 else 1
+
+
+Encoder = Callable[[memoryview, int], tuple[int, Any]]  # (raw, itemsize) -> (codec id, bytes)
+
+
+def parts_frame(block: Block, mask: int, encode: Encoder | None = None) -> list[Any]:
+    """The pieces of a PARTS frame sending ``block``'s (whole) parts in ``mask``::
+
+        b"KVP1" | u32 hlen | header | u16 nparts | nparts x 32-byte part digests
+        | u16 nsent | nsent x (u16 part, u8 codec, u64 wire bytes) | sent parts
+
+    Raw parts are views of the block's own buffer (never copied); ``encode`` may
+    compress a part (it answers the codec id it used; 0 is raw)."""
+    if not block.whole:
+        raise ValueError("only a whole block is sent in parts")
+    view, off = block.payload(), 0
+    table, sent = [], []
+    for i, n in enumerate(block.header.part_sizes):
+        if has(mask, i):
+            raw = view[off : off + n]
+            cid, wire = (
+                (0, raw) if encode is None or not n else encode(raw, part_itemsize(block.header, i))
+            )
+            table.append(PART_ENTRY.pack(i, cid, len(wire)))
+            sent.append(wire)
+        off += n
+    hjson = memoryview(block.blob)[PREFIX.size : block.payload_offset]
+    head = b"".join(
+        [
+            PARTS_MAGIC,
+            U32.pack(len(hjson)),
+            hjson,
+            U16.pack(len(block.parts)),
+            *block.parts,
+            U16.pack(len(table)),
+            *table,
+        ]
+    )
+    return [head, *sent]
+
+
+@dataclass
+class PartsPlan:
+    """A PARTS frame's head, checked (:func:`read_parts_head`): what to receive
+    where. ``blob`` is the trimmed block's buffer, prefix and header written; raw
+    parts are received straight into their ``slots``."""
+
+    header: BlockHeader
+    digest: bytes
+    parts: tuple[bytes, ...]  # every part's digest, as the producer's root names them
+    entries: list[tuple[int, int, int]]  # (part, codec id, wire bytes), in order
+    mask: int
+    blob: bytearray
+    payload_offset: int
+
+    def slots(self) -> Iterator[tuple[int, int, int, memoryview]]:
+        """(part, codec id, wire bytes, its raw bytes' place in ``blob``)."""
+        view, off = memoryview(self.blob)[self.payload_offset :], 0
+        for part, cid, wire in self.entries:
+            n = self.header.part_sizes[part]
+            yield part, cid, wire, view[off : off + n]
+            off += n
+
+
+def read_parts_head(
+    read: Callable[[int], bytes],
+    frame_bytes: int,
+    layout: Layout,
+    key: bytes,
+    digest: bytes,
+    keep_from: Sequence[int] | None,
+    codecs: Sequence[int] = (0,),
+    alloc: Callable[[int], bytearray] = bytearray,
+) -> PartsPlan:
+    """Read and check a PARTS frame's head (``read(n)`` gives the next ``n`` bytes of
+    a frame of ``frame_bytes``) before anything payload-sized is allocated: its
+    header against the card and ``key``; its part digests against ``digest`` (the
+    lookup's: the producer's root); the parts it sends are exactly those an import
+    with ``keep_from`` needs; each in a codec of ``codecs`` and no longer than its
+    raw bytes (raw: exactly); the frame's length adds up."""
+    magic, hlen = PREFIX.unpack(read(PREFIX.size))
+    if magic != PARTS_MAGIC or hlen > MAX_HEADER_BYTES or PREFIX.size + hlen > frame_bytes:
+        raise MalformedPayload("bad parts frame")
+    hjson = read(hlen)
+    header = parse_header(hjson, layout)
+    if header.key != key:
+        raise ChecksumMismatch("peer sent a block other than the one asked for")
+    (nparts,) = U16.unpack(read(U16.size))
+    if nparts != len(header.part_sizes):
+        raise MalformedPayload(f"{nparts} part digests for {len(header.part_sizes)} parts")
+    raw_digests = read(nparts * DIGEST_BYTES)
+    parts = tuple(
+        raw_digests[i : i + DIGEST_BYTES] for i in range(0, len(raw_digests), DIGEST_BYTES)
+    )
+    if root_digest(hjson, parts, layout.card.block_digest) != digest:
+        raise ChecksumMismatch(f"block {key.hex()[:12]} part digests do not make its digest")
+    (nsent,) = U16.unpack(read(U16.size))
+    if nsent > nparts:
+        raise MalformedPayload("more parts sent than the block has")
+    table = read(nsent * PART_ENTRY.size)
+    entries = [PART_ENTRY.unpack_from(table, i * PART_ENTRY.size) for i in range(nsent)]
+    _check_entries(header, entries, want_mask(header, keep_from), codecs)
+    fixed = PREFIX.size + hlen + 2 * U16.size + nparts * DIGEST_BYTES + nsent * PART_ENTRY.size
+    if fixed + sum(e[2] for e in entries) != frame_bytes:
+        raise MalformedPayload("parts frame length disagrees with its table")
+    mask = mask_of((e[0] for e in entries), nparts)
+    blob = alloc(PREFIX.size + hlen + header.present_bytes(mask))
+    PREFIX.pack_into(blob, 0, MAGIC, hlen)
+    blob[PREFIX.size : PREFIX.size + hlen] = hjson
+    return PartsPlan(header, digest, parts, entries, mask, blob, PREFIX.size + hlen)
+
+
+def _check_entries(
+    header: BlockHeader, entries: Sequence[tuple[int, int, int]], want: int, codecs: Sequence[int]
+) -> None:
+    sizes = header.part_sizes
+    order = [e[0] for e in entries]
+    if order != sorted(set(order)) or any(p >= len(sizes) for p in order):
+        raise MalformedPayload("parts out of order, repeated or unknown")
+    if mask_of(order, len(sizes)) != want:
+        raise MalformedPayload("the parts sent are not the ones the import needs")
+    for part, cid, wire in entries:
+        if cid not in codecs and cid != 0:
+            raise MalformedPayload(f"part {part} in codec {cid}, which was not asked for")
+        if wire > sizes[part] or (cid == 0 and wire != sizes[part]):
+            raise MalformedPayload(f"part {part} is {wire} bytes on the wire, {sizes[part]} raw")
+
+
+def finish_parts(plan: PartsPlan, wires: dict[int, Any], algo: str) -> Block:
+    """The trimmed block of a received PARTS frame: compressed parts (``wires``, by
+    part) decoded into their slots, every part checked against its digest."""
+    from . import squeeze
+
+    got = []
+    for part, cid, _, slot in plan.slots():
+        if cid:
+            itemsize = part_itemsize(plan.header, part)
+            squeeze.decode_into(squeeze.codec_name(cid), wires[part], slot, itemsize)
+        d = digest_of(slot, algo)
+        if d != plan.parts[part]:
+            raise ChecksumMismatch(
+                f"block {plan.header.key.hex()[:12]} part {part} digest mismatch"
+            )
+        got.append(d)
+    blob: Any = plan.blob  # never written again: a Block holds it as its bytes
+    return Block(plan.header, blob, plan.digest, plan.payload_offset, tuple(got), plan.mask)

@@ -252,7 +252,11 @@ class BlockStore:
 
     def _check_put(self, block: Block) -> None:
         """Under the lock: a block of a namespace whose card the store knows must
-        match it (the same check as decoding and import: :func:`check_block`)."""
+        match it (the same check as decoding and import: :func:`check_block`);
+        a trimmed block (a fetch's, for one import) is never stored."""
+        if not block.whole:
+            self._index.reject(MalformedPayload.reason)
+            raise MalformedPayload("a trimmed block is never stored")
         layout = self._layouts.get(block.header.namespace)
         if layout is None:
             return

@@ -107,7 +107,7 @@ def test_a_failed_candidate_gives_way_to_the_next_and_the_planner_learns(nodes):
         0,
         0,
         acq.budget(len(TOKENS)),
-        lambda hit: Sink(got),
+        lambda hit, keep: Sink(got),
         lambda hit: started.append(hit.alias),
     )
     assert done.hit is not None and done.hit.alias == "good"
@@ -250,6 +250,7 @@ class FailingFleet:
     "lookup") or its fetch ("fetch") fails with ``error``, as the mesh reports it."""
 
     fetch_deadline = 30.0
+    window_trim = True
 
     def __init__(self, card: CompatCard, keys: PrefixKeys, error: Exception, stage: str) -> None:
         infos = tuple(pb.BlockInfo(key=k, nbytes=64, digest=bytes(32)) for k in keys.blocks)
@@ -276,7 +277,7 @@ class FailingFleet:
             return [], [reason]
         return [self.hit], []
 
-    def fetch(self, layout, hit, start, on_block, timeout, times=None):
+    def fetch(self, layout, hit, start, on_block, timeout, times=None, want=None):
         raise self.error
 
 
@@ -310,7 +311,7 @@ def test_a_failure_kind_has_one_reason_for_the_head_a_paged_caller_and_the_query
             FailingFleet(rt.card, keys, error, stage), Planner(1.0, default_rtt=0.0), Counts()
         )
         got = paged.acquire(
-            Layout(rt.card), keys, lambda hit, held: Sink([]), pages=Pages(len(keys.blocks))
+            Layout(rt.card), keys, lambda hit, held, keep: Sink([]), pages=Pages(len(keys.blocks))
         )
         assert (got.source, got.fallback) == (Source.COMPUTE, reason)
         # then (the peer backed off, or failing its lookups) the plan and the head agree

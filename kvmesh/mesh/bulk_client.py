@@ -26,7 +26,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, NoReturn
 
-from ..codec import Block, Layout, decode_block
+from ..codec import (
+    PART_ENTRY,
+    Block,
+    Layout,
+    PartsPlan,
+    decode_block,
+    finish_parts,
+    read_parts_head,
+)
 from ..errors import (
     ChecksumMismatch,
     KVMeshError,
@@ -36,8 +44,10 @@ from ..errors import (
     Unauthenticated,
 )
 from .bulk_wire import (
+    BLOCK,
     CRED_SLOT,
     FETCH,
+    FRAME,
     METHODS,
     PUBLISH,
     Stream,
@@ -50,7 +60,7 @@ from .bulk_wire import (
 from .hits import PeerHit
 from .proto import kvmesh_pb2 as pb
 from .security import FleetAuth, TLSConfig, body_digest
-from .transport import StreamTimes
+from .transport import StreamTimes, Want
 
 STREAMS = 8  # bulk streams at once (threads); a call waits for one within its own limit
 MIN_STREAM_S = 0.05  # a stream given less than this (or half its limit) after the wait: LocalBusy
@@ -191,11 +201,14 @@ def fetch(
     cancel: Cancel,
     digest: bytes | None = None,
     times: StreamTimes | None = None,
+    want: Want | None = None,
 ) -> list[Block]:
     """Fetch ``infos``' blocks (``request`` is their serialized FetchRequest,
     ``digest`` its :func:`body_digest` if known): each received into a buffer of
     its announced size (already capped by the caller), verified on ``hashers``
     (alternating) while the next arrives, all within ``limit_s`` of this call.
+    With ``want`` (what ``request`` asked: the import's window, codecs) a block may
+    come as exactly the parts the import needs (:func:`kvmesh.codec.read_parts_head`).
     Blocking; raises a typed error. ``times`` is filled in as stages are reached."""
     times = times or StreamTimes()
     times.started = time.perf_counter()
@@ -208,14 +221,9 @@ def fetch(
         try:
             stream.send(hello(FETCH, request, cred, digest) + request)
             for j, info in enumerate(infos):
-                _, n = stream.read_frame(info.nbytes)
-                if n != info.nbytes:
-                    raise MalformedPayload(f"block {j} is {n} bytes, its lookup said {info.nbytes}")
-                buf = receive_buffer(n)
-                stream.recv_into(memoryview(buf))
-                pending.append(
-                    hashers[j % len(hashers)].submit(_verify, buf, layout, info, on_block)
-                )
+                job, n = _receive(stream, info, layout, want)
+                times.wire_bytes += FRAME.size + n
+                pending.append(hashers[j % len(hashers)].submit(job, on_block))
             times.received = time.perf_counter()
         except KVMeshError as e:  # a block already received and found bad says more
             wait(pending)
@@ -229,6 +237,58 @@ def fetch(
         for f in pending:
             f.cancel()
         wait(pending)  # no block is handed on once this returns
+
+
+def _parts_cap(info: pb.BlockInfo, layout: Layout) -> int:
+    """The most bytes a PARTS frame of ``info``'s block may take: its whole size,
+    plus a digest and a table entry per part and two counts."""
+    return int(info.nbytes) + 4 + (layout.card.num_layers + 2) * (32 + PART_ENTRY.size)
+
+
+def _receive(
+    stream: Stream, info: pb.BlockInfo, layout: Layout, want: Want | None
+) -> tuple[Callable[[Callable[[Block], None] | None], Block], int]:
+    """Receive one block's frame: what verifies it (on a hasher thread), and the
+    frame's bytes."""
+    trims = want is not None and (want.keep_from is not None or bool(want.codecs))
+    code, n = stream.read_frame(_parts_cap(info, layout) if trims else info.nbytes)
+    if code == BLOCK:
+        if n != info.nbytes:
+            raise MalformedPayload(f"block is {n} bytes, its lookup said {info.nbytes}")
+        buf = receive_buffer(n)
+        stream.recv_into(memoryview(buf))
+        return functools.partial(_verify, buf, layout, info), n
+    if not trims or want is None:
+        raise MalformedPayload("parts sent for a fetch that asked for whole blocks")
+    plan = read_parts_head(
+        stream.recv,
+        n,
+        layout,
+        info.key,
+        info.digest,
+        want.keep_from,
+        want.codec_ids,
+        receive_buffer,
+    )
+    wires: dict[int, bytes] = {}
+    for part, cid, nbytes, slot in plan.slots():
+        if cid:
+            wires[part] = stream.recv(nbytes)
+        else:
+            stream.recv_into(slot)
+    return functools.partial(_verify_parts, plan, wires, layout), n
+
+
+def _verify_parts(
+    plan: PartsPlan,
+    wires: dict[int, bytes],
+    layout: Layout,
+    on_block: Callable[[Block], None] | None,
+) -> Block:
+    blk = finish_parts(plan, wires, layout.card.block_digest)
+    if on_block is not None:
+        on_block(blk)
+    return blk
 
 
 def _verify(
@@ -318,6 +378,7 @@ class BulkTransport:
         on_block: Callable[[Block], None] | None,
         limit_s: float,
         times: StreamTimes,
+        want: Want | None = None,
     ) -> list[Block]:
         digest = body_digest(request)  # hashed once: the credential and the hello carry it
         cred = self._cred(FETCH, hit.node_id, digest)
@@ -335,6 +396,7 @@ class BulkTransport:
             limit_s=limit_s,
             digest=digest,
             times=times,
+            want=want,
         )
         return blocks
 

@@ -13,6 +13,13 @@ still sends for up to ``DRAIN_S``, so that closing does not reset the connection
 before the client has read the answer; connections answered ``busy`` while they
 drain are at most ``max_conns`` more (any further one is closed at once).
 
+A fetch that names ``keep_from`` (the importer's window: :meth:`kvmesh.codec.Layout.keep_from`)
+gets each block that needs fewer than all of its parts, or that the codec it asked
+for (``codecs``) shrinks, as a PARTS frame (:func:`kvmesh.codec.parts_frame`); any
+other block as its stored bytes. ``serve_rate`` caps the bytes per second all of a
+node's fetch streams send together (a token bucket: an operator's cap, and the
+benchmark's shaper where it has no root).
+
 Publish bytes are reserved against the cache service's in-flight cap before they
 are allocated; every refusal is counted as ``bulk_rejected:<reason>``. Under TLS
 client certificates are required when the server has a CA. A same-host Unix
@@ -34,7 +41,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..codec import Layout, decode_block
+from .. import squeeze
+from ..codec import ALL, Block, Layout, decode_block, parts_frame, want_mask
 from ..errors import (
     KVMeshError,
     MalformedPayload,
@@ -55,6 +63,7 @@ from .bulk_wire import (
     MAGIC,
     MAX_BODY,
     METHODS,
+    PARTS,
     Stream,
     error_frame,
     private_dir,
@@ -77,6 +86,36 @@ AUTH_S = 3.0  # TLS handshake and hello, in all: an honest peer needs millisecon
 STREAM_S = 3600.0  # an authenticated stream's total (its reads and writes: PROGRESS_S each)
 PROGRESS_S = 10.0
 DRAIN_S = 1.0  # after an error answered past the hello, read (and drop) this long so it lands
+PACE_BYTES = 64 << 10  # a paced stream's bytes per send
+MAX_CODECS = 8
+
+
+class Pacer:
+    """A token bucket over every fetch stream of one server: ``rate`` bytes per
+    second, with a burst of a tenth of a second (0: no cap)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def send(self, stream: Stream, data: Any) -> None:
+        if not self.rate:
+            stream.send(data)
+            return
+        view = memoryview(data).cast("B")
+        for off in range(0, len(view), PACE_BYTES):
+            piece = view[off : off + PACE_BYTES]
+            self._wait(len(piece))
+            stream.send(piece)
+
+    def _wait(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now - 0.1) + n / self.rate
+            late = self._next - now
+        if late > 0:
+            time.sleep(late)
 
 
 class AuthDeadline(PeerTimeout):
@@ -202,8 +241,10 @@ class BulkServer:
         auth_s: float = AUTH_S,
         max_pending: int = MAX_PENDING,
         per_source: int = PER_SOURCE,
+        serve_rate: float = 0.0,
     ) -> None:
         self.cache = cache
+        self.pacer = Pacer(serve_rate)
         self.auth = auth
         self.tls = tls if tls is not None and tls.enabled else None
         self.progress_s = progress_s
@@ -379,10 +420,21 @@ class BulkServer:
 
     def _fetch(self, stream: Stream, body: bytes) -> None:
         request = _parse(pb.FetchRequest, body)
+        keep = tuple(request.keep_from) or None
+        codec = _codec(request.codecs)
         for block in self.cache.serve_fetch(request):
-            blob = block.blob
-            stream.send(FRAME.pack(BLOCK, len(blob)))
-            stream.send(blob)  # from the store's own buffer: no copy
+            mask = want_mask(block.header, keep)
+            if mask == ALL and codec == "raw":
+                pieces: list[Any] = [block.blob]  # the store's own buffer: no copy
+                code = BLOCK
+            else:
+                pieces, code = _parts(block, mask, codec), PARTS
+                self.counters["bulk_parts_frames"] += 1
+            n = sum(len(p) for p in pieces)
+            stream.send(FRAME.pack(code, n))
+            for piece in pieces:
+                self.pacer.send(stream, piece)
+            self.counters["bulk_bytes_sent"] += FRAME.size + n
 
     def _publish(self, stream: Stream, body: bytes) -> None:
         request = _parse(pb.BulkPublish, body)
@@ -476,6 +528,27 @@ def _unix_listener(path: str) -> tuple[socket.socket, int]:
         raise
     sock.settimeout(0.25)
     return sock, inode
+
+
+def _codec(asked: Any) -> str:
+    """The first codec of a fetch's ``codecs`` this node can encode ("raw": none)."""
+    if len(asked) > MAX_CODECS:
+        raise MalformedPayload("a fetch names too many codecs")
+    have = squeeze.available()
+    return next((c for c in asked if c in have), "raw")
+
+
+def _parts(block: Block, mask: int, codec: str) -> list[Any]:
+    """A PARTS frame of ``block``'s parts in ``mask``, each in ``codec`` where that
+    saves bytes (else raw)."""
+    if codec == "raw":
+        return parts_frame(block, mask)
+
+    def encode(raw: memoryview, itemsize: int) -> tuple[int, Any]:
+        used, wire = squeeze.encode_or_raw(codec, raw, itemsize)
+        return squeeze.codec_id(used), wire
+
+    return parts_frame(block, mask, encode)
 
 
 def _parse(message: Any, body: bytes) -> Any:

@@ -19,6 +19,8 @@ Version 2 (integers little-endian)::
     frame    u8 code | u64 n | n bytes
              BLOCK: one block's bytes   ERROR: "reason: detail" (UTF-8)
              DONE:  a PublishResponse
+             PARTS: some of one block's parts (a fetch naming keep_from or
+                    codecs; kvmesh.codec.parts_frame)
 
 The credential is the ``x-kvmesh-auth`` value (see :mod:`.security`) for
 ``/kvmesh.v1.Bulk/Fetch`` or ``/kvmesh.v1.Bulk/Publish`` bound to the body's
@@ -73,7 +75,7 @@ CRED_SLOT = 1024  # a credential is ~110 bytes plus the node ids
 HELLO = struct.Struct(f"<4sBI32sH{CRED_SLOT}s")
 FRAME = struct.Struct("<BQ")
 FETCH, PUBLISH = 1, 2
-BLOCK, ERROR, DONE = 0, 1, 2
+BLOCK, ERROR, DONE, PARTS = 0, 1, 2, 3
 METHODS = {FETCH: "/kvmesh.v1.Bulk/Fetch", PUBLISH: "/kvmesh.v1.Bulk/Publish"}
 MAX_BODY = 4 << 20  # 65,536 keys of a fetch fit; a card plus 65,536 block infos too
 MAX_REASON = 512
@@ -180,7 +182,7 @@ class Stream:
             if n > MAX_REASON:
                 raise MalformedPayload("peer sent an oversize error frame")
             raise frame_error(self.recv(n).decode("utf-8", "replace"))
-        if code not in (BLOCK, DONE) or n > max_payload:
+        if code not in (BLOCK, DONE, PARTS) or n > max_payload:
             raise MalformedPayload(f"unexpected frame {code} of {n} bytes")
         return code, n
 

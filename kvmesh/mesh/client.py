@@ -56,7 +56,7 @@ from .proto import kvmesh_pb2 as pb
 from .publisher import Publisher
 from .rpc_errors import from_rpc_error
 from .security import ANY_DEST, FleetAuth, TLSConfig
-from .transport import LOOKUP, Channels, GrpcTransport, StreamTimes, Transport
+from .transport import LOOKUP, Channels, GrpcTransport, StreamTimes, Transport, Want
 
 __all__ = ["ASK_ALL_BELOW", "MeshClient", "PeerHit"]
 
@@ -391,6 +391,7 @@ class MeshClient:
         on_block: Callable[[Block], None] | None = None,
         deadline: float | None = None,
         times: StreamTimes | None = None,
+        want: Want | None = None,
     ) -> list[Block]:
         """Stream ``hit``'s blocks from index ``start`` on, verified, within ``deadline``
         seconds (at most the client's fetch deadline), each wait for bytes within
@@ -399,16 +400,20 @@ class MeshClient:
 
         ``on_block`` is called on a worker thread with each block as soon as its
         digest has been checked, so the caller can import while the rest arrives.
-        ``times`` hears when the stream connected, received and verified it all."""
+        ``times`` hears when the stream connected, received and verified it all.
+        ``want`` (:class:`~.transport.Want`): the parts and codecs the bulk path may
+        send; the blocks then carry at least the parts an import needs."""
         infos = hit.infos[start:]
-        raw = self._fetch_request(layout, hit, infos, lease_ttl)
+        bulk = bool(hit.data_address) and self.use_bulk
+        want = want if bulk else None
+        raw = self._fetch_request(layout, hit, infos, lease_ttl, want)
         limit = min(self.fetch_deadline, deadline or self.fetch_deadline)
         transport = self._transport(bool(hit.data_address))
         t0 = time.perf_counter()
         self._fetching[hit.node_id] += 1
         try:
             blocks = await transport.fetch(
-                hit, raw, infos, layout, on_block, limit, times or StreamTimes()
+                hit, raw, infos, layout, on_block, limit, times or StreamTimes(), want
             )
         finally:
             self._fetching[hit.node_id] -= 1
@@ -418,12 +423,17 @@ class MeshClient:
         total = sum(b.nbytes for b in blocks)
         self.counters["bytes_fetched"] += total
         self.transfers.append(Transfer(hit.alias, total, dt, len(blocks), time.time()))
-        if hit.repair and start == 0:  # replica ranks that lacked it get copies
-            self.publisher.repair(layout.card, blocks, hit.repair)
+        if hit.repair and start == 0 and all(b.whole for b in blocks):
+            self.publisher.repair(layout.card, blocks, hit.repair)  # ranks that lacked it
         return blocks
 
     def _fetch_request(
-        self, layout: Layout, hit: PeerHit, infos: Sequence[pb.BlockInfo], lease_ttl: float | None
+        self,
+        layout: Layout,
+        hit: PeerHit,
+        infos: Sequence[pb.BlockInfo],
+        lease_ttl: float | None,
+        want: Want | None = None,
     ) -> bytes:
         """The serialized FetchRequest for ``infos``, once what they announce is
         checked against the card (before anything is allocated for them)."""
@@ -439,6 +449,9 @@ class MeshClient:
             chunk_bytes=self.chunk_bytes,
             lease_ttl_s=lease_ttl or max(10.0, self.fetch_deadline),
         )
+        if want is not None:
+            req.keep_from.extend(want.keep_from or ())
+            req.codecs.extend(want.codecs)
         return req.SerializeToString()
 
     # -- publish -----------------------------------------------------------------

@@ -24,7 +24,7 @@ from .events import RecordingKeyer
 from .hits import PeerHit, Transfer
 from .node import NodeThread
 from .proto import kvmesh_pb2 as pb
-from .transport import StreamTimes
+from .transport import StreamTimes, Want
 
 
 class Fleet:
@@ -40,6 +40,11 @@ class Fleet:
     @property
     def fetch_deadline(self) -> float:
         return self._client.fetch_deadline
+
+    @property
+    def window_trim(self) -> bool:
+        """Whether fetches ask only for the parts an import needs (``--no-window-trim``: no)."""
+        return self._node.node.config.window_trim
 
     def advertise(self, card: CompatCard) -> None:
         """Gossip that this node serves ``card``'s namespace and runs a head."""
@@ -102,14 +107,16 @@ class Fleet:
         on_block: Callable[[Block], None],
         timeout: float,
         times: StreamTimes | None = None,
+        want: Want | None = None,
     ) -> list[Block]:
         """Stream ``hit``'s blocks from index ``start``, verified, within ``timeout``
         seconds in all (the wait for a local stream included: one that uses it up
         is :class:`~kvmesh.errors.LocalBusy`). Raises a :class:`KVMeshError`
         (:class:`~kvmesh.errors.PeerBusy` and ``LocalBusy`` are no peer failure) or
-        ``TimeoutError``. ``times`` hears when the stream reached each stage."""
+        ``TimeoutError``. ``times`` hears when the stream reached each stage;
+        ``want``: the parts an import needs (:class:`~.transport.Want`)."""
         fetch = self._client.fetch(
-            layout, hit, start, on_block=on_block, deadline=timeout, times=times
+            layout, hit, start, on_block=on_block, deadline=timeout, times=times, want=want
         )
         return self._node.call(fetch, timeout=timeout + 1)
 
@@ -119,9 +126,12 @@ class Fleet:
 
     def keep(self, blocks: Sequence[Block], owner: str | None = None) -> int:
         """Store ``blocks`` (a chain from the root) locally; stop at the first refusal
-        (budget or orphan: a local copy is optional). Returns how many were kept.
+        (budget or orphan: a local copy is optional), or at the first trimmed block
+        (fetched for one import: never stored). Returns how many were kept.
         ``owner``: the tenant whose budget they count against (see the store)."""
         for i, blk in enumerate(blocks):
+            if not blk.whole:
+                return i
             try:
                 self.store.put(blk, owner=owner)
             except KVMeshError:

@@ -215,6 +215,19 @@ SECURITY = CLIENT_SECURITY | _rows(
         "TCP like any peer, not over a Unix socket (which skips the TCP stack).",
         kind="flag",
     ),
+    Option(
+        "no_window_trim",
+        "Fetch every position of a sliding-window layer, not only those the import's "
+        "window needs (more bytes; the reference the benchmark compares with).",
+        kind="flag",
+    ),
+    Option(
+        "serve_rate",
+        "Send block bytes to peers at most this fast, in bytes per second (e.g. 12.5MB "
+        "for 100 Mbit/s); unlimited by default.",
+        kind="size",
+        metavar="BYTES",
+    ),
 )
 
 #: A disk tier under the RAM store.

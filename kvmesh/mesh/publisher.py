@@ -6,7 +6,9 @@ blocks) and sends each where :func:`~.placement.place` puts it, to the first
 (:func:`~.placement.offer`). A fetch of a hot prefix whose probed replica rank
 lacked it queues copies for such ranks, at most once per prefix per popularity
 window from this node, so a peer's hot claim never turns each fetch into many
-publishes. Every failure is counted (``publish_failed:<reason>``), none raised.
+publishes. Every failure is counted (``publish_failed:<reason>``), none raised. A
+chain may open with trimmed blocks (a head's import of a fetched prefix): only a
+peer that holds them already gets the rest (``publish_skipped:partial`` otherwise).
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ class Publisher:
             return await self._held_or_none(peers[node], card, blocks)
 
         async def send(node: str, have: int) -> bool:
+            if not all(b.whole for b in blocks[have:]):  # a trimmed fetch's, ahead of ours
+                self.client.counters["publish_skipped:partial"] += 1
+                return False
             try:
                 await self.client.publish(peers[node], card, blocks[have:])
             except KVMeshError as e:

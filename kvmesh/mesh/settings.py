@@ -99,6 +99,8 @@ def node_config(
         **_events(sec),
         bulk=not sec.get("no_bulk"),
         local_socket=not sec.get("no_local_socket"),
+        window_trim=not sec.get("no_window_trim"),
+        serve_rate=_size(sec.get("serve_rate"), "serve_rate") if sec.get("serve_rate") else 0.0,
         data_port=int(str(sec.get("data_port") or 0)),
         advertise_data_port=int(str(sec.get("advertise_data_port") or 0)),
         max_block_bytes=_size(sec.get("max_block_bytes"), "max_block_bytes"),

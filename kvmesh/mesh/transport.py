@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from .. import squeeze
 from ..codec import Assembler, Block, Layout, chunks
 from ..errors import ChecksumMismatch, KVMeshError, MalformedPayload
 from .bulk_wire import FetchStalled
@@ -52,6 +53,22 @@ class StreamTimes:
     connected: float = 0.0  # the socket (and TLS) is up
     received: float = 0.0  # the last byte of the last block is in
     verified: float = 0.0  # every block verified and handed on
+    wire_bytes: int = 0  # frame bytes received (bulk path; gRPC: block bytes)
+
+
+@dataclass(frozen=True)
+class Want:
+    """What a fetch asks of its blocks beyond their keys: ``keep_from`` (per layer,
+    the first position the import needs: :meth:`kvmesh.codec.Layout.keep_from`;
+    None: every part) and ``codecs`` the parts may come in (preferred first). Only
+    the bulk path honours it; gRPC streams whole blocks, which an import takes too."""
+
+    keep_from: tuple[int, ...] | None = None
+    codecs: tuple[str, ...] = ()
+
+    @property
+    def codec_ids(self) -> tuple[int, ...]:
+        return (0, *(squeeze.codec_id(c) for c in self.codecs))
 
 
 class Transport(Protocol):
@@ -66,9 +83,10 @@ class Transport(Protocol):
         on_block: OnBlock | None,
         limit_s: float,
         times: StreamTimes,
+        want: Want | None = None,
     ) -> list[Block]:
         """``infos``' blocks from ``hit``'s peer (``request``: their serialized
-        FetchRequest), verified, within ``limit_s``."""
+        FetchRequest), verified, within ``limit_s``; ``want``: see :class:`Want`."""
         ...
 
     async def publish(
@@ -160,8 +178,10 @@ class GrpcTransport:
         on_block: OnBlock | None,
         limit_s: float,
         times: StreamTimes,
+        want: Want | None = None,
     ) -> list[Block]:
-        """``connected`` is when the call started (the channel is long-lived)."""
+        """``connected`` is when the call started (the channel is long-lived);
+        ``want`` is not honoured here: whole blocks, which an import takes too."""
         times.started = times.connected = time.perf_counter()
         call = self.channels.channel(hit.address).unary_stream(
             FETCH, request_serializer=None, response_deserializer=None
@@ -174,6 +194,7 @@ class GrpcTransport:
             await sink.drain()
             times.verified = time.perf_counter()
             blocks = sink.blocks()
+            times.wire_bytes += sum(b.nbytes for b in blocks)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from None
         except (asyncio.CancelledError, KVMeshError):

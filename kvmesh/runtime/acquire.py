@@ -45,7 +45,7 @@ from ..compat import CompatCard
 from ..errors import Reason
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
-from ..mesh.transport import StreamTimes
+from ..mesh.transport import StreamTimes, Want
 from ..store import Match
 from .planner import Attempt, Planner, failure_reason
 from .slots import Slots
@@ -62,9 +62,11 @@ class Sink(Protocol):
     def add(self, blk: Block, /) -> object: ...
 
 
-#: ``open_sink(hit, held)``: where a fetch from ``hit`` puts its blocks; ``held``
-#: are the local blocks (from the root) the fetched ones continue.
-OpenSink = Callable[[PeerHit, tuple[Block, ...]], Sink]
+#: ``open_sink(hit, held, keep_from)``: where a fetch from ``hit`` puts its blocks;
+#: ``held`` are the local blocks (from the root) the fetched ones continue;
+#: ``keep_from`` (None: whole blocks) the parts the fetched blocks carry at least
+#: (:meth:`kvmesh.codec.Layout.keep_from` of the import's length).
+OpenSink = Callable[[PeerHit, tuple[Block, ...], tuple[int, ...] | None], Sink]
 
 
 @dataclass
@@ -225,9 +227,10 @@ class Acquirer:
             out.start,
             out.tokens,
             budget,
-            lambda hit: open_sink(hit, held),
+            lambda hit, keep: open_sink(hit, held, keep),
             on_start,
             owner,
+            trims=pages is None,
         )
         hit = out.fetched.hit
         if hit is None:
@@ -319,16 +322,19 @@ class Acquirer:
         start: int,
         have: int,
         budget: float,
-        open_sink: Callable[[PeerHit], Sink],
+        open_sink: Callable[[PeerHit, tuple[int, ...] | None], Sink],
         on_start: Callable[[PeerHit], None] | None = None,
         owner: str | None = None,
+        trims: bool = False,
     ) -> Fetched:
         """Stream the first candidate worth fetching from block ``start``, verified,
         into ``open_sink(hit).add``; on a failure, the next one, all within ``budget``
         seconds. ``open_sink`` raising is our failure (counted
         ``local_import_failed:<reason>``), the next candidate is tried. ``on_start``
         hears of each candidate as its stream begins. Blocks kept here count
-        against ``owner``'s tenant budget (see :class:`~kvmesh.store.BlockStore`)."""
+        against ``owner``'s tenant budget (see :class:`~kvmesh.store.BlockStore`).
+        ``trims``: the import takes blocks trimmed to what it needs (a caller that
+        imports the whole prompt; not a paged one, which recomputes windows)."""
         t0 = time.perf_counter()
         out = Fetched()
         for hit in hits:
@@ -341,9 +347,17 @@ class Acquirer:
             if not self._worth(hit, have, start):
                 self.count(Count.PLANNED_COMPUTE)
                 continue
-            if self._try(layout, hit, local, start, left, open_sink, on_start, out, owner):
+            want = self._want(layout, hit, trims)
+            if self._try(layout, hit, local, start, left, open_sink, on_start, out, owner, want):
                 return out
         return out
+
+    def _want(self, layout: Layout, hit: PeerHit, trims: bool) -> Want:
+        """What a fetch of ``hit`` asks for: the parts an import of its tokens needs
+        (when trimming is on) and the codecs worth decoding from its peer."""
+        assert self.fleet is not None
+        keep = layout.keep_from(hit.tokens) if trims and self.fleet.window_trim else None
+        return Want(keep, ())
 
     def _try(
         self,
@@ -352,15 +366,16 @@ class Acquirer:
         local: Match,
         start: int,
         left: float,
-        open_sink: Callable[[PeerHit], Sink],
+        open_sink: Callable[[PeerHit, tuple[int, ...] | None], Sink],
         on_start: Callable[[PeerHit], None] | None,
         out: Fetched,
-        owner: str | None = None,
+        owner: str | None,
+        want: Want,
     ) -> bool:
         """One candidate; True (``out`` filled in) when its stream worked."""
         assert self.fleet is not None
         try:  # ours: a failure here is never the peer's fault
-            sink = open_sink(hit)
+            sink = open_sink(hit, want.keep_from)
         except Exception as e:  # e.g. past a sliding window, or a bad local block
             out.fallback = failure_reason(e)
             self.count(labelled(Family.LOCAL_IMPORT_FAILED, out.fallback))
@@ -371,7 +386,7 @@ class Acquirer:
         t0 = time.perf_counter()
         times = StreamTimes()
         try:
-            blocks = self.fleet.fetch(layout, hit, start, timed, left, times)
+            blocks = self.fleet.fetch(layout, hit, start, timed, left, times, want)
         except Exception as e:  # the cache never decides correctness
             # counted; only the peer's own failures back it off (busy, or our own
             # budget running out, do not)

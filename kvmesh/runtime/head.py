@@ -421,9 +421,11 @@ class HeadRuntime:
         keys = keyer.keys(tokens)
         session = self.sessions.best(tokens, keyer.root, client)
 
-        def open_importer(hit: PeerHit, held: tuple[Block, ...]) -> Importer:
+        def open_importer(
+            hit: PeerHit, held: tuple[Block, ...], keep_from: tuple[int, ...] | None
+        ) -> Importer:
             # bounded by the prompt: a validated hit holds no more tokens than its keys
-            importer = self.engine.importer(hit.tokens)
+            importer = self.engine.importer(hit.tokens, keep_from)
             for blk in held:
                 importer.add(blk)
             return importer

@@ -332,8 +332,8 @@ class KVMeshWorker:
         store's chain, else the first peer worth fetching from, into ``acq``."""
         want, card = len(acq.keys.blocks), svc.card
 
-        def open_sink(hit: PeerHit, held: Sequence[Block]) -> Acquisition:
-            acq.local = tuple(held)  # the stored pages the fetch continues
+        def open_sink(hit: PeerHit, held: Sequence[Block], _: object) -> Acquisition:
+            acq.local = tuple(held)  # the stored pages the fetch continues (whole: paged)
             return acq
 
         def started(hit: PeerHit) -> None:
