@@ -131,9 +131,15 @@ def test_a_trimmed_import_continues_bitwise(case, p):
         own = producer.extend(producer.prefill(toks[:p]), longer[p:])
         assert mine.imported_tokens == p and mine.computed_tokens == extra
         assert same(mine.logits, theirs.logits) and same(mine.logits, own.logits)
-    published = consumer.export(mine, keyer(consumer), first_block=p // B)
-    cold = producer.export(own, keyer(producer), first_block=p // B)
-    assert [b.blob for b in published] == [b.blob for b in cold] and len(published) >= 2
+    # from the first position every layer holds (the import's blocks past every
+    # low bound, then what it computed): the producer's bytes
+    start = consumer.exportable_from(mine)
+    assert start == max(kf[i] for i, g in enumerate(geometry) if g.window) and start % B == 0
+    assert producer.exportable_from(own) == 0
+    published = consumer.export(mine, keyer(consumer), first_block=start // B)
+    cold = producer.export(own, keyer(producer), first_block=start // B)
+    assert [b.blob for b in published] == [b.blob for b in cold]
+    assert len(published) >= 2 + p // B - start // B
     with pytest.raises(CacheMiss):  # a trimmed layer's first block was never there
         consumer.export(mine, keyer(consumer))
     said = list(consumer.generate(mine, GREEDY))

@@ -137,6 +137,12 @@ class EngineBase(abc.ABC):
         """How many of ``state``'s positions may be exported: those in its cache."""
         return state.cached
 
+    def exportable_from(self, state: KVState) -> int:
+        """The first position every layer of ``state``'s cache holds: 0, except after
+        a trimmed import (a sliding layer's low bound, a block boundary). An export
+        from an earlier block is a :class:`~kvmesh.errors.CacheMiss`."""
+        return 0
+
     def restorable(self, cache: Any, n: int) -> int:
         """The most positions, at most ``n``, that ``cache`` can be cut back to: ``n``
         for attention caches; a recurrent state exists only where it was kept (a

@@ -296,6 +296,11 @@ def _restore(layer: Any, k: torch.Tensor, v: torch.Tensor, n: int, lo: int = 0) 
     layer.keys, layer.values = k, v
 
 
+def _lowest(cache: Any) -> int:
+    """The first position every layer of ``cache`` holds."""
+    return max((_lo(ly) for ly in cache.layers), default=0)
+
+
 def _floor(cache: Any) -> int:
     """The fewest positions ``cache`` can be cut back to other than none: a trimmed
     sliding layer's live window (its last ``W - 1``) must lie past its low bound."""
@@ -900,6 +905,9 @@ class TransformersEngine(EngineBase):
 
     def _positions(self, cache: Any) -> int | None:
         return getattr(cache, _POS, None) if self._state_every else None
+
+    def exportable_from(self, state: KVState) -> int:
+        return _lowest(state.cache) if state.cache is not None else 0
 
     def exportable(self, state: KVState) -> int:
         # deterministic: only what a cold run computes the same way (whole grid cells)

@@ -595,6 +595,9 @@ class MLXEngine(EngineBase):
     def _positions(self, cache: Any) -> int | None:
         return cache.pos if self._every and cache is not None else None
 
+    def exportable_from(self, state: KVState) -> int:
+        return max((_lo(c) for c in state.cache), default=0) if state.cache is not None else 0
+
     def restorable(self, cache: Any, n: int) -> int:
         if not self._every or cache is None or self.reuse_off is not None:
             m = super().restorable(cache, n)

@@ -135,6 +135,11 @@ class Engine(Protocol):
 
     # -- export ----------------------------------------------------------------
 
+    def exportable_from(self, state: KVState) -> int:
+        """The first position :meth:`export` can start at (``first_block`` at least
+        this over the block size): 0 but after a trimmed import."""
+        ...
+
     def export(
         self,
         state: KVState,
