@@ -136,8 +136,9 @@ class Engine(Protocol):
     # -- export ----------------------------------------------------------------
 
     def exportable_from(self, state: KVState) -> int:
-        """The first position :meth:`export` can start at (``first_block`` at least
-        this over the block size): 0 but after a trimmed import."""
+        """The first position every layer of ``state``'s cache holds: 0 but after a
+        trimmed import; :meth:`export`'s ``first_block`` must be at least this over
+        the block size, rounded up (:class:`~kvmesh.errors.CacheMiss` otherwise)."""
         ...
 
     def export(
