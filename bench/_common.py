@@ -7,9 +7,11 @@ Cleanup contract: every child process a benchmark starts goes through :func:`pop
 through :func:`own_netns` / :func:`own_link`. :func:`run_main` runs a benchmark's
 ``main`` and on ANY exit (return, exception, ``SystemExit``, Ctrl-C, SIGTERM) stops
 each child's process group (SIGTERM, then SIGKILL after a grace period) and deletes
-the namespaces and links. ``KVMESH_BENCH_FAIL=started`` makes a benchmark raise as
+the namespaces, links and temporary directories (:func:`own_tempdir`: e.g. a
+child's ``KVMESH_HOME``). ``KVMESH_BENCH_FAIL=started`` makes a benchmark raise as
 soon as its first child is up (or its first namespace exists): how the tests prove
-that nothing is left behind.
+that nothing is left behind. :class:`NetnsPeer` is a peer behind a veth link in
+its own namespace, shaped with ``tc`` (root only).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import os
 import platform
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -130,10 +134,16 @@ class Owned:
         self.procs: list[subprocess.Popen[Any]] = []
         self.netns: list[str] = []
         self.links: list[str] = []
+        self.dirs: list[str] = []
 
     def cleanup(self) -> None:
-        """Stop every child (newest first) and delete namespaces and links; idempotent.
-        One that cannot be stopped or deleted does not keep the rest alive."""
+        """Stop every child (newest first), delete namespaces and links, then the
+        temporary directories (no child writes there any more); idempotent. One that
+        cannot be stopped or deleted does not keep the rest alive."""
+        for p in reversed(self.procs):  # all told at once: they stop in parallel
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                with contextlib.suppress(Exception):
+                    _signal_group(p, sig)
         while self.procs:
             p = self.procs.pop()
             with contextlib.suppress(Exception):
@@ -145,6 +155,8 @@ class Owned:
         for cmd in cmds:
             with contextlib.suppress(Exception):
                 subprocess.run(cmd, capture_output=True, timeout=30)
+        while self.dirs:
+            shutil.rmtree(self.dirs.pop(), ignore_errors=True)
 
 
 OWNED = Owned()
@@ -213,6 +225,14 @@ def own_link(name: str, *spec: str) -> None:
     OWNED.links.append(name)
 
 
+def own_tempdir(what: str) -> str:
+    """A new temporary directory, named for this process (``kvmb<pid>-<what>-``, so a
+    test can tell it was left behind), deleted at exit."""
+    path = tempfile.mkdtemp(prefix=f"kvmb{os.getpid()}-{what}-")
+    OWNED.dirs.append(path)
+    return path
+
+
 def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -238,26 +258,49 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def spawn_kvmesh(
-    *args: str, pattern: str, prefix: Sequence[str] = (), timeout_s: float = START_TIMEOUT_S
-) -> tuple[subprocess.Popen[str], re.Match[str]]:
+def launch_kvmesh(
+    *args: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """``kvmesh ARGS`` in its own owned process (run under ``prefix``, e.g. ``ip netns
-    exec NS``), once its first line matches ``pattern`` (within ``timeout_s``)."""
-    p = popen(
+    exec NS``; ``env`` added to ours), not waited for: :func:`await_start`."""
+    return popen(
         [*prefix, sys.executable, "-m", "kvmesh.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env={**os.environ, **env} if env else None,
     )
+
+
+def await_start(
+    p: subprocess.Popen[str], pattern: str, timeout_s: float = START_TIMEOUT_S
+) -> re.Match[str]:
+    """The match of ``pattern`` in a launched process's first line (within
+    ``timeout_s``); stopped and RuntimeError when it does not come."""
     assert p.stdout is not None
     ready, _, _ = select.select([p.stdout], [], [], timeout_s)
     line = p.stdout.readline() if ready else ""
     m = re.search(pattern, line)
     if not m:
         stop(p)
-        raise RuntimeError(f"kvmesh {args[0]} did not start: {line!r}")
+        cmd = [str(a) for a in p.args]  # type: ignore[union-attr]
+        what = cmd[cmd.index("kvmesh.cli") + 1] if "kvmesh.cli" in cmd else cmd[0]
+        raise RuntimeError(f"kvmesh {what} did not start: {line!r}")
     fail_point("started")
-    return p, m
+    return m
+
+
+def spawn_kvmesh(
+    *args: str,
+    pattern: str,
+    prefix: Sequence[str] = (),
+    timeout_s: float = START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[str], re.Match[str]]:
+    """``kvmesh ARGS`` in its own owned process (run under ``prefix``, e.g. ``ip netns
+    exec NS``), once its first line matches ``pattern`` (within ``timeout_s``)."""
+    p = launch_kvmesh(*args, prefix=prefix, env=env)
+    return p, await_start(p, pattern, timeout_s)
 
 
 def free_port() -> int:
@@ -308,3 +351,67 @@ def write_section(path: Path, text: str, mark: str, end: str) -> None:
         path.write_text(head + text + rest.split(end, 1)[1])
     else:
         path.write_text(old.rstrip() + "\n\n" + text + "\n")
+
+
+def tbf_burst(rate_bits: float) -> int:
+    """A token bucket's burst in bytes: 1/100 s of the rate, at least 32 KiB (one
+    timer tick must not cap the rate: HZ=250 ticks every 4 ms)."""
+    return max(32 << 10, int(rate_bits / 8 / 100))
+
+
+class NetnsPeer:
+    """A ``kvmesh peer`` in its own network namespace behind a veth link, under the
+    fleet key (it listens off loopback), shaped with :meth:`shape`. Names carry our
+    pid and ``index`` (``kvmb<pid>n<index>``), so runs and several links do not
+    collide; the namespace, the link and the peer are owned and go on any exit."""
+
+    def __init__(self, key_file: str, index: int = 0, *peer_args: str) -> None:
+        tag = f"kvmb{os.getpid()}" + (f"n{index}" if index else "")
+        self.ns, self.host_if, self.peer_if = tag, tag + "h", tag + "p"
+        self.host, peer = f"10.78.{index}.1", f"10.78.{index}.2"
+        self.address = f"{peer}:7070"
+        own_netns(self.ns)
+        own_link(self.host_if, "type", "veth", "peer", "name", self.peer_if)
+        run = lambda *c: subprocess.run(c, check=True, capture_output=True, timeout=30)  # noqa: E731
+        run("ip", "link", "set", self.peer_if, "netns", self.ns)
+        run("ip", "addr", "add", f"{self.host}/24", "dev", self.host_if)
+        run("ip", "link", "set", self.host_if, "up")
+        for c in (
+            ["ip", "addr", "add", f"{peer}/24", "dev", self.peer_if],
+            ["ip", "link", "set", self.peer_if, "up"],
+            ["ip", "link", "set", "lo", "up"],
+        ):
+            run("ip", "netns", "exec", self.ns, *c)
+        fail_point("netns")
+        self.proc = launch_kvmesh(
+            "peer",
+            "--listen",
+            self.address,
+            "--plaintext",
+            "--advertise",
+            f"{self.address},interface=ethernet",
+            *peer_args,
+            prefix=("ip", "netns", "exec", self.ns),
+        )
+
+    def started(self) -> None:
+        """Wait for the peer to listen (launched by the constructor)."""
+        await_start(self.proc, "listening")
+
+    def shape(self, rate: str, rate_bits: float) -> None:
+        """Cap the peer->head direction (the data's) with a token bucket of
+        ``rate`` (tc's spelling, ``rate_bits`` bits/s)."""
+        cmd = ["tc", "qdisc", "replace", "dev", self.peer_if, "root", "tbf", "rate", rate]
+        cmd += ["burst", str(tbf_burst(rate_bits)), "latency", "50ms"]
+        subprocess.run(["ip", "netns", "exec", self.ns, *cmd], check=True, timeout=30)
+
+    def received(self) -> int:
+        """Bytes the head's side of the link has received (IP packets, headers in)."""
+        return int(Path(f"/sys/class/net/{self.host_if}/statistics/rx_bytes").read_text())
+
+
+def netns_works() -> bool:
+    """Network namespaces can be made here (root and iproute2)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    return subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0

@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -114,9 +115,35 @@ def finish(proc: subprocess.Popen[str], tag: str) -> str:
 
 
 def _ttft(d: dict[str, Any]) -> bool:
-    row = d["results"][0]
-    netns_ok = not NETNS or "kvmesh_netns_10gbit_s" in row
-    return d["fleet_key"] and row["kvmesh_remote_s"] > 0 and netns_ok
+    """Both models (demo-tiny, and its sliding-window copy) on loopback and a paced
+    100mbit link, and a tbf 1gbit one where namespaces work: every path measured
+    (head process, prepared and bare library, forced fetch), a fetch-or-compute
+    choice; the bytes a hit moved counted over the wire, fewer on the sliding model
+    than the --no-window-trim reference where it is counted off the socket."""
+    rows = d["results"]
+    want = {("loopback", "none"), ("100mbit", "pace" if d["serve_rate"] else "none")}
+    want |= {("1gbit", "tbf")} if NETNS else set()
+    timed = ("cold_s", "head_remote_s", "library_remote_s", "library_bare_s", "fetch_forced_s")
+    sliding = [r for r in rows if r["sliding"]]
+    counted = [r for r in sliding if r["bytes_sent_by"] in ("veth", "report")]
+    trim_ok = not d["window_trim"] or (
+        all(r["untrimmed_measured"] for r in sliding)
+        and (counted or not NETNS)
+        and all(0 < r["bytes_sent"] < r["bytes_sent_untrimmed"] for r in counted)
+    )
+    return (
+        d["fleet_key"]
+        and {r["model"] for r in rows} == {"demo-tiny", "demo-tiny-swa16"}
+        and all(
+            {(r["link"], r["shaper"]) for r in rows if r["model"] == m} == want
+            for m in ("demo-tiny", "demo-tiny-swa16")
+        )
+        and all(r[k] > 0 for r in rows for k in timed)
+        and all(r["planner_choice"] in ("fetch", "compute") for r in rows)
+        and all(r["bytes_sent"] > 0 and r["kv_bytes"] == 64 * 1024 for r in rows)
+        and sliding
+        and trim_ok
+    )
 
 
 def _events(d: dict[str, Any]) -> bool:
@@ -317,6 +344,17 @@ def test_a_benchmark_stopped_by_a_signal_leaves_none_running(sig: int, tmp_path:
     proc.send_signal(sig)
     text = finish(proc, tag)
     assert proc.returncode != 0, text
+
+
+def test_ttft_failing_after_its_first_head_started_leaves_nothing(tmp_path: Path) -> None:
+    """Heads, the bare library child, peers, namespaces and the heads' KVMESH_HOME
+    all go when the benchmark fails with its first head process up."""
+    proc, tag = start(ROOT / "bench" / "ttft.py", tmp_path / "x.json", KVMESH_BENCH_FAIL="head")
+    text = finish(proc, tag)
+    assert proc.returncode != 0 and "failing on purpose" in text, text
+    assert not (tmp_path / "x.json").exists()
+    left = list(Path(tempfile.gettempdir()).glob(f"kvmb{proc.pid}-*"))
+    assert not left, f"temporary directories left behind: {left}"
 
 
 @pytest.mark.skipif(not NETNS, reason="network namespaces need root and iproute2")
