@@ -350,3 +350,15 @@ def test_status_shows_no_numbers_a_hostile_card_made_up():
     assert row["links"][1]["bytes_per_s"] is None
     json.dumps(row, allow_nan=False)  # what --json prints is valid JSON
     assert links_text(row).startswith("xxxxxxxxxxxx ? ×3, y ? ×1")
+
+
+def test_a_trimmed_transfer_teaches_like_any_other_unless_said_compressed():
+    """Fewer wire bytes than raw can be a codec (maybe sender-bound) or framing;
+    the caller says which: an uncompressed slow transfer lowers the rate."""
+    p, _ = _planner()
+    _teach(p, "a", 50 * MB)
+    kw = {"wire_bytes": 1 << 20, "raw_bytes": 4 << 20, "link_s": 1.0}
+    p.observe_link("a", **kw, compressed=True)
+    assert p.link_rate("a") == pytest.approx(50 * MB)
+    p.observe_link("a", **kw, compressed=False)
+    assert p.link_rate("a") < 50 * MB

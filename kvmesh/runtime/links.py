@@ -111,6 +111,7 @@ class LinkBook:
         connect_s: float,
         interface: str = "",
         address: str = "",
+        compressed: bool | None = None,
     ) -> None:
         link = self.entry(peer)
         link.interface = interface or link.interface
@@ -124,7 +125,9 @@ class LinkBook:
         if wire_bytes < MIN_LINK_BYTES or not link_s > 0:
             return
         sample = wire_bytes / link_s
-        if raw_bytes > wire_bytes and sample <= self.rate(peer, link.interface):
+        if compressed is None:
+            compressed = raw_bytes > wire_bytes
+        if compressed and sample <= self.rate(peer, link.interface):
             return  # compressed: maybe bound by the sender's encoder, not the link
         link.rate = ewma(link.rate, sample)
         link.link_s = ewma(link.link_s or None, link_s)

@@ -291,12 +291,19 @@ class Planner:
         connect_s: float = 0.0,
         interface: str = "",
         address: str = "",
+        compressed: bool | None = None,
     ) -> None:
-        """A fetch from ``peer`` moved ``wire_bytes`` (``raw_bytes`` once decoded)
-        in ``link_s`` from connected to the last byte in, after ``connect_s`` to
-        connect (0: nothing connected). Teaches the peer's link rate and RTT."""
+        """A fetch from ``peer`` (reached on ``interface`` at ``address``) moved
+        ``wire_bytes`` (frames included) in ``link_s`` from connected to the last
+        byte in, after ``connect_s`` to connect (0: nothing connected: a
+        long-lived channel). ``raw_bytes``: what was sent, decoded (after a window
+        trim, before a codec). ``compressed``: whether a codec shrank it (None:
+        ``raw_bytes > wire_bytes``); a compressed transfer only raises the rate.
+        Teaches the peer's link rate and RTT."""
         with self._lock:
-            self._book.observe(peer, wire_bytes, raw_bytes, link_s, connect_s, interface, address)
+            self._book.observe(
+                peer, wire_bytes, raw_bytes, link_s, connect_s, interface, address, compressed
+            )
         self._changed()
 
     def observe_fetch(
