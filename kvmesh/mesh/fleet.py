@@ -62,6 +62,11 @@ class Fleet:
             return RecordingKeyer(keyer, events.source.memo)
         return keyer
 
+    def show_links(self, links: Callable[[], list[dict[str, Any]]]) -> None:
+        """Where this node's card, status and metrics read its measured links
+        (the head's planner: :meth:`kvmesh.runtime.planner.Planner.links`)."""
+        self._node.node.link_rates = links
+
     def hear_store(self, listener: Listener) -> None:
         """``listener`` hears every block stored in or removed from this node's store
         (set before the first block is stored)."""

@@ -65,6 +65,7 @@ class Want:
 
     keep_from: tuple[int, ...] | None = None
     codecs: tuple[str, ...] = ()
+    wire: int | None = None  # the block bytes that should then move (the planner's estimate)
 
     @property
     def codec_ids(self) -> tuple[int, ...]:

@@ -38,16 +38,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .. import memory
+from .. import memory, squeeze
 from ..blocks import PrefixKeys
-from ..codec import Block, Layout
+from ..codec import Block, Layout, part_itemsize
 from ..compat import CompatCard
 from ..errors import Reason
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.transport import StreamTimes, Want
 from ..store import Match
-from .planner import Attempt, Planner, failure_reason
+from .planner import Attempt, Choice, Planner, failure_reason
 from .slots import Slots
 from .telemetry import Count, Family, Source, Tally, labelled
 
@@ -91,6 +91,8 @@ class Fetched:
     fetch_s: float = 0.0
     fallback: str | None = None
     times: StreamTimes = field(default_factory=StreamTimes)  # the working stream's stages
+    want: Want = field(default_factory=Want)  # what the working stream asked for
+    choice: Choice | None = None  # the planner's last fetch-or-compute choice
 
 
 @dataclass
@@ -117,6 +119,26 @@ class Acquired:
         if self.source in (Source.LOCAL, Source.DISK):
             return self.local.all()
         return ()
+
+
+def _fetches(choice: Choice | None) -> bool:
+    return choice is not None and choice.fetch
+
+
+def wire_bytes(layout: Layout, hit: PeerHit, start: int, keep: tuple[int, ...] | None) -> int:
+    """The bytes a fetch of ``hit``'s blocks from ``start`` moves when each carries
+    only the parts an import with ``keep`` needs (its announced sizes without the
+    sliding layers' blocks before their windows)."""
+    total, b = 0, layout.card.block_tokens
+    for j, info in enumerate(hit.infos[start:], start):
+        total += info.nbytes
+        if keep is None:
+            continue
+        end = j * b + info.tokens
+        for lo, specs in zip(keep, layout.layers(info.tokens), strict=True):
+            if end <= lo:
+                total -= sum(t.nbytes for t in specs)
+    return max(total, 0)
 
 
 def _importable(card: CompatCard, hit: PeerHit) -> PeerHit:
@@ -185,6 +207,8 @@ class Acquirer:
         self.fleet = fleet
         self.planner = planner
         self.count = count
+        self.squeeze = squeeze.Calibration()  # what each part codec achieves here
+        self._calibrating = threading.Lock()
 
     def acquire(
         self,
@@ -254,7 +278,17 @@ class Acquirer:
         if not self._seeks(out.tokens, keys):
             return out
         start = _fetch_start(tokens // keys.block_tokens, whole)
-        hit = next((h for h in found.hits if self._worth(h, out.tokens, start)), None)
+        layout = Layout(card)
+        hit = next(
+            (
+                h
+                for h in found.hits
+                if _fetches(
+                    self._worth(h, out.tokens, start, self._want(layout, h, start, True).wire)
+                )
+            ),
+            None,
+        )
         if hit is None:
             out.fallback = found.fallback
             return out
@@ -306,13 +340,16 @@ class Acquirer:
             found.hits = [h for h in paged if h.tokens > have]
         return found
 
-    def _worth(self, hit: PeerHit, have: int, start: int) -> bool:
-        """Whether ``hit`` is one to fetch from block ``start``: it holds more than
-        ``have``, its peer is usable, and the planner prefers it to computing."""
+    def _worth(self, hit: PeerHit, have: int, start: int, wire: int | None = None) -> Choice | None:
+        """The planner's choice for ``hit`` from block ``start`` (``wire`` bytes on
+        the wire, when trimmed or compressed), or None when it holds no more than
+        ``have`` or its peer is not usable."""
         if hit.tokens <= have or not self.planner.usable(hit.node_id):
-            return False
+            return None
         nbytes = sum(i.nbytes for i in hit.infos[start:])
-        return self.planner.estimate(hit.node_id, hit.tokens - have, nbytes).worth_it
+        return self.planner.choose(
+            hit.node_id, hit.interface, hit.tokens - have, nbytes, wire, have=have
+        )
 
     def fetch(
         self,
@@ -344,20 +381,43 @@ class Acquirer:
             if left <= 0:
                 out.fallback = Reason.BUDGET
                 break
-            if not self._worth(hit, have, start):
+            want = self._want(layout, hit, start, trims)
+            out.choice = self._worth(hit, have, start, want.wire)
+            if out.choice is None or not out.choice.fetch:
                 self.count(Count.PLANNED_COMPUTE)
                 continue
-            want = self._want(layout, hit, trims)
             if self._try(layout, hit, local, start, left, open_sink, on_start, out, owner, want):
                 return out
         return out
 
-    def _want(self, layout: Layout, hit: PeerHit, trims: bool) -> Want:
-        """What a fetch of ``hit`` asks for: the parts an import of its tokens needs
-        (when trimming is on) and the codecs worth decoding from its peer."""
+    def _want(self, layout: Layout, hit: PeerHit, start: int, trims: bool) -> Want:
+        """What a fetch of ``hit`` from block ``start`` asks for: the parts an import
+        of its tokens needs (when trimming is on), and the codec that moves them
+        fastest over the peer's link as measured here (none: raw)."""
         assert self.fleet is not None
         keep = layout.keep_from(hit.tokens) if trims and self.fleet.window_trim else None
-        return Want(keep, ())
+        rate = self.planner.link_rate(hit.node_id, hit.interface)
+        wire = wire_bytes(layout, hit, start, keep)
+        codec = self.squeeze.best(rate, wire)
+        if codec == "raw":
+            return Want(keep, (), wire)
+        ratio = self.squeeze.stats().get(codec, {}).get("ratio", 1.0)
+        return Want(keep, (codec,), int(wire / max(ratio, 1.0)))
+
+    def calibrate(self, block: Block) -> None:
+        """Measure the part codecs on ``block``'s bytes, off the request path and at
+        most once a minute (:meth:`squeeze.Calibration.sample`)."""
+        if self._calibrating.acquire(blocking=False):
+            itemsize = max(part_itemsize(block.header, i) for i in range(len(block.header.layers)))
+            threading.Thread(
+                target=self._sample, args=(block, itemsize), name="kvmesh-calibrate", daemon=True
+            ).start()
+
+    def _sample(self, block: Block, itemsize: int) -> None:
+        try:
+            self.squeeze.sample(block.payload(), itemsize)
+        finally:
+            self._calibrating.release()
 
     def _try(
         self,
@@ -393,17 +453,36 @@ class Acquirer:
             tried = Attempt(left, time.perf_counter() - t0, timed.nbytes, self.fleet.fetch_deadline)
             out.fallback = self.planner.fetch_failed(hit.node_id, e, self.count, hit.alias, tried)
             return False
-        nbytes = sum(i.nbytes for i in hit.infos[start:])
         out.fetch_s = time.perf_counter() - t0
-        self.planner.observe_fetch(hit.node_id, nbytes, out.fetch_s)
-        self.planner.observe_import(timed.nbytes, timed.seconds)
-        self.planner.peer_succeeded(hit.node_id)
+        nbytes = sum(len(b.blob) for b in blocks)  # what arrived (trimmed: less than announced)
+        self._learn(hit, times, nbytes, timed, want)
         self.count(Count.FETCHED_BYTES, nbytes)
         out.hit, out.sink, out.blocks, out.nbytes, out.fallback = hit, sink, blocks, nbytes, None
-        out.times = times
+        out.times, out.want = times, want
+        whole = [b for b in blocks if b.whole]
+        if whole:
+            self.calibrate(max(whole, key=lambda b: b.nbytes))
         if start == len(local.blocks):  # the fetched blocks continue the stored chain
             self.fleet.keep(blocks, owner)
         return True
+
+    def _learn(
+        self, hit: PeerHit, times: StreamTimes, nbytes: int, timed: _Timed, want: Want
+    ) -> None:
+        """What a working fetch teaches the planner: the link's rate and round trip,
+        the import's bandwidth; the peer is forgiven."""
+        self.planner.observe_link(
+            hit.node_id,
+            wire_bytes=times.wire_bytes or nbytes,
+            raw_bytes=nbytes,
+            link_s=max(times.received - times.connected, 0.0),
+            connect_s=max(times.connected - times.started, 0.0),
+            interface=hit.interface,
+            address=hit.data_address or hit.address,
+            compressed=bool(want.codecs),
+        )
+        self.planner.observe_import(timed.nbytes, timed.seconds)
+        self.planner.peer_succeeded(hit.node_id)
 
     def imported(self, blocks: Sequence[Block], copy: Callable[[Block], object]) -> int:
         """Import ``blocks`` with ``copy`` (in order, stopping at the first failure,

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..blocks import BlockKeyer
-from ..codec import Block, TensorSpec
+from ..codec import Block, TensorSpec, trim
 from ..engine import Engine
 from .planner import Planner
 from .telemetry import Count, Tally
@@ -101,7 +101,18 @@ class Auditor:
         ]
         if not mine:
             return None
-        return _close(list(mine[0].tensors()), list(job.block.tensors()))
+        theirs = job.block  # a trimmed block (a window's import) is compared on its parts
+        ours = mine[0] if theirs.whole else trim(mine[0], theirs.present)
+        return _close(_present(ours), _present(theirs))
+
+
+def _present(block: Block) -> list[tuple[TensorSpec, memoryview]]:
+    """The tensors of a block's present parts, in payload order."""
+    out = [t for _, layer in block.kv_layers() for t in layer]
+    out += [(spec, view) for _, spec, view in block.state_tensors()]
+    if block.header.logits is not None:
+        out.append((block.header.logits, block.logits_bytes()))
+    return out
 
 
 def _close(

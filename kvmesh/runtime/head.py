@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import memory
 from ..blocks import BlockKeyer
@@ -241,6 +242,8 @@ class HeadRuntime:
         self.tenants = TenantStats()
         count = self.telemetry.count
         self.acquirer = Acquirer(reuse, self.planner, count)
+        if self.fleet is not None:
+            self.fleet.show_links(self.planner.links)
         # exports waiting for the publisher: dropped beyond ``max_pending_publishes``
         self.publisher = Publisher(reuse, self.card, max_pending_publishes, count)
         if reuse is not None:
@@ -560,6 +563,7 @@ class HeadRuntime:
             compute_s=dt,
             saved_s=self.planner.compute_s(state.imported_tokens),
             used_stored_logits=state.used_stored_logits,
+            **_wire_report(found, source == Source.REMOTE),
         )
         chain = () if source == Source.SESSION else prefix
         return report, tuple(b for b in chain if b.header.kind == "block")
@@ -589,13 +593,19 @@ class HeadRuntime:
         keyer = keyer or self.keyer
 
         def chains() -> list[list[Block]]:  # on the publisher thread
-            n_reused = len(reused)
-            blocks = list(reused) + self.engine.export(prompt, keyer, first_block=n_reused)
+            # after a trimmed import the prompt's state lacks the positions before
+            # its windows: its blocks are exported from where it holds them all
+            held = -(-self.engine.exportable_from(prompt) // self.card.block_tokens)
+            n_reused = max(len(reused), held)
+            blocks = list(reused[:n_reused]) + self.engine.export(
+                prompt, keyer, first_block=n_reused
+            )
             prompt_full = [b for b in blocks if b.header.kind == "block"]
+            skipped = n_reused - len(reused[:n_reused])  # blocks the chain starts after
             more = self.engine.export(
                 KVState(final.tokens[: final.cached], final.cache, None, final.cached),
                 keyer,
-                first_block=len(prompt_full),
+                first_block=skipped + len(prompt_full),
             )
             out = [blocks, prompt_full + more] if more else [blocks]
             if tails:
@@ -616,6 +626,7 @@ class HeadRuntime:
     def close(self) -> None:
         self.batch.close()
         self.publisher.close()
+        self.planner.flush()  # what it learned of the links, kept for the next start
 
 
 class TenantStats:
@@ -644,3 +655,16 @@ class TenantStats:
     def counters(self) -> dict[str, dict[str, int]]:
         with self._lock:
             return {t: dict(c) for t, c in self._stats.items()}
+
+
+def _wire_report(found: Acquired, remote: bool) -> dict[str, Any]:
+    """The report's fields on how a fetch moved (or would have moved) its bytes."""
+    f = found.fetched
+    out: dict[str, Any] = {}
+    if f.choice is not None:
+        c = f.choice
+        out["planner"] = {"choice": c.name, "fetch_s_est": c.fetch_s, "compute_s_est": c.compute_s}
+    if remote:
+        out.update(bytes_wire=f.times.wire_bytes, trimmed=f.want.keep_from is not None)
+        out["codec"] = f.want.codecs[0] if f.want.codecs else ""
+    return out

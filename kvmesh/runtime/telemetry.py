@@ -99,6 +99,11 @@ class PrefillReport:
     compute_s: float = 0.0
     saved_s: float = 0.0
     used_stored_logits: bool = False
+    bytes_wire: int = 0  # what crossed the wire for the fetch (frames, trimmed, compressed)
+    trimmed: bool = False  # sliding layers' positions outside the window stayed home
+    codec: str = ""  # the part codec asked for ("": raw)
+    # the planner's last choice for this prompt: {choice, fetch_s_est, compute_s_est}
+    planner: dict[str, Any] = field(default_factory=dict)
     # seconds per stage to the first token (runtime.head.STAGES), filled in at it
     breakdown: dict[str, float] = field(default_factory=dict)
 

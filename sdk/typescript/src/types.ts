@@ -51,6 +51,14 @@ export interface KvmeshReport {
   compute_s: number;
   saved_s: number;
   used_stored_logits: boolean;
+  /** Bytes that crossed the wire for the fetch (frames; fewer when trimmed or compressed). */
+  bytes_wire: number;
+  /** Sliding-window layers' positions outside the window stayed on the peer. */
+  trimmed: boolean;
+  /** The part codec asked for ("" for raw). */
+  codec: string;
+  /** The planner's choice for the prompt, when a peer held more than this head. */
+  planner: { choice?: "fetch" | "compute"; fetch_s_est?: number; compute_s_est?: number };
   ttft_s: number | null;
 }
 

@@ -1,0 +1,114 @@
+"""A head's remote hit on a sliding-window model moves only what its import needs
+(issue 41), end to end: a real ``kvmesh peer`` process holds a prompt a first
+head computed and published; fresh heads fetch it over the bulk path.
+
+- Trimmed (the default): the peer sends PARTS frames, the head's report says
+  ``trimmed`` and counts fewer wire bytes than the whole blocks, and the answer is
+  the producer's, token for token.
+- ``window_trim=False`` (``--no-window-trim``): whole blocks, the same answer.
+- The trimmed blocks are not kept in the fresh head's store (they are no whole
+  block), and a second request for the prompt is answered the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.engine import Sampling, load_engine
+from kvmesh.mesh.node import NodeConfig, NodeThread
+from kvmesh.runtime.head import HeadRuntime
+from kvmesh.runtime.telemetry import Source
+
+from . import zoo
+from .helpers import wait_for
+from .procs import Peer
+
+W = 24
+SAMPLING = Sampling(max_tokens=6, stop_on_eos=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    path = zoo.windowed(zoo.hf_model("gemma3"), W)
+    engine = load_engine(str(path), "torch")
+    assert any(engine.card.sliding_windows)
+    return engine, zoo.prompt_tokens(path, 8 * W + 11)
+
+
+@pytest.fixture
+def peer(tmp_path):
+    p = Peer(alias="cache", log_dir=tmp_path)
+    yield p
+    p.kill()
+
+
+def head(engine, seed: str, trim: bool = True, fresh: bool = True) -> HeadRuntime:
+    node = NodeThread(
+        NodeConfig(
+            listen="127.0.0.1:0",
+            seeds=[seed],
+            alias="head",
+            gossip_interval=0.3,
+            ttl=2,
+            roles=("head", "cache"),
+            window_trim=trim,
+        )
+    )
+    rt = HeadRuntime(engine, node)
+    ns = engine.card.namespace_hex
+    if fresh:  # the peer holds the namespace's blocks
+        wait_for(lambda: any(ns in c.namespaces for c in node.node.membership.live()), 10)
+    else:
+        wait_for(lambda: node.node.membership.live(), 10)
+    return rt
+
+
+def close(rt: HeadRuntime) -> None:
+    rt.close()
+    assert rt.node is not None
+    rt.node.close()
+
+
+def remote(rt: HeadRuntime, prompt):
+    out = rt.complete(prompt, SAMPLING)
+    r = out.report
+    assert r is not None and r.source == Source.REMOTE and r.fallback is None, r
+    assert r.reused_tokens == len(prompt)
+    return out, r
+
+
+def test_a_remote_hit_on_a_sliding_model_moves_only_the_window(model, peer):
+    engine, prompt = model
+    first = head(engine, peer.address, fresh=False)
+    try:
+        cold = first.complete(prompt, SAMPLING)
+        assert cold.report is not None and cold.report.source == Source.COMPUTE
+        first.flush(30)
+    finally:
+        close(first)
+
+    whole = head(engine, peer.address, trim=False)
+    try:
+        w_out, w = remote(whole, prompt)
+        assert not w.trimmed and w.bytes_wire >= w.bytes_fetched > 0
+    finally:
+        close(whole)
+
+    trimmed = head(engine, peer.address)
+    try:
+        t_out, t = remote(trimmed, prompt)
+        assert t.trimmed and 0 < t.bytes_wire < w.bytes_wire
+        # what stayed home: every sliding layer's blocks before its window
+        keep = engine.layout.keep_from(len(prompt))
+        assert keep is not None and max(keep) > 0
+        assert t.bytes_fetched < w.bytes_fetched
+        assert t_out.tokens == w_out.tokens == cold.tokens  # identical answers
+        assert t.planner["choice"] == "fetch"
+        assert trimmed.node is not None
+        assert trimmed.node.node.store.stats.entries == 0 or all(
+            blk.whole for blk in trimmed.node.node.store.blocks()
+        )
+        again = trimmed.complete(prompt, SAMPLING)
+        assert again.tokens == cold.tokens
+    finally:
+        close(trimmed)
