@@ -10,6 +10,10 @@ claim chosen by MODE:
 - ``oversize``: every asked block, announced at 1 TiB each.
 - ``stall``: every asked block, then a fetch that never sends a byte.
 - ``stall-mid``: every asked block, then half of the first block and silence.
+- ``parts-flip``, ``parts-missing``, ``manifest-lie``: an honest store (it takes
+  publishes and answers lookups truly), whose trimmed fetches (PARTS frames) lie:
+  a flipped byte in the last part sent, the first part left out, a part digest
+  that does not make the block's digest.
 
 Fetches lie the same way on the bulk data path and over gRPC (``--no-bulk``).
 It prints ``kvmesh peer ... listening on ADDR epoch E`` like ``kvmesh peer``.
@@ -38,15 +42,25 @@ from typing import Any
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.codec import Block, chunks
+from kvmesh.codec import ALL, Block, chunks, parts_frame, want_mask
 from kvmesh.compat import CompatCard
 from kvmesh.mesh.bulk_server import BulkServer
-from kvmesh.mesh.bulk_wire import BLOCK, FRAME
+from kvmesh.mesh.bulk_wire import BLOCK, FRAME, PARTS
 from kvmesh.mesh.node import MeshNode, NodeConfig
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
 from kvmesh.mesh.server import CacheService
 
-MODES = ("lie-length", "wrong-bytes", "oversize", "stall", "stall-mid")
+MODES = (
+    "lie-length",
+    "wrong-bytes",
+    "oversize",
+    "stall",
+    "stall-mid",
+    "parts-flip",
+    "parts-missing",
+    "manifest-lie",
+)
+PARTS_MODES = ("parts-flip", "parts-missing", "manifest-lie")
 FAKE_BLOCK_BYTES = 4096
 
 
@@ -58,6 +72,8 @@ class HostileCache(CacheService):
         self.fetches = 0
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        if self.mode in PARTS_MODES:  # an honest store: only its trimmed fetches lie
+            return await super().Lookup(request, context)
         self.counters["lookups"] += 1
         if self.mode == "lie-length":
             return pb.LookupResponse(epoch=self.store.epoch, matched_tokens=1_000_000)
@@ -71,6 +87,10 @@ class HostileCache(CacheService):
 
     async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[bytes]:
         self.fetches += 1
+        if self.mode in PARTS_MODES:  # gRPC sends whole blocks: honest here
+            async for chunk in super().Fetch(request, context):
+                yield chunk
+            return
         if self.mode == "stall":
             await asyncio.sleep(3600)
         if self.mode == "stall-mid":
@@ -91,6 +111,9 @@ class HostileBulk(BulkServer):
     def _fetch(self, stream: Any, body: bytes) -> None:
         request = pb.FetchRequest.FromString(body)
         self.hostile.fetches += 1
+        if self.hostile.mode in PARTS_MODES:
+            self._lying_parts(stream, request)
+            return
         if self.hostile.mode == "stall":
             self.forever.wait()
         if self.hostile.mode == "stall-mid":
@@ -98,6 +121,24 @@ class HostileBulk(BulkServer):
             self.forever.wait()
         for _ in request.keys:
             stream.send(FRAME.pack(BLOCK, FAKE_BLOCK_BYTES) + os.urandom(FAKE_BLOCK_BYTES))
+
+    def _lying_parts(self, stream: Any, request: pb.FetchRequest) -> None:
+        """Honest whole blocks where no trim was asked; else PARTS frames that lie."""
+        keep = tuple(request.keep_from) or None
+        for block in self.cache.serve_fetch(request):
+            mask = want_mask(block.header, keep)
+            if mask == ALL:
+                stream.send(FRAME.pack(BLOCK, block.nbytes) + block.blob)
+                continue
+            if self.hostile.mode == "parts-missing":
+                mask &= ~(1 << next(i for i in range(64) if mask >> i & 1))
+            data = b"".join(bytes(p) for p in parts_frame(block, mask))
+            if self.hostile.mode == "parts-flip":
+                data = data[:-1] + bytes([data[-1] ^ 1])
+            elif self.hostile.mode == "manifest-lie":
+                at = 8 + len(block.blob[8 : block.payload_offset]) + 2 + 3
+                data = data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
+            stream.send(FRAME.pack(PARTS, len(data)) + data)
 
 
 # -- hostile publishers ---------------------------------------------------------

@@ -8,6 +8,9 @@ head computed and published; fresh heads fetch it over the bulk path.
 - ``window_trim=False`` (``--no-window-trim``): whole blocks, the same answer.
 - The trimmed blocks are not kept in the fresh head's store (they are no whole
   block), and a second request for the prompt is answered the same.
+- A peer whose trimmed stream lies (a flipped byte, a part left out, a part digest
+  that does not make the block's) is a counted fallback: the head computes, the
+  answer is the cold one, nothing it sent is kept.
 """
 
 from __future__ import annotations
@@ -77,15 +80,27 @@ def remote(rt: HeadRuntime, prompt):
     return out, r
 
 
-def test_a_remote_hit_on_a_sliding_model_moves_only_the_window(model, peer):
-    engine, prompt = model
+def stored(rt: HeadRuntime, prompt) -> tuple:
+    """The blocks of ``prompt`` the head's own store holds."""
+    assert rt.fleet is not None
+    return rt.fleet.local_prefix(rt.keyer.keys(prompt)).all()
+
+
+def publish(engine, peer: Peer, prompt):
+    """A first head computes ``prompt`` and publishes it to ``peer``: its answer."""
     first = head(engine, peer.address, fresh=False)
     try:
         cold = first.complete(prompt, SAMPLING)
         assert cold.report is not None and cold.report.source == Source.COMPUTE
         first.flush(30)
+        return cold
     finally:
         close(first)
+
+
+def test_a_remote_hit_on_a_sliding_model_moves_only_the_window(model, peer):
+    engine, prompt = model
+    cold = publish(engine, peer, prompt)
 
     whole = head(engine, peer.address, trim=False)
     try:
@@ -104,11 +119,36 @@ def test_a_remote_hit_on_a_sliding_model_moves_only_the_window(model, peer):
         assert t.bytes_fetched < w.bytes_fetched
         assert t_out.tokens == w_out.tokens == cold.tokens  # identical answers
         assert t.planner["choice"] == "fetch"
-        assert trimmed.node is not None
-        assert trimmed.node.node.store.stats.entries == 0 or all(
-            blk.whole for blk in trimmed.node.node.store.blocks()
-        )
+        assert all(b.whole for b in stored(trimmed, prompt))
         again = trimmed.complete(prompt, SAMPLING)
         assert again.tokens == cold.tokens
     finally:
         close(trimmed)
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("parts-flip", "checksum_mismatch"),
+        ("parts-missing", "malformed_payload"),
+        ("manifest-lie", "checksum_mismatch"),
+    ],
+)
+def test_a_lying_trimmed_stream_is_a_counted_fallback(model, tmp_path, mode, reason):
+    engine, prompt = model
+    liar = Peer(alias=f"hostile-{mode}", log_dir=tmp_path, command=("tests.hostile_peer", mode))
+    try:
+        cold = publish(engine, liar, prompt)
+        fresh = head(engine, liar.address)
+        try:
+            out = fresh.complete(prompt, SAMPLING)
+            r = out.report
+            assert r is not None and r.source == Source.COMPUTE, r
+            assert r.fallback == reason, r
+            assert fresh.telemetry.counters[f"peer_failed:{reason}"] == 1
+            assert out.tokens == cold.tokens
+            assert all(b.whole for b in stored(fresh, prompt))
+        finally:
+            close(fresh)
+    finally:
+        liar.kill()

@@ -258,3 +258,34 @@ def test_a_whole_block_answers_a_window_fetch():
     got = fetch(address, [BLK], "e", Want(KEEP))
     assert got[0].present == ALL and got[0].blob == BLK.blob
     t.join(5)
+
+
+def test_every_byte_of_a_compressed_parts_frame_is_checked():
+    """The same over a frame whose parts are compressed (bp-zstd1): a flipped byte
+    in a compressed part fails its decode or its part's digest, never imports."""
+    from kvmesh import squeeze
+
+    blk = smooth_chain()[0]
+
+    def zstd(raw, itemsize):
+        used, wire = squeeze.encode_or_raw("bp-zstd1", raw, itemsize)
+        return squeeze.codec_id(used), wire
+
+    honest = lie(blk, WANT, None, zstd)
+    assert len(honest) < len(lie(blk, WANT)) - 256  # it did compress
+    want = Want(KEEP, ("bp-zstd1",))
+    address, t = one_shot_server([honest])
+    assert fetch(address, [blk], "e", want)[0].blob == trim(blk, WANT).blob
+    t.join(5)
+    refused = 0
+    for at in range(1, len(honest), max(1, len(honest) // 61)):
+        bad = honest[:at] + bytes([honest[at] ^ 0x40]) + honest[at + 1 :]
+        address, t = one_shot_server([bad])
+        try:
+            got = fetch(address, [blk], "e", want)
+        except KVMeshError:
+            refused += 1
+        else:
+            assert got[0].blob == trim(blk, WANT).blob
+        t.join(5)
+    assert refused > 0
