@@ -100,7 +100,9 @@ def _serve(
     # uses); other tools bring it (sanic, via guidellm), and with it loaded an idle
     # head kept ~40 MiB more free heap after a burst (tests/test_memory_head.py)
     sys.modules.setdefault("ujson", None)  # type: ignore[arg-type]
+    from ..engine.demo import kvmesh_home
     from ..runtime.head import HeadRuntime
+    from ..runtime.planner import Planner
     from ..units import is_loopback
     from .app import Access, Limits, TenantOptions, create_app
 
@@ -114,6 +116,8 @@ def _serve(
         max_batch=opts.max_batch,
         kv_budget_bytes=opts.kv_budget_bytes,
         prefill_chunk=opts.prefill_chunk,
+        # what it learns of links and of its own prefill outlives a restart
+        planner=Planner(home=kvmesh_home(), model=engine.card.namespace_hex),
     )
     closers.append(runtime.close)
     name, aliases = opts.model_names()

@@ -375,7 +375,7 @@ def status(address: str, as_json: bool, **sec: str | None) -> None:
     import grpc
 
     from ..mesh.security import FleetAuth, TLSConfig, load_fleet_key
-    from ..mesh.status import describe, fetch_cards
+    from ..mesh.status import describe, fetch_cards, links_text
 
     auth = (
         FleetAuth(load_fleet_key(sec["fleet_key_file"]), "kvmesh-status")
@@ -404,6 +404,7 @@ def status(address: str, as_json: bool, **sec: str | None) -> None:
         "used / budget",
         "entries",
         "hit ratio",
+        "links measured",
     ):
         t.add_column(col)
     for r in rows:
@@ -420,5 +421,6 @@ def status(address: str, as_json: bool, **sec: str | None) -> None:
             used,
             str(r["entries"]),
             hit,
+            links_text(r),
         )
     Console(width=None if sys.stdout.isatty() else 200).print(t)

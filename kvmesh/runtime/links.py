@@ -361,15 +361,22 @@ class LinksFile:
 
     def _fire(self, write: Callable[[], None]) -> None:
         with self._lock:
-            self._timer = None
             self._last = time.monotonic()
-        write()
+        try:
+            write()
+        finally:
+            with self._lock:
+                if self._timer is threading.current_thread():
+                    self._timer = None
 
     def cancel(self) -> None:
+        """No pending write; one already writing is waited for (a flush follows)."""
         with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+            if timer is not threading.current_thread():
+                timer.join(10)
 
     def write(self, ours: Saved) -> None:
         """Merge ``ours`` over what the file holds (newer entry wins), bounded, and
