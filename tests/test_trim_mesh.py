@@ -8,6 +8,8 @@ head computed and published; fresh heads fetch it over the bulk path.
 - ``window_trim=False`` (``--no-window-trim``): whole blocks, the same answer.
 - The trimmed blocks are not kept in the fresh head's store (they are no whole
   block), and a second request for the prompt is answered the same.
+- Over a slow link, once its codecs are calibrated on real KV, a head asks for
+  compressed parts: the same answer, fewer bytes on the wire.
 - A peer whose trimmed stream lies (a flipped byte, a part left out, a part digest
   that does not make the block's) is a counted fallback: the head computes, the
   answer is the cold one, nothing it sent is kept.
@@ -20,6 +22,7 @@ import pytest
 from kvmesh.engine import Sampling, load_engine
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.runtime.head import HeadRuntime
+from kvmesh.runtime.planner import Planner
 from kvmesh.runtime.telemetry import Source
 
 from . import zoo
@@ -152,3 +155,30 @@ def test_a_lying_trimmed_stream_is_a_counted_fallback(model, tmp_path, mode, rea
             close(fresh)
     finally:
         liar.kill()
+
+
+def test_over_a_slow_link_the_parts_come_compressed_and_exact(model, peer):
+    """A head whose link to the peer is slow (a 100 Mbit/s prior for loopback here)
+    and whose codecs are calibrated on real KV asks for compressed parts; the
+    answer is the producer's, and fewer bytes cross the wire than arrive."""
+    engine, prompt = model
+    cold = publish(engine, peer, prompt)
+    node = NodeThread(
+        NodeConfig(
+            listen="127.0.0.1:0", seeds=[peer.address], alias="slow", gossip_interval=0.3, ttl=2
+        )
+    )
+    rt = HeadRuntime(engine, node, planner=Planner(priors={"loopback": 12.5e6}))
+    try:
+        ns = engine.card.namespace_hex
+        wait_for(lambda: any(ns in c.namespaces for c in node.node.membership.live()), 10)
+        state = engine.prefill(prompt[:64])
+        real = engine.export(state, rt.keyer)[0]
+        rt.acquirer.calibrate(real)  # what a head's first fetch or export does
+        wait_for(lambda: "bp-zstd1" in rt.acquirer.squeeze.stats(), 30)
+        out, r = remote(rt, prompt)
+        assert r.codec in ("bp-zstd1", "bp-lz4") and r.trimmed, r
+        assert r.bytes_wire < r.bytes_fetched  # compressed on the wire, whole once decoded
+        assert out.tokens == cold.tokens
+    finally:
+        close(rt)

@@ -405,8 +405,9 @@ class Acquirer:
         return Want(keep, (codec,), int(wire / max(ratio, 1.0)))
 
     def calibrate(self, block: Block) -> None:
-        """Measure the part codecs on ``block``'s bytes, off the request path and at
-        most once a minute (:meth:`squeeze.Calibration.sample`)."""
+        """Measure the part codecs on ``block``'s KV bytes (real ones: a fetched or
+        exported block), off the request path and at most once a minute
+        (:meth:`squeeze.Calibration.sample`). Until then every fetch asks for raw."""
         if self._calibrating.acquire(blocking=False):
             itemsize = max(part_itemsize(block.header, i) for i in range(len(block.header.layers)))
             threading.Thread(
@@ -459,9 +460,8 @@ class Acquirer:
         self.count(Count.FETCHED_BYTES, nbytes)
         out.hit, out.sink, out.blocks, out.nbytes, out.fallback = hit, sink, blocks, nbytes, None
         out.times, out.want = times, want
-        whole = [b for b in blocks if b.whole]
-        if whole:
-            self.calibrate(max(whole, key=lambda b: b.nbytes))
+        if blocks:
+            self.calibrate(max(blocks, key=lambda b: b.nbytes))
         if start == len(local.blocks):  # the fetched blocks continue the stored chain
             self.fleet.keep(blocks, owner)
         return True

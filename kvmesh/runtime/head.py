@@ -607,6 +607,8 @@ class HeadRuntime:
                 keyer,
                 first_block=skipped + len(prompt_full),
             )
+            if blocks:
+                self.acquirer.calibrate(blocks[0])
             out = [blocks, prompt_full + more] if more else [blocks]
             if tails:
                 return out
