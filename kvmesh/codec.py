@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import blake3
 
+from . import squeeze
 from .compat import BLOCK_DIGESTS, CompatCard, dtype_size, kv_quant_params
 from .errors import ChecksumMismatch, IncompatibleCard, MalformedPayload, OversizePayload
 
@@ -414,10 +415,8 @@ def trim(block: Block, mask: int) -> Block:
     receiver of those parts holds, verified by the same digest."""
     if mask == block.present:
         return block
-    if mask != ALL and block.present != ALL and mask & ~block.present:
+    if mask == ALL or (not block.whole and mask & ~block.present):
         raise ValueError("a trimmed block cannot grow parts")
-    if mask == ALL:
-        raise ValueError("a trimmed block cannot be made whole")
     view, sizes = block.payload(), block.header.part_sizes
     pieces, off = [memoryview(block.blob)[: block.payload_offset]], 0
     for i, n in enumerate(sizes):
@@ -880,8 +879,6 @@ def _check_entries(
 def finish_parts(plan: PartsPlan, wires: dict[int, Any], algo: str) -> Block:
     """The trimmed block of a received PARTS frame: compressed parts (``wires``, by
     part) decoded into their slots, every part checked against its digest."""
-    from . import squeeze
-
     got = []
     for part, cid, _, slot in plan.slots():
         if cid:
