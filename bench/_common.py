@@ -123,6 +123,7 @@ def machine() -> dict[str, object]:
 
 
 FAIL_ENV = "KVMESH_BENCH_FAIL"
+VERBOSE_ENV = "KVMESH_BENCH_VERBOSE"  # set: children's logs go to our stderr
 START_TIMEOUT_S = 120.0  # a kvmesh process prints its first line by then
 GRACE_S = 10.0  # a child's time to stop on SIGTERM before its group is killed
 
@@ -262,11 +263,12 @@ def launch_kvmesh(
     *args: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
     """``kvmesh ARGS`` in its own owned process (run under ``prefix``, e.g. ``ip netns
-    exec NS``; ``env`` added to ours), not waited for: :func:`await_start`."""
+    exec NS``; ``env`` added to ours), not waited for: :func:`await_start`. Its log
+    is dropped unless ``KVMESH_BENCH_VERBOSE`` is set."""
     return popen(
         [*prefix, sys.executable, "-m", "kvmesh.cli", *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=None if os.environ.get(VERBOSE_ENV) else subprocess.DEVNULL,
         text=True,
         env={**os.environ, **env} if env else None,
     )

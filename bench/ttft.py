@@ -53,9 +53,12 @@ process (and the untrimmed one), the prepared library head, the forced one and
 the bare child; each fetches a 512-token prompt on each link first (its planner
 learns the link), then the lengths in order. Heads and library nodes run with a
 1-byte store budget and no sessions, so nothing fetched is kept: every hit is a
-remote one and no consumer can serve another. The library planner and the
-child's know this machine's prefill speed from the cold runs, as a head that
-served such prompts would.
+remote one and no consumer can serve another. Every hit is an exact repeat of
+its client's own prompt (heads run ``--exact-reuse-by-address``, as ``kvmesh
+demo``'s; the library heads call as that client), so the stored logits give the
+first token and the figure is the hit's alone, no forward pass. The library
+planner and the child's know this machine's prefill speed from the cold runs, as
+a head that served such prompts would.
 
 ``--sliding-window W`` runs on a copy of each ``--model`` whose config gives its
 layers Gemma-3's pattern (five sliding-window layers of W tokens per full one),
@@ -120,12 +123,16 @@ from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.mesh.options import NODE
 from kvmesh.mesh.security import Security
 from kvmesh.runtime.head import Generation, HeadRuntime, Scope
+from kvmesh.runtime.head import _caller as caller_key  # the head's own derivation, not a copy
 from kvmesh.runtime.planner import Planner
 
 ONE = Sampling(max_tokens=1)
 HERE = Path(__file__).resolve().parent
 LINKS = ("loopback", "10gbit", "1gbit", "100mbit")
 RATE_BITS = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6}
+# every hit is an exact repeat of this caller's own prompt (its stored logits give the
+# first token), as a head with --exact-reuse-by-address sees a client on 127.0.0.1
+CALLER = "host:127.0.0.1"
 FETCH_DEADLINE_S = 120.0  # a whole 16k-token demo prompt at 100 Mbit/s takes ~32 s
 LEARN_TOKENS = 512  # each consumer's first fetch on a link: its planner learns the link
 REPEAT_UNDER_S = 1.0  # a hit this fast is measured 3 times (the median)
@@ -512,9 +519,10 @@ def close(head: HeadRuntime) -> None:
 
 
 def complete(head: HeadRuntime, toks: list[int], salt: str) -> Generation:
-    """The prompt under ``salt`` (as a ``cache_salt`` request), one token."""
+    """The prompt under ``salt`` (as a ``cache_salt`` request) from :data:`CALLER`,
+    one token."""
     out = Generation()
-    scope = Scope(root=request_root(head.card.namespace, None, salt))
+    scope = Scope(root=request_root(head.card.namespace, None, salt), caller=CALLER)
     for _ in head.generate(toks, ONE, out, scope=scope):
         pass
     assert out.report is not None
@@ -575,6 +583,7 @@ class HeadProc:
         self.model, self.links = model, links
         cmd = ["head", "--model", model, "--listen", "127.0.0.1:0", "--fleet-key-file", key_file]
         cmd += ["--gossip-interval", "0.5", "--no-publish", "--max-sessions", "0", "--budget", "1"]
+        cmd += ["--exact-reuse-by-address"]  # the prompt's exact tail is CALLER's
         cmd += ["--fetch-timeout", str(FETCH_DEADLINE_S), "--device", args.device]
         cmd += ["--alias", "bench-head" if trim else "bench-head-untrimmed"]
         cmd += ["--dtype", args.dtype] if args.dtype else []
@@ -810,7 +819,7 @@ class Bench:
         for link in self.links:
             root = request_root(card.namespace, None, link.salt + suffix)
             assert root is not None
-            blocks = engine.export(state, keyer.rooted(root))
+            blocks = engine.export(state, keyer.rooted(root, caller_key(CALLER)))
             self.publish(card, link.address, blocks)
             nbytes = sum(b.nbytes for b in blocks)
         return nbytes
@@ -1059,6 +1068,8 @@ def measure_row(bench: Bench, m: Model, link: Link, n: int) -> dict[str, Any]:
     row["reused_tokens"], row["repeats"] = head["reused_tokens"], head["repeats"]
     row["bytes_sent"], row["bytes_sent_by"] = head["bytes_sent"], head["bytes_sent_by"]
     row.update({k: v for k, v in head.items() if k.startswith("bytes_counted_")})
+    row["library_breakdown_ms"] = ms(lib.get("breakdown"))
+    row["head_breakdown_ms"] = ms(head.get("breakdown"))
     for key in ("bytes_fetched", "bytes_wire", "trimmed", "codec", "fallback"):
         if key in head:
             row[f"head_{key}"] = head[key]
@@ -1067,12 +1078,17 @@ def measure_row(bench: Bench, m: Model, link: Link, n: int) -> dict[str, Any]:
     if m.untrimmed is not None:
         ref = head_hit(m.untrimmed, bench, link, toks)
         row["untrimmed_remote_s"], row["bytes_sent_untrimmed"] = ref["ttft_s"], ref["bytes_sent"]
-        row["untrimmed_source"] = ref["source"]
+        row["untrimmed_source"], row["untrimmed_codec"] = ref["source"], ref.get("codec") or "raw"
     else:  # nothing to trim (or no --no-window-trim here): the head's path is the reference
         row["untrimmed_remote_s"], row["bytes_sent_untrimmed"] = head["ttft_s"], head["bytes_sent"]
     if link.name == "loopback":
         row.update(m.extra.get(n, {}))
     return derive(row)
+
+
+def ms(stages: Any) -> dict[str, float]:
+    """A report's breakdown (seconds per stage to the first token) in ms."""
+    return {k: round(v * 1e3, 3) for k, v in (stages or {}).items()}
 
 
 def derive(row: dict[str, Any]) -> dict[str, Any]:
