@@ -10,7 +10,9 @@ cold prefill and the planner's choice, on loopback and on shaped links.
     python bench/ttft.py --smoke --json /tmp/ttft.json    # CI: demo-tiny, 64 tokens
 
 One row per (model, prompt length, link) in ``results`` (all times in seconds;
-each hit is the median of 3 where the first took under a second, else one):
+each path runs once per round, all of them in turn, so a noisy moment on a
+shared machine costs them alike; 3 rounds, the medians, where every path took
+under a second in the first, else one):
 
   cold_s            cold local prefill in this process (the engine's best path) +
                     first token; the best of 2 below 2,048 tokens
@@ -341,15 +343,6 @@ def fleet_key(directory: str) -> tuple[str, Security]:
 def read_key(path: str) -> Security:
     with open(path, "rb") as f:
         return Security(fleet_key=f.read().strip())
-
-
-def median_of(measure: Callable[[], float], repeats: int) -> tuple[float, int]:
-    """``measure()`` once, and ``repeats - 1`` more times when it took under
-    :data:`REPEAT_UNDER_S`: (the median, how many)."""
-    got = [measure()]
-    if got[0] < REPEAT_UNDER_S:
-        got += [measure() for _ in range(repeats - 1)]
-    return statistics.median(got), len(got)
 
 
 # -- links ---------------------------------------------------------------------
@@ -1004,46 +997,61 @@ def measure_model(bench: Bench, name: str, path: str, first: bool) -> tuple[list
 # -- one row -----------------------------------------------------------------------
 
 
-def head_hit(head: HeadProc, bench: Bench, link: Link, toks: list[int]) -> dict[str, Any]:
-    """The head's hits of ``toks`` over ``link``: its first report, the median time
-    (``ttft_s``), and the bytes the first moved (``bytes_sent``, ``bytes_sent_by``)."""
+def counted(bench: Bench, link: Link, hit: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``hit()``'s report, with the bytes it moved over ``link`` (``bytes_sent``,
+    ``bytes_sent_by``, and each count taken as ``bytes_counted_<where>``)."""
     before = link.received()
     peer_before = served(bench.publisher, link.address) if before is None else 0
-    first = head.hit(toks, link.salt)
+    report = hit()
     counts: dict[str, int] = {}
     if before is not None:
         counts["veth"] = link.received() - before  # type: ignore[operator]
     else:
         counts["peer"] = served(bench.publisher, link.address) - peer_before
-    if isinstance(first.get("bytes_wire"), int) and first["source"] == "remote":
-        counts["report"] = first["bytes_wire"]  # the head's transport's count of frame bytes
+    if isinstance(report.get("bytes_wire"), int) and report["source"] == "remote":
+        counts["report"] = report["bytes_wire"]  # the head's transport's count of frame bytes
     by = next(k for k in ("veth", "report", "peer") if k in counts)
-    sent = counts[by]
-    times = iter([first["ttft_s"]])
-    t, k = median_of(
-        lambda: next(times, None) or head.hit(toks, link.salt)["ttft_s"], bench.args.repeats
-    )
-    out = {**first, "ttft_s": t, "repeats": k, "bytes_sent": sent, "bytes_sent_by": by}
+    out = {**report, "bytes_sent": counts[by], "bytes_sent_by": by}
     return out | {f"bytes_counted_{k}": v for k, v in counts.items()}
 
 
-def library_hits(
-    lib: HeadRuntime, toks: list[int], salt: str, repeats: int
-) -> tuple[float, dict[str, Any]]:
-    first: list[dict[str, Any]] = []
+def paths(bench: Bench, m: Model, link: Link, toks: list[int]) -> dict[str, Callable[[], Any]]:
+    """Each way to the hit, as a call returning its ``kvmesh`` report."""
+    assert m.lib is not None and m.forced is not None and m.head is not None
+    lib, forced, head, salt = m.lib, m.forced, m.head, link.salt
+    out: dict[str, Callable[[], Any]] = {
+        "library_remote_s": lambda: report_of(complete(lib, toks, salt)),
+        "fetch_forced_s": lambda: report_of(complete(forced, toks, salt)),
+        "library_bare_s": lambda: bench.child.hit(link.address, toks, salt),
+        "head_remote_s": lambda: head.hit(toks, salt),
+    }
+    if m.untrimmed is not None:
+        untrimmed = m.untrimmed
+        out["untrimmed_remote_s"] = lambda: untrimmed.hit(toks, salt)
+    return out
 
-    def one() -> float:
-        r = report_of(complete(lib, toks, salt))
-        first.append(r)
-        return float(r["ttft_s"])
 
-    t, _ = median_of(one, repeats)
-    return t, first[0]
+def rounds(bench: Bench, m: Model, link: Link, toks: list[int]) -> dict[str, Any]:
+    """Every path once per round, so a noisy moment costs all of them alike; more
+    rounds (``--repeats``) when the first took under :data:`REPEAT_UNDER_S` each:
+    {path: (median seconds, its first report)}; the heads' first hits count bytes."""
+    calls = paths(bench, m, link, toks)
+    first: dict[str, dict[str, Any]] = {}
+    for name, call in calls.items():
+        heads = name in ("head_remote_s", "untrimmed_remote_s")
+        first[name] = counted(bench, link, call) if heads else call()
+    times = {name: [float(r["ttft_s"])] for name, r in first.items()}
+    more = bench.args.repeats - 1 if max(t[0] for t in times.values()) < REPEAT_UNDER_S else 0
+    for _ in range(more):
+        for name, call in calls.items():
+            times[name].append(float(call()["ttft_s"]))
+    return {name: (statistics.median(times[name]), first[name]) for name in calls} | {
+        "repeats": 1 + more
+    }
 
 
 def measure_row(bench: Bench, m: Model, link: Link, n: int) -> dict[str, Any]:
-    toks, card, reps = m.prompts[n], m.engine.card, bench.args.repeats
-    assert m.lib is not None and m.forced is not None and m.head is not None
+    card = m.engine.card
     row: dict[str, Any] = {
         "model": m.name,
         "prompt_tokens": n,
@@ -1054,18 +1062,14 @@ def measure_row(bench: Bench, m: Model, link: Link, n: int) -> dict[str, Any]:
         "blob_bytes": m.blob_bytes[n],
         "cold_s": m.colds[n],
     }
-    row["library_remote_s"], lib = library_hits(m.lib, toks, link.salt, reps)
+    got = rounds(bench, m, link, m.prompts[n])
+    row["repeats"] = got.pop("repeats")
+    row.update({name: t for name, (t, _) in got.items()})
+    lib, forced, head = (got[k][1] for k in ("library_remote_s", "fetch_forced_s", "head_remote_s"))
     row["library_source"], row["planner_choice"] = lib["source"], choice_of(lib)
-    row["planner"] = lib.get("planner")
-    row["fetch_forced_s"], forced = library_hits(m.forced, toks, link.salt, reps)
-    row["fetch_forced_source"] = forced["source"]
-    row["library_bare_s"], _ = median_of(
-        lambda: float(bench.child.hit(link.address, toks, link.salt)["ttft_s"]), reps
-    )
-    head = head_hit(m.head, bench, link, toks)
-    row["head_remote_s"], row["head_source"] = head["ttft_s"], head["source"]
-    row["head_planner_choice"] = choice_of(head)
-    row["reused_tokens"], row["repeats"] = head["reused_tokens"], head["repeats"]
+    row["planner"], row["fetch_forced_source"] = lib.get("planner"), forced["source"]
+    row["head_source"], row["head_planner_choice"] = head["source"], choice_of(head)
+    row["reused_tokens"] = head["reused_tokens"]
     row["bytes_sent"], row["bytes_sent_by"] = head["bytes_sent"], head["bytes_sent_by"]
     row.update({k: v for k, v in head.items() if k.startswith("bytes_counted_")})
     row["library_breakdown_ms"] = ms(lib.get("breakdown"))
@@ -1074,13 +1078,16 @@ def measure_row(bench: Bench, m: Model, link: Link, n: int) -> dict[str, Any]:
         if key in head:
             row[f"head_{key}"] = head[key]
     row["codec"] = head.get("codec") or "raw"
-    row["untrimmed_measured"] = m.untrimmed is not None
-    if m.untrimmed is not None:
-        ref = head_hit(m.untrimmed, bench, link, toks)
-        row["untrimmed_remote_s"], row["bytes_sent_untrimmed"] = ref["ttft_s"], ref["bytes_sent"]
+    row["untrimmed_measured"] = "untrimmed_remote_s" in got
+    if row["untrimmed_measured"]:
+        ref = got["untrimmed_remote_s"][1]
+        row["bytes_sent_untrimmed"] = ref["bytes_sent"]
         row["untrimmed_source"], row["untrimmed_codec"] = ref["source"], ref.get("codec") or "raw"
     else:  # nothing to trim (or no --no-window-trim here): the head's path is the reference
-        row["untrimmed_remote_s"], row["bytes_sent_untrimmed"] = head["ttft_s"], head["bytes_sent"]
+        row["untrimmed_remote_s"], row["bytes_sent_untrimmed"] = (
+            row["head_remote_s"],
+            head["bytes_sent"],
+        )
     if link.name == "loopback":
         row.update(m.extra.get(n, {}))
     return derive(row)
