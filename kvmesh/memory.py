@@ -108,6 +108,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.warm_bytes = 0  # the pad kept faulted in (0: the heap is not kept warm)
+        self.idle_trim = True  # trimmed when idle (off: nobody can tell when it is idle)
         self.ready_rss = 0  # RSS once the heap was warm: the process before any request
         self.idle = 0  # idle passes (cycles collected, trimmed if worth it)
         self.trims = 0
@@ -119,9 +120,12 @@ class _State:
 _STATE = _State()
 
 
-def keep_heap_warm(warm_bytes: int = 128 << 20) -> bool:
+def keep_heap_warm(warm_bytes: int = 128 << 20, idle_trim: bool = True) -> bool:
     """Call once, after the model is loaded (its tensors then stay out of the warm
     region). ``warm_bytes`` is also the pad an idle trim keeps (see the module).
+    ``idle_trim=False``: never trim (:func:`after_request` does nothing), for a
+    process whose callers cannot tell when it is idle (a vLLM worker: its engine
+    runs outside kvmesh, and a trim holds the heap's lock for its allocations).
     True if it took effect."""
     mallopt = _mallopt()
     ok = (
@@ -136,6 +140,7 @@ def keep_heap_warm(warm_bytes: int = 128 << 20) -> bool:
     del warm
     with _STATE.lock:
         _STATE.warm_bytes = warm_bytes
+        _STATE.idle_trim = idle_trim
         _STATE.ready_rss = rss_bytes()
     log.debug("heap kept warm: %d MiB", warm_bytes >> 20)
     return True
@@ -268,7 +273,7 @@ def after_request(idle: bool = True, source: str = "engine") -> None:
     (``idle=False``). A process whose heap is kept warm (:func:`keep_heap_warm`)
     trims it after :data:`IDLE_S` with every source quiet; cheap enough to call
     on every request and every step (one lock, no system call)."""
-    if _STATE.warm_bytes:
+    if _STATE.warm_bytes and _STATE.idle_trim:
         _IDLE.after_request(idle, source)
 
 

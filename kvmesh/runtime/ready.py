@@ -78,17 +78,20 @@ def ready(
     layout: Layout | None,
     *,
     process: bool | None = None,
+    idle_trim: bool = True,
 ) -> float:
     """Pay a serving process's first-use costs now (see the module); the seconds it
     took. ``engine``: its warm prefill, import and first-token paths (None: a
     process without one, e.g. a vLLM worker); ``fleet``/``layout``: the fetch path
     to warm for blocks of that layout (either None: none). ``process``: do the
-    process-wide part (once); None: if :func:`prepare_process` was called."""
+    process-wide part (once); None: if :func:`prepare_process` was called.
+    ``idle_trim``: the warm heap is trimmed when the process is idle (off where
+    nothing tells kvmesh so: see :func:`kvmesh.memory.keep_heap_warm`)."""
     t0 = time.perf_counter()
     if process is None:
         process = _PROCESS.prepared
     if process:
-        _ready_process(engine)
+        _ready_process(engine, idle_trim)
     if engine is not None and engine.reuse_off is not None:  # nothing imports
         _first_token(engine, None)
         return time.perf_counter() - t0
@@ -108,7 +111,7 @@ def ready(
     return took
 
 
-def _ready_process(engine: Engine | None) -> None:
+def _ready_process(engine: Engine | None, idle_trim: bool) -> None:
     """The process-wide part of :func:`ready`, once per process."""
     with _PROCESS.lock:
         if _PROCESS.ready:
@@ -124,7 +127,8 @@ def _ready_process(engine: Engine | None) -> None:
     # the engine thread takes the GIL back between torch ops thousands of times a step;
     # a request thread holding it then lets go within this, not the default 5 ms
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    memory.keep_heap_warm()  # after the model's allocations: the warm heap stays free for imports
+    # after the model's allocations: the warm heap stays free for imports
+    memory.keep_heap_warm(idle_trim=idle_trim)
 
 
 def _first_token(engine: Engine, sample: Block | None) -> None:

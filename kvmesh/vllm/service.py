@@ -7,6 +7,15 @@ prefill and import speed, and the shared acquisition core
 (:mod:`kvmesh.runtime.acquire`). The scheduler side, in vLLM's engine-core
 process, needs none of it. Nothing here is shared through module state.
 
+A worker's first fetch is as fast as a fresh head's: at start the service does
+what a head does (:func:`kvmesh.runtime.ready.ready`): the fetch path warmed and,
+unless ``no_warm_heap``, the process-wide part (the heap kept warm and shared by
+the threads created from then on, gc frozen, a short GIL switch interval). It
+cannot be first in the process (vLLM loads first), but the threads that receive
+and verify a fetch are created after it and pre-fault where they allocate. The
+warm heap is never trimmed: a trim holds the heap's lock, and only vLLM knows
+when its engine is idle.
+
 With ``events`` (vLLM's ``kv_events_config`` on, on the rank that reports them),
 the store's changes are kept in a bounded :class:`~kvmesh.mesh.events.StoreEvents`
 sink that never clears, and the keyer records each full block's tokens (salted
@@ -32,6 +41,7 @@ from ..mesh.fleet import Fleet
 from ..mesh.node import NodeConfig, NodeThread
 from ..runtime.acquire import Acquirer, Publisher
 from ..runtime.planner import Planner
+from ..runtime.ready import ready
 from .config import ConnectorSettings
 
 log = logging.getLogger("kvmesh.vllm")
@@ -39,6 +49,12 @@ log = logging.getLogger("kvmesh.vllm")
 
 EVENTS_PENDING = 100_000  # store changes kept for the scheduler, then dropped (counted)
 EVENTS_PER_STEP = 4096  # store changes sent with one step's worker metadata at most
+
+
+def warm_heap(settings: ConnectorSettings) -> bool:
+    """A worker gets a head's process-wide start-up (:func:`kvmesh.runtime.ready.ready`)
+    unless the connector's ``no_warm_heap`` setting says not to."""
+    return not settings.values.get("no_warm_heap", False)
 
 
 class MeshService:
@@ -69,6 +85,10 @@ class MeshService:
         # two pools, so no deadlock
         self.acquires = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvmesh-acq")
         self.loads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvmesh-load")
+        # a head's start-up for this worker's fetches (see the module)
+        self.warm_s = ready(
+            None, self.fleet, self.layout, process=warm_heap(settings), idle_trim=False
+        )
         log.info("kvmesh node %s serving %s", self.fleet.address, card.summary())
 
     def count(self, name: str, n: int = 1) -> None:
