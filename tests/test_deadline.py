@@ -84,7 +84,7 @@ class Slow:
         found = self.acq.candidates(CARD, self.keys, 0)
         assert [h.alias for h in found.hits] == ["slow"], found
         return self.acq.fetch(
-            Layout(CARD), found.hits, local, 0, 0, budget, lambda hit: Sink(), owner=None
+            Layout(CARD), found.hits, local, 0, 0, budget, lambda hit, keep: Sink(), owner=None
         )
 
 
@@ -167,7 +167,7 @@ def test_a_killed_peer_is_backed_off_whatever_the_budget(slow):
     found = slow.acq.candidates(CARD, slow.keys, 0)
     slow.peer.kill()  # answered the lookup, then died
     slow.proxy.sever()
-    out = slow.acq.fetch(Layout(CARD), found.hits, local, 0, 0, 0.5, lambda hit: Sink())
+    out = slow.acq.fetch(Layout(CARD), found.hits, local, 0, 0, 0.5, lambda hit, keep: Sink())
     assert out.hit is None and out.fallback == "peer_unreachable"
     assert _peer_failed(slow.count) == {"peer_failed:peer_unreachable": 1}
     assert not slow.planner.usable(slow.peer_id)

@@ -244,6 +244,7 @@ class BatchRunner:
                         self._cv.wait()
                     memory.after_request(idle=False)
                 if self._closed:
+                    memory.after_request(idle=True)  # a closed engine holds no request open
                     self._fail_all(RuntimeError("the engine is shut down"))
                     return
             self._starting = self._admissible()

@@ -48,6 +48,13 @@ CONNECTOR_ONLY = (
         "int",
         low=1,
     ),
+    Option(
+        "no_warm_heap",
+        "Leave the process's heap and allocator as vLLM set them (kvmesh's service still "
+        "warms its own threads and buffers).",
+        False,
+        "flag",
+    ),
 )
 #: Every key, declared once: the head's rows (:mod:`kvmesh.mesh.options`) and the connector's.
 KEYS: dict[str, Option] = {k: NODE[k] for k in HEAD_KEYS} | {o.name: o for o in CONNECTOR_ONLY}

@@ -54,7 +54,7 @@ EVENTS_PER_STEP = 4096  # store changes sent with one step's worker metadata at 
 def warm_heap(settings: ConnectorSettings) -> bool:
     """A worker gets a head's process-wide start-up (:func:`kvmesh.runtime.ready.ready`)
     unless the connector's ``no_warm_heap`` setting says not to."""
-    return not settings.values.get("no_warm_heap", False)
+    return not settings["no_warm_heap"]
 
 
 class MeshService:
