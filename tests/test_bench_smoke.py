@@ -268,7 +268,11 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "churn.py": lambda d: d["stored_within_budget"] and d["max_stored_bytes"] > 0,
     "conversations.py": _conversations,
     "codec.py": lambda d: (
-        len(d["results"]) == 2 and all(r["encode_gbps"] > 0 for r in d["results"])
+        len(d["results"]) == 2
+        and all(r["encode_gbps"] > 0 for r in d["results"])
+        and d["compression"]["weights"] == "random"  # says what it measured
+        and all(f["exact"] for r in d["compression"]["rows"] for f in r["codecs"].values())
+        and any(r["codecs"]["bp-zstd1"]["ratio"] > 1.2 for r in d["compression"]["rows"])
     ),
     "disk.py": lambda d: (
         d["rebuild"]["indexed"] == d["rebuild"]["files"] > 0 and len(d["ttft"]) == 1

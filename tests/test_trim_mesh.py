@@ -89,6 +89,12 @@ def stored(rt: HeadRuntime, prompt) -> tuple:
     return rt.fleet.local_prefix(rt.keyer.keys(prompt)).all()
 
 
+def served(rt: HeadRuntime) -> int:
+    """The peer's gossiped count of block bytes it sent to fetchers, as sent."""
+    assert rt.fleet is not None
+    return sum(c.bytes_served for c in rt.fleet.members() if c.alias == "cache")
+
+
 def publish(engine, peer: Peer, prompt):
     """A first head computes ``prompt`` and publishes it to ``peer``: its answer."""
     first = head(engine, peer.address, fresh=False)
@@ -109,6 +115,8 @@ def test_a_remote_hit_on_a_sliding_model_moves_only_the_window(model, peer):
     try:
         w_out, w = remote(whole, prompt)
         assert not w.trimmed and w.bytes_wire >= w.bytes_fetched > 0
+        wait_for(lambda: served(whole) >= w.bytes_fetched, 10)  # whole blocks, raw
+        before = served(whole)
     finally:
         close(whole)
 
@@ -116,6 +124,9 @@ def test_a_remote_hit_on_a_sliding_model_moves_only_the_window(model, peer):
     try:
         t_out, t = remote(trimmed, prompt)
         assert t.trimmed and 0 < t.bytes_wire < w.bytes_wire
+        # the peer's card says what crossed the wire, not the blocks it read
+        wait_for(lambda: served(trimmed) > before, 10)
+        assert served(trimmed) - before <= t.bytes_wire
         # what stayed home: every sliding layer's blocks before its window
         keep = engine.layout.keep_from(len(prompt))
         assert keep is not None and max(keep) > 0

@@ -435,6 +435,7 @@ class BulkServer:
             for piece in pieces:
                 self.pacer.send(stream, piece)
             self.counters["bulk_bytes_sent"] += FRAME.size + n
+            self.counters["bytes_served"] += n
 
     def _publish(self, stream: Stream, body: bytes) -> None:
         request = _parse(pb.BulkPublish, body)

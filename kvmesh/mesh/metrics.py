@@ -135,7 +135,9 @@ class NodeCollector(Collector):
             "kvmesh_fetches_served", "Fetches this node served", value=c.counters["fetches"]
         )
         yield CounterMetricFamily(
-            "kvmesh_bytes_served", "Block bytes this node served", value=c.counters["bytes_served"]
+            "kvmesh_bytes_served",
+            "Block bytes this node sent to fetchers, as sent",
+            value=c.counters["bytes_served"],
         )
         yield GaugeMetricFamily(
             "kvmesh_fetch_rate",

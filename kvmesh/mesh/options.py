@@ -217,8 +217,9 @@ SECURITY = CLIENT_SECURITY | _rows(
     ),
     Option(
         "no_window_trim",
-        "Fetch every position of a sliding-window layer, not only those the import's "
-        "window needs (more bytes; the reference the benchmark compares with).",
+        "Fetch whole blocks, uncompressed: every position of a sliding-window layer, "
+        "not only those the import's window needs (more bytes; the reference the "
+        "benchmark compares with).",
         kind="flag",
     ),
     Option(

@@ -146,7 +146,9 @@ class CacheService:
 
     def serve_fetch(self, request: pb.FetchRequest) -> Generator[Block, None, None]:
         """The blocks a fetch names, in order, under a lease on the store's epoch;
-        a refusal is a typed error, counted as ``fetch_rejected:*``."""
+        a refusal is a typed error, counted as ``fetch_rejected:*``. The caller
+        counts ``bytes_served``: what it sent (a trimmed or compressed block's
+        parts, not the block)."""
         if len(request.keys) > MAX_LOOKUP_KEYS:
             self.counters["fetch_rejected:bad_request"] += 1
             raise MalformedPayload("bad fetch request")
@@ -176,7 +178,6 @@ class CacheService:
                 if block is None:  # a disk file found bad on read (deleted, counted)
                     raise LeaseExpired("lease_expired: block gone")
                 yield block
-                self.counters["bytes_served"] += block.nbytes
         finally:
             self.store.release(lease.id)
 
@@ -233,6 +234,7 @@ class CacheService:
                 else:
                     for chunk in chunks(blob, size):
                         yield bytes(chunk)
+                self.counters["bytes_served"] += len(blob)
         finally:
             blocks.close()
 

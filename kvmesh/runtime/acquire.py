@@ -395,7 +395,9 @@ class Acquirer:
         of its tokens needs (when trimming is on), and the codec that moves them
         fastest over the peer's link as measured here (none: raw)."""
         assert self.fleet is not None
-        keep = layout.keep_from(hit.tokens) if trims and self.fleet.window_trim else None
+        if not self.fleet.window_trim:  # the reference path: whole blocks, raw
+            return Want(None, (), wire_bytes(layout, hit, start, None))
+        keep = layout.keep_from(hit.tokens) if trims else None
         rate = self.planner.link_rate(hit.node_id, hit.interface)
         wire = wire_bytes(layout, hit, start, keep)
         codec = self.squeeze.best(rate, wire)
