@@ -447,31 +447,8 @@ def library_head(
 ) -> HeadRuntime:  # type: ignore[no-untyped-def]
     """A long-lived library head seeing every link's peer: 1-byte store (it keeps
     nothing it fetches), no sessions, no publishing."""
-    node = NodeThread(
-        NodeConfig(
-            seeds=[link.address for link in links],
-            gossip_interval=0.5,
-            ttl=5,
-            alias=f"{alias}-{time.time_ns()}",
-            security=security,
-            budget_bytes=1,
-            fetch_deadline=FETCH_DEADLINE_S,
-        )
-    )
-    head = HeadRuntime(
-        engine,
-        node,
-        max_sessions=0,
-        publish=False,
-        hash_key=security.block_hash_key,
-        planner=planner,
-    )
-    try:
-        wait_serving(node, [link.address for link in links], engine.card.namespace_hex, alias)
-    except BaseException:
-        close(head)
-        raise
-    return head
+    seeds = [link.address for link in links]
+    return _head(engine, seeds, security, planner, alias, gossip_interval=0.5, budget_bytes=1)
 
 
 def fresh_head(  # type: ignore[no-untyped-def]
@@ -479,14 +456,30 @@ def fresh_head(  # type: ignore[no-untyped-def]
 ) -> HeadRuntime:
     """A new library head on a new node seeded with ``peer`` (the path as this
     benchmark measured it before issue #41: nothing warmed)."""
+    return _head(engine, [peer], security, planner, "bench", gossip_interval=0.2)
+
+
+def _head(  # type: ignore[no-untyped-def]
+    engine,
+    seeds: list[str],
+    security: Security,
+    planner: Planner | None,
+    alias: str,
+    *,
+    gossip_interval: float,
+    budget_bytes: int = NodeConfig.budget_bytes,
+) -> HeadRuntime:
+    """A library head (no sessions, no publishing) on a new node seeded with
+    ``seeds``, returned once their cards advertise the engine's namespace."""
     node = NodeThread(
         NodeConfig(
-            seeds=[peer],
-            gossip_interval=0.2,
+            seeds=seeds,
+            gossip_interval=gossip_interval,
             ttl=5,
-            alias=f"bench-{time.time_ns()}",
+            alias=f"{alias}-{time.time_ns()}",
             security=security,
             fetch_deadline=FETCH_DEADLINE_S,
+            budget_bytes=budget_bytes,
         )
     )
     head = HeadRuntime(
@@ -498,7 +491,7 @@ def fresh_head(  # type: ignore[no-untyped-def]
         planner=planner,
     )
     try:
-        wait_serving(node, [peer], engine.card.namespace_hex, "a fresh head")
+        wait_serving(node, seeds, engine.card.namespace_hex, alias)
     except BaseException:
         close(head)
         raise

@@ -409,15 +409,10 @@ class _TorchImporter(Importer):
     def _copy_layers(self, block: Block) -> None:
         """A (possibly trimmed) block's wanted layers, each into its own buffer at
         its offset (a layer's positions before its low bound are dropped)."""
-        t, a = block.header.tokens, block.header.start
+        t = block.header.tokens
         bufs = dict(zip((g[0] for g in self._groups), self._buffers(), strict=True))
-        want = self.wanted(block)
-        for i, parts in block.kv_layers():
-            lo = self._lo[i]
-            if not want >> i & 1 or a + t <= lo:
-                continue
-            skip = max(0, lo - a)  # a block across the low bound: its later positions
-            dst = _np(bufs[i])[:, :, a + skip - lo : a + t - lo]
+        for i, parts, skip, at in self._spans(block, self._lo):
+            dst = _np(bufs[i])[:, :, at : at + t - skip]
             for j, (spec, view) in enumerate(parts):  # K then V
                 src = np.frombuffer(view, self._np_dtype).reshape(spec.shape)
                 dst[j] = src[:, skip:]

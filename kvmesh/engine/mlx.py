@@ -137,16 +137,11 @@ class _MLXImporter(Importer):
 
     def _copy(self, block: Block) -> None:
         t, a = block.header.tokens, block.header.start
-        want = self.wanted(block)
         # add() checked the block against the card: a layer's parts match its buffers
-        for i, parts in block.kv_layers():
-            lo = self.lows[i]
-            if not want >> i & 1 or a + t <= lo:
-                continue
-            skip = max(0, lo - a)  # a block across the low bound: its later positions
+        for i, parts, skip, at in self._spans(block, self.lows):
             for j, (spec, view) in enumerate(parts, self._first[i]):
                 src = np.frombuffer(view, _NP[spec.dtype]).reshape(spec.shape)
-                self.bufs[j][0, :, a + skip - lo : a + t - lo] = src[:, skip:]
+                self.bufs[j][0, :, at : at + t - skip] = src[:, skip:]
         if block.header.states:
             eng = self.engine
             per: list[list[Any]] = [[] for _ in range(eng.n_caches)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,18 @@ class Importer(abc.ABC):
         if self.keep_from is None or self.layout is None:
             return block.present
         return self.layout.want(block.header, self.keep_from) & block.present
+
+    def _spans(self, block: Block, lows: Sequence[int]) -> Iterator[tuple[int, Any, int, int]]:
+        """``(layer, parts, skip, at)`` for each layer of ``block`` to copy that
+        reaches past its low bound ``lows[layer]``: its K/V ``parts``, how many of
+        the block's positions fall below the bound (dropped), and where the rest
+        start in the layer's buffer (which begins at the bound)."""
+        a, end = block.header.start, block.header.start + block.header.tokens
+        want = self.wanted(block)
+        for i, parts in block.kv_layers():
+            if want >> i & 1 and end > lows[i]:
+                skip = max(0, lows[i] - a)
+                yield i, parts, skip, a + skip - lows[i]
 
     @abc.abstractmethod
     def _copy(self, block: Block) -> None:
