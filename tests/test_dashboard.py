@@ -71,12 +71,14 @@ def test_dashboard_shows_the_fleet_live_and_safely(fleet, browser):  # noqa: F81
         "/v1/completions", json={"model": "demo-tiny", "prompt": "dashboard " * 30, "max_tokens": 7}
     )
     assert r.status_code == 200
+    made = r.json()["usage"]["completion_tokens"]  # up to 7: EOS may come first
+    assert made >= 1
     page.wait_for_function(
         f"[...document.querySelectorAll('#summary .card')].some(c => c.innerText.includes('completed tokens')"
-        f" && parseInt(c.innerText) >= {before + 7})",
+        f" && parseInt(c.innerText) >= {before + made})",
         timeout=10000,
     )
-    assert completed() >= before + 7
+    assert completed() >= before + made
     DOCS.mkdir(exist_ok=True)
     page.screenshot(path=str(DOCS / "dashboard.png"), full_page=True)
     # with a key, the private view shows addresses
