@@ -154,6 +154,34 @@ def _set_state(layer: Any, slots: Sequence[tuple[str, int]], parts: Sequence[tor
         layer.dtype, layer.device = t.dtype, t.device
 
 
+def _record_past(layer: Any) -> None:
+    """Make ``layer`` keep what a forward gives it until :func:`_settle` has seen it.
+    transformers >= 5.25 can also keep per-token recurrent states
+    (``recurrent_states_to_keep``, ``None`` by default, which its models cannot
+    read): kvmesh checkpoints states itself, so it asks for none."""
+    layer.activate_past_recording()
+    if _recurrent(layer):
+        layer.recurrent_states_to_keep = 0
+
+
+def _drop_state_history(layer: Any) -> None:
+    """transformers >= 5.25 appends a copy of a recording layer's recurrent state to
+    its history on every forward (for a later ``crop``, which kvmesh never asks
+    for): dropped after each forward, so a long decode holds one state, not one
+    per step."""
+    for past in (getattr(layer, "recurrent_states_history", None) or {}).values():
+        past.clear()
+
+
+def _set_length(layer: Any, n: int) -> None:
+    """transformers >= 5.25 counts a recurrent layer's positions itself: a model
+    whose first layer is recurrent takes its past length (so the positions of the
+    next tokens) from that count."""
+    length = getattr(layer, "cumulative_length_linear", None)
+    if length is not None:
+        length.fill_(n)
+
+
 def _trim_conv(layer: Any) -> None:
     """A recording conv state keeps every column it was given: cut it to the
     kernel's width, zeros on the left when fewer came, exactly what transformers
@@ -318,6 +346,7 @@ def _settle(cache: Any, new: int) -> None:
     for layer in cache.layers:
         if _recurrent(layer):
             _trim_conv(layer)
+            _drop_state_history(layer)
         if not _sliding(layer):
             continue
         rec = _record(layer)
@@ -810,7 +839,7 @@ class TransformersEngine(EngineBase):
             # keep whole states until _settle has recorded them; a recording
             # recurrent layer concatenates its conv state instead of writing in place
             if _sliding(layer) or _recurrent(layer):
-                layer.activate_past_recording()
+                _record_past(layer)
         if self._state_every:
             setattr(cache, _STATES, {})
             setattr(cache, _POS, 0)
@@ -895,6 +924,7 @@ class TransformersEngine(EngineBase):
         for i, layer in enumerate(cache.layers):
             if i in self._slots:
                 _set_state(layer, self._slots[i], [t.to(dev) for t in at_n[i]])
+                _set_length(layer, n)
         setattr(cache, _STATES, {p: s for p, s in states.items() if p <= n})
         setattr(cache, _POS, n)
 
