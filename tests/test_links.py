@@ -201,6 +201,7 @@ def test_links_json_round_trips_and_expires(tmp_path):
     doc = json.loads((tmp_path / LINKS_FILE).read_text())
     assert set(doc["links"]) == {"peer-1", "peer-2"} and list(doc["prefill"]) == ["ns-a"]
     assert not [f for f in tmp_path.iterdir() if f.name != LINKS_FILE]  # no temporary left
+    assert (tmp_path / LINKS_FILE).stat().st_mode & 0o777 == 0o600  # this user's alone
     again = Planner(home=tmp_path, wall=wall, model="ns-a")
     assert again.link_rate("peer-1") == pytest.approx(RATE_100MBIT)
     assert again.link("peer-1")["rtt_s"] == pytest.approx(0.05)
@@ -243,9 +244,16 @@ GARBAGE = [
 ]
 
 
+def plant(home, raw: bytes, mode: int = 0o600) -> None:
+    """A links file as another program would leave it (mode 600 unless told)."""
+    path = home / LINKS_FILE
+    path.write_bytes(raw)
+    path.chmod(mode)
+
+
 @pytest.mark.parametrize("raw", GARBAGE, ids=range(len(GARBAGE)))
 def test_a_garbage_links_file_is_ignored_with_a_warning(tmp_path, caplog, raw):
-    (tmp_path / LINKS_FILE).write_bytes(raw)
+    plant(tmp_path, raw)
     with caplog.at_level(logging.WARNING, logger="kvmesh.planner"):
         p, _ = _planner(tmp_path)
     assert p.links() == [] and p.link_rate("x", "wifi") == LINK_PRIORS["wifi"]
@@ -267,17 +275,46 @@ def test_bad_entries_are_skipped_and_good_ones_kept(tmp_path):
         {**good, "fetches": -1},
         {**good, "at": wall.now + 10 * LINKS_TTL_S},  # from the future
         {**good, "interface": "<script>"},
+        {**good, "bytes_per_s": 10**400},  # no float holds it
+        {**good, "at": -(10**400)},
+        {**good, "rtt_s": 10**400},
+        {**good, "link_s": 10**400},
+        {**good, "fetches": 10**400},
         "a string",
     ]
     doc = {
         "version": 1,
         "links": {"good": good, **{f"bad{i}": b for i, b in enumerate(bad)}, "y" * 500: good},
-        "prefill": {"m": {"at": wall.now, "samples": [[100, "x"]]}},
+        "prefill": {
+            "m": {"at": wall.now, "samples": [[100, "x"]]},
+            "big-n": {"at": wall.now, "samples": [[10**400, 1.0]]},
+            "big-at": {"at": 10**400, "samples": [[100, 1.0]]},
+        },
     }
-    (tmp_path / LINKS_FILE).write_text(json.dumps(doc).replace('"NaN"', "NaN"))
+    plant(tmp_path, json.dumps(doc).replace('"NaN"', "NaN").encode())
     p = Planner(home=tmp_path, wall=wall, model="m")
     assert [r["node_id"] for r in p.links()] == ["good"]
     assert p.link_rate("good") == 1e7 and p.compute_s(100) == pytest.approx(1.0)
+    for model in ("big-n", "big-at"):  # a head of those models starts, on its prior
+        assert Planner(home=tmp_path, wall=wall, model=model).compute_s(100) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o644, 0o620])
+def test_a_links_file_others_may_read_or_write_is_ignored(tmp_path, caplog, mode):
+    """What the planner reads steers every fetch: like the tenant secret, it is read
+    only when it is this user's alone (a planted 1 B/s would make a head compute
+    everything for a day); the next write replaces it with one that is."""
+    wall = Wall()
+    doc = {"version": 1, "links": {"fast": {"bytes_per_s": 1.0, "at": wall.now}}}
+    plant(tmp_path, json.dumps(doc).encode(), mode)
+    with caplog.at_level(logging.WARNING, logger="kvmesh.planner"):
+        p = Planner(home=tmp_path, wall=wall)
+    assert p.links() == [] and p.link_rate("fast", "loopback") == LINK_PRIORS["loopback"]
+    assert any("chmod 600" in r.getMessage() for r in caplog.records)
+    _teach(p, "fast", RATE_100MBIT)
+    p.flush()
+    assert (tmp_path / LINKS_FILE).stat().st_mode & 0o777 == 0o600
+    assert Planner(home=tmp_path, wall=wall).link_rate("fast") == pytest.approx(RATE_100MBIT)
 
 
 def test_a_change_is_saved_behind_a_timer(tmp_path):

