@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from kvmesh.api.requests import MAX_N, UNSUPPORTED
+from kvmesh.api.requests import MAX_N, MAX_STOPS, UNSUPPORTED
 from kvmesh.engine import Decoded, Sampling, load_engine, pick_device, pick_dtype
 from kvmesh.engine.base import StopScanner
 from kvmesh.errors import ConfigError
@@ -357,7 +357,8 @@ BAD = [
     ({"best_of": 1, "n": 2}, "best_of"),  # OpenAI: best_of must be at least n
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # OpenAI: only with stream
     ({"stream_options": {}, "stream": False}, "stream_options"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ["a"] * (MAX_STOPS + 1)}, "stop"),
+    ({"stop": ["x" * 4000] * 5}, "stop"),  # over MAX_STOP_TOTAL_CHARS in all
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"stop": 5}, "stop"),

@@ -154,6 +154,9 @@ def test_a_stop_longer_than_the_bound_is_a_400(fleet):
     r = complete(head, "hello", stop=["x" * (MAX_STOP_CHARS + 1)])
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
     assert complete(head, "hello", stop=["x" * MAX_STOP_CHARS]).status_code == 200
+    # more than OpenAI's 4, as vLLM takes them (lm-eval's humaneval sends 5 and the EOS)
+    many = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "</s>"]
+    assert complete(head, "hello", stop=many).status_code == 200
 
 
 def test_forwarded_proto_from_off_the_host_does_not_make_plaintext_pairing(tmp_path):

@@ -12,7 +12,8 @@ Contracts:
   ``stream_options`` without ``stream: true`` is a 400, as OpenAI's.
 - Bounded work: every string is valid Unicode (no lone surrogates); token ids are
   JSON integers (not ``true``, not ``1.0``); at most ``MAX_STOPS`` stop strings of
-  at most ``MAX_STOP_CHARS`` characters.
+  at most ``MAX_STOP_CHARS`` characters, ``MAX_STOP_TOTAL_CHARS`` in all (vLLM bounds
+  none; OpenAI takes 4).
 """
 
 from __future__ import annotations
@@ -61,8 +62,12 @@ NULLABLE = (
 # vLLM's older top-level spellings of structured_outputs' fields
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_N = 16  # sequences per request: each holds its own copy of the prompt's KV while decoding
-MAX_STOPS = 4  # as OpenAI
-MAX_STOP_CHARS = 4096  # a stop string is matched on every token: bound the work it asks
+# vLLM takes any number of stop strings (lm-eval sends a task's `until` and the EOS
+# text: humaneval's are 5); each is matched on every token, so their count and their
+# characters together bound the work a request asks
+MAX_STOPS = 256
+MAX_STOP_CHARS = 4096  # one stop string
+MAX_STOP_TOTAL_CHARS = 16384  # all of a request's stop strings together
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
@@ -140,6 +145,12 @@ class GenerationRequest(Body):
         if any(len(s) > MAX_STOP_CHARS for s in stop):
             raise APIError(
                 400, f"a stop sequence has at most {MAX_STOP_CHARS} characters", param="stop"
+            )
+        if sum(map(len, stop)) > MAX_STOP_TOTAL_CHARS:
+            raise APIError(
+                400,
+                f"stop sequences have at most {MAX_STOP_TOTAL_CHARS} characters in all",
+                param="stop",
             )
         return tuple(s for s in stop if s)
 
