@@ -31,6 +31,8 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import memory
+from ..engine.grammar import ConstraintFailed
+from ..engine.grammar import cache_stats as grammar_cache_stats
 from ..errors import Reason
 from ..runtime.batch import CANCEL_STAGES, EngineFailed
 from ..runtime.head import HeadRuntime
@@ -359,7 +361,8 @@ def _memory_reporter(runtime: HeadRuntime) -> Callable[[], dict[str, Any]]:
     def memory_report() -> dict[str, Any]:
         """RSS against model + --budget + --kv-budget (kvmesh.memory.report)."""
         store = runtime.fleet.store.stats.budget_bytes if runtime.fleet else None
-        return memory.report(store, runtime.batch.kv_budget_bytes, weights)
+        report = memory.report(store, runtime.batch.kv_budget_bytes, weights)
+        return {**report, "grammars": grammar_cache_stats()}
 
     return memory_report
 
@@ -395,6 +398,10 @@ def _add_error_handlers(app: FastAPI, max_queue: int) -> None:
             code=code,
             headers=exc.headers,
         )
+
+    @app.exception_handler(ConstraintFailed)
+    async def _constraint_failed(request: Request, exc: ConstraintFailed) -> Any:
+        return error_response(400, str(exc), code="grammar_failed")
 
     @app.exception_handler(EngineFailed)
     async def _engine_failed(request: Request, exc: EngineFailed) -> Any:

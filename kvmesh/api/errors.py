@@ -19,6 +19,7 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -28,9 +29,12 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers = headers  # e.g. a 503's Retry-After
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.type, self.param, self.code)
+        return error_response(
+            self.status, self.message, self.type, self.param, self.code, self.headers
+        )
 
 
 def error_response(

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import secrets
 import time
@@ -70,6 +71,7 @@ from ..runtime.batch import OverBudget
 from ..runtime.head import Generation, HeadRuntime, Scope
 from .credentials import DEFAULT_TENANT, Tenants
 from .errors import APIError, error_response
+from .grammar_worker import GrammarWorker
 from .guard import BodyOffLoop, identity_of
 from .render import Renderer, Run
 from .requests import (
@@ -145,6 +147,7 @@ class OpenAIService:
         # prompt scoring (echo + logprobs): one at a time, off the event loop and off
         # the scheduler's threads; each holds the engine lock a chunk at a time
         self._scoring = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-score")
+        self.grammars = GrammarWorker()  # grammars check and compile off the event loop
 
     def names(self) -> set[str]:
         return {self.model_name, *self.aliases, self.runtime.card.model_id}
@@ -195,8 +198,33 @@ class OpenAIService:
             frequency_penalty=req.frequency_penalty,
             logprobs=logprobs,
             n=req.n,
-            grammar=self._grammar(req),
         )
+
+    @staticmethod
+    def _may_constrain(req: GenerationRequest) -> bool:
+        """Whether ``req`` names anything that constrains its answer (cheap: what
+        :meth:`_grammar` would read, unparsed)."""
+        extra = req.model_extra or {}
+        return (
+            req.response_format is not None
+            or any(extra.get(k) is not None for k in ("structured_outputs", *GUIDED))
+            or (isinstance(req, ChatRequest) and bool(req.tools))
+        )
+
+    def _compiled_grammar(self, req: GenerationRequest) -> GrammarSpec | None:
+        """:meth:`_grammar`, compiled for this head's tokenizer (cached): in the
+        grammar worker, never on the event loop or the engine thread."""
+        spec = self._grammar(req)
+        if spec is None:
+            return None
+        try:
+            compile_grammar(self.runtime.engine.tokenizer, spec)
+        except ValueError as e:
+            extra = req.model_extra or {}
+            given = [k for k in ("structured_outputs", *GUIDED) if extra.get(k) is not None]
+            param = "response_format" if req.response_format is not None else [*given, "tools"][0]
+            raise APIError(400, str(e), param=param) from None
+        return spec
 
     def _grammar(self, req: GenerationRequest) -> GrammarSpec | None:
         """The constraint of ``req``'s output (None: free text): ``response_format``
@@ -432,17 +460,9 @@ class OpenAIService:
         start each prompt's generation on its job (a job with nothing to generate is
         released)."""
         samplings = [self._checked(req, tokens) for tokens in prompts]
-        spec = samplings[0].grammar
-        if spec is not None:  # compiled here (cached), never on the engine thread: a 400 if bad
-            try:
-                await run_in_threadpool(compile_grammar, self.runtime.engine.tokenizer, spec)
-            except ValueError as e:
-                extra = req.model_extra or {}
-                given = [k for k in ("structured_outputs", *GUIDED) if extra.get(k) is not None]
-                param = (
-                    "response_format" if req.response_format is not None else [*given, "tools"][0]
-                )
-                raise APIError(400, str(e), param=param) from None
+        if self._may_constrain(req):  # built and compiled off the loop, a 400 if bad
+            spec = await self.grammars.run(self._compiled_grammar, req)
+            samplings = [dataclasses.replace(s, grammar=spec) for s in samplings]
         runs = [
             Run(tokens, Generation(choices=[Decoded() for _ in range(s.n)]))
             for tokens, s in zip(prompts, samplings, strict=True)

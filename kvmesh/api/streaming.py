@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import Request
 
 from ..engine import Decoded
+from ..engine.grammar import ConstraintFailed
 from ..runtime.batch import EngineFailed
 from .errors import APIError, printable
 from .render import Renderer, Run
@@ -241,6 +242,13 @@ def _stream_error(rid: str, e: Exception) -> dict[str, Any]:
     failure, logged here and named only generically to the client."""
     if isinstance(e, APIError):
         err = {"message": printable(e.message), "type": e.type, "param": e.param, "code": e.code}
+    elif isinstance(e, ConstraintFailed):  # the request's own grammar, not the server
+        err = {
+            "message": printable(str(e)),
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "grammar_failed",
+        }
     else:
         log.error("stream %s failed after it began: %s: %s", rid, type(e).__name__, e)
         code = "engine_failed" if isinstance(e, EngineFailed) else "generation_failed"

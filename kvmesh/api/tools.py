@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ..engine.grammar import MAX_DEPTH, json_depth
+
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # as OpenAI
 CHOICES = ("none", "auto", "required")
@@ -116,6 +118,8 @@ def _check_object_schema(schema: Any, param: str) -> None:
     overflow."""
     if not isinstance(schema, dict):
         raise ToolError(f"{param} must be a JSON schema object", param)
+    if json_depth(schema) > MAX_DEPTH:  # the chat template recurses through it
+        raise ToolError(f"{param} nests deeper than {MAX_DEPTH} levels", param)
     kind = schema.get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise ToolError(f"{param} must describe an object (type 'object')", param)

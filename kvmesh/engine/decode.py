@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .grammar import GrammarMatcher, GrammarSpec, compile_grammar
+from .grammar import ConstraintFailed, GrammarMatcher, GrammarSpec, compile_grammar
 
 if TYPE_CHECKING:
     from .protocol import Engine
@@ -224,7 +224,7 @@ class Decoder:
             eos_ids = eng.eos_ids if sampling.stop_on_eos else ()
             allowed = grammar.allowed(int(state.logits.shape[-1]), eos_ids)
             if not allowed.any():
-                raise RuntimeError("the grammar allows no token here")
+                raise ConstraintFailed("the output constraint allows no token here")
             tok = eng.sample(state.logits, sampling, self.rng, self.counts, allowed)
         state.tokens.append(tok)
         eos = sampling.stop_on_eos and tok in eng.eos_ids

@@ -51,6 +51,14 @@ if TYPE_CHECKING:
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 WHITESPACE = r"[\x20\x09]{0,4}(?:\r?\n[\x20\x09]{0,32})?"  # between JSON tokens
 CACHE_SIZE = 128  # compiled grammars kept per tokenizer (least recently used dropped)
+# what a client may ask compiled: checked before llguidance sees it
+MAX_SOURCE_CHARS = 1 << 20  # a schema (compact JSON), regex, grammar or choices together
+MAX_DEPTH = 64  # nesting of a schema's JSON (and of a tool's parameters, by the API)
+MAX_INT = 2**63 - 1  # llguidance's integers are 64-bit: a bound beyond is not what it checks
+# compiled grammars hold ~100 bytes per source character: the caches are bounded by
+# the source characters they hold, and report them (cache_stats)
+CACHE_CHARS = 2 << 20  # per tokenizer
+VALID_CHARS = 4 << 20  # checked specs' llguidance grammars, all tokenizers
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,17 @@ class GrammarSpec:
                 raise ValueError("a choice needs a non-empty list of strings")
         elif not isinstance(self.source, str):
             raise ValueError(f"a {self.kind} grammar's source is a string")
+        if self.size > MAX_SOURCE_CHARS:
+            raise ValueError(
+                f"a {self.kind} of {self.size} characters is over the {MAX_SOURCE_CHARS} allowed"
+            )
         _grammar(self)  # every spec that exists is valid (cached: built once)
+
+    @property
+    def size(self) -> int:
+        """Its source's characters (what the caches count)."""
+        src = self.source
+        return len(src) if isinstance(src, str) else sum(map(len, src))
 
     # -- builders ---------------------------------------------------------------
 
@@ -90,14 +108,17 @@ class GrammarSpec:
         in the order the schema lists them (llguidance's rule), so the order of its
         keys matters and two specs of the same schema in another order differ."""
         if isinstance(schema, str):
+            if len(schema) > 4 * MAX_SOURCE_CHARS:  # spaced JSON compacts; this never will
+                raise ValueError(f"a JSON schema is at most {MAX_SOURCE_CHARS} characters")
             try:
                 schema = json.loads(schema)
-            except ValueError as e:
-                raise ValueError(f"the JSON schema is not JSON: {e}") from None
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"the JSON schema is not JSON: {first_line(e)}") from None
         if schema is True:
             schema = {}
         if not isinstance(schema, Mapping):
             raise ValueError("a JSON schema is an object")
+        check_schema(schema)
         # compact but in the schema's order: properties are written in that order
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         return cls("json_schema", text, bool(strict))
@@ -194,8 +215,73 @@ class GrammarSpec:
         return f"GrammarSpec({self.kind!r}, {src!r}, strict={self.strict})"
 
 
-_VALID: dict[GrammarSpec, str] = {}  # spec -> llguidance grammar, bounded below
+class ConstraintFailed(ValueError):
+    """A grammar that compiled failed while decoding (a resource limit met on a
+    later step, a state with no token allowed): the request's fault, its job alone
+    ends (the API's 400, or a stream's error event)."""
+
+
+def first_line(e: object) -> str:
+    """An error's first line: llguidance appends its parser state (and a Rust panic
+    its backtrace), which is not the client's business."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
+
+
+def json_depth(value: Any) -> int:
+    """How deeply ``value`` (parsed JSON) nests, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, Mapping):
+            children: Iterable[Any] = v.values()
+        elif isinstance(v, list | tuple):
+            children = v
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((c, d + 1) for c in children)
+    return deepest
+
+
+def _bounds(schema: Mapping[str, Any]) -> Iterable[Any]:
+    """The numeric bounds an integer schema object states."""
+    kind = schema.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if k in schema:
+                yield schema[k]
+
+
+def check_schema(schema: Mapping[str, Any]) -> None:
+    """What llguidance would not check as asked: nesting past :data:`MAX_DEPTH`
+    (each level is work and stack), and integer bounds beyond 64 bits (it would
+    clamp them and answer values outside the schema)."""
+    if json_depth(schema) > MAX_DEPTH:
+        raise ValueError(f"the JSON schema nests deeper than {MAX_DEPTH} levels")
+    stack: list[Any] = [schema]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            for b in _bounds(v):
+                if isinstance(b, int | float) and not isinstance(b, bool) and abs(b) > MAX_INT:
+                    raise ValueError(f"integer bound {b} is beyond 64 bits (±{MAX_INT})")
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def _limits() -> Any:
+    """llguidance's resource limits: its defaults, without its debug dump in errors."""
+    import llguidance as llg
+
+    return llg.LLParserLimits(verbose_errors=False)
+
+
+_VALID: OrderedDict[GrammarSpec, str] = OrderedDict()  # spec -> llguidance grammar (LRU)
 _VALID_LOCK = threading.Lock()
+_VALID_HELD = [0]  # characters of the grammars in _VALID
 
 
 def _grammar(spec: GrammarSpec) -> str:
@@ -203,6 +289,8 @@ def _grammar(spec: GrammarSpec) -> str:
     with llguidance's message when it is not valid."""
     with _VALID_LOCK:
         hit = _VALID.get(spec)
+        if hit is not None:
+            _VALID.move_to_end(spec)
     if hit is not None:
         return hit
     import llguidance as llg
@@ -223,16 +311,26 @@ def _grammar(spec: GrammarSpec) -> str:
             )
         else:
             g = llg.grammar_from("grammar", str(spec.source))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"invalid {spec.kind}: {e}") from None
-    err = llg.LLMatcher.validate_grammar(g)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ValueError(f"invalid {spec.kind}: {first_line(e)}") from None
+    except BaseException as e:  # a Rust panic (pyo3's PanicException is a BaseException)
+        if not _is_panic(e):
+            raise
+        raise ValueError(f"invalid {spec.kind}: {first_line(e)}") from None
+    err = llg.LLMatcher.validate_grammar(g, limits=_limits())
     if err:
-        raise ValueError(f"invalid {spec.kind}: {err}")
+        raise ValueError(f"invalid {spec.kind}: {first_line(err)}")
     with _VALID_LOCK:
-        if len(_VALID) >= 4 * CACHE_SIZE:
-            _VALID.pop(next(iter(_VALID)))
-        _VALID[spec] = g
+        if spec not in _VALID:
+            _VALID[spec] = g
+            _VALID_HELD[0] += len(g)
+        while _VALID and (_VALID_HELD[0] > VALID_CHARS or len(_VALID) > 4 * CACHE_SIZE):
+            _VALID_HELD[0] -= len(_VALID.popitem(last=False)[1])
     return g
+
+
+def _is_panic(e: BaseException) -> bool:
+    return type(e).__name__ == "PanicException"
 
 
 # -- per tokenizer -------------------------------------------------------------------
@@ -266,6 +364,7 @@ class _Vocabulary:
         self.size = int(self.llg.vocab_size)
         self.eos = np.array(sorted(set(self.llg.eos_tokens)), dtype=np.int64)
         self.grammars: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self.chars = 0  # source characters of ``grammars``
         self.lock = threading.Lock()
 
 
@@ -308,9 +407,15 @@ class CompiledGrammar:
         import llguidance as llg
 
         self.spec, self.vocab = spec, vocab
-        self._start = llg.LLMatcher(vocab.llg, _grammar(spec), log_level=0)
+        self._start = llg.LLMatcher(vocab.llg, _grammar(spec), log_level=0, limits=_limits())
+        if not self._start.is_error():
+            # the first mask now, in the compiling thread: it builds the lexer (seconds
+            # for some patterns, never on the engine's step) and shows errors a grammar
+            # meets only there (an unresolvable $ref): the client's 400, not a failure
+            bits = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+            self._start.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         if self._start.is_error():
-            raise ValueError(f"invalid {spec.kind}: {self._start.get_error()}")
+            raise ValueError(f"invalid {spec.kind}: {first_line(self._start.get_error())}")
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self)
@@ -327,11 +432,36 @@ def compile_grammar(tokenizer: Any, spec: GrammarSpec) -> CompiledGrammar:
             return hit
     compiled = CompiledGrammar(vocab, spec)  # outside the lock: others keep decoding
     with vocab.lock:
-        compiled = vocab.grammars.setdefault(spec, compiled)
+        if spec not in vocab.grammars:
+            vocab.grammars[spec] = compiled
+            vocab.chars += spec.size
+        compiled = vocab.grammars[spec]
         vocab.grammars.move_to_end(spec)
-        while len(vocab.grammars) > CACHE_SIZE:
-            vocab.grammars.popitem(last=False)
+        while len(vocab.grammars) > 1 and (
+            len(vocab.grammars) > CACHE_SIZE or vocab.chars > CACHE_CHARS
+        ):
+            vocab.chars -= vocab.grammars.popitem(last=False)[0].size
     return compiled
+
+
+def cache_stats() -> dict[str, int]:
+    """What the grammar caches hold (for the memory report): compiled grammars and
+    their source characters, over every tokenizer, and the checked specs'."""
+    with _VOCABS_LOCK:
+        vocabs = list(_VOCABS.values())
+    compiled = chars = 0
+    for v in vocabs:
+        with v.lock:
+            compiled += len(v.grammars)
+            chars += v.chars
+    with _VALID_LOCK:
+        checked, held = len(_VALID), _VALID_HELD[0]
+    return {
+        "compiled": compiled,
+        "compiled_source_chars": chars,
+        "checked": checked,
+        "checked_chars": held,
+    }
 
 
 class GrammarMatcher:
@@ -350,7 +480,9 @@ class GrammarMatcher:
         m = self._m
         m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if m.is_error():
-            raise RuntimeError(f"constrained decoding failed: {m.get_error()}")
+            raise ConstraintFailed(
+                f"the output constraint failed while decoding: {first_line(m.get_error())}"
+            )
         bits = np.unpackbits(self._bits.view(np.uint8), count=self._n, bitorder="little")
         if width == self._n:
             mask = bits.view(bool)
@@ -368,7 +500,9 @@ class GrammarMatcher:
     def advance(self, token: int) -> None:
         """Consume the sampled ``token`` (one :meth:`allowed` said could come)."""
         if not self._m.consume_token(int(token)):
-            raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
+            raise ConstraintFailed(
+                f"the grammar refused token {token}: {first_line(self._m.get_error())}"
+            )
 
     @property
     def done(self) -> bool:
@@ -382,13 +516,21 @@ class GrammarMatcher:
 
 
 __all__ = [
+    "CACHE_CHARS",
     "CACHE_SIZE",
     "KINDS",
+    "MAX_DEPTH",
+    "MAX_SOURCE_CHARS",
     "WHITESPACE",
     "CompiledGrammar",
+    "ConstraintFailed",
     "GrammarMatcher",
     "GrammarSpec",
+    "cache_stats",
+    "check_schema",
     "compile_grammar",
+    "first_line",
     "hf_tokenizer",
+    "json_depth",
     "prepare",
 ]
