@@ -117,6 +117,32 @@ def test_a_full_queue_is_a_503_health_answers_and_clients_that_leave_cancel(head
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
 
+def test_waiting_prompts_are_bounded_by_their_tokens(head):
+    """Besides their count (--max-queue, 1024 by default: vLLM queues without one),
+    the waiting requests' prompt tokens are bounded (--max-queued-tokens): a request
+    past it is a 503 with Retry-After; one alone in the queue always may wait."""
+    n = head.http.post("/v1/completions", json={**LONG, "max_tokens": 1}).json()["usage"]
+    n = n["prompt_tokens"]
+    h = Head("--max-batch", "1", "--max-queued-tokens", str(n + n // 2), "--alias", "tokens")
+    try:
+        running = Raw(h.url, {**LONG, "stream": True})
+        running.read_until(b"data:")  # the engine is taken
+        first = Raw(h.url, LONG)  # waits alone: its n tokens fit
+        h.wait(lambda s: s["queue"]["waiting"] == 1)
+        r = h.http.post("/v1/completions", json=LONG)  # 2n would wait
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        err = r.json()["error"]
+        assert err["code"] == "queue_full" and "prompt tokens" in err["message"]
+        first.leave()
+        running.leave()
+        _idle(h)
+        ok = h.http.post("/v1/completions", json={**LONG, "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+    finally:
+        h.stop()
+
+
 def test_a_non_streaming_client_that_leaves_mid_decode_stops_it(head):
     cancelled = head.metric('kvmesh_requests_cancelled_total{stage="running"}')
     tokens = head.metric("kvmesh_completion_tokens_total")

@@ -296,9 +296,10 @@ class Access:
 class Limits:
     """What the head's HTTP front door admits (``kvmesh head`` flags)."""
 
-    max_queue: int = 64  # requests waiting for the engine before a 503
+    max_queue: int = 1024  # requests waiting for the engine before a 503
     max_body_bytes: int = 4 << 20  # a larger body is a 413
     api_key_scope: str = "admin"  # admin: network writes only; all: the OpenAI routes too
+    max_queued_tokens: int = 1 << 20  # prompt tokens waiting for the engine before a 503
 
 
 def create_app(
@@ -323,7 +324,7 @@ def create_app(
         raise ValueError("--api-key-scope all needs --api-key-file")
     tenants = _tenants(runtime, credentials, topts)
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
-    scheduler = Scheduler(runtime, limits.max_queue)
+    scheduler = Scheduler(runtime, limits.max_queue, limits.max_queued_tokens)
     service = OpenAIService(
         runtime,
         scheduler,
@@ -344,7 +345,7 @@ def create_app(
         protected=scope.__contains__,
         max_body_bytes=limits.max_body_bytes,
     )
-    _add_error_handlers(app, limits.max_queue)
+    _add_error_handlers(app)
     _add_health_routes(app, runtime, scheduler, model_name, memory_report)
     _add_metrics_routes(app, runtime, scheduler, memory_report)
     app.include_router(router(service))
@@ -367,14 +368,14 @@ def _memory_reporter(runtime: HeadRuntime) -> Callable[[], dict[str, Any]]:
     return memory_report
 
 
-def _add_error_handlers(app: FastAPI, max_queue: int) -> None:
+def _add_error_handlers(app: FastAPI) -> None:
     """Every error the app answers, in OpenAI's body (:mod:`.errors`)."""
 
     @app.exception_handler(QueueFull)
     async def _full(request: Request, exc: QueueFull) -> Any:
         return error_response(
             503,
-            f"the request queue is full ({max_queue} waiting); retry later",
+            f"the request queue is full ({exc}); retry later",
             "server_error",
             code="queue_full",
             headers={"Retry-After": str(exc.retry_after)},

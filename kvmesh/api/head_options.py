@@ -229,8 +229,16 @@ class HeadOptions:
         low=16,
     )
     max_queue: int = _row(
-        "Requests that may wait for the engine; one more is answered 503 with Retry-After.",
-        64,
+        "Requests that may wait for the engine (vLLM queues without a count; a waiting "
+        "request holds a thread and its prompt); one more is answered 503 with Retry-After.",
+        1024,
+        "int",
+        low=1,
+    )
+    max_queued_tokens: int = _row(
+        "Prompt tokens the waiting requests may hold together; a request past it is answered "
+        "503 with Retry-After (one alone is always let wait).",
+        1 << 20,
         "int",
         low=1,
     )

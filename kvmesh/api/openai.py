@@ -460,6 +460,7 @@ class OpenAIService:
         start each prompt's generation on its job (a job with nothing to generate is
         released)."""
         samplings = [self._checked(req, tokens) for tokens in prompts]
+        self.scheduler.hold(jobs, [len(t) for t in prompts])  # QueueFull: a 503
         if self._may_constrain(req):  # built and compiled off the loop, a 400 if bad
             spec = await self.grammars.run(self._compiled_grammar, req)
             samplings = [dataclasses.replace(s, grammar=spec) for s in samplings]

@@ -3,6 +3,8 @@
 - ``admit`` takes a slot in a bounded queue: at most ``max_queue`` requests wait
   (admitted, not yet running on the engine); one more raises ``QueueFull``, which
   the API answers with 503 and ``Retry-After`` (nothing is buffered without bound).
+  Once tokenized, ``hold`` counts their prompts: the waiting requests hold at most
+  ``max_queued_tokens`` together (a request alone in the queue always may wait).
 - ``start`` runs the generation on this module's own thread pool, sized so every
   admitted request has a thread. Starlette's pool (sync endpoints, tokenization)
   and the event loop (health, metrics, network reads) never wait behind the engine.
@@ -28,8 +30,8 @@ RETRY_AFTER_S = 1  # a queue slot frees when one request ends: seconds, not minu
 class QueueFull(Exception):
     """No queue slot: the caller should retry after ``retry_after`` seconds."""
 
-    def __init__(self, retry_after: int) -> None:
-        super().__init__("the request queue is full")
+    def __init__(self, retry_after: int, why: str = "") -> None:
+        super().__init__(why or "the request queue is full")
         self.retry_after = retry_after
 
 
@@ -40,6 +42,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     started: bool = False
     done: bool = False
+    tokens: int = 0  # its prompt's, counted while it waits (Scheduler.hold)
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,15 @@ class _End:
 
 
 class Scheduler:
-    def __init__(self, runtime: HeadRuntime, max_queue: int) -> None:
+    def __init__(
+        self, runtime: HeadRuntime, max_queue: int, max_queued_tokens: int = 1 << 20
+    ) -> None:
         self.runtime = runtime
         self.max_queue = max_queue
+        self.max_queued_tokens = max_queued_tokens
         self._lock = threading.Lock()
         self.waiting = 0  # admitted, not yet on the engine
+        self.queued_tokens = 0  # the waiting requests' prompt tokens (those held)
         self.running = 0  # on the engine (up to its batch, plus those finishing)
         self.rejected = 0
         # a thread per waiting and per running request, one finishing: never a wait for one
@@ -64,15 +71,36 @@ class Scheduler:
         with self._lock:
             if self.waiting >= self.max_queue:
                 self.rejected += 1
-                raise QueueFull(RETRY_AFTER_S)
+                raise QueueFull(RETRY_AFTER_S, f"{self.waiting} requests waiting")
             self.waiting += 1
             return Job()
+
+    def hold(self, jobs: Sequence[Job], tokens: Sequence[int]) -> None:
+        """Count admitted ``jobs``' prompt ``tokens`` while they wait: QueueFull
+        (holding nothing) when the waiting would hold more than ``max_queued_tokens``
+        and others wait too."""
+        with self._lock:
+            new = sum(tokens)
+            alone = self.waiting == len(jobs)
+            if not alone and self.queued_tokens + new > self.max_queued_tokens:
+                self.rejected += 1
+                raise QueueFull(
+                    RETRY_AFTER_S, f"{self.queued_tokens} prompt tokens waiting, {new} more"
+                )
+            for job, n in zip(jobs, tokens, strict=True):
+                job.tokens = n
+            self.queued_tokens += new
+
+    def _unqueue(self, job: Job) -> None:
+        self.waiting -= 1
+        self.queued_tokens -= job.tokens
+        job.tokens = 0
 
     def _started(self, job: Job) -> None:
         with self._lock:
             if not job.started and not job.done:
                 job.started = True
-                self.waiting -= 1
+                self._unqueue(job)
                 self.running += 1
 
     def release(self, job: Job) -> None:
@@ -84,7 +112,7 @@ class Scheduler:
             if job.started:
                 self.running -= 1
             else:
-                self.waiting -= 1
+                self._unqueue(job)
 
     def start(
         self,

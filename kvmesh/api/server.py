@@ -130,7 +130,9 @@ def _serve(
         aliases=aliases,
         max_tokens_default=opts.max_tokens_default,
         tool_call_parser=opts.tool_call_parser,
-        limits=Limits(opts.max_queue, opts.max_body_bytes, opts.api_key_scope),
+        limits=Limits(
+            opts.max_queue, opts.max_body_bytes, opts.api_key_scope, opts.max_queued_tokens
+        ),
         tenant_options=TenantOptions(
             opts.tenant_header,
             opts.shared_tenants,
