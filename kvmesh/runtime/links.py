@@ -88,6 +88,7 @@ class Link:
     interface: str = ""
     address: str = ""
     last_choice: str = ""  # "fetch" | "compute" | "": the planner's last choice for it
+    rechecked: float = 0.0  # wall time the planner last fetched only to re-measure it
 
 
 class LinkBook:

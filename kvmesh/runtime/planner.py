@@ -11,7 +11,10 @@ curve ``a·n + b·n²`` from recent prefills, the import rate as an EWMA (all in
 busy serving others is slower: its rate is divided by ``1 + load × its mean
 fetch time + our fetches in flight to it``. With a home directory, learned
 link rates and prefill samples persist in ``links.json`` (:mod:`.links`), so a
-restarted head chooses as well as the one before. ``force`` ("fetch" or
+restarted head chooses as well as the one before. A link whose measured rate
+alone makes computing win is fetched from once more every ``RECHECK_S`` (the
+evidence that it was slow grows old; a fetch is the only way to measure it).
+``force`` ("fetch" or
 "compute") overrides the choice (not the estimates): for measuring both.
 
 *Breaker*: a peer that failed is not planned on for a while (invariant 10), per
@@ -53,6 +56,7 @@ from .links import (
     LINK_PRIORS,
     LINKS_FILE,
     MAX_SAVED_LINKS,
+    Link,
     LinkBook,
     LinksFile,
     PrefillFit,
@@ -75,6 +79,7 @@ DEADLINE_SLACK_S = 0.5
 LOOKUP, FETCH = "lookup", "fetch"
 FORCES = ("fetch", "compute")
 MAX_CARD_LINKS = 16  # links a node's card carries (display only)
+RECHECK_S = 600.0  # a link measured too slow to fetch from is fetched once more after this
 
 
 class LookupHooks(TypedDict):
@@ -361,9 +366,24 @@ class Planner:
             rate = self._book.rate(peer, interface) / (busy if math.isfinite(busy) else 1e9)
             fetch_s = rtt + wire / rate + raw_bytes / self.import_bandwidth
             fetch = fetch_s < compute if self.force is None else self.force == "fetch"
+            if not fetch and measured and self.force is None:
+                prior = self._book.prior(interface or link.interface) * rate / link.rate
+                by_prior = rtt + wire / prior + raw_bytes / self.import_bandwidth
+                fetch = self._recheck(link, by_prior, compute)
             link.last_choice = "fetch" if fetch else "compute"
             link.interface = interface or link.interface
         return Choice(fetch, fetch_s, compute, rate, rtt, measured)
+
+    def _recheck(self, link: Link, prior_fetch_s: float, compute_s: float) -> bool:
+        """Whether to fetch once anyway, to measure ``link`` again: its measured rate
+        alone makes computing win (its interface's prior would fetch) and it was not
+        measured or rechecked for ``RECHECK_S``. A link measured slow once (or a
+        planted rate) is otherwise never fetched from, so never measured again."""
+        now = self._book.wall()
+        if prior_fetch_s >= compute_s or now - max(link.at, link.rechecked) < RECHECK_S:
+            return False
+        link.rechecked = now
+        return True
 
     def estimate(self, peer: str | None, tokens: int, nbytes: int) -> Estimate:
         """The old interface: :meth:`choose` on an unknown interface; ``peer``
