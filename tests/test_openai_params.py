@@ -538,3 +538,26 @@ def test_fork_past_a_sliding_window_is_still_an_exact_independent_copy():
     forks = [e.fork(state) for _ in range(2)]  # past the window: rebuilt from the record
     assert [list(e.generate(f, s)) for f in forks] == [cold, cold]
     assert list(e.generate(state, s)) == cold
+
+
+def test_continuous_usage_stats_and_vllms_model_fields(head, client):
+    """vLLM's ``stream_options.continuous_usage_stats``: usage so far on every chunk,
+    growing with the tokens, and the last chunk's equals the final usage; and
+    ``/v1/models`` carries vLLM's ``root``, ``parent`` and ``max_model_len``."""
+    chunks = list(
+        client.completions.create(
+            model="demo-tiny",
+            prompt=PROMPT,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in with_choices)
+    done = [c.usage.completion_tokens for c in with_choices]
+    assert done == sorted(done) and done[-1] == 6
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+    model = head.http.get("/v1/models").json()["data"][0]
+    assert model["parent"] is None and model["root"] and model["max_model_len"] > 0

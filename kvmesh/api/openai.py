@@ -505,6 +505,10 @@ def router(service: OpenAIService) -> APIRouter:
                     "object": "model",
                     "created": service.created,
                     "owned_by": "kvmesh",
+                    # vLLM's fields: the model as loaded, no parent (no adapter), context
+                    "root": service.runtime.card.model_id,
+                    "parent": None,
+                    "max_model_len": service.max_context,
                 }
             ],
         }

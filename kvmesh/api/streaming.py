@@ -83,6 +83,10 @@ class _Events:
         self.sent_text = [0] * len(self.pairs)
         self.sent_tokens = [0] * len(self.pairs)
         self.decoded = [0] * len(self.pairs)  # tokens a chunk has been sent for, text or not
+        opts = req.stream_options or {}
+        self.usage = bool(opts.get("include_usage"))
+        # vLLM's: usage so far on every chunk too
+        self.continuous = self.usage and bool(opts.get("continuous_usage_stats"))
 
     async def __aiter__(self) -> AsyncIterator[str]:
         for i, (run, _) in enumerate(self.pairs):
@@ -95,7 +99,7 @@ class _Events:
                 yield event
         for event in self._news(final=True):
             yield event
-        if (self.req.stream_options or {}).get("include_usage"):
+        if self.usage:
             yield self._frame([], usage=self.render.usage(self.runs))
 
     def _news(self, final: bool) -> Iterator[str]:
@@ -157,6 +161,8 @@ class _Events:
         return self._frame([choice])
 
     def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        if self.continuous and choices:
+            extra.setdefault("usage", self.render.usage(self.runs))
         return _event(
             {
                 "id": self.rid,
