@@ -257,7 +257,8 @@ class OpenAIService:
             specs.append((name, spec))
         if forced is not None:
             try:
-                specs.append(("tool_choice", GrammarSpec.json_schema(forced, strict=False)))
+                tool_args = GrammarSpec.json_schema(forced, strict=False)
+                specs.append(("tool_choice", dataclasses.replace(tool_args, compact=True)))
             except ValueError as e:
                 raise APIError(400, f"tools: {e}", param="tools") from None
         if len(specs) > 1:
@@ -266,7 +267,12 @@ class OpenAIService:
                 f"{specs[0][0]} and {specs[1][0]} both constrain the answer: give one",
                 param=specs[0][0],
             )
-        return specs[0][1] if specs else None
+        if not specs:
+            return None
+        spec = specs[0][1]
+        if params.get("disable_any_whitespace") and not spec.compact:  # vLLM's, for any JSON
+            spec = dataclasses.replace(spec, compact=True)
+        return spec
 
     def _max_tokens(self, req: GenerationRequest, n_prompt: int) -> int:
         """The request's own limit, else the operator's default cap, and never past

@@ -26,7 +26,9 @@ tokenizer's vocabulary are never allowed.
 JSON: between tokens, up to 4 spaces or tabs, then at most one line break and up
 to 32 more (:data:`WHITESPACE`): compact, spaced and pretty-printed JSON fit, the
 runaway whitespace of unbounded ``whitespace_flexible`` does not (llguidance >= 1.9
-enforces the bound). A schema's ``x-guidance`` options override this. ``strict``
+enforces the bound). A ``compact`` spec (vLLM's ``disable_any_whitespace``; a
+forced tool call's arguments) admits none: a small model cannot spend its tokens on
+whitespace. A schema's ``x-guidance`` options override this. ``strict``
 (OpenAI's ``json_schema.strict``) makes a schema keyword llguidance does not
 implement an error; otherwise it is ignored. Either way the output is constrained.
 
@@ -40,7 +42,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,6 +75,7 @@ class GrammarSpec:
     kind: str
     source: str | tuple[str, ...] = ""
     strict: bool = True
+    compact: bool = False  # JSON without whitespace between tokens (vLLM's disable_any_whitespace)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -198,6 +201,11 @@ class GrammarSpec:
             names = ", ".join(k for k, v in params.items() if k in keys and v not in (None, False))
             raise ValueError(f"only one structured output constraint at a time, not {names}")
         kind, value = given[0]
+        spec = cls._from_vllm(kind, value)
+        return replace(spec, compact=True) if params.get("disable_any_whitespace") else spec
+
+    @classmethod
+    def _from_vllm(cls, kind: str, value: Any) -> GrammarSpec:
         if kind == "json":
             return cls.json_schema(value)
         if kind == "json_object":
@@ -212,7 +220,7 @@ class GrammarSpec:
 
     def __repr__(self) -> str:
         src = self.source if len(str(self.source)) <= 60 else f"{str(self.source)[:57]}..."
-        return f"GrammarSpec({self.kind!r}, {src!r}, strict={self.strict})"
+        return f"GrammarSpec({self.kind!r}, {src!r}, strict={self.strict}, compact={self.compact})"
 
 
 class ConstraintFailed(ValueError):
@@ -298,10 +306,12 @@ def _grammar(spec: GrammarSpec) -> str:
     try:
         if spec.kind in ("json_schema", "json_object"):
             schema = str(spec.source) if spec.kind == "json_schema" else '{"type":"object"}'
-            options: JsonCompileOptions = {
-                "whitespace_pattern": WHITESPACE,
-                "lenient": not spec.strict,
-            }
+            options: JsonCompileOptions = (
+                {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+                if spec.compact
+                else {"whitespace_pattern": WHITESPACE}
+            )
+            options["lenient"] = not spec.strict
             g = llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         elif spec.kind == "regex":
             g = llg.LLMatcher.grammar_from_regex(str(spec.source))
