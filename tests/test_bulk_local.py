@@ -11,11 +11,14 @@ The socket lives in a private directory, and a head ended by SIGTERM removes it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -36,10 +39,14 @@ SAMPLING = Sampling(max_tokens=4)
 
 
 @pytest.fixture
-def runtime_dir(tmp_path, monkeypatch):
-    """Socket files of this test's nodes (and of its peer processes) go here."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    return tmp_path / f"kvmesh-{os.getuid()}"
+def runtime_dir(monkeypatch):
+    """Socket files of this test's nodes (and of its peer processes) go here: a short
+    path of its own (a socket's path fits 108 bytes; pytest's tmp_path under
+    parallel workers can be longer, and the node then uses none)."""
+    base = tempfile.mkdtemp(prefix="kvrt-")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", base)
+    yield Path(base) / f"kvmesh-{os.getuid()}"
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def publish(engine, peer):

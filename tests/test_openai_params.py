@@ -358,7 +358,7 @@ BAD = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # OpenAI: only with stream
     ({"stream_options": {}, "stream": False}, "stream_options"),
     ({"stop": ["a"] * (MAX_STOPS + 1)}, "stop"),
-    ({"stop": ["x" * 4000] * 5}, "stop"),  # over MAX_STOP_TOTAL_CHARS in all
+    ({"stop": ["x" * 4000] * 17}, "stop"),  # over MAX_STOP_TOTAL_CHARS in all
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"stop": 5}, "stop"),

@@ -67,7 +67,7 @@ MAX_N = 16  # sequences per request: each holds its own copy of the prompt's KV 
 # characters together bound the work a request asks
 MAX_STOPS = 256
 MAX_STOP_CHARS = 4096  # one stop string
-MAX_STOP_TOTAL_CHARS = 16384  # all of a request's stop strings together
+MAX_STOP_TOTAL_CHARS = 1 << 16  # all of a request's stop strings together (their tables)
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 

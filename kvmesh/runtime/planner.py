@@ -367,7 +367,7 @@ class Planner:
             fetch_s = rtt + wire / rate + raw_bytes / self.import_bandwidth
             fetch = fetch_s < compute if self.force is None else self.force == "fetch"
             if not fetch and measured and self.force is None:
-                prior = self._book.prior(interface or link.interface) * rate / link.rate
+                prior = self._book.prior(interface or link.interface) * rate / (link.rate or rate)
                 by_prior = rtt + wire / prior + raw_bytes / self.import_bandwidth
                 fetch = self._recheck(link, by_prior, compute)
             link.last_choice = "fetch" if fetch else "compute"
