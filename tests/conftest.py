@@ -45,21 +45,3 @@ def certs(tmp_path_factory):
     client.private_key_pem.write_to_path(str(d / "client.key"))
     client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
     return d
-
-
-# Modules whose tests each start what they need (no module-scoped fixture): under
-# xdist's --dist loadgroup their tests spread over the workers one by one.
-SPREAD = {"test_bench_smoke"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``-n N --dist loadgroup`` (the README's test command), a module's tests
-    run in one worker, so its module-scoped heads, peers and models are made once;
-    the tests of the modules in ``SPREAD`` go to whichever worker is free."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-        if module not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(module))

@@ -432,27 +432,3 @@ def test_a_link_measured_too_slow_is_fetched_once_more_after_a_while(tmp_path):
         forced.observe_link("x", wire_bytes=1 << 20, raw_bytes=1 << 20, link_s=100.0)
         wall.now += 2 * RECHECK_S
         assert forced.choose("x", "loopback", tokens=1000, raw_bytes=1 << 20).fetch
-
-
-def test_a_fresh_heads_fetch_budget_comes_from_a_start_up_prefill(tiny_engine):
-    """A head with no prefill samples kept times one short prefill at start: its
-    cold-prefill estimate (what a fetch may wait) is this machine's, not the 100
-    tokens/s prior's 20 s for 2,000 tokens; once a prefill is measured, the curve."""
-    from .test_fresh_fetch import close, head
-
-    prior = Planner()
-    assert prior.cold_s(2000) == pytest.approx(20.0)  # no probe: the prior
-    rt = head(tiny_engine)
-    try:
-        probed = rt.planner.cold_s(2000)  # this machine's rate, linear in the tokens
-        assert probed > 0 and probed != pytest.approx(20.0)
-        assert rt.planner.cold_s(4000) == pytest.approx(2 * probed)
-        assert rt.planner.compute_s(2000) == pytest.approx(20.0)  # the choice's curve: untouched
-        rt.planner.observe_prefill(1000, 2.0)  # a measured prefill: the curve from now on
-        assert rt.planner.cold_s(2000) == pytest.approx(rt.planner.compute_s(2000))
-    finally:
-        close(rt)
-    p = Planner()
-    p.observe_probe(64, 0.064)
-    p.prefill_tps = 10.0  # an operator's word outranks the probe
-    assert p.cold_s(100) == pytest.approx(10.0)

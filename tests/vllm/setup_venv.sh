@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or check) the virtual environment the vLLM connector's tests run in.
 # Idempotent: a venv that already imports vLLM and kvmesh.vllm is left as is.
-#   tests/vllm/setup_venv.sh && .venv-vllm/bin/python -m pytest -q -n 2 --dist loadgroup tests/vllm
+#   tests/vllm/setup_venv.sh && .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile tests/vllm
 # vLLM's CPU build pins its own transformers (<5.20), so it gets its own venv and the
 # main environment is never touched. VLLM_VENV=DIR builds elsewhere; FRESH=1 builds anew
 # (CI: never on top of what a machine already has).
