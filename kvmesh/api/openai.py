@@ -496,6 +496,7 @@ class OpenAIService:
 
     def close(self) -> None:
         self._scoring.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
 
 def router(service: OpenAIService) -> APIRouter:
