@@ -41,14 +41,15 @@ freeze() {  # the venv's versions, less kvmesh itself (installed editable)
 }
 report() {  # what moved against the pins
   echo "== $1: newest allowed vs pinned"
-  diff <(grep -v '^#' "$2" | sort -f) <(grep -v '^#' "$3" | sort -f) | grep '^[<>]' \
-    || echo "(same as the pins)"
+  local moved
+  moved=$(diff <(grep -v '^#' "$2" | sort -f) <(grep -v '^#' "$3" | sort -f) | grep '^[<>]' || true)
+  echo "${moved:-(same as the pins)}"
 }
 
 echo "== main: newest allowed into $main"
 python3 -m venv "$main"
-"$main/bin/python" -m pip install -q torch==2.13.0 -e '.[test,mlx]'
-freeze "$main" "pip install torch==2.13.0 -e '.[test,mlx]'" > "$SCRATCH/constraints.txt"
+"$main/bin/python" -m pip install -q torch==2.13.0 -e '.[test,mlx,bench]'
+freeze "$main" "pip install torch==2.13.0 -e '.[test,mlx,bench]'" > "$SCRATCH/constraints.txt"
 report main constraints.txt "$SCRATCH/constraints.txt"
 "$main/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_today_torch.py tests/test_zoo_today.py tests/test_mlx_today.py || status=1
