@@ -363,11 +363,12 @@ class Planner:
             rtt = self._book.rtt(peer)
             rtt = rtt if rtt is not None else (rtt_s if rtt_s is not None else self.default_rtt)
             busy = 1.0 + max(0.0, load) * link.link_s + max(0, inflight)
-            rate = self._book.rate(peer, interface) / (busy if math.isfinite(busy) else 1e9)
+            busy = busy if math.isfinite(busy) else 1e9
+            rate = self._book.rate(peer, interface) / busy
             fetch_s = rtt + wire / rate + raw_bytes / self.import_bandwidth
             fetch = fetch_s < compute if self.force is None else self.force == "fetch"
             if not fetch and measured and self.force is None:
-                prior = self._book.prior(interface or link.interface) * rate / (link.rate or rate)
+                prior = self._book.prior(interface or link.interface) / busy
                 by_prior = rtt + wire / prior + raw_bytes / self.import_bandwidth
                 fetch = self._recheck(link, by_prior, compute)
             link.last_choice = "fetch" if fetch else "compute"
