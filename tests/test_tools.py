@@ -112,6 +112,22 @@ def check_family(parser: ToolParser, text: str, content: str | None, calls: list
             (c.name, c.arguments) for c in got
         ], step
         assert all(c["type"] == "function" and c["id"] for c in s_calls)
+    check_cuts_agree(parser, text)
+
+
+def check_cuts_agree(parser: ToolParser, text: str) -> None:
+    """Cut anywhere (as ``max_tokens`` cuts an answer), the whole answer and its
+    stream say the same: the same content, the same calls, no call half-sent."""
+    for cut in range(len(text) + 1):
+        content, calls = parser.parse(text[:cut])
+        for step in (1, 5):
+            s_content, s_calls = streamed(parser, text[:cut], step)
+            assert s_content == (content or ""), (cut, step, s_content, content)
+            assert [(c["name"], c["arguments"]) for c in s_calls] == [
+                (c.name, c.arguments) for c in calls
+            ], (cut, step)
+        for c in calls:
+            json.loads(c.arguments)
 
 
 HERMES_TWO = (
@@ -145,10 +161,17 @@ def test_hermes_broken_or_unfinished_call_is_content():
     assert HermesParser().parse(broken) == (broken, [])
     cut = 'Sure.<tool_call>\n{"name": "search", "arguments": {"query": "abc'
     assert HermesParser().parse(cut) == (cut, [])
-    # a stream has announced what it had by then: the call and its arguments so far
-    content, calls = streamed(HermesParser(), cut, 2)
-    assert content == "Sure." and calls[0]["name"] == "search"
-    assert calls[0]["arguments"] == '{"query": "abc'
+    # a stream never half-sends a call: cut by max_tokens, it is content there too
+    for step in (1, 2, len(cut)):
+        assert streamed(HermesParser(), cut, step) == (cut, [])
+    # the calls before a broken one stay calls; it and all after it are its text
+    two = HERMES_TWO[: HERMES_TWO.index('"a \\"quoted')]
+    content, calls = HermesParser().parse(two)
+    assert [c.name for c in calls] == ["get_weather"]
+    assert content == "I will look both up.\n\n" + two[two.rindex("<tool_call>") :].rstrip()
+    after = broken + "Then <tool_call>\n" + '{"name": "search", "arguments": {}}</tool_call>'
+    assert HermesParser().parse(after) == (after, [])
+    check_cuts_agree(HermesParser(), after)
 
 
 def test_llama3_json_calls():

@@ -244,6 +244,7 @@ class RawCall:
     name: str | None = None
     args: str = ""
     done: bool = False
+    at: int = 0  # where in the answer the call's text begins
 
 
 @dataclass
@@ -285,16 +286,27 @@ class ToolParser(ABC):
         return "call_" + secrets.token_hex(12)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole answer: its content (None when empty) and calls. A call left
-        unfinished or with arguments that are not JSON makes it all content."""
-        split = self.split(text, final=True)
-        calls = []
+        """A whole answer: its content (None when empty) and calls (:meth:`settle`)."""
+        content, calls = self.settle(text, final=True)
+        return content or None, [ToolCall(self.new_id(), c.name or "", c.args) for c in calls]
+
+    def settle(self, text: str, final: bool) -> tuple[str, list[RawCall]]:
+        """The content and the finished, well-formed calls of ``text``: the one truth a
+        stream and a whole answer share. The first call that is broken (its arguments
+        not JSON, or unfinished when ``final``, as when ``max_tokens`` cuts it) and all
+        after it are content, as written; a call still being written is held back."""
+        split = self.split(text, final)
+        calls: list[RawCall] = []
         for raw in split.calls:
             args = _final_args(raw)
-            if raw.name is None or args is None:
-                return text.strip() or None, []
-            calls.append(ToolCall(self.new_id(), raw.name, args))
-        return _tidy(split.content) or None, calls
+            if raw.name is not None and args is not None:
+                calls.append(RawCall(raw.name, args, True, raw.at))
+            elif raw.done or final:
+                before = self.split(text[: raw.at], final=True).content
+                return _tidy(before + text[raw.at :]), calls
+            else:
+                break
+        return _tidy(split.content), calls
 
     def held(self, tail: str, final: bool) -> str:
         """``tail`` less any end of it that may begin a call marker (unless final)."""
@@ -448,7 +460,7 @@ def _object_call(s: str, i: int, args_keys: tuple[str, ...]) -> tuple[RawCall, i
     """A call written as one JSON object ``{"name": ..., <args key>: {...}}`` at
     ``s[i]``; and where it ends (``len(s)`` when it does not yet)."""
     obj = scan_object(s, i)
-    call = RawCall()
+    call = RawCall(at=i)
     if obj is None:
         return call, len(s)
     name = obj.fields.get("name")
@@ -492,6 +504,8 @@ class HermesParser(ToolParser):
             j = text.find(self.END, body_at)
             body = text[body_at : j if j >= 0 else len(text)]
             call, _ = _object_call(body, _skip_ws(body, 0), ("arguments", "parameters"))
+            call.at = i
+            call.done = call.done or j >= 0  # closed: what it holds is all it will
             out.calls.append(call)
             if j < 0:
                 break
@@ -522,9 +536,10 @@ class Llama3JsonParser(ToolParser):
             return Split(content=text)  # an answer in JSON, not a call
         if first.first is None:  # its first key is not complete yet
             return Split(content=text) if final else Split()
-        out, i = Split(), 0
+        out, i, off = Split(), 0, len(text) - len(body)
         while i < len(body) and body[i] == "{":
             call, i = _object_call(body, i, ("parameters", "arguments"))
+            call.at = off + call.at if out.calls else 0  # a first call broken: all is text
             out.calls.append(call)
             if not call.done:
                 return out
@@ -552,18 +567,27 @@ class MistralParser(ToolParser):
         if i < 0:
             return Split(content=self.held(text, final))
         out = Split(content=text[:i])
-        for seg in text[i + len(self.START) :].split(self.START):
+        while i >= 0:
+            nxt = text.find(self.START, i + len(self.START))
+            seg = text[i + len(self.START) : nxt if nxt >= 0 else len(text)]
             s = seg.lstrip()
             if s.startswith("["):
-                self._array(s, out)
+                self._array(s, out, i, i + len(self.START) + len(seg) - len(s))
             elif s:
                 out.calls.append(self._named(s, final))
+                out.calls[-1].at = i
+            i = nxt
         return out
 
-    def _array(self, s: str, out: Split) -> None:
+    def _array(self, s: str, out: Split, marker: int, off: int) -> None:
+        """The calls of ``s``, an array at ``off`` in the answer after the marker at
+        ``marker`` (where its first call's text begins)."""
         i = _skip_ws(s, 1)
+        first = True
         while i < len(s) and s[i] == "{":
             call, i = _object_call(s, i, ("arguments", "parameters"))
+            call.at = marker if first else off + call.at
+            first = False
             out.calls.append(call)
             if not call.done:
                 return
@@ -601,7 +625,10 @@ class HarmonyParser(ToolParser):
     def split(self, text: str, final: bool) -> Split:
         out = Split()
         content: list[str] = []
-        for seg in text.split(self.START):
+        pos = 0  # where the next segment's text begins
+        for k, seg in enumerate(text.split(self.START)):
+            seg_at = pos - len(self.START) if k else 0  # its <|start|>
+            pos += len(seg) + len(self.START)
             m = seg.find(self.MESSAGE)
             if m < 0:
                 if final and seg.strip() and not out.calls and not content:
@@ -618,7 +645,7 @@ class HarmonyParser(ToolParser):
             channel = self.CHANNEL.search(header)
             if to is not None and to.group(1).startswith("functions."):
                 name = to.group(1)[len("functions.") :]
-                out.calls.append(RawCall(name or None, body.strip(), done))
+                out.calls.append(RawCall(name or None, body.strip(), done, seg_at))
             elif to is None and (channel is None or channel.group(1) in ("final", "commentary")):
                 content.append(body)
         out.content = "".join(content)
@@ -660,6 +687,7 @@ class RequiredParser(ToolParser):
         i = _skip_ws(s, i + 1)
         while i < len(s) and s[i] == "{":
             call, i = _object_call(s, i, ("parameters", "arguments"))
+            call.at = call.at if out.calls else 0  # a first call broken: the array is text
             out.calls.append(call)
             if not call.done:
                 return out
@@ -729,47 +757,27 @@ def make_parser(name: str | None) -> ToolParser | None:
 
 class ToolStream:
     """A stream's tool-call deltas: :meth:`update` with the whole text so far returns
-    the new content and the new ``tool_calls`` delta entries (OpenAI's shape)."""
+    the new content and the new ``tool_calls`` delta entries (OpenAI's shape). A call
+    is sent whole, once its arguments are complete JSON (:meth:`ToolParser.settle`), so
+    that a stream and the whole answer agree: a call cut by ``max_tokens`` is never
+    half-sent, it ends as content in both."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.sent = 0  # characters of content sent
         self.ids: list[str] = []
-        self.args_sent: list[str] = []
 
     @property
     def called(self) -> bool:
         return bool(self.ids)
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        split = self.parser.split(text, final)
-        content = _tidy(split.content)
+        content, calls = self.parser.settle(text, final)
         new = content[self.sent :]
         self.sent = max(self.sent, len(content))
         deltas: list[dict[str, Any]] = []
-        for k, raw in enumerate(split.calls):
-            if raw.name is None:
-                break  # later calls wait for this one's name (their order is the index)
-            if k == len(self.ids):
-                self.ids.append(self.parser.new_id())
-                self.args_sent.append("")
-                deltas.append(
-                    {
-                        "index": k,
-                        "id": self.ids[k],
-                        "type": "function",
-                        "function": {"name": raw.name, "arguments": ""},
-                    }
-                )
-            args = raw.args
-            if raw.done:
-                args = _final_args(raw) or raw.args.strip()
-            sent = self.args_sent[k]
-            piece = args[len(sent) :]
-            if piece and args.startswith(sent):  # what was sent cannot be taken back
-                self.args_sent[k] = args
-                if deltas and deltas[-1]["index"] == k:
-                    deltas[-1]["function"]["arguments"] += piece
-                else:
-                    deltas.append({"index": k, "function": {"arguments": piece}})
+        for k in range(len(self.ids), len(calls)):
+            self.ids.append(self.parser.new_id())
+            call = ToolCall(self.ids[k], calls[k].name or "", calls[k].args)
+            deltas.append({"index": k, **call.as_dict()})
         return new, deltas
