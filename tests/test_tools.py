@@ -579,6 +579,18 @@ def test_tool_choice_required_returns_calls_valid_against_their_schemas(client):
         ]
 
 
+@pytest.mark.parametrize("max_tokens", [4, 12])
+def test_a_call_cut_by_max_tokens_is_the_same_text_streamed_or_not(client, max_tokens):
+    """``tool_choice: required`` cut by ``max_tokens``: no call in either (a client
+    would run it with half its arguments), the same text as content, ``length``."""
+    ask = {**FORCED, "tool_choice": "required", "seed": 5, "max_tokens": max_tokens}
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None and choice.message.content.startswith("[")
+    content, calls, finish = reassembled(list(client.chat.completions.create(**ask, stream=True)))
+    assert (content, calls, finish) == (choice.message.content, [], "length")
+
+
 def test_a_named_tool_choice_calls_that_function(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = client.chat.completions.create(**FORCED, tool_choice=named, seed=3)
