@@ -10,6 +10,8 @@ claim chosen by MODE:
 - ``oversize``: every asked block, announced at 1 TiB each.
 - ``stall``: every asked block, then a fetch that never sends a byte.
 - ``stall-mid``: every asked block, then half of the first block and silence.
+- ``trickle``: every asked block, then a byte every half second: never silent for
+  a progress timeout, never done.
 - ``parts-flip``, ``parts-missing``, ``manifest-lie``: an honest store (it takes
   publishes and answers lookups truly), whose trimmed fetches (PARTS frames) lie:
   a flipped byte in the last part sent, the first part left out, a part digest
@@ -56,12 +58,14 @@ MODES = (
     "oversize",
     "stall",
     "stall-mid",
+    "trickle",
     "parts-flip",
     "parts-missing",
     "manifest-lie",
 )
 PARTS_MODES = ("parts-flip", "parts-missing", "manifest-lie")
 FAKE_BLOCK_BYTES = 4096
+TRICKLE_S = 0.5  # a byte this often: well under any progress timeout
 
 
 class HostileCache(CacheService):
@@ -96,6 +100,10 @@ class HostileCache(CacheService):
         if self.mode == "stall-mid":
             yield os.urandom(FAKE_BLOCK_BYTES // 2)
             await asyncio.sleep(3600)
+        if self.mode == "trickle":
+            for _ in range(FAKE_BLOCK_BYTES):
+                yield os.urandom(1)
+                await asyncio.sleep(TRICKLE_S)
         for _ in request.keys:
             yield os.urandom(FAKE_BLOCK_BYTES)
 
@@ -119,6 +127,10 @@ class HostileBulk(BulkServer):
         if self.hostile.mode == "stall-mid":
             stream.send(FRAME.pack(BLOCK, FAKE_BLOCK_BYTES) + os.urandom(FAKE_BLOCK_BYTES // 2))
             self.forever.wait()
+        if self.hostile.mode == "trickle":
+            stream.send(FRAME.pack(BLOCK, FAKE_BLOCK_BYTES))
+            while not self.forever.wait(TRICKLE_S):
+                stream.send(os.urandom(1))
         for _ in request.keys:
             stream.send(FRAME.pack(BLOCK, FAKE_BLOCK_BYTES) + os.urandom(FAKE_BLOCK_BYTES))
 

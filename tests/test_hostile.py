@@ -132,6 +132,32 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
         honest.kill()
 
 
+def test_a_fresh_head_waits_on_a_trickle_no_longer_than_it_computes(tiny_engine, tmp_path):
+    """A peer that sends a byte every half second is never silent for the progress
+    timeout. A fresh head (no prefill measured yet) still gives up on it by its own
+    budget: the cold prefill its start-up probe measured, not the planner's 100 tok/s
+    prior (20 s for this prompt, on a model that computes it in a blink)."""
+    honest = Peer(alias="honest", log_dir=tmp_path)
+    toks = prompt(tiny_engine, 2000, "trickle ")
+    published(tiny_engine, [honest], toks[:100])  # the trickle claims more: tried first
+    trickle = hostile("trickle", honest, tmp_path)
+    h = fresh_head(tiny_engine, [honest])
+    try:
+        wait_for(lambda: len(h.node.node.membership.live()) >= 2, what="both peers")
+        # the wait is measured against this machine's probe, not the prior
+        assert h.planner.probe_s is not None
+        assert h.planner.cold_s(len(toks)) == pytest.approx(len(toks) * h.planner.probe_s)
+        out = h.complete(toks, SAMPLING)
+        assert out.report.source == "compute" and out.report.fallback == "budget", out.report
+        assert out.tokens == _cold(tiny_engine, toks)
+        # our own budget ended it: no failure of the peer's is counted
+        assert not any(k.startswith("peer_failed:") for k in h.telemetry.counters)
+    finally:
+        close(h)
+        trickle.kill()
+        honest.kill()
+
+
 # -- a fetch that stops making progress ----------------------------------------------
 
 

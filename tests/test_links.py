@@ -218,6 +218,24 @@ def test_links_json_round_trips_and_expires(tmp_path):
     assert p.link_rate("peer-1", "ethernet") == LINK_PRIORS["ethernet"]  # in memory too
 
 
+def test_a_fresh_planner_waits_by_its_probe_until_a_prefill_is_measured(tmp_path):
+    """The cold time a fetch's wait is measured against: the prior alone at first,
+    the start-up probe's rate once probed, the measured curve once a prefill is
+    measured (the probe forgotten), and a rate said on the command line over both."""
+    p, _ = _planner(tmp_path)
+    assert p.probe_s is None and p.cold_s(2000) == pytest.approx(p.compute_s(2000)) == 20.0
+    p.observe_probe(64, 0.0064)  # 100 microseconds a token
+    assert p.probe_s == pytest.approx(1e-4) and p.cold_s(2000) == pytest.approx(0.2)
+    assert p.compute_s(2000) == pytest.approx(20.0)  # the fetch-or-compute choice: unchanged
+    for n in (100, 1000, 4000):
+        p.observe_prefill(n, 1e-3 * n)
+    assert p.probe_s is None and p.cold_s(2000) == pytest.approx(2.0, rel=0.01)
+    q, _ = _planner(tmp_path / "q")
+    q.observe_probe(64, 0.0064)
+    q.prefill_tps = 50.0
+    assert q.probe_s is None and q.cold_s(2000) == pytest.approx(40.0)
+
+
 def test_a_second_planner_merges_into_the_file_and_it_stays_bounded(tmp_path):
     a, wall = _planner(tmp_path)
     for i in range(MAX_SAVED_LINKS + 40):

@@ -313,6 +313,9 @@ def test_hung_peer_mid_stream_times_out(tiny_engine, tmp_path, path):
         h,
         toks,
     ):
+        # a real model's speed: the budget (its compute time) outlasts the deadline,
+        # where demo-tiny's own measured speed would end the wait first ("budget")
+        h.planner.prefill_tps = 100.0
         proxy.stall_at(10000)
         out = h.complete(toks, SAMPLING)
         assert out.report.fallback == "timeout"

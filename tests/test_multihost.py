@@ -206,6 +206,7 @@ def test_remote_hit_across_namespaces(peers):
     cold, h = _publish_then_restart(prompt)
     try:
         hit = h.complete(prompt)
+        assert "kvmesh" in hit, hit
         assert hit["kvmesh"]["source"] == "remote" and hit["kvmesh"]["peer"] in ("p1", "p2")
         assert hit["choices"][0]["text"] == cold["choices"][0]["text"]
         assert (

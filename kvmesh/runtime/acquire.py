@@ -304,7 +304,7 @@ class Acquirer:
         prefill of the prompt (a fetch slower than that is not worth waiting for),
         at least :data:`MIN_CACHE_BUDGET_S`, at most the fetch deadline."""
         assert self.fleet is not None
-        floor = max(self.planner.compute_s(n_tokens), MIN_CACHE_BUDGET_S)
+        floor = max(self.planner.cold_s(n_tokens), MIN_CACHE_BUDGET_S)
         return min(self.fleet.fetch_deadline, floor)
 
     def _seeks(self, have: int, keys: PrefixKeys, pages: Pages | None = None) -> bool:

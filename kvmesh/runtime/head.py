@@ -66,6 +66,7 @@ log = logging.getLogger("kvmesh.head")
 
 MAX_TENANT_STATS = 1024  # tenants counted by name; the rest are counted together
 OTHER_TENANTS = "_other"
+PROBE_TOKENS = 64  # a short prefill timed at start (Planner.observe_probe)
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,8 @@ class HeadRuntime:
         if reuse is not None:
             reuse.advertise(self.card)
         self.warm_s = self.warm_up()
+        if reuse is not None:
+            self._probe_prefill()
 
     def warm_up(self) -> float:
         """Pay a new process's first-use costs now rather than in its first request
@@ -257,6 +260,22 @@ class HeadRuntime:
         called :func:`.ready.prepare_process`, what a head does once at start).
         A failure is logged, never raised. Returns the seconds it took."""
         return ready(self.engine, self.fleet, self.engine.layout)
+
+    def _probe_prefill(self) -> None:
+        """Time one short prefill now, so a fresh head's first fetch budgets come
+        from this machine (:meth:`.planner.Planner.cold_s`), not the planner's prior.
+        A failure is logged, never raised: the prior stands."""
+        tokens = [i % max(2, self.card.vocab_size) for i in range(PROBE_TOKENS)]
+        try:
+            with self._lock:
+                took = []
+                for _ in range(3):  # the best of three: a first run at a new size pays set-up
+                    t0 = time.perf_counter()
+                    self.engine.prefill(tokens)
+                    took.append(time.perf_counter() - t0)
+                self.planner.observe_probe(len(tokens), min(took))
+        except Exception as e:
+            log.warning("prefill probe failed: %r", e)
 
     # -- the request path ------------------------------------------------------
 

@@ -233,6 +233,7 @@ class Planner:
         self.quarantined: set[str] = set()  # peers whose KV failed an audit
         self._tps: float | None = None  # recent tokens/s (display; the fit decides)
         self._prefill = PrefillFit(prefill_tps)
+        self._probe_s: float | None = None  # seconds a token, from a start-up prefill
         self.default_rtt = default_rtt
         self.import_bandwidth = import_bandwidth
         self._book = LinkBook({**LINK_PRIORS, **(priors or {}), "unknown": default_bandwidth}, wall)
@@ -264,6 +265,7 @@ class Planner:
         with self._lock:
             self._tps = tps
             self._prefill.pin(tps)
+            self._probe_s = None  # what was said outranks what was probed
 
     @property
     def bandwidth(self) -> dict[str, float]:
@@ -330,6 +332,30 @@ class Planner:
         """Estimated seconds to prefill ``tokens`` locally after ``have`` are in."""
         with self._lock:
             return max(0.0, self._prefill.seconds(have + tokens) - self._prefill.seconds(have))
+
+    def observe_probe(self, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` timed at start-up (a head with no samples kept):
+        what :meth:`cold_s` goes by until a real prefill is measured. Per token of a
+        short prompt, so an overestimate for long ones (their budget errs long)."""
+        if tokens > 0 and seconds > 0:
+            with self._lock:
+                self._probe_s = seconds / tokens
+
+    @property
+    def probe_s(self) -> float | None:
+        """Seconds a token by the start-up probe; None once said or measured otherwise."""
+        with self._lock:
+            return None if self._prefill.samples else self._probe_s
+
+    def cold_s(self, tokens: int) -> float:
+        """The cold prefill of ``tokens`` a fetch's wait is measured against: the
+        prefill curve once a prefill was measured here (or kept from before); until
+        then the start-up probe's rate, never the prior alone (a fresh head on a fast
+        machine would wait on a trickling peer for what it computes in a blink)."""
+        with self._lock:
+            if not self._prefill.samples and self._probe_s is not None:
+                return tokens * self._probe_s
+        return self.compute_s(tokens)
 
     def link_rate(self, peer: str, interface: str = "") -> float:
         """Wire bytes/s expected from ``peer``: measured, else the interface's prior."""
