@@ -4,6 +4,8 @@
                            [--turns 8] [--system-tokens 3000] [--result-tokens 200,2000]
                            [--heads 2] [--modes kvmesh,off,vllm,vllm-off]
     python bench/agents.py --smoke          # CI: 2 agents x 3 turns, short prompts
+    python bench/agents.py --probes [--smoke] [--json F]   # hostile clients instead:
+                                            # bench/agent_probes.py (issue #50's probes)
 
 The trace (seeded, the same in both modes): a system prompt with tool schemas of about
 ``--system-tokens`` tokens shared by every agent, each agent its own task; each turn
@@ -567,7 +569,17 @@ def main() -> None:
         "on with --smoke, so its heads reuse through the fleet on a loaded machine too",
     )
     ap.add_argument("--smoke", action="store_true", help="2 agents x 3 turns, short, for CI")
+    ap.add_argument(
+        "--probes", action="store_true", help="hostile and careless clients (agent_probes.py)"
+    )
     a = ap.parse_args()
+    if a.probes:
+        import agent_probes
+
+        model = ["--model", a.model] if a.model else []
+        out = ["--json", str(a.json)] if a.json else []
+        agent_probes.main([*model, *out, *(["--smoke"] if a.smoke else [])])
+        return
     if a.smoke:
         a.agents, a.turns, a.system_tokens, a.result_tokens = 2, 3, 400, "40,120"
         a.settle = True

@@ -264,6 +264,8 @@ def _agents(d: dict[str, Any]) -> bool:
 # each benchmark's own claim, read back from its JSON
 CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "agents.py": _agents,
+    # issue #50's probes: no 5xx, no frozen bystander, bounded memory, a head that starts
+    "agent_probes.py": lambda d: all(d["verdict"].values()) and len(d["verdict"]) == 7,
     "bounded_work.py": _bounded_work,
     "churn.py": lambda d: d["stored_within_budget"] and d["max_stored_bytes"] > 0,
     "conversations.py": _conversations,

@@ -5,7 +5,10 @@ several per request) and scores multiple-choice tasks with ``echo`` and ``logpro
 checks ``GET /health`` before it starts. Both run here offline on a test-zoo model: local task
 YAML and jsonl data written into ``tmp_path``, the tokenizer loaded from the model's own
 directory. The prompt log-probabilities the head returned are checked against one plain forward
-of the same model, and the head's reuse is printed.
+of the same model, and the head's reuse is printed. A generation task with five ``until``
+strings (six reach the head, with lm-eval's EOS) and guidellm's default ``sweep`` profile
+(its throughput step starts 512 requests at once; fewer rates, seconds each) end without an
+error.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ MC_DOCS = [
     ("What is a hit", ["a reused block", "a lost block", "an empty block"], 0),
     ("How are blocks checked", ["by audit", "by eye", "by luck"], 0),
 ]
+
+# a task's five stop strings (one more than OpenAI takes): lm-eval adds the EOS string
+UNTIL = ["\n", ".", "Q:", "###", " is"]
 
 GEN_DOCS = [(f"What is {a} plus {b}?", str(a + b)) for a, b in [(i, 2 * i + 1) for i in range(16)]]
 
@@ -98,6 +104,27 @@ metric_list:
 num_fewshot: {FEWSHOT}
 """
     )
+    until = json.dumps(UNTIL)
+    (root / "kvmesh_stops.yaml").write_text(
+        f"""task: kvmesh_stops
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {test}
+test_split: test
+output_type: generate_until
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_target: " {{{{answer}}}}"
+target_delimiter: ""
+generation_kwargs:
+  until: {until}
+  max_gen_toks: 24
+  do_sample: false
+metric_list:
+  - metric: exact_match
+num_fewshot: 0
+"""
+    )
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +166,21 @@ def run_lm_eval(head: Head, model_dir: Path, tmp_path: Path, task: str, monkeypa
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     calls: list[tuple[dict, object]] = []
     real = LocalCompletionsAPI.model_call
+    real_payload = LocalCompletionsAPI._create_payload
+    sent: list[dict] = []  # the JSON body of the request being made
+
+    def create_payload(self, *a, **kw):
+        sent.append(real_payload(self, *a, **kw))
+        return sent[-1]
 
     def model_call(self, messages, *, generate=True, gen_kwargs=None, **kw):
+        sent.clear()
         out = real(self, messages, generate=generate, gen_kwargs=gen_kwargs, **kw)
-        calls.append(({"prompt": messages, "generate": generate}, out))
+        (body,) = sent
+        calls.append(({"prompt": messages, "generate": generate, "body": body}, out))
         return out
 
+    monkeypatch.setattr(LocalCompletionsAPI, "_create_payload", create_payload)
     monkeypatch.setattr(LocalCompletionsAPI, "model_call", model_call)
     write_tasks(tmp_path)
     results = lm_eval.simple_evaluate(
@@ -230,6 +266,72 @@ def test_lm_eval_generation_with_a_few_shot_prefix(head, model_dir, tmp_path, mo
     )
     # the few-shot prefix is shared by every prompt after the first: the head reuses it
     assert cached / prompt > 0.5, (cached, prompt)
+
+
+def test_lm_eval_generation_with_six_stop_strings(head, model_dir, tmp_path, monkeypatch):
+    """A task whose ``until`` has five strings: lm-eval adds the EOS string, so the head
+    gets six stop strings (more than OpenAI's four), honours them all and the task scores."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token
+    assert eos not in UNTIL
+    metrics, calls = run_lm_eval(head, model_dir, tmp_path, "kvmesh_stops", monkeypatch)
+    assert math.isfinite(metrics["exact_match,none"]), metrics
+    gen = [(req, out) for req, out in calls if req["generate"]]
+    assert sum(len(req["prompt"]) for req, _ in gen) == LIMIT
+    stopped = 0
+    for req, out in gen:
+        assert req["body"]["stop"] == [*UNTIL, eos], req["body"]  # what the head received
+        for c in out["choices"]:
+            # the head cut every answer before its first stop string
+            assert not any(s in c["text"] for s in req["body"]["stop"]), c
+            assert c["finish_reason"] in ("stop", "length"), c
+            stopped += c["finish_reason"] == "stop"
+    print(f"\nlm-eval with 6 stop strings: {LIMIT} prompts, {stopped} stopped by one")
+    assert stopped, "no answer reached a stop string: the check above checked nothing"
+
+
+SWEEP_SIZE = 4  # synchronous, throughput (512 at once, guidellm's default), two constant rates
+
+
+def test_guidellm_default_sweep_has_no_errors(head, model_dir, tmp_path):
+    """guidellm's ``sweep`` profile at its defaults (its throughput step starts 512
+    requests at once), fewer rates and seconds each: no request errored in any step."""
+    pytest.importorskip("guidellm")
+    out = tmp_path / "sweep.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "guidellm",
+        "run",
+        "--backend",
+        f"kind=openai_http,target={head.url}",
+        "--profile",
+        f"kind=sweep,sweep_size={SWEEP_SIZE}",
+        "--constraint",
+        "kind=max_duration,seconds=6",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={model_dir}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    benches = json.loads(out.read_text())["benchmarks"]
+    strategies = [b["config"]["strategy"]["type_"] for b in benches]
+    totals = [b["metrics"]["request_totals"] for b in benches]
+    print(
+        "\nguidellm sweep:\n"
+        + "\n".join(f"  {s}: {t}" for s, t in zip(strategies, totals, strict=True))
+    )
+    assert len(benches) == SWEEP_SIZE, strategies
+    assert strategies[:2] == ["synchronous", "throughput"], strategies
+    assert all(t["errored"] == 0 for t in totals), totals
+    assert all(t["successful"] > 0 for t in totals), totals
 
 
 def test_guidellm_runs_without_skipping_checks(head, model_dir, tmp_path):

@@ -32,6 +32,7 @@ from kvmesh.api.tools import (
     check_tool_choice,
     check_tools,
     detect_parser,
+    make_parser,
     named_schema,
     required_schema,
     template_message,
@@ -172,6 +173,17 @@ def test_hermes_broken_or_unfinished_call_is_content():
     after = broken + "Then <tool_call>\n" + '{"name": "search", "arguments": {}}</tool_call>'
     assert HermesParser().parse(after) == (after, [])
     check_cuts_agree(HermesParser(), after)
+
+
+def test_a_call_to_a_function_not_offered_is_text():
+    """Only the request's tools are called (a random model invents names); checked the
+    same way whole and streamed."""
+    parser = make_parser("hermes", ["get_weather", "search"])
+    invented = '<tool_call>\n{"name": "gday modelget_city", "arguments": {}}\n</tool_call>'
+    assert parser.parse(invented) == (invented, [])
+    assert parser.parse(HERMES_TWO)[1][1].name == "search"
+    check_cuts_agree(parser, HERMES_TWO.replace('"search"', '"searchx"'))
+    assert make_parser("hermes").parse(invented)[1][0].name == "gday modelget_city"
 
 
 def test_llama3_json_calls():

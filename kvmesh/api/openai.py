@@ -416,7 +416,7 @@ class OpenAIService:
                 param="tools",
                 code="unsupported_parameter",
             )
-        parser = make_parser(self.tool_parser)
+        parser = make_parser(self.tool_parser, (t["function"]["name"] for t in tools))
         if parser is None:
             raise APIError(
                 400,

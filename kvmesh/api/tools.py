@@ -38,7 +38,7 @@ import re
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -275,6 +275,9 @@ class ToolParser(ABC):
     name: ClassVar[str]
     markers: ClassVar[tuple[str, ...]] = ()  # what starts a call (content before is held)
     finish_as_call: ClassVar[bool] = True  # an answer with calls finishes as "tool_calls"
+    #: the functions a call may name (None: any); a call to another is broken, as
+    #: OpenAI never answers with a tool the request did not offer
+    names: frozenset[str] | None = None
 
     @abstractmethod
     def split(self, text: str, final: bool) -> Split:
@@ -293,12 +296,15 @@ class ToolParser(ABC):
     def settle(self, text: str, final: bool) -> tuple[str, list[RawCall]]:
         """The content and the finished, well-formed calls of ``text``: the one truth a
         stream and a whole answer share. The first call that is broken (its arguments
-        not JSON, or unfinished when ``final``, as when ``max_tokens`` cuts it) and all
-        after it are content, as written; a call still being written is held back."""
+        not JSON, a function not offered, or unfinished when ``final``, as when
+        ``max_tokens`` cuts it) and all after it are content, as written; a call still
+        being written is held back."""
         split = self.split(text, final)
         calls: list[RawCall] = []
         for raw in split.calls:
             args = _final_args(raw)
+            if self.names is not None and raw.name not in self.names:
+                args = None  # as broken as arguments that do not parse
             if raw.name is not None and args is not None:
                 calls.append(RawCall(raw.name, args, True, raw.at))
             elif raw.done or final:
@@ -751,8 +757,13 @@ def detect_parser(template: str | None) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def make_parser(name: str | None) -> ToolParser | None:
-    return PARSERS[name]() if name in PARSERS else None
+def make_parser(name: str | None, names: Iterable[str] | None = None) -> ToolParser | None:
+    """Family ``name``'s parser (None: no such family), its calls limited to ``names``."""
+    if name not in PARSERS:
+        return None
+    parser = PARSERS[name]()
+    parser.names = None if names is None else frozenset(names)
+    return parser
 
 
 class ToolStream:
