@@ -37,6 +37,9 @@ METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")
 ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/chat/completions/render",
+    "/tokenize",
+    "/detokenize",
     "/v1/models",
     "/healthz",
     "/metrics",

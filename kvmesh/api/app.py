@@ -37,7 +37,7 @@ from ..errors import Reason
 from ..runtime.batch import CANCEL_STAGES, EngineFailed
 from ..runtime.head import HeadRuntime
 from ..runtime.telemetry import Count, Family, Source, Timer, labelled
-from . import cache_query, network
+from . import cache_query, network, tokenize
 from .cache_query import PATH as QUERY
 from .credentials import (
     Credentials,
@@ -279,7 +279,9 @@ class TenantOptions:
 
 
 STATIC = Path(__file__).parent / "static"
-OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", QUERY})
+OPENAI_ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", QUERY, *tokenize.PATHS}
+)
 
 
 @dataclass(frozen=True)
@@ -350,6 +352,7 @@ def create_app(
     _add_metrics_routes(app, runtime, scheduler, memory_report)
     app.include_router(router(service))
     app.include_router(cache_query.router(runtime, service))
+    app.include_router(tokenize.router(service))
     app.include_router(network.router(runtime, NetworkState(state_file), fleet_key))
     _add_dashboard(app)
     return app

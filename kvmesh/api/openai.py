@@ -169,7 +169,9 @@ class OpenAIService:
         tenant = who.tenant or DEFAULT_TENANT  # keyless requests count (and are capped) too
         return Scope(self.tenants.root(tenant, salt), tenant, who.caller)
 
-    def _check(self, req: GenerationRequest, n_prompt: int) -> Sampling:
+    def check_request(self, req: GenerationRequest, n_prompt: int) -> Sampling:
+        """The generation routes' checks of ``req`` (model, parameters, context for a
+        prompt of ``n_prompt`` tokens): its sampling, or the route's typed error."""
         if req.model not in self.names():
             raise APIError(
                 404,
@@ -359,6 +361,15 @@ class OpenAIService:
         tok = self.runtime.engine.tokenizer
         return [str(tok.decode(t, skip_special_tokens=False)) for t in prompts]
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (its own ids, chat template and special tokens)."""
+        return self.runtime.engine.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s ids as a completion's prompt is tokenized."""
+        return list(self.runtime.engine.encode(text))
+
     def chat_tokens(self, req: ChatRequest) -> list[int]:
         tools = self.tool_plan(req).tools
         try:
@@ -443,7 +454,7 @@ class OpenAIService:
         return jobs
 
     def _checked(self, req: GenerationRequest, tokens: list[int]) -> Sampling:
-        sampling = self._check(req, len(tokens))
+        sampling = self.check_request(req, len(tokens))
         if sampling.max_tokens == 0:  # echo alone: nothing decodes
             return sampling
         try:  # before a stream's 200: a request this head could never run is the client's 400

@@ -69,6 +69,22 @@ OTHER_TENANTS = "_other"
 PROBE_TOKENS = 64  # a short prefill timed at start (Planner.observe_probe)
 
 
+def probe_prefill(engine: Engine, planner: Planner, vocab_size: int) -> None:
+    """Time one short prefill now, so a fresh head's first fetch budgets come from
+    this machine (:meth:`.planner.Planner.cold_s`), not the planner's prior. A
+    failure is logged, never raised: the prior stands."""
+    tokens = [i % max(2, vocab_size) for i in range(PROBE_TOKENS)]
+    try:
+        took = []
+        for _ in range(3):  # the best of three: a first run at a new size pays set-up
+            t0 = time.perf_counter()
+            engine.prefill(tokens)
+            took.append(time.perf_counter() - t0)
+        planner.observe_probe(len(tokens), min(took))
+    except Exception as e:
+        log.warning("prefill probe failed: %r", e)
+
+
 @dataclass(frozen=True)
 class Scope:
     """Whose cache a request reads and fills, as the server decided it (never the
@@ -251,7 +267,8 @@ class HeadRuntime:
             reuse.advertise(self.card)
         self.warm_s = self.warm_up()
         if reuse is not None:
-            self._probe_prefill()
+            with self._lock:
+                probe_prefill(self.engine, self.planner, self.card.vocab_size)
 
     def warm_up(self) -> float:
         """Pay a new process's first-use costs now rather than in its first request
@@ -260,22 +277,6 @@ class HeadRuntime:
         called :func:`.ready.prepare_process`, what a head does once at start).
         A failure is logged, never raised. Returns the seconds it took."""
         return ready(self.engine, self.fleet, self.engine.layout)
-
-    def _probe_prefill(self) -> None:
-        """Time one short prefill now, so a fresh head's first fetch budgets come
-        from this machine (:meth:`.planner.Planner.cold_s`), not the planner's prior.
-        A failure is logged, never raised: the prior stands."""
-        tokens = [i % max(2, self.card.vocab_size) for i in range(PROBE_TOKENS)]
-        try:
-            with self._lock:
-                took = []
-                for _ in range(3):  # the best of three: a first run at a new size pays set-up
-                    t0 = time.perf_counter()
-                    self.engine.prefill(tokens)
-                    took.append(time.perf_counter() - t0)
-                self.planner.observe_probe(len(tokens), min(took))
-        except Exception as e:
-            log.warning("prefill probe failed: %r", e)
 
     # -- the request path ------------------------------------------------------
 
