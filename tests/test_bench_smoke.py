@@ -289,6 +289,13 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and len(d["results"]) == 1
     ),
     "events.py": _events,
+    # issue #53: the kvmesh fleet behind vllm-router answers every smoke request, reusing
+    "fleet.py": lambda d: (
+        d["router"] == "vllm-router"
+        and any(r["system"] == "kvmesh" for r in d["results"])
+        and all(r["errors"] == 0 and r["requests"] > 0 for r in d["results"])
+        and all(r["reused_fraction"] > 0 for r in d["results"])
+    ),
     "head_overhead.py": lambda d: d["miss_ttft_s"] > 0 and d["freeze_first_ttft_s"] > 0,
     "healthz.py": lambda d: d["full"]["cancelled"] >= d["full"]["waiting"] + d["full"]["max_batch"],
     "hostile_publish.py": lambda d: (
