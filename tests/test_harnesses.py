@@ -294,12 +294,12 @@ def test_lm_eval_generation_with_six_stop_strings(head, model_dir, tmp_path, mon
 SWEEP_SIZE = 4  # synchronous, throughput (512 at once, guidellm's default), two constant rates
 
 
-def test_guidellm_default_sweep_has_no_errors(head, model_dir, tmp_path):
-    """guidellm's ``sweep`` profile at its defaults (its throughput step starts 512
-    requests at once), fewer rates and seconds each: no request errored in any step."""
+def guidellm(
+    head, model_dir, out: Path, profile: str, constraint: str, output_tokens: int, timeout: float
+) -> list[dict]:
+    """``guidellm run`` against ``head`` on synthetic 64-token prompts, the tokenizer
+    from ``model_dir``; its benchmarks (a failed run fails the test with its output)."""
     pytest.importorskip("guidellm")
-    out = tmp_path / "sweep.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cmd = [
         sys.executable,
         "-m",
@@ -308,20 +308,30 @@ def test_guidellm_default_sweep_has_no_errors(head, model_dir, tmp_path):
         "--backend",
         f"kind=openai_http,target={head.url}",
         "--profile",
-        f"kind=sweep,sweep_size={SWEEP_SIZE}",
+        profile,
         "--constraint",
-        "kind=max_duration,seconds=6",
+        constraint,
         "--data",
-        "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
+        f"kind=synthetic_text,prompt_tokens=64,output_tokens={output_tokens}",
         "--tokenizer",
         f"kind=huggingface_auto,model={model_dir}",
         "--output",
         f"kind=json,path={out}",
         "--disable-console-interactive",
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    benches = json.loads(out.read_text())["benchmarks"]
+    return json.loads(out.read_text())["benchmarks"]
+
+
+def test_guidellm_default_sweep_has_no_errors(head, model_dir, tmp_path):
+    """guidellm's ``sweep`` profile at its defaults (its throughput step starts 512
+    requests at once), fewer rates and seconds each: no request errored in any step."""
+    sweep = f"kind=sweep,sweep_size={SWEEP_SIZE}"
+    benches = guidellm(
+        head, model_dir, tmp_path / "sweep.json", sweep, "kind=max_duration,seconds=6", 16, 240
+    )
     strategies = [b["config"]["strategy"]["type_"] for b in benches]
     totals = [b["metrics"]["request_totals"] for b in benches]
     print(
@@ -335,31 +345,10 @@ def test_guidellm_default_sweep_has_no_errors(head, model_dir, tmp_path):
 
 
 def test_guidellm_runs_without_skipping_checks(head, model_dir, tmp_path):
-    pytest.importorskip("guidellm")
     out = tmp_path / "guidellm.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "guidellm",
-        "run",
-        "--backend",
-        f"kind=openai_http,target={head.url}",
-        "--profile",
-        "kind=synchronous",
-        "--constraint",
-        "kind=max_requests,count=4",
-        "--data",
-        "kind=synthetic_text,prompt_tokens=64,output_tokens=8",
-        "--tokenizer",
-        f"kind=huggingface_auto,model={model_dir}",
-        "--output",
-        f"kind=json,path={out}",
-        "--disable-console-interactive",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (bench,) = json.loads(out.read_text())["benchmarks"]
+    (bench,) = guidellm(
+        head, model_dir, out, "kind=synchronous", "kind=max_requests,count=4", 8, 120
+    )
     totals = bench["metrics"]["request_totals"]
     print(f"\nguidellm synchronous: {totals}")
     assert totals["successful"] == 4 and totals["errored"] == 0, totals
