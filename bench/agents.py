@@ -227,9 +227,9 @@ def start_head(args: list[str]) -> tuple[subprocess.Popen[str], str]:
 
 
 def ask(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed turn: TTFT and usage."""
+    """One streamed chat turn: TTFT, total time, usage and the answer's text."""
     t0 = time.perf_counter()
-    first, usage = 0.0, None
+    first, usage, text, chunks = 0.0, None, [], 0
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:500]!r}")
@@ -237,19 +237,28 @@ def ask(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
-            # the first token's chunk (the role's comes before the prefill)
-            if not first and any(
-                set(c.get("delta") or {}) - {"role"} or c.get("finish_reason")
-                for c in event.get("choices") or []
-            ):
-                first = time.perf_counter() - t0
+            for c in event.get("choices") or []:
+                d = c.get("delta") or {}
+                chunks += 1
+                # the first token's chunk: one with more than the role, or any after
+                # a role-only first chunk (a head sends the role before its prefill,
+                # then a chunk a token, empty while it holds a call until it is whole;
+                # vLLM sends its role with the first token)
+                if not first and (set(d) - {"role"} or c.get("finish_reason") or chunks > 1):
+                    first = time.perf_counter() - t0
+                text.append(d.get("content") or "")
+                for tc in d.get("tool_calls") or []:
+                    text.append((tc.get("function") or {}).get("arguments") or "")
             usage = event.get("usage") or usage
-    assert usage is not None, "no usage event"
+    if usage is None:
+        raise RuntimeError("no usage event")
     return {
         "ttft_s": first,
         "total_s": time.perf_counter() - t0,
         "prompt_tokens": usage["prompt_tokens"],
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "completion_tokens": usage.get("completion_tokens", 0),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+        "answer": "".join(text),
     }
 
 

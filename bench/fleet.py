@@ -130,7 +130,7 @@ from _common import (
     stop,
     tbf_burst,
 )
-from agents import TOOLS, Sizer
+from agents import TOOLS, Sizer, ask
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -336,41 +336,6 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 # ---------------------------------------------------------------- load
-
-
-def ask(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed request: TTFT, total time, usage and the answer's text."""
-    t0 = time.perf_counter()
-    first, usage, text, chunks = 0.0, None, [], 0
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            for c in event.get("choices") or []:
-                d = c.get("delta") or {}
-                chunks += 1
-                # the first token's chunk: one with more than the role, or any after
-                # a role-only first chunk (a head sends the role before its prefill,
-                # then a chunk per token, empty while a call is held until whole)
-                if not first and (set(d) - {"role"} or c.get("finish_reason") or chunks > 1):
-                    first = time.perf_counter() - t0
-                text.append(d.get("content") or "")
-                for tc in d.get("tool_calls") or []:
-                    text.append((tc.get("function") or {}).get("arguments") or "")
-            usage = event.get("usage") or usage
-    if usage is None:
-        raise RuntimeError("no usage event")
-    return {
-        "ttft_s": first,
-        "total_s": time.perf_counter() - t0,
-        "prompt_tokens": usage["prompt_tokens"],
-        "completion_tokens": usage.get("completion_tokens", 0),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-        "answer": "".join(text),
-    }
 
 
 def replay(

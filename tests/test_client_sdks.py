@@ -18,7 +18,6 @@ when ``max_tokens`` cuts it short.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import shutil
 from collections.abc import Callable
@@ -153,17 +152,13 @@ def captured_bodies(model: str) -> list[dict[str, Any]]:
     """The request bodies both SDKs send in the flows below, answered by a script."""
     bodies: list[dict[str, Any]] = []
     base = "http://scripted.invalid/v1"
-    if importlib.util.find_spec("agents"):
-        calls: list[dict[str, Any]] = []
-        http = httpx.AsyncClient(transport=recorder(bodies))
-        result = run_agent(weather_agent(agents_model(base, model, http), calls, temperature=0))
-        assert calls == [{"city": CITY}] and result.final_output == FINAL, (calls, result)
-    if importlib.util.find_spec("langchain_openai"):
-        llm = langchain_model(base, model, httpx.Client(transport=recorder(bodies)))
-        msg = llm.bind_tools([get_weather]).invoke(langchain_messages())
-        assert msg.tool_calls[0]["args"] == {"city": CITY}, msg
-    if not bodies:
-        pytest.skip("neither openai-agents nor langchain-openai is installed")
+    calls: list[dict[str, Any]] = []
+    http = httpx.AsyncClient(transport=recorder(bodies))
+    result = run_agent(weather_agent(agents_model(base, model, http), calls, temperature=0))
+    assert calls == [{"city": CITY}] and result.final_output == FINAL, (calls, result)
+    llm = langchain_model(base, model, httpx.Client(transport=recorder(bodies)))
+    msg = llm.bind_tools([get_weather]).invoke(langchain_messages())
+    assert msg.tool_calls[0]["args"] == {"city": CITY}, msg
     return bodies
 
 
@@ -275,7 +270,6 @@ def test_head_renders_the_prompts_the_model_was_taught(head, taught):
 
 
 def test_agents_sdk_auto_tool_choice_calls_the_tool(base_url):
-    pytest.importorskip("agents")
     from agents import ToolCallItem, ToolCallOutputItem
 
     calls: list[dict[str, Any]] = []
@@ -299,7 +293,6 @@ def test_agents_sdk_required_never_runs_a_truncated_call(base_url, max_tokens):
     """``tool_choice`` required with a small ``max_tokens``: the SDK either gets a call
     whose arguments parse against the tool's schema, or an answer it can finish on; it
     never gets a call cut short (the SDK would raise ModelBehaviorError on its JSON)."""
-    pytest.importorskip("agents")
     from agents import ToolCallItem
 
     calls: list[dict[str, Any]] = []
@@ -345,7 +338,6 @@ def test_agents_sdk_required_never_runs_a_truncated_call(base_url, max_tokens):
 
 
 def test_langchain_bind_tools_auto_calls_the_tool(base_url):
-    pytest.importorskip("langchain_openai")
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
     llm = langchain_model(base_url, "taught")
@@ -369,7 +361,6 @@ class Forecast(BaseModel):
 
 
 def test_langchain_structured_output_default_method(base_url):
-    pytest.importorskip("langchain_openai")
     llm = langchain_model(base_url, "taught").bind(max_tokens=300, seed=1)
     out = llm.with_structured_output(Forecast, include_raw=True).invoke(
         [*langchain_messages()[:1], ("user", "Give the forecast for Paris as JSON.")]

@@ -20,12 +20,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lm_eval
 import pytest
 
 from .test_api import Head
 from .zoo import hf_model
-
-lm_eval = pytest.importorskip("lm_eval")
 
 LIMIT = 8
 FEWSHOT = 5
@@ -299,7 +298,6 @@ def guidellm(
 ) -> list[dict]:
     """``guidellm run`` against ``head`` on synthetic 64-token prompts, the tokenizer
     from ``model_dir``; its benchmarks (a failed run fails the test with its output)."""
-    pytest.importorskip("guidellm")
     cmd = [
         sys.executable,
         "-m",
