@@ -352,10 +352,8 @@ class Planner:
         prefill curve once a prefill was measured here (or kept from before); until
         then the start-up probe's rate, never the prior alone (a fresh head on a fast
         machine would wait on a trickling peer for what it computes in a blink)."""
-        with self._lock:
-            if not self._prefill.samples and self._probe_s is not None:
-                return tokens * self._probe_s
-        return self.compute_s(tokens)
+        probe = self.probe_s
+        return tokens * probe if probe is not None else self.compute_s(tokens)
 
     def link_rate(self, peer: str, interface: str = "") -> float:
         """Wire bytes/s expected from ``peer``: measured, else the interface's prior."""
