@@ -1,6 +1,6 @@
 """The kvmesh head against `vllm serve`, both measured by vLLM's own serving benchmark.
 
-    .venv-vllm/bin/python bench/serve_compare.py [--smoke] [--rounds N]
+    .venv-vllm/bin/python bench/serve_compare.py [--smoke] [--rounds N] [--vllm-bind nobind]
         [--json bench/results/serve_compare.json] [--markdown docs/benchmarks.md]
 
 Two OpenAI servers on the same model directory (float32), one after the other,
@@ -94,6 +94,8 @@ def row(
         "mean_tpot_ms": round((e2el - ttft) / max(1, out_tokens - 1), 1),
         "mean_e2el_ms": round(e2el, 1),
         "duration_s": round(res["duration"], 3),
+        # each request's, in the order sent (where a server gains or loses)
+        "ttfts_ms": [round(t * 1000, 1) for t in res.get("ttfts", [])],
     }
 
 
@@ -208,10 +210,13 @@ def markdown(out: dict[str, Any]) -> str:
         MARK,
         "## The head against `vllm serve`, vLLM's serving benchmark (`bench/serve_compare.py`)",
         "",
-        "    .venv-vllm/bin/python bench/serve_compare.py --rounds 2 "
+        "    .venv-vllm/bin/python bench/serve_compare.py --rounds 3 "
+        f"--vllm-bind {out.get('vllm_threads_bind', 'auto')} "
         "--json bench/results/serve_compare.json --markdown docs/benchmarks.md",
         "",
-        f"vLLM {out['vllm']} CPU (prefix cache on, its defaults) and a `kvmesh head` (alone, "
+        f"vLLM {out['vllm']} CPU (prefix cache on, its defaults, "
+        f"`VLLM_CPU_OMP_THREADS_BIND={out.get('vllm_threads_bind', 'auto')}`) and a "
+        "`kvmesh head` (alone, "
         f"its defaults), `{s['model']}` float32, one after the other; "
         f"`vllm.benchmarks.serve` prefix_repetition (2 prefixes x {s['prefix']} + "
         f"{s['suffix']} tokens, {s['prompts']} prompts, concurrency 2, {s['out']} output "
@@ -234,6 +239,8 @@ def markdown(out: dict[str, Any]) -> str:
             f"{_times(q['p99_ttft_ms'])} | {_times(q['mean_tpot_ms'])} | "
             f"**{_times(q['duration_s'])}** | | |"
         )
+    overall = out.get("head_over_vllm_all_rounds", {}).get("mean_ttft_ms")
+    lines += ["", f"Over all rounds, the head's mean TTFT / vLLM's: **{_times(overall)}**."]
     lines += ["", "The head's counters over each run (its `/metrics`):", ""]
     lines += [
         f"- round {i}: `{json.dumps(r['head']['metrics'])}`" for i, r in enumerate(out["rounds"], 1)
@@ -256,10 +263,17 @@ def main() -> None:
         default=sys.executable,
         help="interpreter that runs the head (default: this one)",
     )
+    ap.add_argument(
+        "--vllm-bind",
+        default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default auto, vLLM's: on 2 cores its worker "
+        "computes on one; nobind: on every core, as the head does)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--markdown", type=Path, default=None, help="update this file's section")
     a = ap.parse_args()
     a.eager = a.eager or a.smoke
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = a.vllm_bind  # the vLLM servers inherit it
     shape = dict(SMOKE if a.smoke else FULL)
     model = str(ensure_demo(shape["model"]))
     logs = Path(tempfile.mkdtemp(prefix="kvmesh-bench-compare-"))
@@ -287,8 +301,17 @@ def main() -> None:
         "vllm": vllm.__version__,
         "cpus": len(os.sched_getaffinity(0)),
         "platform": platform.platform(),
+        "vllm_threads_bind": a.vllm_bind,
         "rounds": rounds,
         "head_over_vllm": rounds[-1]["ratios"],
+        # over every round: the head's mean TTFT summed over vLLM's
+        "head_over_vllm_all_rounds": {
+            "mean_ttft_ms": round(
+                sum(r["head"]["mean_ttft_ms"] for r in rounds)
+                / sum(r["vllm"]["mean_ttft_ms"] for r in rounds),
+                3,
+            )
+        },
         "logs": str(logs),
     }
     if a.json:

@@ -95,6 +95,7 @@ def serve_bench(url: str, model: str, shape: dict[str, Any], seed: int) -> dict[
             "50,99",
             "--ignore-eos",
             "--disable-tqdm",
+            "--save-detailed",  # each request's TTFT in the result
         ]
     )
     return main(args)

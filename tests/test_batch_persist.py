@@ -19,7 +19,7 @@ import torch
 from torch.profiler import profile
 
 from kvmesh.engine import load_engine
-from kvmesh.engine.hf import _BUCKETS, GROW, KERNELS, MAX_ROWS_FIRST, _calibrate
+from kvmesh.engine.hf import _BUCKETS, GROW, KERNELS, MAX_ROWS_FIRST, MORE_ROWS, _calibrate
 
 from . import zoo
 
@@ -120,10 +120,45 @@ def test_every_kernel_matches_and_attention_stays_fused(kernel):
     assert "aten::bmm" not in ops  # the unfused math path
 
 
-def test_calibration_names_a_kernel_for_batch_sizes_only():
+def test_calibration_names_a_kernel_for_row_counts_only():
     eng = engine()
     chosen = _calibrate(eng.model, reps=1)
-    assert set(chosen) <= set(range(2, MAX_ROWS_FIRST + 1))
+    assert set(chosen) <= {*range(1, MAX_ROWS_FIRST + 1), MORE_ROWS}
     assert set(chosen.values()) <= set(KERNELS)
-    for low, high in zip((2, *(b + 1 for b in _BUCKETS)), _BUCKETS, strict=False):
+    for low, high in zip((1, *(b + 1 for b in _BUCKETS)), _BUCKETS, strict=False):
         assert len({chosen.get(r) for r in range(low, high + 1)}) == 1  # one per bucket
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_every_kernel_prefills_and_steps_alone_as_f_linear_does(kernel, monkeypatch):
+    """A prefill chunk (over MAX_ROWS_FIRST rows), batched prefill rows and a lone
+    decode step take the table's kernel for their row count: each gives what
+    ``F.linear`` gives, within float rounding, and the same greedy token."""
+    eng = engine()
+    toks = zoo.prompt_tokens(zoo.hf_model("qwen2"), 90)
+    saved, real, seen = eng.kernels, KERNELS[kernel], set()
+
+    def counted(w, b, x):
+        seen.add(x.shape[0])
+        return real(w, b, x)
+
+    monkeypatch.setitem(KERNELS, kernel, counted)
+    try:
+        runs = []
+        for table in ({}, {1: kernel, MORE_ROWS: kernel}):
+            eng.kernels = table
+            lone = eng.prefill(toks)
+            rows = [eng.begin_prefill(toks[:n]) for n in (40, 90)]
+            eng.prefill_batch(rows, [40, 90])
+            lone.tokens.append(int(torch.argmax(lone.logits)))
+            first = lone.logits.clone()
+            eng.decode_batch([lone])
+            runs.append((first, rows[1].logits, lone.logits))
+            for st in (lone, *rows):
+                eng.detach(st)
+    finally:
+        eng.kernels = saved
+    assert {1, 90, 2 * 90} <= seen  # the lone step, the lone prefill, the two padded rows
+    for want, got in zip(*runs, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+        assert int(torch.argmax(got)) == int(torch.argmax(want))

@@ -24,9 +24,10 @@ Cache layers:
 - Anything else, or keys and values of different shapes (latent attention), turns
   reuse off: served, never exported or imported.
 
-On the CPU a batched decode step's linear layers take the kernel chosen for its
-row count (:mod:`.kernels`); prefill and lone steps take ``F.linear``
-(deterministic mode aside: :mod:`.deterministic`).
+On the CPU every forward's linear layers take the kernel chosen for its row count
+(:mod:`.kernels`): decode steps, lone or batched, and prefill chunks alike
+(deterministic mode: prefill takes ``F.linear``, decode its row-invariant
+kernel; :mod:`.deterministic`).
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ from .base import EngineBase
 from .decode import Sampling
 from .geometry import CacheGeometry, card_from_hf_dir
 
-# KERNELS, MAX_ROWS_FIRST, _BUCKETS, _calibrate: tests and bench import them from here
+# KERNELS, MAX_ROWS_FIRST, MORE_ROWS, _BUCKETS, _calibrate: tests and bench import them from here
 from .kernels import (  # noqa: F401
     _BUCKETS,
     KERNELS,
     MAX_ROWS_FIRST,
+    MORE_ROWS,
     _agrees,
     _calibrate,
     _choose_kernels,
@@ -606,14 +608,15 @@ def _prefill_rows(
     last = sorted({q - 1 for q in chunks})  # the positions whose logits are kept
     keep = torch.tensor(last, dtype=torch.long, device=engine.device)
     kw = {engine._cache_kw: cache}
-    out = engine.model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
-        use_cache=True,
-        logits_to_keep=keep,
-        **kw,
-    )
+    with batched(engine._prefill_kernels()):
+        out = engine.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=keep,
+            **kw,
+        )
     for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
         own = engine._new_cache()
         span = slice(width - n, width + q)
@@ -852,12 +855,18 @@ class TransformersEngine(EngineBase):
 
     @torch.inference_mode()
     def _forward(
-        self, cache: Any, tokens: Sequence[int], start: int, checkpoint_end: bool = True
+        self,
+        cache: Any,
+        tokens: Sequence[int],
+        start: int,
+        checkpoint_end: bool = True,
+        kernels: Mapping[int, str] | None = None,
     ) -> tuple[Any, Any]:
         """With recurrent layers, the forward stops at every state checkpoint
         (a multiple of ``state_every`` blocks) to keep the state there, and keeps
         the state at its end too (``checkpoint_end``: a prompt's tail is exported
-        from it while decoding goes on)."""
+        from it while decoding goes on). The linear layers take ``kernels``
+        (default: the prefill's, :meth:`_prefill_kernels`)."""
         if cache is None:
             cache = self._new_cache()
         every = self._state_every * self.block_tokens or self.grid
@@ -868,7 +877,8 @@ class TransformersEngine(EngineBase):
         for piece in pieces:
             ids = torch.tensor([piece], dtype=torch.long, device=self.device)
             kw = {self._cache_kw: cache}
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
+            with batched(self._prefill_kernels() if kernels is None else kernels):
+                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
             _settle(cache, len(piece))  # the cache was extended in place
             pos += len(piece)
             if self._state_every:
@@ -879,9 +889,17 @@ class TransformersEngine(EngineBase):
 
     def _advance(self, state: KVState) -> None:
         pending = state.tokens[state.cached :]
-        with batched(self.kernels if self._rowwise else {}):  # a lone step as a batch's row
-            state.cache, state.logits = self._forward(state.cache, pending, state.cached, False)
+        # a lone step: its row count's kernel (deterministic: as a batch's row, or F.linear)
+        kernels = self.kernels if self._rowwise or not self.grid else {}
+        state.cache, state.logits = self._forward(
+            state.cache, pending, state.cached, False, kernels
+        )
         state.cached = len(state.tokens)
+
+    def _prefill_kernels(self) -> Mapping[int, str]:
+        """The kernel table a prefill forward takes: the chosen one, except in
+        deterministic mode (a prefill's numbers must not depend on a measurement)."""
+        return {} if self.grid else self.kernels
 
     # -- recurrent state ----------------------------------------------------------
 

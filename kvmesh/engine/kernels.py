@@ -1,12 +1,16 @@
-"""Which linear kernel a batched decode step on the CPU takes, by row count.
+"""Which linear kernel the model's linear layers take on the CPU, by row count.
 
-At a few rows ``F.linear`` may run far below its one-row speed, so at start each
-row count (2..:data:`MAX_ROWS_FIRST`) is given the kernel of :data:`KERNELS` that
-measured faster than ``F.linear`` here by :data:`MARGIN` in every round, and
-computes what it does (:func:`_agrees`); the choice is kept in the private kernel
-cache, so a restart takes the same kernels (float rounding depends on them).
-Inside :func:`batched` the model's linear layers take the chosen kernel; outside
-it (prefill, lone steps) ``F.linear``.
+``F.linear`` (MKL's sgemm on x86) may run far below what this CPU does: at one
+row a decode step reads the weights at half the speed the compiled kernel does,
+and at a prefill's tens to hundreds of rows oneDNN's linear beats it by 1.1-1.5x
+(docs/benchmarks.md, serve_compare). So at start each row count 1..:data:`MAX_ROWS_FIRST`
+(decode steps, lone or batched) and every larger count (:data:`MORE_ROWS`: prefill
+chunks, measured at :data:`PREFILL_ROWS` rows) is given the kernel of
+:data:`KERNELS` that measured faster than ``F.linear`` here by :data:`MARGIN` in
+every round, and computes what it does (:func:`_agrees`); the choice is kept in the
+private kernel cache, so a restart takes the same kernels (float rounding depends
+on them). Inside :func:`batched` the model's linear layers take the chosen kernel
+for their row count; outside it ``F.linear``.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from . import deterministic as det
 from .compiled import streamed_linear
 
 _batched = threading.local()  # .kernels: {rows: kernel} during a batched step
-MAX_ROWS_FIRST = 16  # batches of more rows always take F.linear
-_BUCKETS = (2, 4, 8, MAX_ROWS_FIRST)
+MAX_ROWS_FIRST = 16  # row counts up to here are decode steps, each bucket measured alone
+_BUCKETS = (1, 2, 4, 8, MAX_ROWS_FIRST)
+MORE_ROWS = MAX_ROWS_FIRST + 1  # in a kernel table: every row count above MAX_ROWS_FIRST
+PREFILL_ROWS = 64  # the row count MORE_ROWS is measured at (a prefill chunk's scale)
 MARGIN = 0.95  # another kernel replaces F.linear only if measured 5% faster
 
 
@@ -70,7 +76,7 @@ def batched(kernels: Mapping[int, str]) -> Iterator[None]:
 def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     kernels = getattr(_batched, "kernels", {})
-    kernel = kernels.get(rows, kernels.get(det.ANY_ROWS))
+    kernel = kernels.get(min(rows, MORE_ROWS), kernels.get(det.ANY_ROWS))
     if kernel is not None:
         y = KERNELS[kernel](self.weight, self.bias, x.reshape(rows, x.shape[-1]))
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -78,8 +84,9 @@ def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _calibrate(model: Any, reps: int = 3) -> dict[int, str]:
-    """The kernel each batch size (2..MAX_ROWS_FIRST) takes on this machine where one
-    beats ``F.linear``: for each bucket of :data:`_BUCKETS`, every kernel runs every
+    """The kernel each row count (1..MAX_ROWS_FIRST, and MORE_ROWS) takes on this
+    machine where one beats ``F.linear``: for each bucket of :data:`_BUCKETS` (and
+    :data:`PREFILL_ROWS` rows for :data:`MORE_ROWS`), every kernel runs every
     linear layer of the model once (the weight traffic of a decode step), interleaved,
     ``reps`` rounds. A kernel replaces ``F.linear`` only if it beats it by
     :data:`MARGIN` in every round (the fastest such; one that lost a round is not
@@ -88,7 +95,8 @@ def _calibrate(model: Any, reps: int = 3) -> dict[int, str]:
     Each pass is timed as one thread's CPU time (``torch.set_num_threads(1)`` for
     the measurement, restored after): on a shared CPU wall time moves by whole time
     slices, a thread's CPU time by a few percent. The kernels are memory-bound at
-    these row counts, so the one-thread ranking stands for the many-thread one."""
+    decode's row counts, so the one-thread ranking stands for the many-thread one;
+    at a prefill's it held too (oneDNN ahead of MKL on one thread and on two)."""
     import time
 
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
@@ -105,8 +113,7 @@ def _calibrate_buckets(
     layers: list[Any], shapes: list[Any], reps: int, clock: Callable[[], float]
 ) -> dict[int, str]:
     chosen: dict[int, str] = {}
-    low = 2
-    for rows in _BUCKETS:
+    for rows, serves in _measured():
         xs = {
             m.in_features: torch.zeros((rows, 1, m.in_features), dtype=m.weight.dtype)
             for m in layers
@@ -117,7 +124,7 @@ def _calibrate_buckets(
         for rep in range(reps + 1):  # round 0 warms up (oneDNN builds its kernels), untimed
             times: dict[str | None, float] = {}
             for kernel in (None, *alive):
-                _batched.kernels = {rows: kernel} if kernel else {}
+                _batched.kernels = {min(rows, MORE_ROWS): kernel} if kernel else {}
                 try:
                     if rep == 0:
                         for m in shapes:  # one layer of each weight shape
@@ -135,13 +142,19 @@ def _calibrate_buckets(
                 rounds.append(times)
                 alive = [k for k in alive if k in times and times[k] < MARGIN * times[None]]
         if alive and rounds:
-            chosen.update(
-                dict.fromkeys(
-                    range(low, rows + 1), min(alive, key=lambda k: sum(r[k] for r in rounds))
-                )
-            )
-        low = rows + 1
+            best = min(alive, key=lambda k: sum(r[k] for r in rounds))
+            chosen.update(dict.fromkeys(serves, best))
     return chosen
+
+
+def _measured() -> list[tuple[int, Sequence[int]]]:
+    """Each row count calibration measures, with the row counts its winner serves:
+    a bucket of :data:`_BUCKETS` serves the counts above the one before it."""
+    low, out = 1, []
+    for rows in _BUCKETS:
+        out.append((rows, range(low, rows + 1)))
+        low = rows + 1
+    return [*out, (PREFILL_ROWS, (MORE_ROWS,))]
 
 
 def _agrees(kernel: str, layers: Sequence[Any], rows: int) -> bool:
@@ -189,6 +202,7 @@ def _choose_kernels(model: Any) -> dict[int, str]:
         {
             "linear": sorted([*k, n] for k, n in shapes.items()),
             "buckets": _BUCKETS,
+            "prefill_rows": PREFILL_ROWS,
             "margin": MARGIN,
             "kernels": sorted(KERNELS),
             "torch": torch.__version__,
@@ -198,7 +212,7 @@ def _choose_kernels(model: Any) -> dict[int, str]:
 
     def valid(v: Any) -> bool:
         return isinstance(v, dict) and all(
-            isinstance(r, str) and r.isdigit() and 2 <= int(r) <= MAX_ROWS_FIRST and k in KERNELS
+            isinstance(r, str) and r.isdigit() and 1 <= int(r) <= MORE_ROWS and k in KERNELS
             for r, k in v.items()
         )
 
