@@ -26,7 +26,10 @@ under a second in the first, else one):
   library_bare_s    the same in a child process without either, a new
                     ``HeadRuntime`` per hit: the library path as it was measured
                     before issue #41 (what the 54 ms against 27 ms was)
-  fetch_forced_s    the library path with ``Planner(force="fetch")``
+  fetch_forced_s    the library path with ``Planner(force="fetch")``; a forced fetch
+                    that computed (``fetch_forced_source`` not remote) fails its row
+                    (``failed`` names the report's fallback reason) and the run
+                    exits non-zero once the JSON is written
   compute_forced_s  the library path with ``Planner(force="compute")``: a head's own
                     compute (chunked prefill in its batch), the planner's other choice
   untrimmed_remote_s  a second head with ``--no-window-trim`` (ships every
@@ -106,6 +109,7 @@ from typing import Any
 
 import torch
 from _common import (
+    FAIL_ENV,
     NetnsPeer,
     await_start,
     fail_point,
@@ -445,12 +449,26 @@ def served(node: NodeThread, address: str) -> int:
 
 
 def library_head(
-    engine, links: Sequence[Link], security: Security, planner: Planner, alias: str
+    engine,
+    links: Sequence[Link],
+    security: Security,
+    planner: Planner,
+    alias: str,
+    fetch_deadline: float = 0.0,
 ) -> HeadRuntime:  # type: ignore[no-untyped-def]
     """A long-lived library head seeing every link's peer: 1-byte store (it keeps
     nothing it fetches), no sessions, no publishing."""
     seeds = [link.address for link in links]
-    return _head(engine, seeds, security, planner, alias, gossip_interval=0.5, budget_bytes=1)
+    return _head(
+        engine,
+        seeds,
+        security,
+        planner,
+        alias,
+        gossip_interval=0.5,
+        budget_bytes=1,
+        fetch_deadline=fetch_deadline or FETCH_DEADLINE_S,
+    )
 
 
 def fresh_head(  # type: ignore[no-untyped-def]
@@ -470,6 +488,7 @@ def _head(  # type: ignore[no-untyped-def]
     *,
     gossip_interval: float,
     budget_bytes: int = NodeConfig.budget_bytes,
+    fetch_deadline: float = 0.0,
 ) -> HeadRuntime:
     """A library head (no sessions, no publishing) on a new node seeded with
     ``seeds``, returned once their cards advertise the engine's namespace."""
@@ -480,7 +499,7 @@ def _head(  # type: ignore[no-untyped-def]
             ttl=5,
             alias=f"{alias}-{time.time_ns()}",
             security=security,
-            fetch_deadline=FETCH_DEADLINE_S,
+            fetch_deadline=fetch_deadline or FETCH_DEADLINE_S,
             budget_bytes=budget_bytes,
         )
     )
@@ -930,7 +949,12 @@ def start_consumers(bench: Bench, m: Model) -> None:
     for n, s in m.colds.items():
         planner.observe_prefill(n, s)
     m.lib = library_head(m.engine, bench.links, bench.security, planner, "bench-library")
-    m.forced = library_head(m.engine, bench.links, bench.security, forced_planner(), "bench-forced")
+    # KVMESH_BENCH_FAIL=forced-fetch: its fetches overrun a deadline no fetch meets
+    # (the tests' way to a forced fetch that computes: a failed row, a non-zero exit)
+    deadline = 1e-6 if os.environ.get(FAIL_ENV) == "forced-fetch" else FETCH_DEADLINE_S
+    m.forced = library_head(
+        m.engine, bench.links, bench.security, forced_planner(), "bench-forced", deadline
+    )
     computing = Planner(force="compute")
     m.computing = library_head(m.engine, bench.links, bench.security, computing, "bench-computing")
     for head in (m.lib, m.forced, m.computing):
@@ -1076,6 +1100,11 @@ def measure_row(bench: Bench, m: Model, link: Link, n: int) -> dict[str, Any]:
     lib, forced, head = (got[k][1] for k in ("library_remote_s", "fetch_forced_s", "head_remote_s"))
     row["library_source"], row["planner_choice"] = lib["source"], choice_of(lib)
     row["planner"], row["fetch_forced_source"] = lib.get("planner"), forced["source"]
+    if forced["source"] != "remote":  # the forced path computed: every ratio beside it is void
+        row["failed"] = (
+            f"fetch_forced_s computed ({forced['source']}): "
+            f"{forced.get('fallback') or 'no fallback reason in its report'}"
+        )
     row["head_source"], row["head_planner_choice"] = head["source"], choice_of(head)
     row["reused_tokens"] = head["reused_tokens"]
     row["bytes_sent"], row["bytes_sent_by"] = head["bytes_sent"], head["bytes_sent_by"]
@@ -1320,6 +1349,12 @@ def main() -> None:
         json.dump(out, fh, indent=1)
     summarize(results, found)
     draw(results, args)
+    failed = [r for r in results if r.get("failed")]
+    if failed:  # a figure that did not measure what it names is no figure
+        raise SystemExit(
+            f"{len(failed)} row(s) failed: "
+            + "; ".join(f"{r['model']} {r['prompt_tokens']} {r['link']}: {r['failed']}" for r in failed)
+        )
 
 
 def draw(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -370,6 +370,22 @@ def test_ttft_failing_after_its_first_head_started_leaves_nothing(tmp_path: Path
     assert not left, f"temporary directories left behind: {left}"
 
 
+def test_ttft_fails_a_forced_fetch_that_computed_and_says_why(tmp_path: Path) -> None:
+    """The forced-fetch path's fetches given a deadline no fetch meets: every row
+    says it failed and why (the report's fallback reason), the JSON is written, and
+    the run exits non-zero naming them."""
+    out = tmp_path / "x.json"
+    proc, tag = start(ROOT / "bench" / "ttft.py", out, KVMESH_BENCH_FAIL="forced-fetch")
+    text = finish(proc, tag)
+    assert proc.returncode != 0 and "row(s) failed" in text, text
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["fetch_forced_source"] != "remote" for r in rows)
+    for r in rows:
+        assert r["failed"].startswith("fetch_forced_s computed"), r["failed"]
+        assert "no fallback reason" not in r["failed"] and r["failed"] in text
+    assert all(r["head_source"] == "remote" for r in rows)  # the other paths fetched
+
+
 @pytest.mark.skipif(not NETNS, reason="network namespaces need root and iproute2")
 def test_ttft_failing_after_its_namespace_exists_deletes_it(tmp_path: Path) -> None:
     proc, tag = start(ROOT / "bench" / "ttft.py", tmp_path / "x.json", KVMESH_BENCH_FAIL="netns")

@@ -60,6 +60,9 @@ class CacheSpec:
     block_size: int
     kv_dtype: str
     windows: tuple[int, ...] = ()  # per layer, the sliding window attention reads (0: all)
+    # per layer, (KV heads, head dim) of its page; (0, 0): it holds none (it reads
+    # another layer's KV, or holds recurrent state). () : every layer the scalars'
+    kv: tuple[tuple[int, int], ...] = ()
     # per layer, a recurrent layer's state tensors (dtype, shape) in vLLM's page order;
     # () for an attention layer
     states: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...] = ()
@@ -69,6 +72,23 @@ class CacheSpec:
 
     def layer_states(self) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
         return self.states or ((),) * self.num_layers
+
+    def layer_kv(self) -> tuple[tuple[int, int], ...]:
+        return self.kv or ((self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    def layer_geometry(self) -> tuple[LayerGeometry, ...]:
+        """Each layer in the card: its recurrent state, its KV page, or ``shared``."""
+        out = []
+        for window, state, (heads, dim) in zip(
+            self.layer_windows(), self.layer_states(), self.layer_kv(), strict=True
+        ):
+            if state:
+                out.append(LayerGeometry("state", state=state))
+            elif heads:
+                out.append(LayerGeometry("kv", heads, dim, window))
+            else:
+                out.append(LayerGeometry("shared"))
+        return tuple(out)
 
 
 def model_card(
@@ -84,16 +104,10 @@ def model_card(
     mode (everything the numbers depend on that the other fields do not say)."""
     from ..engine.base import CacheGeometry, card_from_hf_dir
 
-    layers = tuple(
-        LayerGeometry("state", state=state)
-        if state
-        else LayerGeometry("kv", cache.num_kv_heads, cache.head_dim, window)
-        for window, state in zip(cache.layer_windows(), cache.layer_states(), strict=True)
-    )
     card = card_from_hf_dir(
         model_dir,
         engine,
-        CacheGeometry(cache.kv_dtype, layers),
+        CacheGeometry(cache.kv_dtype, cache.layer_geometry()),
         quantization,
         cache.block_size,
         tokenizer_dir=tokenizer_dir,
@@ -114,8 +128,9 @@ def page_layout(tensors: Sequence[torch.Tensor], card: CompatCard) -> str:
     kinds = set()
     for i, t in enumerate(tensors):
         g = card.geometry[i]
-        if not g.has_kv:
+        if g.state:
             _check_state_page(i, t, g)
+        if not g.has_kv:  # a state page, or a layer reading another's KV: no KV page
             continue
         half = g.kv_heads * card.block_tokens * g.head_dim
         if _name(t.dtype) != storage_dtype(card.kv_dtype):

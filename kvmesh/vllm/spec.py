@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 
 
 def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> CacheSpec:
-    """Attention KV of one page shape in one or more groups, plus recurrent state
-    groups, or a clear error. With vLLM's hybrid manager sliding-window layers are a
+    """Attention KV in one or more groups, each at its own page shape (KV heads and
+    head dim: Gemma 4's full and sliding layers differ) but of one dtype and one
+    block size, plus recurrent state groups, or a clear error. The scalar heads and
+    dim are the first group's; each layer's come from :func:`layer_kv` once the
+    worker knows the layers' order. With vLLM's hybrid manager sliding-window layers are a
     group of their own (pages behind the window are freed: a page is saved in the
     step that computes it); without it they are full-attention pages that keep
     every position. Gated DeltaNet / Mamba state is served in vLLM's
@@ -37,22 +40,21 @@ def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> Cac
         _check_served(spec)
     if not attention:
         raise ConfigError("KVMeshConnector serves models with attention layers; this has none")
-    shapes = {
-        (s.block_size, s.num_kv_heads, s.head_size, s.dtype, int(getattr(s, "kv_quant_mode", 0)))
-        for s in attention
-    }
-    if len(shapes) != 1:
+    kinds = {(s.dtype, int(getattr(s, "kv_quant_mode", 0))) for s in attention}
+    if len(kinds) != 1:
         raise ConfigError(
-            f"KVMeshConnector serves KV cache groups of one page shape; these differ: {sorted(map(str, shapes))}"
+            "KVMeshConnector serves KV cache groups of one dtype; these differ: "
+            f"{sorted(map(str, kinds))}"
         )
-    if len({int(s.block_size) for s in specs}) != 1:
-        raise ConfigError("KVMeshConnector needs one block size over all KV cache groups")
+    sizes = {int(s.block_size) for s in specs}
+    if len(sizes) != 1:
+        raise ConfigError(
+            "KVMeshConnector needs one block size over all KV cache groups (a kvmesh block "
+            f"is one page of every layer); vLLM made {sorted(sizes)} (it scales a group's "
+            "block size when the groups' page sizes differ)"
+        )
     spec = attention[0]
-    # MLA's page is one latent vector per token: it travels as the two halves of its
-    # bytes under the codec's K and V specs (the backend in the engine string says MLA)
-    heads, dim = (
-        (1, spec.head_size // 2) if _is_latent(spec) else (spec.num_kv_heads, spec.head_size)
-    )
+    heads, dim = _page_shape(spec)
     return CacheSpec(
         num_layers=sum(len(g.layer_names) for g in groups),
         num_kv_heads=int(heads),
@@ -60,6 +62,47 @@ def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> Cac
         block_size=int(spec.block_size),
         kv_dtype=kv_dtype(spec, cache_dtype),
     )
+
+
+def _page_shape(spec: Any) -> tuple[int, int]:
+    """A KV group's (heads, head dim) in the card. MLA's page is one latent vector per
+    token: it travels as the two halves of its bytes under the codec's K and V specs
+    (the backend in the engine string says MLA)."""
+    if _is_latent(spec):
+        return 1, int(spec.head_size) // 2
+    return int(spec.num_kv_heads), int(spec.head_size)
+
+
+def layer_kv(kv_cache_config: KVCacheConfig, names: list[str]) -> tuple[tuple[int, int], ...]:
+    """Each layer's (KV heads, head dim) in ``names``' order: (0, 0) for a recurrent
+    layer, and for a layer in no group (one that reads another layer's KV)."""
+    by_layer: dict[str, tuple[int, int]] = {}
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        if not _is_state(spec):
+            by_layer.update(dict.fromkeys(g.layer_names, _page_shape(spec)))
+    return tuple(by_layer.get(n, (0, 0)) for n in names)
+
+
+def shared_layers(
+    vllm_config: VllmConfig, registered: list[str], grouped: dict[str, int]
+) -> dict[str, str]:
+    """The layers vLLM registered a cache for outside every KV cache group: those
+    that read another layer's KV (Gemma 3n/4's KV sharing; vLLM hands them their
+    target's tensor), each with its target. Any other is a clear error."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    out: dict[str, str] = {}
+    for name in registered:
+        if name in grouped:
+            continue
+        target = getattr(ctx.get(name), "kv_sharing_target_layer_name", None)
+        if not target or target not in grouped:
+            raise ConfigError(
+                f"vLLM registered a cache for layer {name!r}, which is in no KV cache group "
+                "and reads no grouped layer's KV"
+            )
+        out[name] = target
+    return out
 
 
 def _is_state(spec: Any) -> bool:

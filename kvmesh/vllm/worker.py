@@ -51,10 +51,12 @@ from .spec import (
     engine_name,
     keyer_for,
     kv_scales,
+    layer_kv,
     layer_states,
     layer_windows,
     model_dirs,
     model_order,
+    shared_layers,
 )
 
 if TYPE_CHECKING:
@@ -178,15 +180,22 @@ class KVMeshWorker:
             for g, grp in enumerate(self._kv_cache_config.kv_cache_groups)
             for n in grp.layer_names
         }
-        names = model_order(list(group_of))  # one card whichever groups vLLM formed
-        missing = [n for n in names if n not in kv_caches]
+        missing = [n for n in group_of if n not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no cache for layers {missing[:3]}")
+        # layers reading another's KV (Gemma 3n/4) are in no group: in the card as shared
+        shared = shared_layers(self._vllm_config, list(kv_caches), group_of)
+        group_of.update({n: group_of[target] for n, target in shared.items()})
+        names = model_order(list(group_of))  # one card whichever groups vLLM formed
         tensors = [kv_caches[n] for n in names]
+        kv = layer_kv(self._kv_cache_config, names)
+        windows = layer_windows(self._vllm_config, names)
         self.cache_spec = dataclasses.replace(
             self.cache_spec,
-            windows=layer_windows(self._vllm_config, names),
+            num_layers=len(names),
+            windows=tuple(w if heads else 0 for w, (heads, _) in zip(windows, kv, strict=True)),
             states=layer_states(self._kv_cache_config, names),
+            kv=kv,
         )
         probe = model_card(
             *model_dirs(self._vllm_config),
@@ -196,13 +205,11 @@ class KVMeshWorker:
         )
         kind = page_layout(tensors, probe)  # checks every tensor against the card
         self.rank = int(get_tensor_model_parallel_rank()) if self.tp > 1 else 0
-        # the attention backend of the first layer with KV (a recurrent layer has none)
-        attention = [
-            n for n, st in zip(names, self.cache_spec.layer_states(), strict=True) if not st
-        ]
-        engine = engine_name(self._vllm_config, attention[0], kind, self.rank, self.tp)
+        # the attention backend of the first layer with KV of its own
+        owners = [n for n, (heads, _) in zip(names, kv, strict=True) if heads]
+        engine = engine_name(self._vllm_config, owners[0], kind, self.rank, self.tp)
         if self.cache_spec.kv_dtype in FP8.values():
-            engine += f"/kv_scales={kv_scales(self._vllm_config, names)}"
+            engine += f"/kv_scales={kv_scales(self._vllm_config, owners)}"
         card = dataclasses.replace(probe, engine=engine)
         self.pages = Pages(card, tensors, [group_of[n] for n in names])
         cfg = self.settings.node_config(self.rank, self.tp)

@@ -146,3 +146,38 @@ def test_a_block_is_used_only_where_its_key_says():
     other = Pages(dataclasses.replace(card, num_layers=1), [torch.randn(3, 2, 4, 8)])
     with pytest.raises(MalformedPayload):
         pages.copy_in(other.seal(*other.copy_out(BlockKeyer(card.namespace, 4), keys, 1, 0)), 0)
+
+
+def test_layers_of_other_page_shapes_and_shared_layers_travel_in_one_block():
+    """Gemma 4's cache as vLLM's CPU build lays it out: sliding layers 2 KV heads x 32,
+    full ones 1 x 64, each a view of one buffer at its own shape, and KV-shared layers
+    (their target's tensor, nothing of their own). A block is every owning layer's
+    page at its own shape, in the model's order; the card lists each layer as the
+    heads' cards do (tests/test_mlx_today.py, tests/test_today_torch.py)."""
+    from .. import zoo
+
+    model = zoo.hf_model("gemma4")
+    kv = ((2, 32), (2, 32), (1, 64), (2, 32), (0, 0), (0, 0))
+    windows = (96, 96, 0, 96, 0, 0)
+    spec = CacheSpec(6, 2, 32, 128, "float32", windows=windows, kv=kv)
+    card = model_card(model, model, spec, engine=ENGINE)
+    want = ["kv:2x32:w96", "kv:2x32:w96", "kv:1x64", "kv:2x32:w96", "shared", "shared"]
+    assert [g.encode() for g in card.geometry] == want
+
+    def cache(fill):  # [blocks, heads, B, 2 * D] per owning layer
+        owning = [fill(4, *shape) for shape in [(2, 128, 64)] * 2 + [(1, 128, 128), (2, 128, 64)]]
+        return [*owning, owning[3], owning[2]]  # layers 4 and 5 read layers 3 and 2
+
+    src, dst = cache(torch.randn), cache(torch.zeros)
+    groups = [1, 1, 0, 1, 1, 0]  # the full layer's group and the sliding ones'
+    out, into = Pages(card, src, groups), Pages(card, dst, groups)
+    assert out.page_bytes == 4 * 2 * 128 * 64 * 4  # the owning layers' pages, no more
+    keyer = BlockKeyer(card.namespace, 128)
+    keys = keyer.keys(list(range(256)))
+    blob, header = out.copy_out(keyer, keys, 1, [3, 2])  # full group page 3, sliding 2
+    blk = decode_block(out.seal(blob, header).blob, out.layout)
+    into.copy_in(blk, [0, 1])
+    for layer, (s, d) in enumerate(zip(src[:4], dst[:4], strict=True)):
+        at = 3 if layer == 2 else 2
+        assert torch.equal(s[at], d[0 if layer == 2 else 1]), layer
+    assert not dst[2][1:].any() and not dst[0][0].any()  # nothing else written

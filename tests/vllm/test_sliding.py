@@ -163,10 +163,11 @@ def _config(*groups):
 
 
 def test_which_cache_specs_the_connector_serves():
-    """Attention groups of one page shape are served (full, sliding as a group of its
-    own, sliding promoted to full pages, per-tensor FP8), with recurrent state groups
-    in vLLM's align mode; state without checkpoints, groups of different shapes and
-    other quantized caches are refused with the reason."""
+    """Attention groups are served (full, sliding as a group of its own, sliding
+    promoted to full pages, groups of other page shapes, per-tensor FP8), with
+    recurrent state groups in vLLM's align mode; state without checkpoints, groups of
+    other dtypes or block sizes and other quantized caches are refused with the
+    reason."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVQuantMode,
@@ -176,6 +177,7 @@ def test_which_cache_specs_the_connector_serves():
 
     from kvmesh.errors import ConfigError
     from kvmesh.vllm.spec import cache_spec as _cache_spec
+    from kvmesh.vllm.spec import layer_kv
 
     shape = dict(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
     full, sliding = FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=WINDOW)
@@ -183,10 +185,16 @@ def test_which_cache_specs_the_connector_serves():
     for groups in [(promoted,), (sliding,), (sliding, full)]:
         spec = _cache_spec(_config(*groups))
         assert (spec.block_size, spec.num_layers, spec.kv_dtype) == (BLOCK, len(groups), "float32")
-    with pytest.raises(ConfigError, match="one page shape"):
-        _cache_spec(
-            _config(full, SlidingWindowSpec(**{**shape, "head_size": 64}, sliding_window=8))
-        )
+    # Gemma 4: full and sliding groups of other KV heads and head dims, each at its own
+    # shape (the scalars are the first group's; each layer's are read by name)
+    other = SlidingWindowSpec(**{**shape, "num_kv_heads": 1, "head_size": 64}, sliding_window=8)
+    spec = _cache_spec(_config(full, other))
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 32)
+    assert layer_kv(_config(full, other), ["l1", "l0", "shared"]) == ((1, 64), (2, 32), (0, 0))
+    with pytest.raises(ConfigError, match="one dtype"):
+        _cache_spec(_config(full, FullAttentionSpec(**{**shape, "dtype": torch.bfloat16})))
+    with pytest.raises(ConfigError, match="one block size"):
+        _cache_spec(_config(full, FullAttentionSpec(**{**shape, "block_size": 2 * BLOCK})))
     state = dict(
         block_size=BLOCK, shapes=((3, 64), (2, 8, 8)), dtypes=(torch.bfloat16, torch.float32)
     )
