@@ -1353,7 +1353,9 @@ def main() -> None:
     if failed:  # a figure that did not measure what it names is no figure
         raise SystemExit(
             f"{len(failed)} row(s) failed: "
-            + "; ".join(f"{r['model']} {r['prompt_tokens']} {r['link']}: {r['failed']}" for r in failed)
+            + "; ".join(
+                f"{r['model']} {r['prompt_tokens']} {r['link']}: {r['failed']}" for r in failed
+            )
         )
 
 
