@@ -61,3 +61,53 @@ def test_only_a_where_saved_card_takes_a_state_off_its_grid():
         check_header(wrong, saved)
     with pytest.raises(ValueError, match="state_every"):
         _card(-2)
+
+
+def test_a_lookup_answer_says_which_blocks_carry_the_state():
+    """Real nodes on loopback (gRPC): a peer holding a where-saved chain whose second
+    block carries the state answers a lookup flagging that block alone, read from
+    the stored headers; a flag on a card without state is refused as malformed."""
+    import asyncio
+
+    from kvmesh.blocks import BlockKeyer
+    from kvmesh.mesh.hits import PeerHit, validated
+    from kvmesh.mesh.node import MeshNode, NodeConfig
+    from kvmesh.mesh.proto import kvmesh_pb2 as pb
+
+    card = _card(STATE_WHERE_SAVED)
+    layout = Layout(card)
+    keyer = BlockKeyer(card.namespace, BLOCK)
+    tokens = list(range(3 * BLOCK))
+    keys = keyer.keys(tokens)
+    chain = []
+    for i, key in enumerate(keys.blocks):
+        header = layout.header("block", key, keyer.parent_of(keys, i), i * BLOCK, BLOCK, i == 1)
+        blob, view = new_blob(header)
+        view[:] = bytes(len(view))
+        chain.append(layout.seal(header, blob))
+
+    async def run() -> list[PeerHit]:
+        peer = MeshNode(NodeConfig(alias="cache", ttl=60, gossip_interval=60))
+        head = MeshNode(NodeConfig(alias="head", roles=("head",), ttl=60, gossip_interval=60))
+        for node in (peer, head):
+            await node.start()
+        try:
+            await head.client.exchange(peer.address, peer.node_id)
+            (target,) = head.client.publish_targets(chain[0].key)
+            await head.client.publish(target, card, chain)
+            hits, errors = await head.client.lookup(card, keys)
+            assert not errors
+            return hits
+        finally:
+            for node in (peer, head):
+                await node.stop(0)
+
+    (hit,) = asyncio.run(run())
+    assert [b.HasField("states") for b in hit.blocks] == [True] * 3
+    assert [b.states for b in hit.blocks] == [False, True, False]
+    plain = Layout(small_card())  # no recurrent layer: a flag there is a lie
+    info = pb.BlockInfo(key=b"k" * 32, nbytes=10, digest=b"d" * 32, tokens=BLOCK, states=True)
+    claim = PeerHit("n", "p", "a", "ethernet", "e", (info,), None, BLOCK)
+    with pytest.raises(MalformedPayload, match="recurrent state"):
+        validated(claim, plain, 0)
+    assert validated(claim, layout, 0) is claim

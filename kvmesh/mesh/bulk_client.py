@@ -57,7 +57,7 @@ from .bulk_wire import (
     receive_buffer,
     tune,
 )
-from .hits import PeerHit
+from .hits import PeerHit, info_of
 from .proto import kvmesh_pb2 as pb
 from .security import FleetAuth, TLSConfig, body_digest
 from .transport import StreamTimes, Want
@@ -403,10 +403,7 @@ class BulkTransport:
     async def publish(
         self, peer: pb.CapabilityCard, address: str, card_json: str, blocks: Sequence[Block]
     ) -> pb.PublishResponse:
-        infos = [
-            pb.BlockInfo(key=b.key, nbytes=b.nbytes, digest=b.digest, tokens=b.header.tokens)
-            for b in blocks
-        ]
+        infos = [info_of(b) for b in blocks]
         body = pb.BulkPublish(card_json=card_json, blocks=infos).SerializeToString()
         digest = body_digest(body)  # hashed once: the credential and the hello carry it
         cred = self._cred(PUBLISH, peer.node_id, digest)

@@ -9,13 +9,28 @@ card allows, before anything ranks it or allocates for it (invariant 10).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..codec import Layout
 from ..errors import MalformedPayload, OversizePayload
 from .placement import rendezvous
 from .proto import kvmesh_pb2 as pb
 
-__all__ = ["PeerHit", "Transfer", "rendezvous", "validated"]
+__all__ = ["PeerHit", "Transfer", "info_of", "rendezvous", "validated"]
+
+
+def info_of(block: Any) -> pb.BlockInfo:
+    """What a lookup answer or a publish says of a stored block (a :class:`Block` or
+    the store's reference to one): its key, size, digest, tokens, and whether it
+    carries recurrent state (read from its header, so it costs nothing to say)."""
+    h = block.header
+    return pb.BlockInfo(
+        key=block.key,
+        nbytes=block.nbytes,
+        digest=block.digest,
+        tokens=h.tokens,
+        states=bool(h.states),
+    )
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,8 @@ def validated(hit: PeerHit, layout: Layout, tail_tokens: int) -> PeerHit:
         raise OversizePayload("a lookup answer announced a block larger than the card allows")
     if any(b.tokens != block_tokens for b in hit.blocks):
         raise MalformedPayload("a lookup answer's block does not hold a full block of tokens")
+    if any(i.states for i in hit.infos) and not layout.card.state_every:
+        raise MalformedPayload("a lookup answer claimed recurrent state on a card without any")
     if hit.tail is not None and hit.tail.tokens != tail_tokens:
         raise MalformedPayload("a lookup answer's tail does not match the asked tail")
     held = len(hit.blocks) * block_tokens + (hit.tail.tokens if hit.tail is not None else 0)

@@ -53,6 +53,7 @@ from ..errors import (
     StoreFull,
 )
 from ..store import BlockStore
+from .hits import info_of
 from .membership import Membership
 from .placement import Popularity, Rate
 from .proto import kvmesh_pb2 as pb
@@ -79,9 +80,7 @@ GRPC_OPTIONS = [
 
 
 def _info(block: Any) -> pb.BlockInfo:
-    return pb.BlockInfo(
-        key=block.key, nbytes=block.nbytes, digest=block.digest, tokens=block.header.tokens
-    )
+    return info_of(block)
 
 
 class CacheService:

@@ -515,15 +515,20 @@ class KVMeshWorker:
 
 def _state_capped(hit: PeerHit, layout: Layout) -> PeerHit:
     """A hit (already cut to the whole pages asked for) on a card whose pages carry
-    the recurrent state where vLLM kept one, cut to the last page whose announced
-    size (header included) says it carries one: past a stateless page's size by
-    more than half the state (the fetched block is checked again: a size is a claim)."""
+    the recurrent state where vLLM kept one, cut to the last page the lookup answer
+    says carries one (its ``states`` flag; from a peer that sets none, its announced
+    size past a stateless page's by more than half the state). Either is a claim:
+    the fetched block is checked again."""
     card = layout.card
     if not card.state_optional:
         return hit
     bare = layout.header("block", bytes(32), bytes(32), 0, card.block_tokens)
     least = PREFIX.size + len(bare.encode()) + bare.payload_bytes + card.state_bytes // 2
-    n = max((i + 1 for i, b in enumerate(hit.blocks) if b.nbytes >= least), default=0)
+
+    def carries(b: Any) -> bool:
+        return bool(b.states) if b.HasField("states") else b.nbytes >= least
+
+    n = max((i + 1 for i, b in enumerate(hit.blocks) if carries(b)), default=0)
     return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * card.block_tokens)
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvmesh.proto\x12\tkvmesh.v1\"X\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x12\n\nblock_keys\x18\x02 \x03(\x0c\x12\x11\n\ttail_keys\x18\x03 \x03(\x0c\x12\r\n\x05quiet\x18\x04 \x01(\x08\"H\n\tBlockInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"\x93\x01\n\x0eLookupResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.BlockInfo\x12\"\n\x04tail\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.BlockInfo\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\x12\x10\n\x08replicas\x18\x05 \x01(\r\"\x8b\x01\n\x0c\x46\x65tchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x02\x12\x11\n\tkeep_from\x18\x06 \x03(\r\x12\x0e\n\x06\x63odecs\x18\x07 \x03(\t\";\n\nFetchChunk\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08lease_id\x18\x03 \x01(\t\"^\n\x0cPublishChunk\x12\x11\n\tcard_json\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"W\n\x0fPublishResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"F\n\x0b\x42ulkPublish\x12\x11\n\tcard_json\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.BlockInfo\"@\n\x08\x45ndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tinterface\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\"\xcd\x03\n\x0e\x43\x61pabilityCard\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x61lias\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\r\n\x05roles\x18\x04 \x03(\t\x12&\n\tendpoints\x18\x05 \x03(\x0b\x32\x13.kvmesh.v1.Endpoint\x12\x12\n\nnamespaces\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61rd_summaries\x18\x07 \x03(\t\x12\x14\n\x0c\x62udget_bytes\x18\x08 \x01(\x04\x12\x12\n\nused_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x65ntries\x18\n \x01(\x04\x12\x0c\n\x04load\x18\x0b \x01(\x02\x12\x0f\n\x07version\x18\x0c \x01(\x04\x12\x11\n\theartbeat\x18\r \x01(\x01\x12\x0e\n\x06region\x18\x0e \x01(\t\x12\x0c\n\x04hits\x18\x0f \x01(\x04\x12\x0e\n\x06misses\x18\x10 \x01(\x04\x12\x0b\n\x03mac\x18\x11 \x01(\x0c\x12\x11\n\tdata_port\x18\x12 \x01(\r\x12\x16\n\x0e\x66\x65tches_served\x18\x13 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x14 \x01(\x04\x12\x0c\n\x04host\x18\x15 \x01(\x0c\x12\x0e\n\x06\x63odecs\x18\x16 \x03(\t\x12\"\n\x05links\x18\x17 \x03(\x0b\x32\x13.kvmesh.v1.LinkRate\"P\n\x08LinkRate\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62ytes_per_s\x18\x02 \x01(\x01\x12\r\n\x05rtt_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x66\x65tches\x18\x04 \x01(\x04\";\n\x0f\x45xchangeRequest\x12(\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.CapabilityCard\"<\n\x10\x45xchangeResponse\x12(\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.CapabilityCard2\xca\x01\n\x0cPrefillCache\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x39\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x15.kvmesh.v1.FetchChunk0\x01\x12@\n\x07Publish\x12\x17.kvmesh.v1.PublishChunk\x1a\x1a.kvmesh.v1.PublishResponse(\x01\x32Q\n\nMembership\x12\x43\n\x08\x45xchange\x12\x1a.kvmesh.v1.ExchangeRequest\x1a\x1b.kvmesh.v1.ExchangeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvmesh.proto\x12\tkvmesh.v1\"X\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x12\n\nblock_keys\x18\x02 \x03(\x0c\x12\x11\n\ttail_keys\x18\x03 \x03(\x0c\x12\r\n\x05quiet\x18\x04 \x01(\x08\"h\n\tBlockInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x13\n\x06states\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_states\"\x93\x01\n\x0eLookupResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.BlockInfo\x12\"\n\x04tail\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.BlockInfo\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\x12\x10\n\x08replicas\x18\x05 \x01(\r\"\x8b\x01\n\x0c\x46\x65tchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x02\x12\x11\n\tkeep_from\x18\x06 \x03(\r\x12\x0e\n\x06\x63odecs\x18\x07 \x03(\t\";\n\nFetchChunk\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08lease_id\x18\x03 \x01(\t\"^\n\x0cPublishChunk\x12\x11\n\tcard_json\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"W\n\x0fPublishResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"F\n\x0b\x42ulkPublish\x12\x11\n\tcard_json\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.BlockInfo\"@\n\x08\x45ndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tinterface\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\"\xcd\x03\n\x0e\x43\x61pabilityCard\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x61lias\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\r\n\x05roles\x18\x04 \x03(\t\x12&\n\tendpoints\x18\x05 \x03(\x0b\x32\x13.kvmesh.v1.Endpoint\x12\x12\n\nnamespaces\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61rd_summaries\x18\x07 \x03(\t\x12\x14\n\x0c\x62udget_bytes\x18\x08 \x01(\x04\x12\x12\n\nused_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x65ntries\x18\n \x01(\x04\x12\x0c\n\x04load\x18\x0b \x01(\x02\x12\x0f\n\x07version\x18\x0c \x01(\x04\x12\x11\n\theartbeat\x18\r \x01(\x01\x12\x0e\n\x06region\x18\x0e \x01(\t\x12\x0c\n\x04hits\x18\x0f \x01(\x04\x12\x0e\n\x06misses\x18\x10 \x01(\x04\x12\x0b\n\x03mac\x18\x11 \x01(\x0c\x12\x11\n\tdata_port\x18\x12 \x01(\r\x12\x16\n\x0e\x66\x65tches_served\x18\x13 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x14 \x01(\x04\x12\x0c\n\x04host\x18\x15 \x01(\x0c\x12\x0e\n\x06\x63odecs\x18\x16 \x03(\t\x12\"\n\x05links\x18\x17 \x03(\x0b\x32\x13.kvmesh.v1.LinkRate\"P\n\x08LinkRate\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62ytes_per_s\x18\x02 \x01(\x01\x12\r\n\x05rtt_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x66\x65tches\x18\x04 \x01(\x04\";\n\x0f\x45xchangeRequest\x12(\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.CapabilityCard\"<\n\x10\x45xchangeResponse\x12(\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.CapabilityCard2\xca\x01\n\x0cPrefillCache\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x39\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x15.kvmesh.v1.FetchChunk0\x01\x12@\n\x07Publish\x12\x17.kvmesh.v1.PublishChunk\x1a\x1a.kvmesh.v1.PublishResponse(\x01\x32Q\n\nMembership\x12\x43\n\x08\x45xchange\x12\x1a.kvmesh.v1.ExchangeRequest\x1a\x1b.kvmesh.v1.ExchangeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_start=27
   _globals['_LOOKUPREQUEST']._serialized_end=115
   _globals['_BLOCKINFO']._serialized_start=117
-  _globals['_BLOCKINFO']._serialized_end=189
-  _globals['_LOOKUPRESPONSE']._serialized_start=192
-  _globals['_LOOKUPRESPONSE']._serialized_end=339
-  _globals['_FETCHREQUEST']._serialized_start=342
-  _globals['_FETCHREQUEST']._serialized_end=481
-  _globals['_FETCHCHUNK']._serialized_start=483
-  _globals['_FETCHCHUNK']._serialized_end=542
-  _globals['_PUBLISHCHUNK']._serialized_start=544
-  _globals['_PUBLISHCHUNK']._serialized_end=638
-  _globals['_PUBLISHRESPONSE']._serialized_start=640
-  _globals['_PUBLISHRESPONSE']._serialized_end=727
-  _globals['_BULKPUBLISH']._serialized_start=729
-  _globals['_BULKPUBLISH']._serialized_end=799
-  _globals['_ENDPOINT']._serialized_start=801
-  _globals['_ENDPOINT']._serialized_end=865
-  _globals['_CAPABILITYCARD']._serialized_start=868
-  _globals['_CAPABILITYCARD']._serialized_end=1329
-  _globals['_LINKRATE']._serialized_start=1331
-  _globals['_LINKRATE']._serialized_end=1411
-  _globals['_EXCHANGEREQUEST']._serialized_start=1413
-  _globals['_EXCHANGEREQUEST']._serialized_end=1472
-  _globals['_EXCHANGERESPONSE']._serialized_start=1474
-  _globals['_EXCHANGERESPONSE']._serialized_end=1534
-  _globals['_PREFILLCACHE']._serialized_start=1537
-  _globals['_PREFILLCACHE']._serialized_end=1739
-  _globals['_MEMBERSHIP']._serialized_start=1741
-  _globals['_MEMBERSHIP']._serialized_end=1822
+  _globals['_BLOCKINFO']._serialized_end=221
+  _globals['_LOOKUPRESPONSE']._serialized_start=224
+  _globals['_LOOKUPRESPONSE']._serialized_end=371
+  _globals['_FETCHREQUEST']._serialized_start=374
+  _globals['_FETCHREQUEST']._serialized_end=513
+  _globals['_FETCHCHUNK']._serialized_start=515
+  _globals['_FETCHCHUNK']._serialized_end=574
+  _globals['_PUBLISHCHUNK']._serialized_start=576
+  _globals['_PUBLISHCHUNK']._serialized_end=670
+  _globals['_PUBLISHRESPONSE']._serialized_start=672
+  _globals['_PUBLISHRESPONSE']._serialized_end=759
+  _globals['_BULKPUBLISH']._serialized_start=761
+  _globals['_BULKPUBLISH']._serialized_end=831
+  _globals['_ENDPOINT']._serialized_start=833
+  _globals['_ENDPOINT']._serialized_end=897
+  _globals['_CAPABILITYCARD']._serialized_start=900
+  _globals['_CAPABILITYCARD']._serialized_end=1361
+  _globals['_LINKRATE']._serialized_start=1363
+  _globals['_LINKRATE']._serialized_end=1443
+  _globals['_EXCHANGEREQUEST']._serialized_start=1445
+  _globals['_EXCHANGEREQUEST']._serialized_end=1504
+  _globals['_EXCHANGERESPONSE']._serialized_start=1506
+  _globals['_EXCHANGERESPONSE']._serialized_end=1566
+  _globals['_PREFILLCACHE']._serialized_start=1569
+  _globals['_PREFILLCACHE']._serialized_end=1771
+  _globals['_MEMBERSHIP']._serialized_start=1773
+  _globals['_MEMBERSHIP']._serialized_end=1854
 # @@protoc_insertion_point(module_scope)

@@ -19,16 +19,18 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., tail_keys: _Optional[_Iterable[bytes]] = ..., quiet: _Optional[bool] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
-    __slots__ = ("key", "nbytes", "digest", "tokens")
+    __slots__ = ("key", "nbytes", "digest", "tokens", "states")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     nbytes: int
     digest: bytes
     tokens: int
-    def __init__(self, key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., digest: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
+    states: bool
+    def __init__(self, key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., digest: _Optional[bytes] = ..., tokens: _Optional[int] = ..., states: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("epoch", "blocks", "tail", "matched_tokens", "replicas")
