@@ -239,9 +239,11 @@ def _raise_exit(signum: int, frame: object) -> None:
 
 
 def run_main(main: Callable[[], object]) -> None:
-    """Run a benchmark's ``main``; SIGTERM and SIGHUP become ``SystemExit`` (so every
-    ``finally`` runs), and whatever it started is stopped and deleted on any exit."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    """Run a benchmark's ``main``; SIGTERM, SIGINT and SIGHUP become ``SystemExit`` (so
+    every ``finally`` runs; Ctrl-C too inside ``asyncio.run``, whose own SIGINT
+    handler only cancels its task, which a benchmark may absorb and run on), and
+    whatever it started is stopped and deleted on any exit."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_exit)
     try:
         main()

@@ -150,8 +150,11 @@ def test_a_fresh_head_waits_on_a_trickle_no_longer_than_it_computes(tiny_engine,
         out = h.complete(toks, SAMPLING)
         assert out.report.source == "compute" and out.report.fallback == "budget", out.report
         assert out.tokens == _cold(tiny_engine, toks)
-        # our own budget ended it: no failure of the peer's is counted
-        assert not any(k.startswith("peer_failed:") for k in h.telemetry.counters)
+        # our own budget ended it: the trickle is not blamed for stalling (on a loaded
+        # machine another peer's fetch may fail on its own: said, not asserted)
+        failed = {k: v for k, v in h.telemetry.counters.items() if k.startswith("peer_failed:")}
+        assert "peer_failed:stalled" not in failed, failed
+        assert h.telemetry.counters.get("fetch_skipped:budget", 0) >= 1, h.telemetry.counters
     finally:
         close(h)
         trickle.kill()
