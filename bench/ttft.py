@@ -454,7 +454,7 @@ def library_head(
     security: Security,
     planner: Planner,
     alias: str,
-    fetch_deadline: float = 0.0,
+    fetch_deadline: float = FETCH_DEADLINE_S,
 ) -> HeadRuntime:  # type: ignore[no-untyped-def]
     """A long-lived library head seeing every link's peer: 1-byte store (it keeps
     nothing it fetches), no sessions, no publishing."""
@@ -467,7 +467,7 @@ def library_head(
         alias,
         gossip_interval=0.5,
         budget_bytes=1,
-        fetch_deadline=fetch_deadline or FETCH_DEADLINE_S,
+        fetch_deadline=fetch_deadline,
     )
 
 
@@ -488,7 +488,7 @@ def _head(  # type: ignore[no-untyped-def]
     *,
     gossip_interval: float,
     budget_bytes: int = NodeConfig.budget_bytes,
-    fetch_deadline: float = 0.0,
+    fetch_deadline: float = FETCH_DEADLINE_S,
 ) -> HeadRuntime:
     """A library head (no sessions, no publishing) on a new node seeded with
     ``seeds``, returned once their cards advertise the engine's namespace."""
@@ -499,7 +499,7 @@ def _head(  # type: ignore[no-untyped-def]
             ttl=5,
             alias=f"{alias}-{time.time_ns()}",
             security=security,
-            fetch_deadline=fetch_deadline or FETCH_DEADLINE_S,
+            fetch_deadline=fetch_deadline,
             budget_bytes=budget_bytes,
         )
     )

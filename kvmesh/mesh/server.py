@@ -79,10 +79,6 @@ GRPC_OPTIONS = [
 ]
 
 
-def _info(block: Any) -> pb.BlockInfo:
-    return info_of(block)
-
-
 class CacheService:
     def __init__(
         self,
@@ -202,10 +198,10 @@ class CacheService:
         if m.blocks and m.blocks[0].header.namespace != request.namespace:
             return pb.LookupResponse(epoch=self.store.epoch)  # keys of another namespace
         resp = pb.LookupResponse(
-            epoch=self.store.epoch, blocks=[_info(b) for b in m.blocks], matched_tokens=m.tokens
+            epoch=self.store.epoch, blocks=[info_of(b) for b in m.blocks], matched_tokens=m.tokens
         )
         if m.tail is not None:
-            resp.tail.CopyFrom(_info(m.tail))
+            resp.tail.CopyFrom(info_of(m.tail))
         if m.blocks and not request.quiet:  # demand for the prefix ending at its last block
             resp.replicas = self.popularity.hit(m.blocks[-1].key)
         return resp
