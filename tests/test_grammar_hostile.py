@@ -62,8 +62,10 @@ def test_a_hostile_schema_is_a_400_naming_it(head, name):
     r = constrained(head, HOSTILE[name])
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    # refused before it runs (naming the field), or on the step llguidance met a limit
-    assert err["param"] == "response_format" or err["code"] == "grammar_failed", err
+    # refused before it runs (naming the field), on the step llguidance met a limit, or
+    # (a loaded machine) by the compile's own time bound: each a 400 that says which
+    refused = ("grammar_failed", "grammar_too_complex")
+    assert err["param"] == "response_format" or err["code"] in refused, err
     assert "\n" not in err["message"] and "panicked" not in err["message"]
     assert head.http.get("/healthz").status_code == 200
 
