@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -333,10 +334,10 @@ def guidellm(
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     for attempt in (1, 2):
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            proc = run_group(cmd, env, timeout)
             break
         except subprocess.TimeoutExpired as e:
-            said = f"{(e.stdout or b'')[-3000:]!r} {(e.stderr or b'')[-3000:]!r}"
+            said = f"{(e.stdout or '')[-3000:]} {(e.stderr or '')[-3000:]}"
             # guidellm has stalls of its own (vllm-project/guidellm#431, #1152): one
             # more run only if the head answers a request now, so a stalled head fails
             answered = head_answers(head, model_dir.name)
@@ -347,6 +348,26 @@ def guidellm(
             print(f"\nguidellm ran past {timeout} s while the head answered; once more: {said}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + head_report(head)
     return json.loads(out.read_text())["benchmarks"]
+
+
+def run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` in a process group of its own, killed whole when it runs past ``timeout``
+    (guidellm's worker processes outlive a killed parent)."""
+    with subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def head_answers(head: Head, model: str) -> str | None:
