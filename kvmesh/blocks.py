@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # Below 32 tokens per-block overhead dominates encode and import; above it, the
@@ -186,12 +186,42 @@ class BlockKeyer:
         return self.namespace if index == 0 else keys.blocks[index - 1]
 
 
-def split_at(tokens: list[int], start: int, every: int) -> list[list[int]]:
-    """``tokens`` (positions ``start...``) cut at every multiple of ``every``: the
-    pieces a forward runs to stop on each recurrent-state checkpoint."""
+def split_at(
+    tokens: list[int], start: int, every: int, also: Sequence[int] = ()
+) -> list[list[int]]:
+    """``tokens`` (positions ``start...``) cut at every multiple of ``every`` and at
+    the positions ``also``: the pieces a forward runs to stop on each recurrent-state
+    checkpoint."""
     out, at = [], 0
     while at < len(tokens):
         stop = min(len(tokens), (start + at) // every * every + every - start)
+        stop = min([stop, *(p - start for p in also if start + at < p < start + stop)])
         out.append(tokens[at:stop])
         at = stop
     return out
+
+
+#: whole blocks at a prompt's end after which its forward keeps the recurrent state:
+#: the next turn of a chat re-renders the last few tokens (the generation prompt
+#: becomes the answer's header), so the block before the last is where it may part
+KEPT_LAST_BLOCKS = 2
+
+
+def last_block_stops(start: int, end: int, block_tokens: int, every: int) -> list[int]:
+    """The boundaries of a prompt's last :data:`KEPT_LAST_BLOCKS` whole blocks that its
+    forward over ``[start, end)`` passes, off the ``every`` grid: the states kept
+    there let the next turn, whose prompt continues this one, import (nearly) every
+    whole block of it."""
+    last = end // block_tokens * block_tokens
+    ends = (last - i * block_tokens for i in range(KEPT_LAST_BLOCKS))
+    return sorted(p for p in ends if start < p < end and p % every)
+
+
+def stale_states(held: Iterable[int], pos: int, every: int, block_tokens: int) -> list[int]:
+    """The kept states a prompt's state at ``pos`` replaces: those off the ``every``
+    grid before it, except those after the prompt's last whole blocks
+    (:data:`KEPT_LAST_BLOCKS`, counting ``pos`` itself when it ends one)."""
+    lowest = (pos // block_tokens - KEPT_LAST_BLOCKS + 1) * block_tokens
+    return [
+        p for p in held if p % every and p < pos and not (p % block_tokens == 0 and p >= lowest)
+    ]

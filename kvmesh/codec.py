@@ -245,8 +245,9 @@ class Layout:
         self, kind: str, key: bytes, parent: bytes, start: int, tokens: int, state: bool = False
     ) -> BlockHeader:
         """A block's header; ``state``: it carries the recurrent state where the card
-        leaves that to the producer (``state_optional``)."""
-        carries = self.card.carries_state(kind, start) or (state and self.card.state_optional)
+        does not say it must (:meth:`~kvmesh.compat.CompatCard.may_carry_state`)."""
+        c = self.card
+        carries = c.carries_state(kind, start) or (state and c.may_carry_state)
         return BlockHeader(
             namespace=self.card.namespace,
             key=key,
@@ -583,7 +584,7 @@ def check_header(header: BlockHeader, layout: Layout) -> None:
     if header.logits != (layout.logits() if kind == "tail" else None):
         raise MalformedPayload("bad logits spec")
     if header.states != (layout.states if c.carries_state(kind, header.start) else ()) and not (
-        c.state_optional and header.states == layout.states
+        c.may_carry_state and header.states == layout.states
     ):
         raise MalformedPayload("recurrent state does not match the card")
 

@@ -15,7 +15,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,9 @@ from typing import Any
 # 4: per-layer geometry (layer_geometry) and recurrent state checkpoints (state_every)
 # 5: a block's digest is a root over its header and its parts' digests (codec.block_digest),
 # so a block trimmed to the parts an import needs is still verified against it
-SCHEMA_VERSION = 5
+# 6: a block may carry the recurrent state off its card's grid (after a prompt's last
+# whole block), and an import ends on any block that carries it
+SCHEMA_VERSION = 6
 #: ``state_every`` of a card whose blocks carry the recurrent state where its producer
 #: kept one (vLLM's ``--mamba-cache-mode align``: the end of each prefill chunk), not on
 #: a fixed grid: an import ends on a block that carries it (see ``state_optional``)
@@ -195,6 +197,12 @@ class CompatCard:
         (:data:`STATE_WHERE_SAVED`); :meth:`carries_state` says where one must."""
         return self.state_every == STATE_WHERE_SAVED
 
+    @property
+    def may_carry_state(self) -> bool:
+        """A block may carry the recurrent state where :meth:`carries_state` does not
+        say it must: where its producer kept one (every card with recurrent layers)."""
+        return self.state_every != 0
+
     def carries_state(self, kind: str, start: int) -> bool:
         """Whether a block of ``kind`` starting at ``start`` must carry the recurrent
         state after its last token: every tail, and every ``state_every``-th block
@@ -203,14 +211,16 @@ class CompatCard:
             return False
         return kind == "tail" or (start // self.block_tokens + 1) % self.state_every == 0
 
-    def importable_blocks(self, blocks: int) -> int:
+    def importable_blocks(self, blocks: int, states: Sequence[bool] = ()) -> int:
         """The most of a chain's first ``blocks`` whole blocks an import can end
-        after (a model with recurrent state ends on a checkpoint; a deterministic
-        one on its prefill grid)."""
+        after: a model with recurrent state ends on a checkpoint (its grid's, or a
+        block whose flag in ``states`` says it carries one); a deterministic one on
+        its prefill grid."""
         every = max(self.state_every, 0) or self.prefill_grid // self.block_tokens
         if not every:
             return blocks
-        return blocks - blocks % every
+        carrying = [i + 1 for i, s in enumerate(states[:blocks]) if s]
+        return max([blocks - blocks % every, *carrying])
 
     def canonical(self) -> bytes:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()

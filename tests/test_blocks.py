@@ -53,3 +53,20 @@ def test_split_at_cuts_on_every_multiple_and_keeps_every_token():
     assert [len(p) for p in split_at(toks[:70], 10, 32)] == [22, 32, 16]  # 10..31, 32..63, 64..79
     assert sum(split_at(toks, 5, 7), []) == toks
     assert split_at([], 0, 32) == []
+    # and at the extra positions asked for (a prompt's last whole blocks)
+    assert [len(p) for p in split_at(toks, 10, 64, [32, 96])] == [22, 32, 32, 14]
+    assert [len(p) for p in split_at(toks, 0, 64, [64, 200])] == [64, 36]
+
+
+def test_a_prompt_keeps_the_state_after_its_last_two_whole_blocks_off_the_grid():
+    from kvmesh.blocks import last_block_stops, stale_states
+
+    # blocks of 32, a grid of 64: 96 is off it, 64 on it, the end (100) kept anyway
+    assert last_block_stops(0, 100, 32, 64) == [96]
+    assert last_block_stops(0, 160, 32, 1024) == [128]  # an end on a boundary is its own
+    assert last_block_stops(500, 530, 32, 1024) == [512]  # 480: an earlier chunk's
+    assert last_block_stops(0, 20, 32, 64) == []
+    # a prompt's state at 530 keeps the states after its last two whole blocks
+    assert stale_states([416, 448, 480, 500, 512], 530, 1024, 32) == [416, 448, 500]
+    assert stale_states([64, 96, 100], 128, 64, 32) == [100]  # 64: the grid's
+    assert stale_states([32, 96, 100], 160, 64, 32) == [32, 96, 100]  # 160, 128 kept

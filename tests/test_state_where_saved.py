@@ -1,6 +1,8 @@
-"""A card whose blocks carry the recurrent state where its producer kept one
-(``STATE_WHERE_SAVED``: vLLM's align mode): a block with the state or without it is
-valid, a wrong state never is, and only such a card accepts a state off its grid."""
+"""Blocks that carry the recurrent state where their producer kept one: every block of
+a ``STATE_WHERE_SAVED`` card (vLLM's align mode), and off the grid of a card that
+checkpoints every ``state_every`` blocks (a prompt's last whole block). A block with
+the state or without it is valid there, a wrong state never is, a grid block must
+carry it, and a card without recurrent layers takes none."""
 
 from __future__ import annotations
 
@@ -46,19 +48,31 @@ def test_a_block_with_or_without_the_state_is_valid_where_saved():
     assert layout.card.importable_blocks(3) == 3  # the caller ends on a block with state
 
 
-def test_only_a_where_saved_card_takes_a_state_off_its_grid():
+def test_a_grid_card_takes_a_state_off_its_grid_and_requires_one_on_it():
     every_two = Layout(_card(2))
-    off_grid = dataclasses.replace(_block(every_two, 0, False).header, states=every_two.states)
-    with pytest.raises(MalformedPayload, match="recurrent state"):
-        check_header(off_grid, every_two)
+    off_grid = _block(every_two, 0, True)
+    assert off_grid.header.states == every_two.states
+    check_header(off_grid.header, every_two)
+    check_header(_block(every_two, 0, False).header, every_two)  # or without it
     on_grid = _block(every_two, BLOCK, False).header
     assert on_grid.states == every_two.states  # the grid's blocks carry it, asked or not
     with pytest.raises(MalformedPayload, match="recurrent state"):  # and must
         check_header(dataclasses.replace(on_grid, states=()), every_two)
+    # an import ends after the last block that carries it, the grid's or a flagged one
+    assert every_two.card.importable_blocks(3) == 2
+    assert every_two.card.importable_blocks(3, [True, False, True]) == 3
+    assert every_two.card.importable_blocks(3, [True, False, False]) == 2
     saved = Layout(_card(STATE_WHERE_SAVED))
     wrong = dataclasses.replace(_block(saved, 0, True).header, states=every_two.states[:1])
     with pytest.raises(MalformedPayload, match="recurrent state"):
         check_header(wrong, saved)
+    plain = Layout(small_card())
+    assert not plain.card.may_carry_state
+    stateful = dataclasses.replace(
+        plain.header("block", bytes(32), bytes(32), 0, BLOCK), states=every_two.states
+    )
+    with pytest.raises(MalformedPayload, match="recurrent state"):
+        check_header(stateful, plain)
     with pytest.raises(ValueError, match="state_every"):
         _card(-2)
 

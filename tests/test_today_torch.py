@@ -42,12 +42,6 @@ def _greedy(engine: TransformersEngine, state) -> list[int]:  # type: ignore[no-
     return list(engine.generate(state, Sampling(max_tokens=STEPS, stop_on_eos=False)))
 
 
-def _expected_reuse(card, n: int) -> int:  # type: ignore[no-untyped-def]
-    """Whole blocks of ``n`` an import can end on (a hybrid: its last checkpoint)."""
-    b = card.block_tokens
-    return card.importable_blocks(n // b) * b
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", zoo.TODAY)
 def test_blocks_of_one_engine_continue_exactly_in_another(arch, dtype):
@@ -73,7 +67,8 @@ def test_blocks_of_one_engine_continue_exactly_in_another(arch, dtype):
         whole = [b for b in blocks if b.header.kind == "block"]
         ext = importer.prefill(longer, whole)
         q = ext.imported_tokens
-        assert q == _expected_reuse(card, n), (arch, n, q)
+        # every whole block (a hybrid's last one carries the state after it)
+        assert q == n // card.block_tokens * card.block_tokens, (arch, n, q)
         mine = producer.resume(own, q, longer)
         assert mine.cached == ext.cached == len(longer)
         assert torch.equal(ext.logits, mine.logits), (arch, n)
@@ -119,17 +114,22 @@ def test_kv_shared_layers_ship_nothing_and_head_dims_differ_per_layer():
 def test_a_hybrid_checkpoints_its_state_and_ends_imports_on_one():
     producer, importer = _engines("qwen3_5", "float32")
     card = producer.card
-    assert card.state_every >= 1 and any(x.state for x in card.geometry)
+    assert card.state_every >= 2 and any(x.state for x in card.geometry)
     b, every = card.block_tokens, card.state_every
     path = zoo.hf_model("qwen3_5")
-    tokens = zoo.prompt_tokens(path, b * (every + 1) + 5)
+    tokens = zoo.prompt_tokens(path, b * (2 * every + 3) + 5)
     own = producer.prefill(tokens)
     blocks = producer.export(own, BlockKeyer(card.namespace, b))
-    carrying = [x.header.start // b for x in blocks if x.header.states]
-    assert carrying[:-1] == [every - 1] and blocks[-1].header.kind == "tail"
-    # the chain without its tail ends one block past the checkpoint: the import
-    # stops at the checkpoint, the rest is computed
-    state = importer.prefill(tokens, blocks[:-1])
+    whole, tail = blocks[:-1], blocks[-1]
+    carrying = [x.header.start // b for x in whole if x.header.states]
+    # the grid's checkpoints, and the prompt's last two whole blocks (a next turn ends there)
+    grid = {i for i in range(len(whole)) if (i + 1) % every == 0}
+    assert carrying == sorted(grid | {len(whole) - 2, len(whole) - 1})
+    assert tail.header.kind == "tail" and tail.header.states
+    assert importer.prefill(tokens, whole).imported_tokens == len(whole) * b
+    # a chain that stops one block past the grid's checkpoint: the import ends on the
+    # checkpoint, the rest is computed
+    state = importer.prefill(tokens, whole[: every + 1])
     assert state.imported_tokens == every * b
     assert torch.equal(state.logits, own.logits)
 

@@ -128,6 +128,11 @@ class EngineBase(abc.ABC):
         (the card's ``states`` order). Only engines whose cards have state."""
         raise ConfigError(f"the {self.name} engine keeps no recurrent state")
 
+    def _kept_state(self, cache: Any, pos: int) -> bool:
+        """Whether ``cache`` kept the recurrent state after position ``pos`` off the
+        card's grid (a prompt's last whole block): the block ending there carries it."""
+        return False
+
     def _positions(self, cache: Any) -> int | None:
         """How many positions ``cache`` holds, where the engine tracks it (None:
         ask :meth:`restorable`)."""
@@ -354,7 +359,10 @@ class EngineBase(abc.ABC):
         b = self.card.block_tokens
         out: list[Block] = []
         for i in range(first_block, min(len(keys.blocks), limit // b)):
-            hdr = self.layout.header("block", keys.blocks[i], keyer.parent_of(keys, i), i * b, b)
+            kept = self._kept_state(state.cache, (i + 1) * b)
+            hdr = self.layout.header(
+                "block", keys.blocks[i], keyer.parent_of(keys, i), i * b, b, kept
+            )
             out.append(self._seal(state.cache, hdr))
         if logits is not None:
             n_full = len(keys.blocks)

@@ -19,8 +19,9 @@ Cache layers:
   ``shared`` / ``none`` in the card, nothing shipped.
 - ``LinearAttentionLayer`` (Gated DeltaNet, Mamba2, short conv): its states cannot
   be cut back, so forwards stop every ``state_every`` blocks to keep a copy there
-  (a checkpoint) and keep one at every prefill's end; an import or crop ends on
-  one (:meth:`TransformersEngine.restorable`).
+  (a checkpoint) and keep one at a prompt's end and after its last two whole
+  blocks (those carry it: the next chat turn imports up to there); an import or
+  crop ends on one (:meth:`TransformersEngine.restorable`).
 - Anything else, or keys and values of different shapes (latent attention), turns
   reuse off: served, never exported or imported.
 
@@ -49,7 +50,7 @@ import torch
 from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from ..blocks import DEFAULT_BLOCK_TOKENS, split_at
+from ..blocks import DEFAULT_BLOCK_TOKENS, last_block_stops, split_at, stale_states
 from ..codec import Block, Layout
 from ..compat import LayerGeometry, kv_quant_params
 from ..errors import CacheMiss, CannotRestore, ConfigError
@@ -863,14 +864,21 @@ class TransformersEngine(EngineBase):
         kernels: Mapping[int, str] | None = None,
     ) -> tuple[Any, Any]:
         """With recurrent layers, the forward stops at every state checkpoint
-        (a multiple of ``state_every`` blocks) to keep the state there, and keeps
-        the state at its end too (``checkpoint_end``: a prompt's tail is exported
-        from it while decoding goes on). The linear layers take ``kernels``
-        (default: the prefill's, :meth:`_prefill_kernels`)."""
+        (a multiple of ``state_every`` blocks) to keep the state there; a prompt's
+        forward (``checkpoint_end``) keeps the state at its end too (its tail is
+        exported from it while decoding goes on) and after its last whole blocks
+        (:func:`~kvmesh.blocks.last_block_stops`). The linear layers take
+        ``kernels`` (default: the prefill's, :meth:`_prefill_kernels`)."""
         if cache is None:
             cache = self._new_cache()
         every = self._state_every * self.block_tokens or self.grid
-        pieces = split_at(list(tokens), start, every) if every else [list(tokens)]
+        end = start + len(tokens)
+        stops = (
+            last_block_stops(start, end, self.block_tokens, every)
+            if self._state_every and checkpoint_end
+            else []
+        )
+        pieces = split_at(list(tokens), start, every, stops) if every else [list(tokens)]
         if self.grid:
             det.advance(cache, start, [len(p) for p in pieces], self.grid)
         pos = start
@@ -883,7 +891,7 @@ class TransformersEngine(EngineBase):
             pos += len(piece)
             if self._state_every:
                 setattr(cache, _POS, pos)
-                if pos % every == 0 or (checkpoint_end and piece is pieces[-1]):
+                if pos % every == 0 or pos in stops or (checkpoint_end and pos == end):
                     self._checkpoint(cache, pos, every, replace=checkpoint_end)
         return cache, out.logits[0, -1].float()
 
@@ -905,11 +913,11 @@ class TransformersEngine(EngineBase):
 
     def _checkpoint(self, cache: Any, pos: int, every: int, replace: bool = True) -> None:
         """Keep every recurrent layer's state at ``pos`` (copies: the model updates
-        them in place). A prefill's end off the checkpoint grid ``replace``\ s the
-        one before it (decoding past a grid point keeps the prompt's end: the next
-        chat turn resumes there)."""
+        them in place). A prompt's states off the checkpoint grid ``replace`` those
+        before them (:func:`~kvmesh.blocks.stale_states`; decoding past a grid point
+        keeps the prompt's: the next chat turn resumes there)."""
         states = getattr(cache, _STATES)
-        for p in [p for p in states if p % every and p < pos and replace]:
+        for p in stale_states(states, pos, every, self.block_tokens) if replace else ():
             del states[p]
         states[pos] = tuple(
             tuple(t.clone() for t in _state_parts(layer, self._slots[i]))
@@ -917,6 +925,9 @@ class TransformersEngine(EngineBase):
             else ()
             for i, layer in enumerate(cache.layers)
         )
+
+    def _kept_state(self, cache: Any, pos: int) -> bool:
+        return pos in getattr(cache, _STATES, {})
 
     def _states_at(self, cache: Any, pos: int) -> tuple[tuple[torch.Tensor, ...], ...]:
         states = getattr(cache, _STATES, {})

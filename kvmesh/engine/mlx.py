@@ -23,9 +23,10 @@ Cache types:
   scales, biases); bits and group size join the card.
 - ``ArraysCache`` (recurrent layers): mlx-lm replaces its arrays on every forward,
   so a state is kept by reference. A multi-token forward stops every
-  ``state_every`` blocks to keep the state there, and keeps it where it ends (of
-  positions off the grid only the latest); an import or crop ends on a kept
-  position (:meth:`MLXEngine.restorable`).
+  ``state_every`` blocks to keep the state there; a prompt's keeps it where the
+  prompt ends and after its last two whole blocks (those carry it: the next chat
+  turn imports up to there); an import or crop ends on a kept position
+  (:meth:`MLXEngine.restorable`).
 
 mlx's CPU build runs mixture-of-experts layers only in float32 or quantized: a
 bfloat16 MoE is a ConfigError at load there. bfloat16 arrays travel as raw 16-bit
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import DEFAULT_BLOCK_TOKENS, split_at
+from ..blocks import DEFAULT_BLOCK_TOKENS, last_block_stops, split_at, stale_states
 from ..codec import Block, Layout
 from ..compat import LayerGeometry, kv_quant_name
 from ..errors import CacheMiss, CannotRestore, ConfigError
@@ -529,14 +530,17 @@ class MLXEngine(EngineBase):
         self, cache: Any, tokens: Sequence[int], start: int, checkpoint_end: bool = True
     ) -> tuple[Any, Any]:
         """With recurrent layers, the forward stops at every state checkpoint (a
-        multiple of ``state_every`` blocks) to keep the state there, and keeps the
-        state at its end too (``checkpoint_end``: a prompt's tail is exported from
-        it while decoding goes on)."""
+        multiple of ``state_every`` blocks) to keep the state there; a prompt's
+        forward (``checkpoint_end``) keeps the state at its end too (its tail is
+        exported from it while decoding goes on) and after its last whole blocks
+        (:func:`~kvmesh.blocks.last_block_stops`)."""
         mx = self.mx
         if cache is None:
             cache = self.new_cache()
-        every = self._every
-        pieces = split_at(list(tokens), start, every) if every else [list(tokens)]
+        every, end = self._every, start + len(tokens)
+        b = self.card.block_tokens if every else 0
+        stops = last_block_stops(start, end, b, every) if every and checkpoint_end else []
+        pieces = split_at(list(tokens), start, every, stops) if every else [list(tokens)]
         pos = start
         for piece in pieces:
             logits = self.model(mx.array([piece]), cache=cache)
@@ -547,8 +551,8 @@ class MLXEngine(EngineBase):
             mx.eval(*([out] if last else []), *[a for c in cache for a in _arrays(c)])
             if every:
                 cache.pos = pos
-                if pos % every == 0 or (checkpoint_end and last):
-                    self._checkpoint(cache, pos, every)
+                if pos % every == 0 or pos in stops or (checkpoint_end and last):
+                    self._checkpoint(cache, pos, every, replace=checkpoint_end)
         return cache, out
 
     def _advance(self, state: KVState) -> None:
@@ -561,12 +565,18 @@ class MLXEngine(EngineBase):
     def _live_states(self, cache: Sequence[Any]) -> States:
         return tuple(tuple(c.cache) if _is_state(c) else () for c in cache)
 
-    def _checkpoint(self, cache: _Cache, pos: int, every: int) -> None:
-        """Keep every recurrent cache's state at ``pos`` (copies of their own). Of
-        the positions off the checkpoint grid only the latest is kept."""
-        for p in [p for p in cache.states if p % every and p < pos]:
+    def _checkpoint(self, cache: _Cache, pos: int, every: int, replace: bool = True) -> None:
+        """Keep every recurrent cache's state at ``pos`` (copies of their own). A
+        prompt's states off the checkpoint grid ``replace`` those before them
+        (:func:`~kvmesh.blocks.stale_states`; decoding past a grid point keeps the
+        prompt's: the next chat turn resumes there)."""
+        b = self.card.block_tokens
+        for p in stale_states(cache.states, pos, every, b) if replace else ():
             del cache.states[p]
         cache.states[pos] = tuple(tuple(_own(a) for a in s) for s in self._live_states(cache))
+
+    def _kept_state(self, cache: Any, pos: int) -> bool:
+        return pos in getattr(cache, "states", {})
 
     def _states_at(self, cache: Any, pos: int) -> States:
         states = getattr(cache, "states", {})

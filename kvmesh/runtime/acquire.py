@@ -143,12 +143,13 @@ def wire_bytes(layout: Layout, hit: PeerHit, start: int, keep: tuple[int, ...] |
 
 def _importable(card: CompatCard, hit: PeerHit) -> PeerHit:
     """``hit`` cut to what an import can end on (the blocks past it would be fetched
-    for nothing): a hybrid's chain without a tail ends on its last state
-    checkpoint; a deterministic card's on its prefill grid, tail or not (the
-    positions past the grid are recomputed as a cold prompt computes them)."""
+    for nothing): a hybrid's chain without a tail ends on its last block that
+    carries the state (a grid checkpoint, or one the answer flags); a deterministic
+    card's on its prefill grid, tail or not (the positions past the grid are
+    recomputed as a cold prompt computes them)."""
     if not card.prefill_grid and (hit.tail is not None or not card.state_every):
         return hit
-    n = card.importable_blocks(len(hit.blocks))
+    n = card.importable_blocks(len(hit.blocks), [b.states for b in hit.blocks])
     if n == len(hit.blocks) and hit.tail is None:
         return hit
     return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * card.block_tokens, tail=None)
