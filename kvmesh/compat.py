@@ -20,13 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .blocks import KEPT_LAST_BLOCKS
+
 # 2: block_digest joined the card; 3: a block's sliding-window layers carry all of
 # its positions and a prefix of any length imports (the last window of them);
 # 4: per-layer geometry (layer_geometry) and recurrent state checkpoints (state_every)
 # 5: a block's digest is a root over its header and its parts' digests (codec.block_digest),
 # so a block trimmed to the parts an import needs is still verified against it
 # 6: a block may carry the recurrent state off its card's grid (after a prompt's last
-# whole block), and an import ends on any block that carries it
+# whole blocks), and an import ends on any block that carries it
 SCHEMA_VERSION = 6
 #: ``state_every`` of a card whose blocks carry the recurrent state where its producer
 #: kept one (vLLM's ``--mamba-cache-mode align``: the end of each prefill chunk), not on
@@ -253,6 +255,13 @@ class CompatCard:
         if self.state_every > 0:
             total += -(-self.state_bytes // (self.state_every * self.block_tokens))
         return total
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """Cache bytes one sequence of ``tokens`` positions may hold: their KV and the
+        grid's states (:attr:`kv_bytes_per_token`), and the states a prompt keeps
+        off the grid (at its end and after its last whole blocks)."""
+        off_grid = (KEPT_LAST_BLOCKS + 1) * self.state_bytes if self.state_every else 0
+        return self.kv_bytes_per_token * tokens + off_grid
 
     def summary(self) -> str:
         """One line for logs and the dashboard."""

@@ -130,7 +130,7 @@ class EngineBase(abc.ABC):
 
     def _kept_state(self, cache: Any, pos: int) -> bool:
         """Whether ``cache`` kept the recurrent state after position ``pos`` off the
-        card's grid (a prompt's last whole block): the block ending there carries it."""
+        card's grid (after a prompt's last whole blocks): the block ending there carries it."""
         return False
 
     def _positions(self, cache: Any) -> int | None:

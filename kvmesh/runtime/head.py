@@ -415,8 +415,7 @@ class HeadRuntime:
     def _kv_bytes(self, prompt_tokens: int, sampling: Sampling) -> int:
         """The KV a request's sequences may hold at their longest (its budget share):
         each of its ``n`` sequences ends up with its own copy of the prompt."""
-        per = self.card.kv_bytes_per_token
-        return per * sampling.n * (prompt_tokens + sampling.max_tokens)
+        return sampling.n * self.card.sequence_bytes(prompt_tokens + sampling.max_tokens)
 
     def _cancelled(self, out: Generation, stage: str) -> None:
         out.cancelled = True

@@ -80,7 +80,7 @@ class Sessions:
         """Keep ``state`` as ``client``'s session under ``root``, older ones giving way."""
         if self.max_sessions < 1:
             return
-        nbytes = self.card.kv_bytes_per_token * state.cached
+        nbytes = self.card.sequence_bytes(state.cached)
         with self._lock:
             while len(self._kept) >= self.max_sessions:
                 self._forget_oldest()
