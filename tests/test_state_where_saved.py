@@ -1,6 +1,6 @@
 """Blocks that carry the recurrent state where their producer kept one: every block of
 a ``STATE_WHERE_SAVED`` card (vLLM's align mode), and off the grid of a card that
-checkpoints every ``state_every`` blocks (a prompt's last whole block). A block with
+checkpoints every ``state_every`` blocks (a prompt's last whole blocks). A block with
 the state or without it is valid there, a wrong state never is, a grid block must
 carry it, and a card without recurrent layers takes none."""
 
