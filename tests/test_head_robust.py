@@ -128,7 +128,8 @@ def test_waiting_prompts_are_bounded_by_their_tokens(head):
         running = Raw(h.url, {**LONG, "stream": True})
         running.read_until(b"data:")  # the engine is taken
         first = Raw(h.url, LONG)  # waits alone: its n tokens fit
-        h.wait(lambda s: s["queue"]["waiting"] == 1)
+        # counted once tokenized (waiting counts it from admission, before that)
+        h.wait(lambda s: s["queue"]["waiting"] == 1 and s["queue"]["queued_tokens"] == n)
         r = h.http.post("/v1/completions", json=LONG)  # 2n would wait
         assert r.status_code == 503, r.text
         assert int(r.headers["retry-after"]) >= 1

@@ -455,6 +455,7 @@ def _add_health_routes(
             "publish_pending": runtime.publish_pending(),
             "queue": {
                 "waiting": scheduler.waiting,
+                "queued_tokens": scheduler.queued_tokens,  # the waiting prompts' (bounded)
                 "running": scheduler.running,
                 "max": scheduler.max_queue,
             },

@@ -258,7 +258,7 @@ export interface Health {
   peers: number;
   compatible_peers: number;
   publish_pending: number;
-  queue: { waiting: number; running: number; max: number };
+  queue: { waiting: number; queued_tokens: number; running: number; max: number };
   batch: { sequences: number; max: number };
   error?: string;
 }
