@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from kvmesh.engine import load_engine
+from kvmesh.engine import attention, load_engine
 from kvmesh.engine.hf import _BUCKETS, GROW, KERNELS, MAX_ROWS_FIRST, MORE_ROWS, _calibrate
 
 from . import zoo
@@ -103,7 +103,9 @@ def test_a_leaving_sequence_drops_its_batch_and_the_rest_stay_exact():
 @pytest.mark.parametrize("kernel", ["linear", *KERNELS])
 def test_every_kernel_matches_and_attention_stays_fused(kernel):
     eng = engine()
-    assert eng.attn_implementation == "sdpa"  # transformers' default on torch >= 2.1: the premise
+    # SDPA (transformers' default on torch >= 2.1), split mask-free for a lone
+    # continuing prefill (kvmesh.engine.attention): the premise
+    assert eng.attn_implementation == attention.NAME
     saved = eng.kernels
     eng.kernels = {} if kernel == "linear" else dict.fromkeys(range(2, 4), kernel)
     try:

@@ -54,7 +54,9 @@ from ..blocks import DEFAULT_BLOCK_TOKENS, last_block_stops, split_at, stale_sta
 from ..codec import Block, Layout
 from ..compat import LayerGeometry, kv_quant_params
 from ..errors import CacheMiss, CannotRestore, ConfigError
+from . import attention
 from . import deterministic as det
+from .attention import continuing
 from .base import EngineBase
 from .decode import Sampling
 from .geometry import CacheGeometry, card_from_hf_dir
@@ -764,6 +766,9 @@ class TransformersEngine(EngineBase):
         self.dtype = want
         # fixed per model by transformers (e.g. eager for Gemma-2's softcapping); shown, not guessed
         self.attn_implementation = str(getattr(self.model.config, "_attn_implementation", ""))
+        if self._split_attention(deterministic_grid):
+            self.model.set_attn_implementation(attention.implementations(self.model.config))
+            self.attn_implementation = attention.NAME
         quant = cfg.get("quantization_config")
         self.block_tokens = block_tokens or DEFAULT_BLOCK_TOKENS
         self._state_every = 0  # the probe runs before the card says how often
@@ -785,6 +790,16 @@ class TransformersEngine(EngineBase):
         if self.tokenizer.eos_token_id is not None:
             eos_list.append(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(int(e) for e in eos_list)
+
+    def _split_attention(self, deterministic_grid: int) -> bool:
+        """Whether a continuing prefill attends mask-free (:mod:`.attention`): SDPA
+        on the CPU, outside deterministic mode (its card and numbers stay SDPA's)."""
+        return (
+            self.device.type == "cpu"
+            and self.attn_implementation == "sdpa"
+            and not deterministic_grid
+            and attention.install()
+        )
 
     def _probe(self) -> CacheGeometry:
         """The geometry of the cache a real forward fills (:func:`_probe_layers`)."""
@@ -885,7 +900,7 @@ class TransformersEngine(EngineBase):
         for piece in pieces:
             ids = torch.tensor([piece], dtype=torch.long, device=self.device)
             kw = {self._cache_kw: cache}
-            with batched(self._prefill_kernels() if kernels is None else kernels):
+            with batched(self._prefill_kernels() if kernels is None else kernels), continuing():
                 out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
             _settle(cache, len(piece))  # the cache was extended in place
             pos += len(piece)
