@@ -24,8 +24,9 @@ Contract:
   codecs usable here. Both release the GIL while compressing and decompressing (measured:
   two threads run ~2x one; docs/ship-less.md §3), so a sender may compress part ``i+1`` on a
   pool while sending part ``i``.
-- :class:`Calibration` keeps EWMAs per codec of the ratio (raw/wire) and of the encode and
-  decode speeds, and :meth:`Calibration.best` picks the codec that moves ``nbytes`` fastest
+- :class:`Calibration` keeps EWMAs per codec of the ratio (raw/wire as a sender realizes it:
+  a part saving under :data:`MIN_SAVING` is sent raw, 1.0) and of the encode and decode
+  speeds (a thread's CPU time), and :meth:`Calibration.best` picks the codec that moves ``nbytes`` fastest
   over a link: ``argmin max(wire/link, nbytes/enc, nbytes/dec)`` (raw: ``nbytes/link``, which
   a codec must beat by 5%), so a fast link picks ``raw`` with no special case and an
   unmeasured codec is never picked.
@@ -166,8 +167,16 @@ def encode(codec: str, raw: memoryview | bytes, itemsize: int) -> bytes | memory
     return b"".join([head, *parts, tail])
 
 
+MIN_SAVING = 0.05  # a compressed part is sent only if this much shorter than its raw bytes
+
+
+def _sent(raw_len: int, wire_len: int, min_saving: float = MIN_SAVING) -> bool:
+    """Whether a part of ``raw_len`` bytes encoded to ``wire_len`` goes compressed."""
+    return wire_len <= raw_len * (1.0 - min_saving) and wire_len < raw_len
+
+
 def encode_or_raw(
-    codec: str, raw: memoryview | bytes, itemsize: int, min_saving: float = 0.05
+    codec: str, raw: memoryview | bytes, itemsize: int, min_saving: float = MIN_SAVING
 ) -> tuple[str, bytes | memoryview]:
     """(codec, wire bytes) to send: ``codec``'s bytes when they are at least ``min_saving``
     shorter than ``raw``, else ``("raw", raw's view)``."""
@@ -175,7 +184,7 @@ def encode_or_raw(
     if codec == "raw":
         return "raw", view
     wire = encode(codec, view, itemsize)
-    if len(wire) <= len(view) * (1.0 - min_saving) and len(wire) < len(view):
+    if _sent(len(view), len(wire), min_saving):
         return codec, wire
     return "raw", view
 
@@ -297,7 +306,10 @@ class Calibration:
     def sample(self, block_bytes: memoryview | bytes, itemsize: int, force: bool = False) -> bool:
         """Encode and decode ``block_bytes`` (one exported block's KV) with every available
         codec and observe the outcome; at most once per ``sample_every_s`` unless ``force``.
-        Returns whether it sampled."""
+        Returns whether it sampled. The ratio observed is what a sender would realize (a
+        part that saves less than :data:`MIN_SAVING` goes raw: 1.0), and the speeds are
+        this thread's CPU time, so a time slice lost to another process on a busy machine
+        does not make a codec look slow."""
         now = self._clock()
         with self._lock:
             last = self._last_sample
@@ -309,14 +321,15 @@ class Calibration:
         for codec in available():
             if codec == "raw" or not view:
                 continue
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             wire = encode(codec, view, itemsize)
-            t1 = time.perf_counter()
+            t1 = time.thread_time()
             dec_s = None
             if len(wire) < len(view):  # a part not shorter is sent raw, never decoded
                 decode_into(codec, memoryview(wire), out, itemsize)
-                dec_s = time.perf_counter() - t1
-            self.observe(codec, len(view), len(wire), t1 - t0, dec_s)
+                dec_s = time.thread_time() - t1
+            sent = len(wire) if _sent(len(view), len(wire)) else len(view)
+            self.observe(codec, len(view), sent, t1 - t0, dec_s)
         return True
 
     def stats(self) -> dict[str, dict[str, float]]:

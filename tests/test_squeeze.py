@@ -291,6 +291,29 @@ def test_sample_measures_every_codec_at_most_once_a_minute() -> None:
     assert cal.sample(raw, 2)
 
 
+def test_sample_records_what_a_sender_realizes() -> None:
+    """A part that a codec shortens by less than MIN_SAVING is sent raw: the sample
+    records ratio 1.0 for that codec (not the 1.0x it nearly saved), so the planner
+    never asks for a codec whose parts would all go raw; one that saves more is
+    recorded as it is."""
+    rng = np.random.default_rng(5)
+    raw = bytearray(rng.integers(0, 256, 1 << 14, dtype=np.uint8).tobytes())
+    raw[: len(raw) * 3 // 100] = bytes(len(raw) * 3 // 100)  # ~3% compressible: a zero run
+    cal = squeeze.Calibration()
+    assert cal.sample(bytes(raw), 4)
+    stats = cal.stats()
+    assert {"bp-lz4", "bp-zstd1"} <= set(stats)
+    for codec, st in stats.items():
+        wire = squeeze.encode(codec, memoryview(raw), 4)
+        assert len(raw) * (1 - squeeze.MIN_SAVING) < len(wire) < len(raw)  # nearly saved
+        assert squeeze.encode_or_raw(codec, bytes(raw), 4)[0] == "raw"
+        assert st["ratio"] == 1.0, (codec, len(wire), len(raw))
+    half = bytes(len(raw) // 2) + bytes(raw[len(raw) // 2 :])  # half zeros: saves a lot
+    cal = squeeze.Calibration()
+    assert cal.sample(half, 4)
+    assert cal.stats()["bp-zstd1"]["ratio"] > 1.5
+
+
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
 def test_real_kv_of_a_zoo_model_round_trips(dtype: str) -> None:
     """KV exported by a real forward of a seeded zoo model (trained tokenizer, random
