@@ -26,10 +26,10 @@ Contract:
   pool while sending part ``i``.
 - :class:`Calibration` keeps EWMAs per codec of the ratio (raw/wire as a sender realizes it:
   a part saving under :data:`MIN_SAVING` is sent raw, 1.0) and of the encode and decode
-  speeds (a thread's CPU time), and :meth:`Calibration.best` picks the codec that moves ``nbytes`` fastest
-  over a link: ``argmin max(wire/link, nbytes/enc, nbytes/dec)`` (raw: ``nbytes/link``, which
-  a codec must beat by 5%), so a fast link picks ``raw`` with no special case and an
-  unmeasured codec is never picked.
+  speeds (a thread's CPU time), and :meth:`Calibration.best` picks the codec that moves
+  ``nbytes`` fastest over a link: ``argmin max(wire/link, nbytes/enc, nbytes/dec)`` (raw:
+  ``nbytes/link``, which a codec must beat by 5%), so a fast link picks ``raw`` with no
+  special case and an unmeasured codec is never picked.
 """
 
 from __future__ import annotations
