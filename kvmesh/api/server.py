@@ -48,13 +48,12 @@ def bind(listen: str) -> socket.socket:
 
 
 def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
-    from ..engine import load_engine, threads
+    from ..engine import load_engine
     from ..engine.demo import resolve_model
     from ..mesh.node import NodeThread
     from ..runtime.ready import prepare_process, ready
 
     prepare_process()  # before torch's threads allocate: the fetch's threads share the warm heap
-    threads.reserve()  # torch's parallel work is the engine thread's alone (see there)
     engine = load_engine(
         opts.model,
         opts.engine,

@@ -50,13 +50,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import memory
-from ..engine import threads
 from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState
 from ..engine.grammar import compile_grammar
 from .jobs import CANCEL_STAGES, PREFILLING, QUEUED, RUNNING, Job, PrefillPlan
@@ -111,8 +109,6 @@ class BatchRunner:
         self._starting: list[Job] = []  # admitted, not yet planned
         self._prefilling: list[Prefilling] = []  # planned, their prompts being computed
         self._running: list[_Seq] = []
-        self._calls = _Calls()  # for on_engine
-        self.torch_threads = 0  # the engine thread's, once it runs
         self._closed = False
         self.failure: BaseException | None = None
         self.steps = 0
@@ -220,15 +216,6 @@ class BatchRunner:
         or failed."""
         return self._sharing.rescued_tokens
 
-    def on_engine(self, fn: Callable[[], Any], timeout_s: float = 120.0) -> Any:
-        """``fn()`` on the engine thread, with its torch threads: its result or error."""
-        with self._cv:
-            if self._closed:
-                raise EngineFailed("the engine is shut down")
-            done = self._calls.add(fn)
-            self._cv.notify()
-        return done.result(timeout_s)
-
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -239,7 +226,6 @@ class BatchRunner:
 
     def _run(self) -> None:
         """The loop, supervised: if it dies, every job fails and nothing waits."""
-        self.torch_threads = threads.take()  # torch's threads are this one's (see there)
         try:
             self._loop()
         except BaseException as e:
@@ -252,17 +238,15 @@ class BatchRunner:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                if not self._has_work():
+                if not (self._waiting or self._prefilling or self._running or self._closed):
                     memory.after_request(idle=True)  # nothing left: trimmed after IDLE_S of quiet
-                    while not self._has_work():
+                    while not (self._waiting or self._prefilling or self._running or self._closed):
                         self._cv.wait()
                     memory.after_request(idle=False)
                 if self._closed:
                     memory.after_request(idle=True)  # a closed engine holds no request open
                     self._fail_all(RuntimeError("the engine is shut down"))
                     return
-                calls = self._calls.take()
-            calls.run()
             self._starting = self._admissible()
             while self._starting:  # each stays listed while it starts: a death ends it too
                 self._begin(self._starting[0])
@@ -271,10 +255,6 @@ class BatchRunner:
                 self._prefill_turn()
             if self._running:
                 self._step()
-
-    def _has_work(self) -> bool:
-        queues = (self._waiting, self._prefilling, self._running, self._calls)
-        return self._closed or any(queues)
 
     def _admissible(self) -> list[Job]:
         """Jobs to start now, fairest first (see the module docstring). Cancelled
@@ -528,43 +508,9 @@ class BatchRunner:
             pending = [*self._starting, *(p.job for p in self._prefilling), *self._waiting]
             waiting = list(dict.fromkeys(pending))  # a job starting may be prefilling already
             self._waiting, self._starting, self._prefilling = deque(), [], []
-            calls = self._calls.take()
-        calls.fail(error)
         for job in waiting:
             self._budget.release(job)
             job.end(error=error)
-
-
-class _Calls:
-    """Functions waiting for the engine thread (:meth:`BatchRunner.on_engine`)."""
-
-    def __init__(self) -> None:
-        self._items: list[tuple[Callable[[], Any], Future[Any]]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._items)
-
-    def add(self, fn: Callable[[], Any]) -> Future[Any]:
-        done: Future[Any] = Future()
-        self._items.append((fn, done))
-        return done
-
-    def take(self) -> _Calls:
-        """These calls, leaving none here (under the runner's lock)."""
-        out = _Calls()
-        out._items, self._items = self._items, []
-        return out
-
-    def run(self) -> None:
-        for fn, done in self._items:
-            try:
-                done.set_result(fn())
-            except BaseException as e:  # the caller's to handle; the engine thread goes on
-                done.set_exception(e)
-
-    def fail(self, error: BaseException) -> None:
-        for _, done in self._items:
-            done.set_exception(error)
 
 
 def _resident_by_client(running: list[_Seq], prefilling: list[Prefilling]) -> dict[str, int]:

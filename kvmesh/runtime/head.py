@@ -267,19 +267,8 @@ class HeadRuntime:
             reuse.advertise(self.card)
         self.warm_s = self.warm_up()
         if reuse is not None:
-            self._probe()
-
-    def _probe(self) -> None:
-        """:func:`probe_prefill` on the engine thread: its torch threads are timed."""
-
-        def probe() -> None:
             with self._lock:
                 probe_prefill(self.engine, self.planner, self.card.vocab_size)
-
-        try:
-            self.batch.on_engine(probe)
-        except Exception as e:  # the prior stands
-            log.warning("prefill probe failed: %r", e)
 
     def warm_up(self) -> float:
         """Pay a new process's first-use costs now rather than in its first request
