@@ -42,8 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import run_main  # noqa: E402
 
 from kvmesh.blocks import BlockKeyer  # noqa: E402
-from kvmesh.disk import DiskConfig, DiskFiles  # noqa: E402
-from kvmesh.store import BlockStore  # noqa: E402
+from kvmesh.store import (  # noqa: E402
+    BlockStore,  # noqa: E402
+    DiskConfig,
+    DiskFiles,
+)
 from tests.helpers import small_card, synthetic_chain  # noqa: E402
 
 if TYPE_CHECKING:

@@ -27,10 +27,9 @@ from kvmesh.codec import (
     parse_prefix,
 )
 from kvmesh.compat import dtype_size
-from kvmesh.disk import DiskConfig
 from kvmesh.engine.base import Importer, check_chain
 from kvmesh.errors import IncompatibleCard, MalformedPayload
-from kvmesh.store import BlockStore
+from kvmesh.store import BlockStore, DiskConfig
 
 from .helpers import small_card, synthetic_chain
 

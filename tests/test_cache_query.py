@@ -133,8 +133,7 @@ def test_unknown_model_is_a_404_and_messages_use_the_chat_template(fleet):
 
 def test_peek_reads_the_index_and_touches_nothing(tmp_path):
     from kvmesh.blocks import BlockKeyer
-    from kvmesh.disk import DiskConfig
-    from kvmesh.store import BlockStore
+    from kvmesh.store import BlockStore, DiskConfig
 
     from .helpers import small_card, synthetic_chain
 

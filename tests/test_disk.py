@@ -11,11 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvmesh.blocks import BlockKeyer
+from kvmesh.cli.store import store as store_cli
 from kvmesh.codec import MAX_CHUNK_BYTES, PREFIX, chunks, digest_blob, parse_prefix
-from kvmesh.disk import DiskConfig
 from kvmesh.errors import StoreFull
-from kvmesh.store import BlockStore
-from kvmesh.store_cli import store as store_cli
+from kvmesh.store import BlockStore, DiskConfig
 
 from .helpers import small_card, synthetic_chain
 

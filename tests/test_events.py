@@ -14,7 +14,6 @@ import zmq
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import Layout
-from kvmesh.disk import DiskConfig
 from kvmesh.mesh.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -27,7 +26,7 @@ from kvmesh.mesh.events import (
     decode_batch,
     external_hash,
 )
-from kvmesh.store import BlockStore
+from kvmesh.store import BlockStore, DiskConfig
 
 from .helpers import small_card, synthetic_chain
 from .procs import free_port

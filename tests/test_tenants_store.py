@@ -8,9 +8,8 @@ import pytest
 
 from kvmesh.blocks import BlockKeyer, chain_root, tenant_root
 from kvmesh.codec import Block, Layout, new_blob
-from kvmesh.disk import DiskConfig
 from kvmesh.errors import StoreFull
-from kvmesh.store import BlockStore
+from kvmesh.store import BlockStore, DiskConfig
 
 from .helpers import small_card
 

@@ -23,7 +23,6 @@ import click
 from ..engine import pick_device, pick_dtype
 from ..engine.deterministic import check as check_deterministic
 from ..errors import ConfigError, KVMeshError
-from ..store_cli import store
 from .options import (
     client_security_options,
     deterministic_options,
@@ -31,6 +30,7 @@ from .options import (
     model_options,
     peer_options,
 )
+from .store import store
 
 if TYPE_CHECKING:
     from rich.console import Console

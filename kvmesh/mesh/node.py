@@ -29,8 +29,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..disk import DiskConfig
-from ..store import BlockStore
+from ..store import BlockStore, DiskConfig
 from .bulk_server import BulkServer
 from .bulk_wire import local_socket_path
 from .client import MeshClient

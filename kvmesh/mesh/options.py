@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
-from ..disk import ADMIT
+from ..store import ADMIT
 from ..units import parse_size
 
 #: text: any string; size: a byte size (``2GiB``), kept as written; positive: a

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import click
 
-from .disk import DiskFiles, DiskRecord, unlink
-from .errors import MalformedPayload
+from ..errors import MalformedPayload
+from ..store import DiskFiles, DiskRecord, unlink
 
 
 def _files(directory: str) -> DiskFiles:

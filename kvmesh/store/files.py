@@ -23,7 +23,7 @@ Contract:
 - :class:`Writer` is one thread draining a byte-bounded queue: a request never
   waits on a disk write, and a full queue refuses (the caller drops the write).
 
-The index, budget and eviction order of the tier live in :mod:`kvmesh.store_disk`.
+The index, budget and eviction order of the tier live in :mod:`kvmesh.store.disk`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from .codec import (
+from ..codec import (
     MAX_CHUNK_BYTES,
     MAX_HEADER_BYTES,
     PREFIX,
@@ -49,9 +49,9 @@ from .codec import (
     check_form,
     read_header,
 )
-from .codec import parse_prefix as _parse_prefix
-from .compat import BLOCK_DIGESTS
-from .errors import MalformedPayload
+from ..codec import parse_prefix as _parse_prefix
+from ..compat import BLOCK_DIGESTS
+from ..errors import MalformedPayload
 
 SUFFIX = ".kvb"
 ADMIT = ("evicted", "hit")

@@ -12,8 +12,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from .codec import Block, BlockHeader, Layout
-from .disk import DiskFiles, DiskStats
+from ..codec import Block, BlockHeader, Layout
+from .files import DiskFiles, DiskStats
 
 Listener = Callable[[str, str, BlockHeader], None]
 

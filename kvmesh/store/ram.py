@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from .codec import Block
-from .errors import StoreFull
-from .store_disk import DiskTier
-from .store_index import RAM, Index
-from .store_leases import Leases
+from ..codec import Block
+from ..errors import StoreFull
+from .disk import DiskTier
+from .index import RAM, Index
+from .leases import Leases
 
 
 class RamTier:

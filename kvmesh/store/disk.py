@@ -1,5 +1,5 @@
 """The block store's disk tier: blocks written behind by one thread
-(:class:`~kvmesh.disk.Writer`), a parent-closed set of files (a block is written
+(:class:`~kvmesh.store.files.Writer`), a parent-closed set of files (a block is written
 only after its parent, so a restart rebuilds whole chains), its own byte budget
 and leaf-first LRU, the index rebuilt from file headers at start.
 
@@ -17,11 +17,11 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .codec import Block, Layout, check_header
-from .disk import DiskConfig, DiskFiles, Writer, unlink
-from .errors import MalformedPayload
-from .store_index import DISK, Entry, Index, canonical, is_root
-from .store_leases import Leases
+from ..codec import Block, Layout, check_header
+from ..errors import MalformedPayload
+from .files import DiskConfig, DiskFiles, Writer, unlink
+from .index import DISK, Entry, Index, canonical, is_root
+from .leases import Leases
 
 log = logging.getLogger("kvmesh.store")
 

@@ -6,8 +6,8 @@ recently used first, so every stored byte stays reachable from a root (invariant
 9). Leased blocks are never evicted; a restart makes a new epoch, voiding every
 old lease. A second put of a key keeps the first bytes.
 
-With a :class:`~kvmesh.disk.DiskConfig` a disk tier sits under RAM
-(:mod:`kvmesh.store_disk`): lookups and fetches see both tiers, each with its own
+With a :class:`DiskConfig` a disk tier sits under RAM
+(:mod:`kvmesh.store.disk`): lookups and fetches see both tiers, each with its own
 budget. :meth:`BlockStore.lookup` and :meth:`BlockStore.peek` answer from the
 index alone (no file read); :meth:`BlockStore.get` and
 :meth:`BlockStore.longest_prefix` read and verify disk files outside the store
@@ -27,9 +27,11 @@ A ``listener`` hears every change of a tier as ``(change, tier, header)``
 the change and return. A disk tier rebuilt at start is announced once its index
 is whole, parents first.
 
-The parts: :mod:`kvmesh.store_index` (entries, leaves, byte counts),
-:mod:`kvmesh.store_ram` and :mod:`kvmesh.store_disk` (each tier's room and
-eviction), :mod:`kvmesh.store_leases`; :class:`BlockStore` is the one door.
+This package's one public face is this module (its ``__all__``); callers outside
+``kvmesh/store/`` import nothing else. The parts: :mod:`.index` (entries, leaves,
+byte counts), :mod:`.ram` and :mod:`.disk` (each tier's room and eviction),
+:mod:`.files` (the disk tier's files: one verified block per file, crash-safe),
+:mod:`.leases`; :class:`BlockStore` is the one door.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .blocks import PrefixKeys
-from .codec import Block, BlockHeader, Layout, check_block, check_header
-from .disk import DiskConfig, DiskFiles, DiskStats
-from .errors import MalformedPayload, OrphanBlock
-from .store_disk import DiskTier
-from .store_index import (
+from ..blocks import PrefixKeys
+from ..codec import Block, BlockHeader, Layout, check_block, check_header
+from ..errors import MalformedPayload, OrphanBlock
+from .disk import DiskTier
+from .files import ADMIT, DiskConfig, DiskFiles, DiskRecord, DiskStats, unlink
+from .index import (
     Entry,
     Index,
     Listener,
@@ -54,8 +56,8 @@ from .store_index import (
     canonical,
     is_root,
 )
-from .store_leases import DEFAULT_LEASE_TTL, Lease, Leases
-from .store_ram import RamTier
+from .leases import DEFAULT_LEASE_TTL, Lease, Leases
+from .ram import RamTier
 
 log = logging.getLogger("kvmesh.store")
 
@@ -512,9 +514,14 @@ def tier_stats(s: StoreStats, d: DiskStats, queued_bytes: int | None) -> tuple[T
 
 
 __all__ = [
+    "ADMIT",
     "DEFAULT_LEASE_TTL",
     "BlockRef",
     "BlockStore",
+    "DiskConfig",
+    "DiskFiles",
+    "DiskRecord",
+    "DiskStats",
     "Found",
     "Lease",
     "Listener",
@@ -522,4 +529,5 @@ __all__ = [
     "Peek",
     "StoreStats",
     "TierStats",
+    "unlink",
 ]

@@ -11,8 +11,8 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .errors import LeaseExpired, StaleEpoch
-from .store_index import Index
+from ..errors import LeaseExpired, StaleEpoch
+from .index import Index
 
 DEFAULT_LEASE_TTL = 30.0
 
