@@ -159,7 +159,7 @@ def compression(specs: list[str], n_tokens: int) -> dict[str, Any]:
     rows = []
     for spec in specs:
         parts, row = kv_parts(spec, n_tokens)
-        figures = {c: codec_figures(c, parts) for c in squeeze.available() if c != "raw"}
+        figures = {c: codec_figures(c, parts) for c in squeeze.available_codecs() if c != "raw"}
         cal = squeeze.Calibration()
         for c, f in figures.items():
             raw, wire = row["raw_bytes"], int(row["raw_bytes"] / f["ratio"])

@@ -211,7 +211,7 @@ def metrics(http: httpx.Client) -> dict[str, float]:
 
 
 def weights_bytes(model: str) -> int:
-    from kvmesh.engine.demo import resolve_model
+    from kvmesh.engine.embedded import resolve_model
 
     path = resolve_model(model)
     return sum(

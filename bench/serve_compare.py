@@ -52,7 +52,7 @@ sys.path[0:1] = [str(ROOT)]  # not bench/: bench/vllm.py would shadow the vllm p
 
 from bench._common import popen, run_main, spawn_vllm, stop, write_section  # noqa: E402
 from bench.vllm import FULL, SMOKE, serve_bench  # noqa: E402
-from kvmesh.engine.demo import ensure_demo  # noqa: E402
+from kvmesh.engine.embedded import ensure_demo  # noqa: E402
 
 MARK, END = "<!-- bench/serve_compare.py -->", "<!-- /bench/serve_compare.py -->"
 HEAD_START_S = 300.0  # loading the model and warming up on a loaded 2-core machine

@@ -130,7 +130,7 @@ from kvmesh.engine import KVState, Sampling, load_engine
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.mesh.options import NODE
 from kvmesh.mesh.security import Security
-from kvmesh.runtime.head import Generation, HeadRuntime, Scope
+from kvmesh.runtime.head import CacheScope, Generation, HeadRuntime
 from kvmesh.runtime.head import _caller as caller_key  # the head's own derivation, not a copy
 from kvmesh.runtime.planner import Planner
 
@@ -246,7 +246,7 @@ def shape_model(name: str) -> Path:
     import transformers
 
     sys.path.insert(0, str(HERE.parent))  # tests.zoo: the tokenizers and base configs
-    from kvmesh.engine.demo import kvmesh_home
+    from kvmesh.engine.embedded import kvmesh_home
     from tests import zoo
 
     if name not in SHAPES:
@@ -299,7 +299,7 @@ def sliding_variant(model: str, window: int) -> str:
     per full one (``layer_types``), the same weight files (hard links where possible)."""
     import shutil
 
-    from kvmesh.engine.demo import resolve_model
+    from kvmesh.engine.embedded import resolve_model
 
     src = resolve_model(model)
     dst = Path(tempfile.gettempdir()) / f"kvmesh-bench-{src.name}-swa{window}"
@@ -529,7 +529,7 @@ def complete(head: HeadRuntime, toks: list[int], salt: str) -> Generation:
     """The prompt under ``salt`` (as a ``cache_salt`` request) from :data:`CALLER`,
     one token."""
     out = Generation()
-    scope = Scope(root=request_root(head.card.namespace, None, salt), caller=CALLER)
+    scope = CacheScope(root=request_root(head.card.namespace, None, salt), caller=CALLER)
     for _ in head.generate(toks, ONE, out, scope=scope):
         pass
     assert out.report is not None
@@ -768,7 +768,7 @@ def file_cache_skipped(card: CompatCard) -> str | None:
 def parameters(model: str) -> int:
     from safetensors import safe_open
 
-    from kvmesh.engine.demo import resolve_model
+    from kvmesh.engine.embedded import resolve_model
 
     total = 0
     for f in sorted(resolve_model(model).rglob("*.safetensors")):
@@ -858,7 +858,7 @@ class Model:
 def maybe_sliding(path: str) -> bool:
     """Whether the model's config may give it sliding-window layers (before it
     loads; its card decides: an untrimmed head started for nothing is stopped)."""
-    from kvmesh.engine.demo import resolve_model
+    from kvmesh.engine.embedded import resolve_model
 
     try:
         cfg = json.loads((resolve_model(path) / "config.json").read_text())

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[0:1] = [str(ROOT)]  # not bench/: this file's name would shadow the vllm package
 
 from bench._common import write_section  # noqa: E402
-from kvmesh.engine.demo import ensure_demo  # noqa: E402
+from kvmesh.engine.embedded import ensure_demo  # noqa: E402
 from tests import zoo  # noqa: E402
 from tests.procs import Peer  # noqa: E402
 from tests.vllm.serve import APIServer  # noqa: E402

@@ -37,7 +37,9 @@ def _params(cmd: click.Command) -> dict[str, click.Parameter]:
     return {p.name: p for p in cmd.params if p.name and p.name not in ("help", "verbose")}
 
 
-def load(path: str | Path, group: click.Group, ctx: click.Context) -> dict[str, dict[str, Any]]:
+def read_config(
+    path: str | Path, group: click.Group, ctx: click.Context
+) -> dict[str, dict[str, Any]]:
     """Parse and validate ``path`` into a click ``default_map``."""
     path = Path(path)
     try:

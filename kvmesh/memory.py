@@ -15,7 +15,7 @@ A warm heap is given back when its process goes idle: the engine loop and the
 publisher call :func:`after_request` (``idle=False`` while they work,
 ``idle=True`` when they have nothing left); after :data:`IDLE_S` with both quiet
 a thread collects reference cycles and, when more than :data:`MIN_RELEASE` of
-free heap lies beyond the warm pad, trims (:func:`trim`: ``malloc_trim``, then
+free heap lies beyond the warm pad, trims (:func:`trim_heap`: ``malloc_trim``, then
 the pad faulted in again). Idle RSS then comes back to what the process held when
 it was ready plus what it keeps (store, sessions).
 
@@ -177,7 +177,7 @@ def heap() -> dict[str, int] | None:
     }
 
 
-def trim(keep_bytes: int | None = None) -> int:
+def trim_heap(keep_bytes: int | None = None) -> int:
     """Give free heap back to the kernel (``malloc_trim``: every free page, wherever
     it lies in the heap), then fault ``keep_bytes`` (by default the warm pad) back
     in, as :func:`keep_heap_warm` did at start; returns the RSS given back (bytes).
@@ -215,7 +215,7 @@ def excess() -> int:
 
 
 class IdleTrim:
-    """Trims the heap (:func:`trim`) once every source of work (the engine loop,
+    """Trims the heap (:func:`trim_heap`) once every source of work (the engine loop,
     the publisher) has been idle ``idle_s``, when more than ``min_release`` bytes
     of free heap lie beyond the warm pad. Told of activity by :meth:`after_request`;
     the trim runs on its own thread."""
@@ -259,7 +259,7 @@ class IdleTrim:
                 if self._busy or self._due is not None:  # work came back meanwhile
                     continue
             if excess() > self.min_release:
-                trim()
+                trim_heap()
             with _STATE.lock:
                 _STATE.idle += 1
 

@@ -57,7 +57,9 @@ _ZSTD_LEVEL = 1
 _ZSTD_TUNING = {"min_match": 7, "hash_log": 6, "search_log": 1}
 _local = threading.local()  # a zstd (de)compressor per thread: they are not thread-safe
 _MODULES: dict[str, ModuleType | None] = {}
-_AVAILABLE: list[tuple[str, ...]] = []  # available(), once known (imports do not come and go)
+_AVAILABLE: list[
+    tuple[str, ...]
+] = []  # available_codecs(), once known (imports do not come and go)
 
 
 def _module(lib: str) -> ModuleType | None:
@@ -74,7 +76,7 @@ def _module(lib: str) -> ModuleType | None:
     return _MODULES[lib]
 
 
-def available() -> tuple[str, ...]:
+def available_codecs() -> tuple[str, ...]:
     """The codecs whose library imports here (``raw`` always)."""
     if _AVAILABLE:
         return _AVAILABLE[0]
@@ -229,7 +231,7 @@ def decode_into(codec: str, data: memoryview | bytes, out: memoryview, itemsize:
     side cannot decode."""
     data = memoryview(data).cast("B")
     out = memoryview(out).cast("B")
-    if codec not in CODEC_IDS or codec not in available():
+    if codec not in CODEC_IDS or codec not in available_codecs():
         raise MalformedPayload(f"codec {codec!r} cannot be decoded here")
     if codec == "raw":
         if len(data) != len(out):
@@ -318,7 +320,7 @@ class Calibration:
             self._last_sample = now
         view = memoryview(block_bytes).cast("B")
         out = memoryview(bytearray(len(view)))
-        for codec in available():
+        for codec in available_codecs():
             if codec == "raw" or not view:
                 continue
             t0 = time.thread_time()
@@ -363,7 +365,9 @@ class Calibration:
         saves 5%: a percent is within the estimates' noise and costs both CPUs)."""
         if link_bytes_per_s <= 0 or nbytes <= 0:
             return "raw"
-        names = set(available()) if allowed is None else set(allowed) & set(available())
+        names = (
+            set(available_codecs()) if allowed is None else set(allowed) & set(available_codecs())
+        )
         best, best_t = "raw", nbytes / link_bytes_per_s * (1.0 - min_gain)
         for codec in CODECS:  # a fixed order: ties go to the simpler codec
             t = self.seconds(codec, link_bytes_per_s, nbytes) if codec in names else None

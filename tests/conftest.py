@@ -25,7 +25,7 @@ def tiny_engine():
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
-    from kvmesh.engine.demo import ensure_demo
+    from kvmesh.engine.embedded import ensure_demo
 
     return ensure_demo("demo-tiny")
 

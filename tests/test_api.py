@@ -308,7 +308,7 @@ def test_a_session_never_hides_a_longer_hit_on_a_peer(peer):
     starts with it must still be looked up, and its whole prefix fetched."""
     from transformers import AutoTokenizer
 
-    from kvmesh.engine.demo import ensure_demo
+    from kvmesh.engine.embedded import ensure_demo
 
     tok = AutoTokenizer.from_pretrained(str(ensure_demo("demo-tiny")))
     # long enough that fetching beats computing even for the short one (the planner
@@ -346,7 +346,7 @@ def test_served_names_default_max_tokens_and_a_model_without_a_chat_template(tmp
     ``--served-model-name`` are accepted; the first served name is canonical. No
     ``max_tokens`` means the rest of the window (capped by --max-tokens-default).
     A chat request to a model without a chat template is a 400 that says so."""
-    from kvmesh.engine.demo import ensure_demo
+    from kvmesh.engine.embedded import ensure_demo
 
     model = tmp_path / "plain-model"
     shutil.copytree(ensure_demo("demo-tiny"), model)

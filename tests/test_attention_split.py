@@ -18,7 +18,7 @@ from kvmesh.engine import attention, load_engine
 from . import zoo
 
 pytestmark = pytest.mark.skipif(
-    not attention.available(), reason="torch lacks the CPU flash kernel"
+    not attention.has_flash_kernel(), reason="torch lacks the CPU flash kernel"
 )
 
 

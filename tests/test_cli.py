@@ -169,7 +169,7 @@ def test_a_non_loopback_listener_needs_client_authentication(tmp_path):
 def test_head_default_max_tokens_caps_requests_that_set_none():
     """``--default-max-tokens`` (also spelt ``--max-tokens-default``) caps a request
     without ``max_tokens``; a request's own limit wins; ``--help`` states the default."""
-    from kvmesh.api.server import DEFAULT_MAX_TOKENS, HeadOptions
+    from kvmesh.api.head_options import DEFAULT_MAX_TOKENS, HeadOptions
 
     from .test_api import Head
 

@@ -19,7 +19,7 @@ from kvmesh.engine import compiled
 def built():
     if compiled._compiler() is None:
         pytest.fail("no C compiler: CI installs gcc, and the kernel is built with it")
-    assert compiled.load() is not None
+    assert compiled.load_kernel() is not None
     return compiled.streamed_linear
 
 
@@ -64,7 +64,7 @@ def test_the_library_is_cached_by_digest(built):
 
     path = compiled._library_path(compiled._compiler())
     assert path.exists() and path.parent.name == "kernels"
-    assert compiled.load() is compiled.load()  # built once per process
+    assert compiled.load_kernel() is compiled.load_kernel()  # built once per process
     # privately (tests/test_kernel_cache.py: what is refused), its bytes recorded
     assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
     assert os.stat(path).st_uid == os.geteuid() and not os.stat(path).st_mode & 0o077

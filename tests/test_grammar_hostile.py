@@ -125,7 +125,7 @@ def test_grammar_caches_stay_bounded_and_are_reported(head, monkeypatch):
     from transformers import AutoTokenizer
 
     from kvmesh.engine import grammar
-    from kvmesh.engine.demo import ensure_demo
+    from kvmesh.engine.embedded import ensure_demo
 
     assert constrained(head, props(50, "h")).status_code == 200
     g = head.health()["memory"]["grammars"]

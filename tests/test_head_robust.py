@@ -180,7 +180,7 @@ KEY = "scope-all-test-key"
 
 
 def test_api_key_scope_all_protects_openai_routes_and_no_local_path_is_public(tmp_path):
-    from kvmesh.engine.demo import ensure_demo
+    from kvmesh.engine.embedded import ensure_demo
 
     model = tmp_path / "private-dir" / "house-model"
     shutil.copytree(ensure_demo("demo-tiny"), model)

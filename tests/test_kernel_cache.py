@@ -49,7 +49,7 @@ LOAD = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     from kvmesh.engine import compiled
-    lib = compiled.load()
+    lib = compiled.load_kernel()
     ok = False
     if lib is not None:
         w, x = torch.randn(37, 53), torch.randn(3, 53)
@@ -60,7 +60,7 @@ LOAD = textwrap.dedent(
 
 
 def load_in(home: Path, **env: str) -> tuple[dict, str]:
-    """``compiled.load()`` in a fresh process with ``KVMESH_HOME=home`` (and
+    """``compiled.load_kernel()`` in a fresh process with ``KVMESH_HOME=home`` (and
     ``env``): what it loaded (and whether it computes a linear layer) and its log."""
     r = subprocess.run(
         [sys.executable, "-c", LOAD],

@@ -23,7 +23,7 @@ import threading
 from kvmesh.blocks import chain_root, tenant_root
 from kvmesh.engine import Sampling, load_engine
 from kvmesh.mesh.node import NodeConfig, NodeThread
-from kvmesh.runtime.head import Generation, HeadRuntime, Scope
+from kvmesh.runtime.head import CacheScope, Generation, HeadRuntime
 from kvmesh.runtime.telemetry import Count
 
 from . import zoo
@@ -127,7 +127,9 @@ def test_a_request_reuses_the_blocks_of_one_still_decoding():
 def test_tenants_never_share_and_max_batch_one_computes_each_alone():
     a, b = prompts()
     ns = engine().card.namespace
-    alice, bob = (Scope(chain_root(ns, tenant_root(b"secret", t)), t) for t in ("alice", "bob"))
+    alice, bob = (
+        CacheScope(chain_root(ns, tenant_root(b"secret", t)), t) for t in ("alice", "bob")
+    )
     for kw, scopes in (({}, (alice, bob)), ({"max_batch": 1}, (None, None))):
         h = head(**kw)
         try:

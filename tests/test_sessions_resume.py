@@ -27,7 +27,7 @@ import threading
 
 from kvmesh.engine import Sampling, load_engine
 from kvmesh.engine.base import Decoded
-from kvmesh.engine.demo import ensure_demo
+from kvmesh.engine.embedded import ensure_demo
 from kvmesh.runtime.head import Generation, HeadRuntime
 
 from . import zoo

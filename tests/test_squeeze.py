@@ -57,7 +57,7 @@ def roundtrip(codec: str, raw: bytes, itemsize: int) -> bytes:
 
 
 def test_codecs_and_ids() -> None:
-    assert squeeze.available() == squeeze.CODECS == ("raw", "lz4", "bp-lz4", "bp-zstd1")
+    assert squeeze.available_codecs() == squeeze.CODECS == ("raw", "lz4", "bp-lz4", "bp-zstd1")
     assert squeeze.CODEC_IDS["raw"] == 0
     assert [squeeze.codec_name(squeeze.codec_id(c)) for c in squeeze.CODECS] == list(squeeze.CODECS)
     with pytest.raises(MalformedPayload):

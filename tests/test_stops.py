@@ -17,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.engine.base import Decoded, Decoder, Sampling, StopScanner, _stop_borders
+from kvmesh.engine.base import Decoded, Decoder, Sampling, StopScanner
+from kvmesh.engine.decode import stop_borders
 
 PROMPT = "Explain prefill caching"
 
@@ -107,7 +108,7 @@ def test_long_stops_cost_the_new_text_not_their_length():
     # matching them (a run of "a" as long as the stops, then others)
     n = 30_000
     stops = ["a" * (n - 1) + "b", "a" * (n - 1) + "c", ("ab" * n)[:n], "x" * n]
-    _stop_borders.cache_clear()
+    stop_borders.cache_clear()
     s = StopScanner(stops)
     fed = 0
     for piece in ["a"] * n + ["d", "ab"] * 500 + ["a" * 7] * 300:
@@ -119,10 +120,10 @@ def test_long_stops_cost_the_new_text_not_their_length():
         assert s.cut is None and held <= n - 1
         assert s.steps - before <= 2 * len(stops) * len(piece) + 2 * n * len(stops)
     assert s.steps <= 2 * len(stops) * fed  # amortized: linear in the text, all stops
-    info = _stop_borders.cache_info()
+    info = stop_borders.cache_info()
     assert info.misses == len(set(stops))  # one table per distinct stop string
     siblings = [StopScanner(stops) for _ in range(8)]  # n=8: the tables are shared
-    assert _stop_borders.cache_info().misses == info.misses
+    assert stop_borders.cache_info().misses == info.misses
     assert all(x._borders[0] is s._borders[0] for x in siblings)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvmesh.blocks import chain_root, tenant_root
 from kvmesh.mesh.node import NodeConfig, NodeThread
-from kvmesh.runtime.head import Generation, Scope
+from kvmesh.runtime.head import CacheScope, Generation
 
 from .test_mesh import SAMPLING, close, make_head, prompt, wait_for
 
@@ -21,13 +21,13 @@ def test_a_peer_holds_salted_keys_only_and_never_the_tenant(tiny_engine):
     try:
         wait_for(lambda: len(head.node.node.membership.live()) >= 1, what="gossip")
         for _ in head.generate(
-            toks, SAMPLING, Generation(), client="key:acme", scope=Scope(root, "acme-corp")
+            toks, SAMPLING, Generation(), client="key:acme", scope=CacheScope(root, "acme-corp")
         ):
             pass
         head.flush()
         store = peer.node.store
         wait_for(lambda: store.stats.entries >= len(toks) // 32, what="publish")
-        salted = head.keyer_for(Scope(root), "key:acme").keys(toks)
+        salted = head.keyer_for(CacheScope(root), "key:acme").keys(toks)
         plain = head.keyer.keys(toks)
         held = set(store._entries)
         assert set(salted.blocks) <= held and salted.tail in held  # the salted chain, all of it

@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field, StrictInt
 
-from ..runtime.head import HeadRuntime, Scope
+from ..runtime.head import CacheScope, HeadRuntime
 from ..store import Peek
 from .errors import APIError
 from .guard import BodyOffLoop, identity_of
@@ -103,14 +103,14 @@ def _tokens(service: OpenAIService, req: CacheQuery) -> list[int]:
 
 
 def cached_prefix(
-    runtime: HeadRuntime, tokens: list[int], scope: Scope | None = None, client: str = ""
+    runtime: HeadRuntime, tokens: list[int], scope: CacheScope | None = None, client: str = ""
 ) -> dict[str, Any]:
     """Per source, the prompt tokens held from the start in ``scope``'s cache, with
     ``client``'s own sessions and tails (as its completion would see them; default:
     the shared cache); and the head's acquisition plan (:meth:`Acquirer.plan`):
     its source, the tokens it would not recompute, and why it would fall back."""
     n = len(tokens)
-    scope = scope or Scope()
+    scope = scope or CacheScope()
     keyer = runtime.keyer_for(scope, client)
     keys = keyer.keys(tokens)
     session = runtime.sessions.prefix(tokens, keyer.root, scope.exact(client))

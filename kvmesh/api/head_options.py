@@ -273,10 +273,6 @@ class HeadOptions:
         return not self.no_publish
 
     @property
-    def served_model_names(self) -> tuple[str, ...]:
-        return self.served_model_name
-
-    @property
     def shared_tenants(self) -> tuple[str, ...]:
         return self.shared_tenant
 

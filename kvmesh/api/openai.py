@@ -68,7 +68,7 @@ from ..engine import Decoded, Sampling
 from ..engine.grammar import GrammarSpec, compile_grammar
 from ..errors import NoChatTemplate
 from ..runtime.batch import OverBudget
-from ..runtime.head import Generation, HeadRuntime, Scope
+from ..runtime.head import CacheScope, Generation, HeadRuntime
 from .credentials import DEFAULT_TENANT, Tenants
 from .errors import APIError, error_response
 from .grammar_worker import GrammarWorker
@@ -82,7 +82,7 @@ from .requests import (
     content_text,
     refuse_unsupported,
 )
-from .scheduler import Job, QueueFull, Scheduler
+from .scheduler import Admission, QueueFull, Scheduler
 from .streaming import finish_unless_gone, sse
 from .tools import (
     NamedParser,
@@ -152,12 +152,12 @@ class OpenAIService:
     def names(self) -> set[str]:
         return {self.model_name, *self.aliases, self.runtime.card.model_id}
 
-    def scope(self, request: Request, req: GenerationRequest) -> Scope:
+    def scope(self, request: Request, req: GenerationRequest) -> CacheScope:
         """Whose cache ``req`` uses: its tenant (as the guard decided) and
         ``cache_salt``, and whose token-exact reuse. A 400 for a bad salt."""
         return self.scope_of(request, req.cache_salt)
 
-    def scope_of(self, request: Request, value: object) -> Scope:
+    def scope_of(self, request: Request, value: object) -> CacheScope:
         """:meth:`scope` from the request and its ``cache_salt`` field's value."""
         try:
             salt = None if value is None else check_cache_salt(value)
@@ -165,11 +165,13 @@ class OpenAIService:
             raise APIError(400, str(e), param="cache_salt", code="invalid_cache_salt") from None
         who = identity_of(request)
         if self.tenants is None:
-            return Scope(request_root(self.runtime.card.namespace, None, salt), None, who.caller)
+            return CacheScope(
+                request_root(self.runtime.card.namespace, None, salt), None, who.caller
+            )
         tenant = who.tenant or DEFAULT_TENANT  # keyless requests count (and are capped) too
-        return Scope(self.tenants.root(tenant, salt), tenant, who.caller)
+        return CacheScope(self.tenants.root(tenant, salt), tenant, who.caller)
 
-    def check_request(self, req: GenerationRequest, n_prompt: int) -> Sampling:
+    def sampling_for(self, req: GenerationRequest, n_prompt: int) -> Sampling:
         """The generation routes' checks of ``req`` (model, parameters, context for a
         prompt of ``n_prompt`` tokens): its sampling, or the route's typed error."""
         if req.model not in self.names():
@@ -213,10 +215,10 @@ class OpenAIService:
             or (isinstance(req, ChatRequest) and bool(req.tools))
         )
 
-    def _compiled_grammar(self, req: GenerationRequest) -> GrammarSpec | None:
+    def _compiled_grammar(self, req: GenerationRequest, plan: ToolPlan) -> GrammarSpec | None:
         """:meth:`_grammar`, compiled for this head's tokenizer (cached): in the
         grammar worker, never on the event loop or the engine thread."""
-        spec = self._grammar(req)
+        spec = self._grammar(req, plan)
         if spec is None:
             return None
         try:
@@ -228,12 +230,12 @@ class OpenAIService:
             raise APIError(400, str(e), param=param) from None
         return spec
 
-    def _grammar(self, req: GenerationRequest) -> GrammarSpec | None:
+    def _grammar(self, req: GenerationRequest, plan: ToolPlan) -> GrammarSpec | None:
         """The constraint of ``req``'s output (None: free text): ``response_format``
         ``json_object``/``json_schema``, vLLM's ``structured_outputs`` and
-        ``guided_*`` extras, or a forced tool call's (:meth:`tool_plan`). A bad one,
-        or two at once, is a 400 naming one of them."""
-        forced = self.tool_plan(req).schema if isinstance(req, ChatRequest) else None
+        ``guided_*`` extras, or a forced tool call's (``plan``, :meth:`tool_plan`'s).
+        A bad one, or two at once, is a 400 naming one of them."""
+        forced = plan.schema
         specs: list[tuple[str, GrammarSpec]] = []
         rf = req.response_format
         try:
@@ -321,10 +323,11 @@ class OpenAIService:
             )
         return len(p)
 
-    def prompts(self, req: GenerationRequest) -> list[list[int]]:
-        """Every prompt of the request as token ids (CPU work: call off the event loop)."""
+    def prompts(self, req: GenerationRequest, plan: ToolPlan) -> list[list[int]]:
+        """Every prompt of the request as token ids, a chat's rendered with ``plan``'s
+        tools (CPU work: call off the event loop)."""
         if isinstance(req, ChatRequest):
-            return [self.chat_tokens(req)]
+            return [self.chat_tokens(req, plan)]
         assert isinstance(req, CompletionRequest)
         return self.completion_prompts(req)
 
@@ -370,8 +373,10 @@ class OpenAIService:
         """``text``'s ids as a completion's prompt is tokenized."""
         return list(self.runtime.engine.encode(text))
 
-    def chat_tokens(self, req: ChatRequest) -> list[int]:
-        tools = self.tool_plan(req).tools
+    def chat_tokens(self, req: ChatRequest, plan: ToolPlan | None = None) -> list[int]:
+        """A chat's prompt, rendered with its tools (``plan``: :meth:`tool_plan`'s
+        answer when the caller has it already)."""
+        tools = (plan if plan is not None else self.tool_plan(req)).tools
         try:
             msgs = [
                 template_message(m.role, content_text(m.content), m.model_extra or {})
@@ -399,10 +404,13 @@ class OpenAIService:
                 code="chat_template_error",
             ) from None
 
-    def tool_plan(self, req: ChatRequest) -> ToolPlan:
+    def tool_plan(self, req: GenerationRequest) -> ToolPlan:
         """The request's checked tools (None: none), its tool choice, the parser of its
         answer (None: its text is the content) and the schema a forced call is
-        constrained to: 400s for what cannot be served."""
+        constrained to: 400s for what cannot be served. Decided once per request
+        (its route passes the answer on); a completion has none."""
+        if not isinstance(req, ChatRequest):
+            return ToolPlan()
         try:
             tools = check_tools(req.tools) if req.tools is not None else []
             choice = check_tool_choice(req.tool_choice, tools)
@@ -441,9 +449,9 @@ class OpenAIService:
 
     # -- running -----------------------------------------------------------------------
 
-    def admit(self, count: int) -> list[Job]:
+    def admit(self, count: int) -> list[Admission]:
         """A queue slot per prompt, all or none (QueueFull: a 503)."""
-        jobs: list[Job] = []
+        jobs: list[Admission] = []
         try:
             for _ in range(count):
                 jobs.append(self.scheduler.admit())
@@ -454,7 +462,7 @@ class OpenAIService:
         return jobs
 
     def _checked(self, req: GenerationRequest, tokens: list[int]) -> Sampling:
-        sampling = self.check_request(req, len(tokens))
+        sampling = self.sampling_for(req, len(tokens))
         if sampling.max_tokens == 0:  # echo alone: nothing decodes
             return sampling
         try:  # before a stream's 200: a request this head could never run is the client's 400
@@ -469,9 +477,10 @@ class OpenAIService:
         self,
         req: GenerationRequest,
         prompts: list[list[int]],
-        jobs: list[Job],
+        jobs: list[Admission],
+        plan: ToolPlan,
         client: str = "",
-        scope: Scope | None = None,
+        scope: CacheScope | None = None,
     ) -> list[Run]:
         """Check every prompt (4xx before anything runs), score echoed prompts, then
         start each prompt's generation on its job (a job with nothing to generate is
@@ -479,7 +488,7 @@ class OpenAIService:
         samplings = [self._checked(req, tokens) for tokens in prompts]
         self.scheduler.hold(jobs, [len(t) for t in prompts])  # QueueFull: a 503
         if self._may_constrain(req):  # built and compiled off the loop, a 400 if bad
-            spec = await self.grammars.run(self._compiled_grammar, req)
+            spec = await self.grammars.run(self._compiled_grammar, req, plan)
             samplings = [dataclasses.replace(s, grammar=spec) for s in samplings]
         runs = [
             Run(tokens, Generation(choices=[Decoded() for _ in range(s.n)]))
@@ -533,12 +542,12 @@ def router(service: OpenAIService) -> APIRouter:
 
     async def respond(request: Request, req: GenerationRequest, chat: bool) -> Any:
         scope = service.scope(request, req)  # a bad salt or tenant: 400 before any work
-        parser = service.tool_plan(req).parser if isinstance(req, ChatRequest) else None
+        plan = service.tool_plan(req)  # its tools: decided once, a 400 before any work
         jobs = service.admit(service.prompt_count(req))  # QueueFull: 503 before any work
         try:
-            prompts = await run_in_threadpool(service.prompts, req)  # templating is CPU work
+            prompts = await run_in_threadpool(service.prompts, req, plan)  # templating: CPU
             client = identity_of(request).share
-            runs = await service.launch(req, prompts, jobs, client, scope)
+            runs = await service.launch(req, prompts, jobs, plan, client, scope)
         except BaseException:
             for job in jobs:  # none started (launch starts them last, all at once)
                 service.scheduler.release(job)
@@ -546,14 +555,14 @@ def router(service: OpenAIService) -> APIRouter:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         if req.stream:
             return StreamingResponse(
-                service.sse(req, rid, chat, runs, parser),
+                service.sse(req, rid, chat, runs, plan.parser),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         streams = [r.stream for r in runs if r.stream is not None]
         if not await finish_unless_gone(request, streams):
             return error_response(499, "the client closed the request", code="client_closed")
-        return service.body(req, rid, chat, runs, parser)
+        return service.body(req, rid, chat, runs, plan.parser)
 
     @r.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest) -> Any:

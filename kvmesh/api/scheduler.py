@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from ..engine import Sampling
-from ..runtime.head import Generation, HeadRuntime, Scope
+from ..runtime.head import CacheScope, Generation, HeadRuntime
 
 RETRY_AFTER_S = 1  # a queue slot frees when one request ends: seconds, not minutes
 
@@ -36,7 +36,7 @@ class QueueFull(Exception):
 
 
 @dataclass(eq=False)
-class Job:
+class Admission:
     """One admitted request: queued until it takes the engine, then running."""
 
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -67,15 +67,15 @@ class Scheduler:
             max_queue + runtime.batch.max_batch + 1, thread_name_prefix="kvmesh-generate"
         )
 
-    def admit(self) -> Job:
+    def admit(self) -> Admission:
         with self._lock:
             if self.waiting >= self.max_queue:
                 self.rejected += 1
                 raise QueueFull(RETRY_AFTER_S, f"{self.waiting} requests waiting")
             self.waiting += 1
-            return Job()
+            return Admission()
 
-    def hold(self, jobs: Sequence[Job], tokens: Sequence[int]) -> None:
+    def hold(self, jobs: Sequence[Admission], tokens: Sequence[int]) -> None:
         """Count admitted ``jobs``' prompt ``tokens`` while they wait: QueueFull
         (holding nothing) when the waiting would hold more than ``max_queued_tokens``
         and others wait too."""
@@ -91,19 +91,19 @@ class Scheduler:
                 job.tokens = n
             self.queued_tokens += new
 
-    def _unqueue(self, job: Job) -> None:
+    def _unqueue(self, job: Admission) -> None:
         self.waiting -= 1
         self.queued_tokens -= job.tokens
         job.tokens = 0
 
-    def _started(self, job: Job) -> None:
+    def _started(self, job: Admission) -> None:
         with self._lock:
             if not job.started and not job.done:
                 job.started = True
                 self._unqueue(job)
                 self.running += 1
 
-    def release(self, job: Job) -> None:
+    def release(self, job: Admission) -> None:
         """The job is over (finished, failed, cancelled or never started)."""
         with self._lock:
             if job.done:
@@ -116,12 +116,12 @@ class Scheduler:
 
     def start(
         self,
-        job: Job,
+        job: Admission,
         tokens: Sequence[int],
         sampling: Sampling,
         out: Generation,
         client: str = "",
-        scope: Scope | None = None,
+        scope: CacheScope | None = None,
     ) -> TokenStream:
         """Run ``job`` now (it owns its slot until it ends); read its tokens from
         the returned stream. The caller must not ``release`` it afterwards.
@@ -166,7 +166,7 @@ class TokenStream:
     """Tokens of one running job. Leaving the iteration early (the client went
     away, or the reader was cancelled) cancels the job."""
 
-    def __init__(self, job: Job, queue: asyncio.Queue[int | _End]) -> None:
+    def __init__(self, job: Admission, queue: asyncio.Queue[int | _End]) -> None:
         self.job = job
         self._queue = queue
 

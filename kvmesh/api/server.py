@@ -25,9 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
     from ..engine import Engine
     from ..mesh.node import NodeConfig, NodeThread
-
-from .head_options import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS  # re-exported
-from .head_options import HeadOptions as HeadOptions  # re-exported
+    from .head_options import HeadOptions
 
 log = logging.getLogger("kvmesh.head")
 
@@ -49,7 +47,7 @@ def bind(listen: str) -> socket.socket:
 
 def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
     from ..engine import load_engine
-    from ..engine.demo import resolve_model
+    from ..engine.embedded import resolve_model
     from ..mesh.node import NodeThread
     from ..runtime.ready import prepare_process, ready
 
@@ -100,7 +98,7 @@ def _serve(
     # uses); other tools bring it (sanic, via guidellm), and with it loaded an idle
     # head kept ~40 MiB more free heap after a burst (tests/test_memory_head.py)
     sys.modules.setdefault("ujson", None)  # type: ignore[arg-type]
-    from ..engine.demo import kvmesh_home
+    from ..engine.embedded import kvmesh_home
     from ..runtime.head import HeadRuntime
     from ..runtime.planner import Planner
     from ..units import is_loopback

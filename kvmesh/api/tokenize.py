@@ -105,7 +105,7 @@ def router(service: OpenAIService) -> APIRouter:
         check_model(service, req.model)
         service.scope(request, req)  # a bad cache_salt: the chat route's 400
         tokens = await run_in_threadpool(service.chat_tokens, req)
-        sampling = service.check_request(req, len(tokens))  # the chat route's own checks
+        sampling = service.sampling_for(req, len(tokens))  # the chat route's own checks
         return {
             "request_id": "chatcmpl-" + secrets.token_hex(16),
             "token_ids": tokens,

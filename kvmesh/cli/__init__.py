@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ..api.head_options import HeadOptions
-    from ..demo import LocalResult
+    from .demo import LocalResult
 
 
 def _console() -> Console:
@@ -60,7 +60,7 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
 
     if value:
         try:
-            ctx.default_map = config.load(value, main, ctx)
+            ctx.default_map = config.read_config(value, main, ctx)
         except KVMeshError as e:
             raise click.ClickException(str(e)) from None
     ctx.meta["config_file"] = value
@@ -144,14 +144,14 @@ def demo(
         with _usage_errors():
             check_deterministic(engine, deterministic_grid)
     if not local:
-        from ..runtime.demo import run_two_node
+        from .demo import run_two_node
 
         run_two_node(
             model=model, engine=engine, prompt_tokens=prompt_tokens, as_json=as_json, grid=grid
         )
         return
-    from ..demo import as_dict, run_local
     from ..engine import load_engine
+    from .demo import as_dict, run_local
 
     with console.status("loading model") as status:
 
@@ -278,7 +278,8 @@ def _pair(head_url: str, token: str, alias: str) -> _Pairing:
 @head_options
 def head(verbose: bool, **given: object) -> None:
     """Serve the OpenAI-compatible API with prefill from the mesh; decode stays local."""
-    from ..api.server import HeadOptions, run_head
+    from ..api.head_options import HeadOptions
+    from ..api.server import run_head
     from ..mesh.settings import node_from
 
     _logging(verbose)

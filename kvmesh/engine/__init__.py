@@ -87,7 +87,7 @@ def load_engine(
     (``block_digest``; torch ``threads``; mlx
     ``kv_bits``, ``kv_group_size``), checked by its constructor: one the engine does
     not take is a TypeError."""
-    from .demo import resolve_model
+    from .embedded import resolve_model
 
     backend = registry.backend(engine)
     if deterministic_grid:

@@ -33,7 +33,7 @@ _CONTINUING: contextvars.ContextVar[bool] = contextvars.ContextVar(
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def available() -> bool:
+def has_flash_kernel() -> bool:
     """Whether this torch has the CPU flash kernel that returns log-sum-exps."""
     return _FLASH is not None
 
@@ -164,7 +164,7 @@ def implementations(config: Any) -> dict[str, Any]:
 def install() -> bool:
     """Registers :data:`NAME` with transformers (once per process); False where
     this torch lacks the kernel."""
-    if not available():
+    if not has_flash_kernel():
         return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface

@@ -31,7 +31,7 @@ from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, BlockHeader, Layout, new_blob
 from ..compat import CompatCard
 from ..errors import ConfigError, MalformedPayload, NoChatTemplate
-from .decode import Decoded, Decoder, Sampling, StopScanner, TokenLogprob, _stop_borders
+from .decode import Decoded, Decoder, Sampling, StopScanner, TokenLogprob
 from .geometry import MAX_STATE_EVERY, CacheGeometry, card_from_hf_dir, model_name
 from .protocol import PREFILL_CHUNK, Engine, Scorer
 from .state import Importer, KVState, check_chain
@@ -50,7 +50,6 @@ __all__ = [
     "Sampling",
     "StopScanner",
     "TokenLogprob",
-    "_stop_borders",
     "card_from_hf_dir",
     "check_chain",
     "model_name",

@@ -158,7 +158,7 @@ _FINGERPRINTS: dict[str | None, str] = {}
 
 def fingerprint(cc: str | None = None) -> str:
     """A digest of what the library's machine code depends on: the source, the
-    compiler (``cc``, default: the one :func:`load` uses) and the CPU."""
+    compiler (``cc``, default: the one :func:`load_kernel` uses) and the CPU."""
     cc = cc or _compiler()
     if cc not in _FINGERPRINTS:
         version = ""
@@ -183,7 +183,7 @@ def _library_path(cc: str) -> Path:
 
 
 def cache_dir() -> Path:
-    from .demo import kvmesh_home
+    from .embedded import kvmesh_home
 
     return kvmesh_home() / "kernels"
 
@@ -460,7 +460,7 @@ def _build(cc: str, d: _Dir, name: str) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def load() -> ctypes.CDLL | None:
+def load_kernel() -> ctypes.CDLL | None:
     """The built kernel library (building it on first use), or None where it cannot be."""
     with _lock:
         if not _loaded:
@@ -581,7 +581,7 @@ def streamed_linear(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) ->
     """``x @ w.T + b`` for ``x`` of shape [rows, in]: float32, contiguous, on the
     CPU. Raises NotImplementedError where the kernel does not apply (so the
     start-up measurement leaves it out) and ValueError for mismatched shapes."""
-    lib = load()
+    lib = load_kernel()
     if lib is None:
         raise NotImplementedError("the compiled linear kernel could not be built here")
     ts = (w, x) if b is None else (w, x, b)

@@ -67,7 +67,7 @@ class StopScanner:
     so far that is a start of it), so a piece costs work in proportion to its own
     length times the number of stops (amortized: a character's fallbacks are paid
     for by the characters that advanced the state), never the stops' length nor
-    the text's: long stop strings cost their one table (:func:`_stop_borders`,
+    the text's: long stop strings cost their one table (:func:`stop_borders`,
     shared by every scanner of the same string), not a rescan per token.
     ``steps`` counts that work (characters compared, fallbacks included)."""
 
@@ -76,7 +76,7 @@ class StopScanner:
         self.text = ""  # everything fed so far
         self.cut: int | None = None  # where the first stop string starts, once found
         self.steps = 0  # characters compared so far, fallbacks included
-        self._borders = [_stop_borders(s) for s in self.stops]
+        self._borders = [stop_borders(s) for s in self.stops]
         self._ends = [0] * len(self.stops)  # per stop: the longest end of text starting it
 
     def feed(self, piece: str) -> int:
@@ -120,7 +120,7 @@ class StopScanner:
 
 
 @functools.lru_cache(maxsize=64)
-def _stop_borders(stop: str) -> array:
+def stop_borders(stop: str) -> array:
     """KMP's failure table of ``stop``: entry ``i`` is the length of the longest
     proper prefix of ``stop[: i + 1]`` that also ends it. O(len(stop)), once per
     distinct stop string (``n`` sequences of one request share it)."""

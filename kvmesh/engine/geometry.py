@@ -19,7 +19,6 @@ from ..compat import (
     tokenizer_digest,
     weights_digest,
 )
-from ..errors import ConfigError
 
 MAX_STATE_EVERY = 32  # blocks: the coarsest recurrent-state checkpoint grid
 
@@ -31,24 +30,6 @@ class CacheGeometry:
 
     kv_dtype: str
     layers: tuple[LayerGeometry, ...]
-
-    @classmethod
-    def from_layers(
-        cls, layers: Sequence[tuple[str, int, int]], windows: Sequence[int]
-    ) -> CacheGeometry:
-        """From per-layer (dtype, kv_heads, head_dim) of attention layers as probed."""
-        if not layers or len(layers) != len(windows):
-            raise ConfigError(
-                f"probe found {len(layers)} cache layers for {len(windows)} window entries"
-            )
-        dtypes = sorted({d for d, _, _ in layers})
-        if len(dtypes) != 1:
-            raise ConfigError(f"cache layers differ in KV dtype: {dtypes}")
-        geoms = tuple(
-            LayerGeometry("kv", int(h), int(d), int(w))
-            for (_, h, d), w in zip(layers, windows, strict=True)
-        )
-        return cls(dtypes[0], geoms)
 
     @classmethod
     def attention(

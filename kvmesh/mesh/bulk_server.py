@@ -535,7 +535,7 @@ def _codec(asked: Any) -> str:
     """The first codec of a fetch's ``codecs`` this node can encode ("raw": none)."""
     if len(asked) > MAX_CODECS:
         raise MalformedPayload("a fetch names too many codecs")
-    have = squeeze.available()
+    have = squeeze.available_codecs()
     return next((c for c in asked if c in have), "raw")
 
 

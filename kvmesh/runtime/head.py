@@ -17,7 +17,7 @@ blocks kept and published), after the current token while decoding; counted
 ``cancelled:queued|prefilling|running``. ``max_batch`` sequences run at once and
 ``kv_budget_bytes`` bounds their KV; beyond either, requests wait in order.
 
-Tenants (:class:`Scope`, resolved by the API): a request's key chain starts from
+Tenants (:class:`CacheScope`, resolved by the API): a request's key chain starts from
 its scope's root, so it reads and fills only its tenant's cache, everywhere;
 blocks it keeps count against its tenant's budget. Whole blocks are shared within
 a root; token-exact reuse (a session beyond whole blocks, an exact tail) only
@@ -86,7 +86,7 @@ def probe_prefill(engine: Engine, planner: Planner, vocab_size: int) -> None:
 
 
 @dataclass(frozen=True)
-class Scope:
+class CacheScope:
     """Whose cache a request reads and fills, as the server decided it (never the
     client's claim). ``root``: the chain root (:func:`kvmesh.blocks.chain_root`;
     None: the namespace, the one shared cache). ``tenant``: the name its blocks and
@@ -288,7 +288,7 @@ class HeadRuntime:
         cancel: threading.Event | None = None,
         on_start: Callable[[], None] | None = None,
         client: str = "",
-        scope: Scope | None = None,
+        scope: CacheScope | None = None,
         on_token: Callable[[], None] | None = None,
     ) -> Iterator[int]:
         """Prefill (planned) then decode locally, yielding tokens; publish after.
@@ -300,17 +300,18 @@ class HeadRuntime:
         ``on_token`` on the engine thread as each token is decoded, before it is
         handed on. ``client`` names whose fair share of the batch it takes (see
         :mod:`.batch`) and whose own conversation it continues; ``scope`` whose
-        cache it uses (:class:`Scope`)."""
+        cache it uses (:class:`CacheScope`)."""
         tokens = list(tokens)
         self.check_request(len(tokens), sampling)  # before any network work
         t0 = time.perf_counter()
         if cancel is not None and cancel.is_set():
             self._cancelled(out, QUEUED)
             return
-        scope = scope or Scope()
-        keyer = self.keyer_for(scope, client)
+        scope = scope or CacheScope()
+        caller = scope.exact(client)  # decided once: an anonymous caller's is new each time
+        keyer = self._keyer(scope.root, caller)
         stamps = Stamps(t0)
-        got = self._acquire(tokens, keyer, scope.exact(client), scope.tenant, stamps, id(out))
+        got = self._acquire(tokens, keyer, caller, scope.tenant, stamps, id(out))
         stamps.acquired = time.perf_counter()
         done = _Prefilled()
 
@@ -346,7 +347,7 @@ class HeadRuntime:
             return
         if job.cancelled:  # the state is whole: keep and publish it
             self._cancelled(out, job.stage or RUNNING)
-        self._decoded(tokens, job.state, done, got, out, keyer, scope, client)
+        self._decoded(tokens, job.state, done, got, out, keyer, scope, caller)
 
     def _decoded(
         self,
@@ -356,16 +357,16 @@ class HeadRuntime:
         got: _Acquired,
         out: Generation,
         keyer: BlockKeyer,
-        scope: Scope,
-        client: str,
+        scope: CacheScope,
+        caller: str,
     ) -> None:
-        """After the last token: count the request, keep its state as a session,
-        publish its blocks, and maybe audit what was fetched for it."""
+        """After the last token: count the request, keep its state as ``caller``'s
+        session, publish its blocks, and maybe audit what was fetched for it."""
         report, prompt = done.report, done.prompt
         assert report is not None and prompt is not None  # the job ran: it was prefilled
         self.telemetry.record(report, sum(len(c.tokens) for c in out.choices))
         self.tenants.count(scope.tenant, report)
-        self.sessions.keep(state, keyer.root, scope.exact(client))
+        self.sessions.keep(state, keyer.root, caller)
         if self.publish_enabled:
             self._publish_later(
                 prompt, state, done.chain, keyer, scope.tenant, tails=scope.caller != ""
@@ -383,9 +384,14 @@ class HeadRuntime:
         batch asks before a request would wait for room)."""
         self.sessions.drop(nbytes)
 
-    def keyer_for(self, scope: Scope, client: str = "") -> BlockKeyer:
+    def keyer_for(self, scope: CacheScope, client: str = "") -> BlockKeyer:
         """The keyer of ``scope``'s chains, its exact tails ``client``'s own."""
-        return self.keyer.rooted(scope.root or self.card.namespace, _caller(scope.exact(client)))
+        return self._keyer(scope.root, scope.exact(client))
+
+    def _keyer(self, root: bytes | None, caller: str) -> BlockKeyer:
+        """The keyer of the chains under ``root`` (None: the namespace), its exact
+        tails ``caller``'s (:meth:`CacheScope.exact`)."""
+        return self.keyer.rooted(root or self.card.namespace, _caller(caller))
 
     def tenant_counters(self) -> dict[str, dict[str, int]]:
         """A copy of each tenant's counters (for admin reads only)."""
