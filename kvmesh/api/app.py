@@ -41,14 +41,14 @@ from . import cache_query, network, tokenize
 from .cache_query import PATH as QUERY
 from .credentials import (
     Credentials,
-    KeyFileError,
     Tenants,
     default_secret_file,
     head_secret,
-    read_key_file,
+    load_credentials,
 )
 from .errors import APIError, error_response
 from .guard import Guard, identity_of
+from .head_options import HeadOptions
 from .network import NetworkState, require_admin
 from .openai import OpenAIService, router
 from .scheduler import QueueFull, Scheduler
@@ -294,14 +294,18 @@ class Access:
     exact_by_address: bool = False  # --exact-reuse-by-address: one address, one user
 
 
+_FLAGS = HeadOptions()  # the option rows' defaults, declared there once
+
+
 @dataclass(frozen=True)
 class Limits:
-    """What the head's HTTP front door admits (``kvmesh head`` flags)."""
+    """What the head's HTTP front door admits (``kvmesh head`` flags, whose
+    defaults these are)."""
 
-    max_queue: int = 1024  # requests waiting for the engine before a 503
-    max_body_bytes: int = 4 << 20  # a larger body is a 413
-    api_key_scope: str = "admin"  # admin: network writes only; all: the OpenAI routes too
-    max_queued_tokens: int = 1 << 20  # prompt tokens waiting for the engine before a 503
+    max_queue: int = _FLAGS.max_queue  # requests waiting for the engine before a 503
+    max_body_bytes: int = _FLAGS.max_body_bytes  # a larger body is a 413
+    api_key_scope: str = _FLAGS.api_key_scope  # admin: network writes; all: OpenAI routes too
+    max_queued_tokens: int = _FLAGS.max_queued_tokens  # prompt tokens waiting before a 503
 
 
 def create_app(
@@ -321,9 +325,15 @@ def create_app(
     limits = limits or Limits()
     topts = tenant_options or TenantOptions()
     memory_report = _memory_reporter(runtime)
-    credentials = _credentials(api_key_file, topts.header, access or Access())
-    if limits.api_key_scope == "all" and not credentials.any:
-        raise ValueError("--api-key-scope all needs --api-key-file")
+    access = access or Access()
+    credentials = load_credentials(
+        api_key_file,
+        access.admin_key_file,
+        access.gateway_key_file,
+        header=topts.header,
+        scope=limits.api_key_scope,
+        exact_by_address=access.exact_by_address,
+    )
     tenants = _tenants(runtime, credentials, topts)
     app = FastAPI(title="kvmesh head", docs_url="/docs", redoc_url=None)
     scheduler = Scheduler(runtime, limits.max_queue, limits.max_queued_tokens)
@@ -511,24 +521,6 @@ def _add_dashboard(app: FastAPI) -> None:
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
 
-def _credentials(api_key_file: str | None, header: str | None, access: Access) -> Credentials:
-    """The head's keys by role; raises KeyFileError (a start-up error) on a bad file
-    or a key given two roles."""
-    tenant_keys = dict(read_key_file(api_key_file)) if api_key_file else {}
-    admins = (
-        [k for k, _ in read_key_file(access.admin_key_file, False)] if access.admin_key_file else []
-    )
-    gateways = (
-        [k for k, _ in read_key_file(access.gateway_key_file, False)]
-        if access.gateway_key_file
-        else []
-    )
-    for a, b in ((tenant_keys, admins), (tenant_keys, gateways), (admins, gateways)):
-        if set(a) & set(b):
-            raise KeyFileError("a key has one role: the same key is in two key files")
-    return Credentials(tenant_keys, admins, gateways, header, access.exact_by_address)
-
-
 def _tenants(runtime: HeadRuntime, credentials: Credentials, opts: TenantOptions) -> Tenants | None:
     """The head's tenants' roots, under the tenant secret (never the fleet key: a
     node paired into the fleet cannot derive them), and the budget every tenant,
@@ -538,7 +530,7 @@ def _tenants(runtime: HeadRuntime, credentials: Credentials, opts: TenantOptions
     if not credentials.tenants_enabled and opts.budget_bytes is None:
         return None
     secret = opts.secret_file or default_secret_file()
-    if credentials.tenants_enabled and runtime.node is not None:
+    if credentials.tenants_enabled and runtime.fleet is not None:
         log.info(
             "tenants' caches are derived under the tenant secret %s: heads that share them "
             "(across restarts or with another head) use the same file",

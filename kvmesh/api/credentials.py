@@ -13,6 +13,10 @@
   behind a proxy or a NAT) unless the operator says every address is one user.
 - :func:`read_key_file`: the key file format (blank lines and ``#`` comments
   skipped). A bad file is a :class:`KeyFileError` naming the line, at start-up.
+- :func:`load_credentials`: the one check of a head's key options, asked by the
+  command line (before the model loads) and by the app: each file, a key in one
+  role only, ``--api-key-scope all`` with a key, ``--tenant-header`` with gateway
+  keys. Its :class:`KeyFileError` names the flag at fault.
 - :class:`Tenants`: a tenant's chain root, derived (:func:`kvmesh.blocks.tenant_root`)
   under the tenant secret (:func:`head_secret`, a 0600 file kept across restarts),
   never under the fleet key: a node that was handed the fleet key to join cannot
@@ -42,7 +46,12 @@ CREDENTIAL_HEADERS = ("x-api-key", "authorization")
 
 
 class KeyFileError(ValueError):
-    """An ``--api-key-file`` (or tenant option) the head refuses to start with."""
+    """An ``--api-key-file`` (or tenant option) the head refuses to start with;
+    ``flag``: the option at fault, where one is."""
+
+    def __init__(self, message: str, flag: str | None = None) -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 class BadTenant(ValueError):
@@ -171,6 +180,38 @@ def read_key_file(path: str | Path, tenants: bool = True) -> list[tuple[str, str
     return out
 
 
+def load_credentials(
+    api_key_file: str | None = None,
+    admin_key_file: str | None = None,
+    gateway_key_file: str | None = None,
+    *,
+    header: str | None = None,
+    scope: str = "admin",
+    exact_by_address: bool = False,
+) -> Credentials:
+    """A head's :class:`Credentials` from its key files (``--api-key-file``:
+    tenant keys; admin and gateway keys bare), with every rule of its key options
+    checked once: a :class:`KeyFileError` naming the flag at fault."""
+    roles: list[dict[str, str | None]] = []
+    seen: dict[str, str] = {}
+    files = ("--api-key-file", api_key_file), ("--admin-key-file", admin_key_file)
+    for flag, path in (*files, ("--gateway-key-file", gateway_key_file)):
+        try:
+            keys = dict(read_key_file(path, tenants=flag == "--api-key-file")) if path else {}
+        except KeyFileError as e:
+            raise KeyFileError(str(e), flag) from None
+        for k in keys:
+            if k in seen:
+                raise KeyFileError(f"a key has one role: a key of {seen[k]} is here too", flag)
+            seen[k] = flag
+        roles.append(keys)
+    tenants, admins, gateways = roles
+    credentials = Credentials(tenants, admins, gateways, header, exact_by_address)
+    if scope == "all" and not credentials.any:
+        raise KeyFileError("--api-key-scope all needs --api-key-file", "--api-key-scope")
+    return credentials
+
+
 def default_secret_file() -> Path:
     """Where a head keeps its tenant secret without ``--tenant-secret-file``."""
     home = Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh"))
@@ -239,7 +280,9 @@ class Credentials:
         self.header = header.lower() if header else None
         if self.header is not None and not self._gateways:
             raise KeyFileError(
-                "--tenant-header is honoured only from a gateway: give --gateway-key-file"
+                "--tenant-header is honoured only from a gateway that proves it: "
+                "give --gateway-key-file",
+                "--tenant-header",
             )
         self.exact_by_address = exact_by_address
 
@@ -352,6 +395,7 @@ __all__ = [
     "Role",
     "default_secret_file",
     "KeyFileError",
+    "load_credentials",
     "Tenants",
     "check_tenant_name",
     "head_secret",

@@ -294,20 +294,13 @@ def _checked_head(opts: HeadOptions) -> HeadOptions:
     with ``auto`` resolved to the device the engine will run on."""
     if bool(opts.http_tls_cert) != bool(opts.http_tls_key):
         raise click.UsageError("--http-tls-cert and --http-tls-key go together")
-    keys = (opts.api_key_file, opts.admin_key_file, opts.gateway_key_file)
-    if opts.api_key_scope == "all" and not any(keys):
-        raise click.UsageError("--api-key-scope all needs --api-key-file")
-    if opts.tenant_header and not opts.gateway_key_file:
-        raise click.UsageError(
-            "--tenant-header is honoured only from a gateway that proves it: give --gateway-key-file"
-        )
     with _usage_errors():  # a device that is not there is a clear error now, not at load
         pick_dtype(opts.dtype, opts.engine)
         device = pick_device(opts.device, opts.engine) or opts.device
         if opts.deterministic:
             check_deterministic(opts.engine, opts.deterministic_grid)
-    _tenant_options(opts.api_key_file, opts.tenant_header, opts.shared_tenant)
-    _role_keys(*keys)
+    _tenant_options(opts.tenant_header, opts.shared_tenant)
+    _access(opts)
     if opts.tenant_secret_file:
         from ..api.credentials import KeyFileError, head_secret
 
@@ -318,42 +311,27 @@ def _checked_head(opts: HeadOptions) -> HeadOptions:
     return dataclasses.replace(opts, device=device)
 
 
-def _role_keys(api: str | None, admin: str | None, gateway: str | None) -> None:
-    """Check the admin and gateway key files now (a clear error before the model
-    loads), and that no key has two roles."""
-    from ..api.credentials import KeyFileError, read_key_file
-
-    seen: dict[str, str] = {}
-    for flag, path in (
-        ("--api-key-file", api),
-        ("--admin-key-file", admin),
-        ("--gateway-key-file", gateway),
-    ):
-        try:
-            keys = (
-                [k for k, _ in read_key_file(path, tenants=flag == "--api-key-file")]
-                if path
-                else []
-            )
-        except KeyFileError as e:
-            raise click.BadParameter(str(e), param_hint=flag) from None
-        for k in keys:
-            if k in seen:
-                raise click.BadParameter(
-                    f"a key has one role: a key of {seen[k]} is here too", param_hint=flag
-                )
-            seen[k] = flag
-
-
-def _tenant_options(api_key_file: str | None, header: str | None, shared: tuple[str, ...]) -> None:
-    """Check the tenant flags and the key file now (a clear error before the model loads)."""
-    from ..api.credentials import KeyFileError, check_tenant_name, read_key_file
+def _access(opts: HeadOptions) -> None:
+    """The head's key options checked now, as the app checks them at start (a clear
+    error naming the flag before the model loads)."""
+    from ..api.credentials import KeyFileError, load_credentials
 
     try:
-        if api_key_file:
-            read_key_file(api_key_file)
+        load_credentials(
+            opts.api_key_file,
+            opts.admin_key_file,
+            opts.gateway_key_file,
+            header=opts.tenant_header,
+            scope=opts.api_key_scope,
+        )
     except KeyFileError as e:
-        raise click.BadParameter(str(e), param_hint="--api-key-file") from None
+        raise click.BadParameter(str(e), param_hint=e.flag) from None
+
+
+def _tenant_options(header: str | None, shared: tuple[str, ...]) -> None:
+    """Check the tenant flags now (a clear error before the model loads)."""
+    from ..api.credentials import check_tenant_name
+
     if header is not None and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", header):
         raise click.BadParameter(
             "a header name of letters, digits and -", param_hint="--tenant-header"
