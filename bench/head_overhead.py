@@ -61,9 +61,9 @@ def frozen_peer(model: str, n: int, tokens: int, loaded: Engine | None = None) -
             heads[name] = HeadRuntime(engine, node, max_sessions=0)
         paired = heads["paired"]
         deadline = time.time() + 10
-        while not paired.node.node.membership.live() and time.time() < deadline:  # type: ignore[union-attr]
+        while not paired.fleet.members() and time.time() < deadline:  # type: ignore[union-attr]
             time.sleep(0.05)
-        assert paired.node.node.membership.live(), "the peer never joined"  # type: ignore[union-attr]
+        assert paired.fleet.members(), "the peer never joined"  # type: ignore[union-attr]
         for name, h in heads.items():  # warm both paths up while the peer answers
             ttft(h, prompts(engine, 1, tokens, f"warm-{name}")[0])
         proc.send_signal(signal.SIGSTOP)
@@ -78,7 +78,7 @@ def frozen_peer(model: str, n: int, tokens: int, loaded: Engine | None = None) -
                 f"{lookups[name][-1] * 1e3:.1f} ms",
                 flush=True,
             )
-        failed = dict(paired.node.node.client.counters)  # type: ignore[union-attr]
+        failed = paired.fleet.counters()  # type: ignore[union-attr]
     finally:
         proc.send_signal(signal.SIGCONT)
         for h in heads.values():

@@ -130,13 +130,13 @@ def test_imports_teach_the_planner_its_import_bandwidth():
     def slow_copy(blk: Block) -> None:
         time.sleep(0.001)  # a slow importer: far below the 2 GB/s prior
 
-    fleet = Fleet(node("me"))
+    me = node("me")
     try:
-        acq = Acquirer(fleet, planner, Counts())
+        acq = Acquirer(Fleet(me), planner, Counts())
         for _ in range(3):
             assert acq.imported(chain, slow_copy) == len(chain)
     finally:
-        fleet._node.close()
+        me.close()
     assert planner.import_bandwidth < 2e9
     assert planner.estimate(None, 100, 1 << 24).fetch_s > est  # the choice moves with it
 

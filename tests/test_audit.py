@@ -34,7 +34,7 @@ def _scaled(block: Block, factor: float) -> Block:
 def _publish_wrong(engine, peer: Peer, toks: list[int]) -> None:
     h = make_head(engine, [peer.address], alias="forger")
     try:
-        wait_for(lambda: len(h.node.node.membership.live()) >= 1, what="gossip")
+        wait_for(lambda: len(h.fleet.members()) >= 1, what="gossip")
         state = engine.prefill(toks)
         blocks = engine.export(KVState(toks, state.cache, state.logits, len(toks)), h.keyer)
         h.fleet.publish(engine.card, [_scaled(b, 1.5) for b in blocks])
@@ -59,7 +59,7 @@ def test_wrong_kv_is_caught_by_an_audit_and_the_peer_quarantined(tiny_engine, tm
         assert out.report.source == "remote"  # well-formed: no structural check refuses it
         wait_for(lambda: h.telemetry.counters["audits"] >= 1, what="the audit")
         assert h.telemetry.counters["audit_mismatch"] == 1
-        peer_id = next(c.node_id for c in h.node.node.membership.live() if c.alias == peer.alias)
+        peer_id = next(c.node_id for c in h.fleet.members() if c.alias == peer.alias)
         assert not h.planner.usable(peer_id)
         h.planner.prefill_tps = 100.0
         again = h.complete(second, SAMPLING)

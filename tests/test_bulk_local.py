@@ -27,12 +27,13 @@ from kvmesh.mesh import bulk_wire as bulk
 from kvmesh.mesh.bulk_server import BulkServer
 from kvmesh.mesh.bulk_wire import local_socket_path
 from kvmesh.mesh.server import CacheService
+from kvmesh.runtime.head import HeadRuntime
 from kvmesh.runtime.telemetry import Source
 from kvmesh.store import BlockStore
 
 from .helpers import wait_for
 from .procs import Peer
-from .test_fresh_fetch import close, head
+from .test_fresh_fetch import close, head, head_node
 
 PROMPT = [3 + (i * 11) % 200 for i in range(150)]  # 4 blocks of 32 and a tail
 SAMPLING = Sampling(max_tokens=4)
@@ -53,7 +54,7 @@ def publish(engine, peer):
     """A head computes PROMPT and publishes it to ``peer``; its output (head closed)."""
     first = head(engine, [peer.address])
     try:
-        wait_for(lambda: first.node.node.membership.live(), 10)
+        wait_for(lambda: first.fleet.members(), 10)
         cold = first.complete(PROMPT, SAMPLING)
         first.flush(30)
         return cold
@@ -63,20 +64,20 @@ def publish(engine, peer):
 
 def fetch(engine, peer, host=None):
     """A fresh head (of host identity ``host`` if given) completes PROMPT: (its
-    output, its mesh client), the head closed."""
-    fresh = head(engine, [peer.address])
+    output, how many of its bulk streams went over a Unix socket), the head closed."""
+    node = head_node([peer.address])
+    fresh = HeadRuntime(engine, node)
     try:
-        client = fresh.node.node.client
         if host is not None:
-            client.local_host = host
+            node.node.client.local_host = host  # what its card says, and whom it dials locally
         ns = engine.card.namespace_hex
-        wait_for(lambda: any(ns in c.namespaces for c in fresh.node.node.membership.live()), 10)
+        wait_for(lambda: any(ns in c.namespaces for c in fresh.fleet.members()), 10)
         out = fresh.complete(PROMPT, SAMPLING)
         counted = fresh.telemetry.snapshot()["counters"]
         assert not [k for k in counted if k.startswith("peer_failed")], counted
-        return out, client
     finally:
         close(fresh)
+    return out, fresh.fleet.local_streams()
 
 
 def publish_then_fetch(engine, peer):
@@ -88,25 +89,25 @@ def test_a_fetch_from_a_peer_on_this_host_goes_over_its_unix_socket(tiny_engine,
     peer = Peer(alias="cache", log_dir=runtime_dir.parent)
     try:
         wait_for(lambda: any(runtime_dir.glob("bulk-*.sock")), 10)
-        cold, hit, client = publish_then_fetch(tiny_engine, peer)
+        cold, hit, local_streams = publish_then_fetch(tiny_engine, peer)
     finally:
         peer.kill()
     r = hit.report
     assert r is not None and r.source == Source.REMOTE and r.fallback is None
     assert r.reused_tokens == len(PROMPT) and hit.tokens == cold.tokens
-    assert client.local_streams >= 1  # the fetch (and the first head's publish) went local
+    assert local_streams >= 1  # the fetch (and the first head's publish) went local
 
 
 def test_a_peer_that_opts_out_is_fetched_over_tcp(tiny_engine, runtime_dir):
     peer = Peer("--no-local-socket", alias="cache", log_dir=runtime_dir.parent)
     try:
-        cold, hit, client = publish_then_fetch(tiny_engine, peer)
+        cold, hit, local_streams = publish_then_fetch(tiny_engine, peer)
         assert not any(runtime_dir.glob("bulk-*.sock"))  # the heads' went; the peer made none
     finally:
         peer.kill()
     assert hit.report is not None and hit.report.source == Source.REMOTE
     assert hit.tokens == cold.tokens
-    assert client.local_streams == 0
+    assert local_streams == 0
 
 
 def test_a_socket_that_is_gone_or_another_hosts_falls_back_to_tcp(tiny_engine, runtime_dir):
@@ -118,10 +119,10 @@ def test_a_socket_that_is_gone_or_another_hosts_falls_back_to_tcp(tiny_engine, r
             assert len(sockets) == 1  # the peer's (each head's own went when it closed)
             if remove:
                 sockets[0].unlink()
-            hit, client = fetch(tiny_engine, peer, host)
+            hit, local_streams = fetch(tiny_engine, peer, host)
             assert hit.report is not None and hit.report.source == Source.REMOTE
             assert hit.report.fallback is None and hit.tokens == cold.tokens
-            assert client.local_streams == 0
+            assert local_streams == 0
     finally:
         peer.kill()
 

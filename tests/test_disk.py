@@ -341,7 +341,7 @@ def test_node_with_disk_is_a_remote_hit_after_both_restart(tiny_engine, tmp_path
     p = peer()
     h = make_head(tiny_engine, [p.node.address])
     try:
-        wait_for(lambda: len(h.node.node.membership.live()) >= 1, what="gossip")
+        wait_for(lambda: len(h.fleet.members()) >= 1, what="gossip")
         cold = h.complete(toks, SAMPLING)
         h.flush()
         wait_for(lambda: p.node.store.stats.entries > 0, what="publish")
@@ -353,7 +353,7 @@ def test_node_with_disk_is_a_remote_hit_after_both_restart(tiny_engine, tmp_path
     h2 = make_head(tiny_engine, [p2.node.address])
     try:
         assert p2.node.store.disk_stats.entries > 0 and p2.node.store.stats.entries == 0
-        wait_for(lambda: len(h2.node.node.membership.live()) >= 1, what="gossip")
+        wait_for(lambda: len(h2.fleet.members()) >= 1, what="gossip")
         again = h2.complete(toks, SAMPLING)
         assert again.report.source == "remote"
         assert again.report.reused_tokens >= 0.9 * len(toks)
@@ -403,7 +403,7 @@ def test_a_bad_file_on_a_peer_fails_its_fetch_and_the_head_computes(tiny_engine,
     p = NodeThread(NodeConfig(**cfg))  # type: ignore[arg-type]
     h = make_head(tiny_engine, [p.node.address])
     try:
-        wait_for(lambda: len(h.node.node.membership.live()) >= 1, what="gossip")
+        wait_for(lambda: len(h.fleet.members()) >= 1, what="gossip")
         cold = h.complete(toks, SAMPLING)
         h.flush()
         wait_for(lambda: p.node.store.stats.entries > 0, what="publish")

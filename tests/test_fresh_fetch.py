@@ -30,8 +30,9 @@ PROMPT = [5 + (i * 7) % 200 for i in range(200)]  # 6 blocks of 32 and a tail
 SAMPLING = Sampling(max_tokens=6)
 
 
-def head(engine, seeds=()) -> HeadRuntime:
-    node = NodeThread(
+def head_node(seeds=()) -> NodeThread:
+    """The mesh node a test head runs on."""
+    return NodeThread(
         NodeConfig(
             listen="127.0.0.1:0",
             seeds=list(seeds),
@@ -41,7 +42,10 @@ def head(engine, seeds=()) -> HeadRuntime:
             roles=("head", "cache"),
         )
     )
-    return HeadRuntime(engine, node)
+
+
+def head(engine, seeds=()) -> HeadRuntime:
+    return HeadRuntime(engine, head_node(seeds))
 
 
 def close(rt: HeadRuntime) -> None:
@@ -68,7 +72,7 @@ def peer(tmp_path):
 def test_a_new_head_fetches_the_prompt_and_reports_each_stage(tiny_engine, peer):
     first = head(tiny_engine, [peer.address])
     try:
-        wait_for(lambda: first.fleet is not None and first.node.node.membership.live(), 10)
+        wait_for(lambda: first.fleet is not None and first.fleet.members(), 10)
         cold = first.complete(PROMPT, SAMPLING)
         assert cold.report is not None and cold.report.source == Source.COMPUTE
         b = check_breakdown(cold.report, cold.ttft_s)
@@ -80,9 +84,9 @@ def test_a_new_head_fetches_the_prompt_and_reports_each_stage(tiny_engine, peer)
 
     fresh = head(tiny_engine, [peer.address])
     try:
-        assert fresh.node is not None and fresh.node.node.store.stats.entries == 0
+        assert fresh.node is not None and fresh.fleet.store.stats.entries == 0
         ns = tiny_engine.card.namespace_hex
-        wait_for(lambda: any(ns in c.namespaces for c in fresh.node.node.membership.live()), 10)
+        wait_for(lambda: any(ns in c.namespaces for c in fresh.fleet.members()), 10)
         hit = fresh.complete(PROMPT, SAMPLING)
         r = hit.report
         assert r is not None and r.source == Source.REMOTE and r.fallback is None
@@ -102,7 +106,7 @@ def test_the_warm_up_is_bounded_and_stores_nothing(tiny_engine):
     try:
         assert rt.warm_s > 0  # it ran (a failure would only be logged)
         assert rt.node is not None
-        stats = rt.node.node.store.stats
+        stats = rt.fleet.store.stats
         assert stats.entries == 0 and stats.used_bytes == 0
         # a local request afterwards is unaffected: computed, then reported
         out = rt.complete(PROMPT, SAMPLING)

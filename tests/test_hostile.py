@@ -75,11 +75,11 @@ def test_a_lookup_answer_that_does_not_add_up_is_no_hit(tiny_engine, tmp_path, m
     liar = hostile(mode, honest, tmp_path)
     h = fresh_head(tiny_engine, [honest])
     try:
-        wait_for(lambda: len(h.node.node.membership.live()) >= 2, what="both peers")
+        wait_for(lambda: len(h.fleet.members()) >= 2, what="both peers")
         out = h.complete(toks, SAMPLING)
         assert out.report.source == "remote" and out.report.peer == "honest", out.report
         assert out.report.reused_tokens == len(toks) and out.tokens == cold
-        assert h.node.node.client.counters[f"lookup_failed:{AT_LOOKUP[mode]}"] >= 1
+        assert h.fleet.counter(f"lookup_failed:{AT_LOOKUP[mode]}") >= 1
     finally:
         close(h)
         liar.kill()
@@ -101,7 +101,7 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
     # back it off too): the stalls under test are at fetch time
     h = fresh_head(tiny_engine, [honest], lookup_deadline=5.0)
     try:
-        wait_for(lambda: len(h.node.node.membership.live()) >= 2, what="both peers")
+        wait_for(lambda: len(h.fleet.members()) >= 2, what="both peers")
         # demo-tiny prefills 200 tokens in milliseconds, so the planner would rightly
         # skip small fetches; keep it at a real model's speed for this test, slow
         # enough that the request's budget (4 s) outlasts a stall's detection (2 s):
@@ -125,7 +125,7 @@ def test_a_bad_peer_gives_way_to_the_honest_one_and_is_avoided(tiny_engine, tmp_
         )
         assert failed_after == 1  # backed off: not tried again
         assert not h.planner.usable(
-            next(c.node_id for c in h.node.node.membership.live() if c.alias == f"hostile-{mode}")
+            next(c.node_id for c in h.fleet.members() if c.alias == f"hostile-{mode}")
         )
     finally:
         close(h)
@@ -144,7 +144,7 @@ def test_a_fresh_head_waits_on_a_trickle_no_longer_than_it_computes(tiny_engine,
     trickle = hostile("trickle", honest, tmp_path)
     h = fresh_head(tiny_engine, [honest])
     try:
-        wait_for(lambda: len(h.node.node.membership.live()) >= 2, what="both peers")
+        wait_for(lambda: len(h.fleet.members()) >= 2, what="both peers")
         # the wait is measured against this machine's probe, not the prior
         assert h.planner.probe_s is not None
         assert h.planner.cold_s(len(toks)) == pytest.approx(len(toks) * h.planner.probe_s)

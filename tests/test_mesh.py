@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from kvmesh.blocks import BlockKeyer
 from kvmesh.engine import Sampling
 from kvmesh.errors import LeaseExpired, StaleEpoch
 from kvmesh.mesh.node import NodeConfig, NodeThread
@@ -46,7 +47,7 @@ def published(engine, peers, tokens):
     """Cold request on a throwaway head; returns its greedy output once published."""
     h = make_head(engine, [p.address for p in peers], alias="publisher")
     try:
-        wait_for(lambda: len(h.node.node.membership.live()) >= len(peers), what="gossip")
+        wait_for(lambda: len(h.fleet.members()) >= len(peers), what="gossip")
         out = h.complete(tokens, SAMPLING)
         h.flush()
         return out.tokens
@@ -58,12 +59,34 @@ def fresh_head(engine, peers, **cfg):
     h = make_head(engine, [p.address for p in peers], **cfg)
     ns, aliases = engine.card.namespace_hex, {p.alias for p in peers}
     wait_for(
-        lambda: any(
-            ns in c.namespaces and c.alias in aliases for c in h.node.node.membership.live()
-        ),
+        lambda: any(ns in c.namespaces and c.alias in aliases for c in h.fleet.members()),
         what="a compatible peer",
     )
     return h
+
+
+def client_node(engine, peers) -> NodeThread:
+    """A bare mesh node (no head) that sees a peer of ``engine``'s card: for the
+    mesh client's own protocol."""
+    node = NodeThread(
+        NodeConfig(
+            listen="127.0.0.1:0",
+            seeds=[p.address for p in peers],
+            alias="client",
+            gossip_interval=0.3,
+            ttl=2,
+        )
+    )
+    ns = engine.card.namespace_hex
+    try:
+        wait_for(
+            lambda: any(ns in c.namespaces for c in node.node.membership.live()),
+            what="a compatible peer",
+        )
+    except BaseException:
+        node.close()
+        raise
+    return node
 
 
 @pytest.fixture
@@ -143,7 +166,7 @@ def test_remote_hit_is_exact_after_head_restart(tiny_engine, three_peers):
         assert out.tokens == cold
         assert r.bytes_fetched > 0
         # the imported KV equals local KV bit for bit, and so does the continuation
-        blocks = h.node.node.store.longest_prefix(h.keyer.keys(toks)).blocks[:6]
+        blocks = h.fleet.store.longest_prefix(h.keyer.keys(toks)).blocks[:6]
         longer = toks + [65, 66]
         local = tiny_engine.resume(tiny_engine.prefill(toks), 192, longer)  # the publisher's own KV
         imported = tiny_engine.prefill(longer, blocks)
@@ -174,12 +197,10 @@ def test_no_remote_call_during_decode(tiny_engine, three_peers):
     toks = prompt(tiny_engine, 180, "decode ")
     published(tiny_engine, three_peers, toks)
     h = fresh_head(tiny_engine, three_peers)
-    client = h.node.node.client
 
     def cache_rpcs():
-        return sum(
-            v for k, v in client.counters.items() if k.startswith("rpc:") and k != "rpc:Exchange"
-        )
+        counted = h.fleet.counters()
+        return sum(v for k, v in counted.items() if k.startswith("rpc:") and k != "rpc:Exchange")
 
     try:
         out = Generation()
@@ -193,7 +214,7 @@ def test_no_remote_call_during_decode(tiny_engine, three_peers):
                 break
         assert len(out.tokens) == 11 and out.report.source == "remote", (
             out.report,
-            client.counters,
+            h.fleet.counters(),
         )
     finally:
         close(h)
@@ -228,7 +249,7 @@ def test_hung_peer_hits_the_lookup_deadline(tiny_engine, peer):
         peer.signal(signal.SIGSTOP)
         out = h.complete(toks, SAMPLING)
         # the lookup deadline ended the wait (how long it took belongs in bench/)
-        assert h.node.node.client.counters["lookup_failed:timeout"] == 1
+        assert h.fleet.counter("lookup_failed:timeout") == 1
         assert out.report.fallback == "timeout" and out.tokens == _baseline(tiny_engine, toks)
     finally:
         peer.signal(signal.SIGCONT)
@@ -270,7 +291,7 @@ def behind_proxy(engine, tmp_path, alias, path="bulk", **head_cfg):
         published(engine, [p], toks)
         h = fresh_head(engine, [p], **head_cfg)
         yield carrier, p, h, toks
-        assert h.node.node.client.counters["bytes_fetched"] == 0  # every fetch failed
+        assert h.fleet.counter("bytes_fetched") == 0  # every fetch failed
         assert (carrier.connections > 0) and (path == "bulk") == (data_proxy.connections > 0)
     finally:
         for x in (proxy, data_proxy):
@@ -328,19 +349,19 @@ def test_stale_epoch_and_expired_lease(tiny_engine, tmp_path):
     try:
         toks = prompt(tiny_engine, 150, "epoch ")
         published(tiny_engine, [p], toks)
-        h = fresh_head(tiny_engine, [p])
+        node = client_node(tiny_engine, [p])
         try:
-            client, layout = h.node.node.client, tiny_engine.layout
-            keys = h.keyer.keys(toks)
-            hits, _ = h.node.call(client.lookup(tiny_engine.card, keys))
+            client, card = node.node.client, tiny_engine.card
+            keys = BlockKeyer(card.namespace, card.block_tokens).keys(toks)
+            hits, _ = node.call(client.lookup(card, keys))
             with pytest.raises(LeaseExpired):
-                h.node.call(client.fetch(layout, hits[0], lease_ttl=1e-6))
+                node.call(client.fetch(tiny_engine.layout, hits[0], lease_ttl=1e-6))
             p.restart()
             published(tiny_engine, [p], toks)
             with pytest.raises(StaleEpoch):
-                h.node.call(client.fetch(layout, hits[0]))
+                node.call(client.fetch(tiny_engine.layout, hits[0]))
         finally:
-            close(h)
+            node.close()
     finally:
         p.kill()
 
@@ -350,24 +371,23 @@ def test_incompatible_card_is_a_miss(tiny_engine, peer):
 
     toks = prompt(tiny_engine, 150, "card ")
     published(tiny_engine, [peer], toks)
-    h = fresh_head(tiny_engine, [peer])
+    node = client_node(tiny_engine, [peer])
     try:
-        client = h.node.node.client
-        hits, _ = h.node.call(client.lookup(tiny_engine.card, h.keyer.keys(toks)))
+        client, card = node.node.client, tiny_engine.card
+        keyer = BlockKeyer(card.namespace, card.block_tokens)
+        hits, _ = node.call(client.lookup(card, keyer.keys(toks)))
         assert hits and hits[0].tokens == len(toks)
-        other = dataclasses.replace(tiny_engine.card, quantization="int4")
-        from kvmesh.blocks import BlockKeyer
-
+        other = dataclasses.replace(card, quantization="int4")
         other_keys = BlockKeyer(other.namespace, other.block_tokens).keys(toks)
-        hits, _ = h.node.call(client.lookup(other, other_keys))
+        hits, _ = node.call(client.lookup(other, other_keys))
         assert hits == []
         # and a block offered under the wrong card is refused by the peer
-        blocks = tiny_engine.export(tiny_engine.prefill(toks), h.keyer)
-        target = next(c for c in h.node.node.membership.live() if c.alias == peer.alias)
-        resp = h.node.call(client.publish(target, other, blocks))
+        blocks = tiny_engine.export(tiny_engine.prefill(toks), keyer)
+        target = next(c for c in node.node.membership.live() if c.alias == peer.alias)
+        resp = node.call(client.publish(target, other, blocks))
         assert resp.stored == 0 and resp.rejected == 1 and resp.reason == "incompatible_card"
     finally:
-        close(h)
+        node.close()
 
 
 def test_mlx_head_gets_an_exact_remote_hit(three_peers):

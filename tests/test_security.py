@@ -10,7 +10,7 @@ import pytest
 from kvmesh.blocks import BlockKeyer
 from kvmesh.engine import Sampling
 from kvmesh.errors import OversizePayload, Unauthenticated
-from kvmesh.mesh.client import MeshClient, PeerHit
+from kvmesh.mesh.client import PeerHit
 from kvmesh.mesh.membership import Membership, card_bytes
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
@@ -33,9 +33,9 @@ def keyfile(tmp_path):
     return f
 
 
-def _head(engine, seeds, security=None, alias="head"):
-    security = security or Security()
-    node = NodeThread(
+def _node(seeds, security, alias):
+    """The mesh node a test head runs on."""
+    return NodeThread(
         NodeConfig(
             listen="127.0.0.1:0",
             seeds=seeds,
@@ -45,7 +45,11 @@ def _head(engine, seeds, security=None, alias="head"):
             security=security,
         )
     )
-    return HeadRuntime(engine, node, hash_key=security.block_hash_key)
+
+
+def _head(engine, seeds, security=None, alias="head"):
+    security = security or Security()
+    return HeadRuntime(engine, _node(seeds, security, alias), hash_key=security.block_hash_key)
 
 
 LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
@@ -92,13 +96,13 @@ def test_fleet_key_authenticates_calls_cards_and_publishes(tiny_engine, keyfile,
         try:
             out = outsider.complete(toks, Sampling(max_tokens=4))
             outsider.flush()
-            assert outsider.node.node.membership.live() == []  # its gossip was refused
+            assert outsider.fleet.members() == []  # its gossip was refused
             assert out.tokens
         finally:
             close(outsider)
         h = _head(tiny_engine, [peer.address], sec, alias="insider")
         try:
-            wait_for(lambda: len(h.node.node.membership.live()) == 1, what="gossip with key")
+            wait_for(lambda: len(h.fleet.members()) == 1, what="gossip with key")
             h.complete(toks, Sampling(max_tokens=4))
             h.flush()
         finally:
@@ -106,9 +110,7 @@ def test_fleet_key_authenticates_calls_cards_and_publishes(tiny_engine, keyfile,
         h2 = _head(tiny_engine, [peer.address], sec, alias="insider2")
         try:
             ns = tiny_engine.card.namespace_hex
-            wait_for(
-                lambda: any(ns in c.namespaces for c in h2.node.node.membership.live()), what="ns"
-            )
+            wait_for(lambda: any(ns in c.namespaces for c in h2.fleet.members()), what="ns")
             out = h2.complete(toks, Sampling(max_tokens=4))
             assert out.report.source == "remote"
             # block keys are HMACs under the fleet key: not the plain SHA-256 chain
@@ -163,7 +165,7 @@ def test_tls_and_mutual_tls(tiny_engine, certs, tmp_path, mutual):
         tls = TLSConfig(cert=certs / "server.pem", key=certs / "server.key", ca=certs / "ca.pem")
         h = _head(tiny_engine, [peer.address], Security(tls=tls), alias="tls-head")
         try:
-            wait_for(lambda: len(h.node.node.membership.live()) == 1, what="gossip over TLS")
+            wait_for(lambda: len(h.fleet.members()) == 1, what="gossip over TLS")
         finally:
             close(h)
     finally:
@@ -232,9 +234,10 @@ def test_oversize_announcement_falls_back_before_allocating(tiny_engine):
         await server.start()
         return server, port
 
-    h = _head(tiny_engine, [], alias="victim")
+    node = _node([], Security(), "victim")
+    h = HeadRuntime(tiny_engine, node)
     try:
-        server, port = h.node.call(serve())
+        server, port = node.call(serve())
         liar = pb.CapabilityCard(
             node_id="liar",
             alias="liar",
@@ -244,7 +247,7 @@ def test_oversize_announcement_falls_back_before_allocating(tiny_engine):
             namespaces=[tiny_engine.card.namespace_hex],
             endpoints=[pb.Endpoint(address=f"127.0.0.1:{port}", interface="loopback", priority=1)],
         )
-        h.node.node.membership.merge([liar])
+        node.node.membership.merge([liar])  # known without gossip: it speaks no Exchange
         toks = prompt(tiny_engine, 100, "liar ")
         out = h.complete(toks, Sampling(max_tokens=4))
         assert out.report.fallback == "oversize_payload" and out.report.source == "compute"
@@ -261,10 +264,9 @@ def test_oversize_announcement_falls_back_before_allocating(tiny_engine):
             None,
             32,
         )
-        client: MeshClient = h.node.node.client
         with pytest.raises(OversizePayload):
-            h.node.call(client.fetch(tiny_engine.layout, hit))
-        h.node.call(server.stop(0))
+            h.fleet.fetch(tiny_engine.layout, hit, 0, lambda _: None, timeout=10)
+        node.call(server.stop(0))
     finally:
         close(h)
 

@@ -19,7 +19,7 @@ def test_a_peer_holds_salted_keys_only_and_never_the_tenant(tiny_engine):
     peer = NodeThread(NodeConfig(listen="127.0.0.1:0", alias="t-peer", gossip_interval=0.3, ttl=2))
     head = make_head(tiny_engine, [peer.node.address], alias="t-head")
     try:
-        wait_for(lambda: len(head.node.node.membership.live()) >= 1, what="gossip")
+        wait_for(lambda: len(head.fleet.members()) >= 1, what="gossip")
         for _ in head.generate(
             toks, SAMPLING, Generation(), client="key:acme", scope=CacheScope(root, "acme-corp")
         ):

@@ -226,6 +226,11 @@ class StoreEvents:
         # router that knew the last epoch has had time to reconnect (replay has it too)
         self._wake = threading.Event()
 
+    def recording(self, keyer: BlockKeyer) -> BlockKeyer:
+        """``keyer``, wrapped to record each block's tokens in :attr:`memo` when
+        these events carry token ids (else ``keyer`` itself: nothing to record)."""
+        return RecordingKeyer(keyer, self.memo) if self.token_ids else keyer
+
     def __call__(self, change: str, tier: str, header: BlockHeader) -> None:
         """The store's listener (called under its lock: append and return)."""
         if header.kind != "block":
@@ -723,7 +728,7 @@ class NodeEvents:
         self.publisher.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def print_curve_public_key(argv: Sequence[str] | None = None) -> int:
     """``python -m kvmesh.mesh.events KEYFILE``: print the CURVE public key that
     subscribers of ``--kv-events-curve-key KEYFILE`` connect with (KEYFILE is made,
     mode 0600, with a fresh pair when missing)."""
@@ -764,4 +769,4 @@ __all__ = [
 ]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(print_curve_public_key())

@@ -20,7 +20,6 @@ from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..errors import KVMeshError, Reason
 from ..store import BlockStore, Listener, Match, Peek, TierStats
-from .events import RecordingKeyer
 from .hits import PeerHit, Transfer
 from .node import NodeThread
 from .proto import kvmesh_pb2 as pb
@@ -28,14 +27,16 @@ from .transport import StreamTimes, Want
 
 
 class Fleet:
-    def __init__(self, node: NodeThread) -> None:
-        self._node = node
-        self._client = node.node.client
+    def __init__(self, thread: NodeThread) -> None:
+        self._thread = thread  # runs the mesh's coroutines on its loop, with a deadline
+        self._mesh = thread.node
+        self._client = self._mesh.client
+        self._members = self._mesh.membership
 
     @property
     def store(self) -> BlockStore:
         """This node's own block store (a head is also a cache peer)."""
-        return self._node.node.store
+        return self._mesh.store
 
     @property
     def fetch_deadline(self) -> float:
@@ -44,28 +45,22 @@ class Fleet:
     @property
     def window_trim(self) -> bool:
         """Whether fetches ask only for the parts an import needs (``--no-window-trim``: no)."""
-        return self._node.node.config.window_trim
+        return self._mesh.config.window_trim
 
     def advertise(self, card: CompatCard) -> None:
         """Gossip that this node serves ``card``'s namespace and runs a head."""
-        node = self._node.node
         self.store.expect(Layout(card))  # its blocks, every tier, held to the card
-        node.extra_namespaces[card.namespace_hex] = card.summary()
-        node.config.roles = tuple(sorted({"head", *node.config.roles}))
+        self._mesh.advertise_head(card.namespace_hex, card.summary())
 
     def keyer(self, card: CompatCard, hash_key: bytes | None = None) -> BlockKeyer:
         """The keyer of ``card``'s chains; it records each block's tokens when this
         node publishes KV events with token ids."""
-        keyer = BlockKeyer(card.namespace, card.block_tokens, hash_key)
-        events = self._node.node.events
-        if events is not None and events.source.token_ids:
-            return RecordingKeyer(keyer, events.source.memo)
-        return keyer
+        return self._mesh.recording(BlockKeyer(card.namespace, card.block_tokens, hash_key))
 
     def show_links(self, links: Callable[[], list[dict[str, Any]]]) -> None:
         """Where this node's card, status and metrics read its measured links
         (the head's planner: :meth:`kvmesh.runtime.planner.Planner.links`)."""
-        self._node.node.link_rates = links
+        self._mesh.link_rates = links
 
     def hear_store(self, listener: Listener) -> None:
         """``listener`` hears every block stored in or removed from this node's store
@@ -93,7 +88,7 @@ class Fleet:
         ``on_success(node_id)`` of each that answered, background probes included
         (all run on the mesh thread). Never raises: a failed lookup is a miss."""
         try:
-            return self._node.call(
+            return self._thread.call(
                 self._client.lookup(card, keys, skip, on_failure, on_success),
                 timeout=self._client.lookup_deadline + 1,
             )
@@ -123,11 +118,11 @@ class Fleet:
         fetch = self._client.fetch(
             layout, hit, start, on_block=on_block, deadline=timeout, times=times, want=want
         )
-        return self._node.call(fetch, timeout=timeout + 1)
+        return self._thread.call(fetch, timeout=timeout + 1)
 
     def warm(self, layout: Layout, sample: Block, nbytes: int, timeout: float = 10.0) -> None:
         """Pay the first-use costs of a fetch now (see :meth:`MeshClient.warm`)."""
-        self._node.call(self._client.warm(layout, sample, nbytes), timeout=timeout)
+        self._thread.call(self._client.warm(layout, sample, nbytes), timeout=timeout)
 
     def keep(self, blocks: Sequence[Block], owner: str | None = None) -> int:
         """Store ``blocks`` (a chain from the root) locally; stop at the first refusal
@@ -149,23 +144,23 @@ class Fleet:
         async def enqueue() -> None:
             self._client.enqueue_publish(card, chain)
 
-        self._node.call(enqueue(), timeout=10)
+        self._thread.call(enqueue(), timeout=10)
 
     def queued(self) -> int:
         return self._client.queued()
 
     def drain(self, timeout: float) -> None:
-        self._node.call(self._client.drain(), timeout=timeout)
+        self._thread.call(self._client.drain(), timeout=timeout)
 
     # -- read-only views (dashboard, metrics, pairing) -------------------------
 
     @property
     def alias(self) -> str:
-        return self._node.node.alias
+        return self._mesh.alias
 
     @property
     def address(self) -> str:
-        return self._node.node.address
+        return self._mesh.address
 
     @property
     def epoch(self) -> str:
@@ -174,14 +169,14 @@ class Fleet:
     @property
     def ttl(self) -> float:
         """Seconds a member's card lives without news."""
-        return self._node.node.membership.ttl
+        return self._members.ttl
 
     def own_card(self) -> pb.CapabilityCard:
-        return self._node.node.membership.own_card()
+        return self._members.own_card()
 
     def members(self) -> list[pb.CapabilityCard]:
         """The live peers' cards."""
-        return self._node.node.membership.live()
+        return self._members.live()
 
     def aliases(self) -> dict[str, str]:
         """node id -> alias of every live peer."""
@@ -189,10 +184,10 @@ class Fleet:
 
     def card_age(self, node_id: str) -> float:
         """Seconds since ``node_id``'s card was last refreshed (0.0: unknown)."""
-        return self._node.node.membership.age(node_id) or 0.0
+        return self._members.age(node_id) or 0.0
 
     def rtt(self, node_id: str, address: str) -> float | None:
-        return self._node.node.membership.rtt(node_id, address)
+        return self._members.rtt(node_id, address)
 
     def compatible_peers(self, card: CompatCard) -> list[pb.CapabilityCard]:
         """The peers a lookup for ``card`` may ask."""
@@ -200,7 +195,7 @@ class Fleet:
 
     def seeds(self) -> list[str]:
         """This node's own endpoint addresses (what a new node joins through)."""
-        return [e.address for e in self._node.node.endpoints]
+        return [e.address for e in self._mesh.endpoints]
 
     def transfers(self) -> list[Transfer]:
         """The latest fetches, oldest first."""
@@ -210,6 +205,14 @@ class Fleet:
         """One of the mesh client's own counters."""
         return self._client.counters.get(name, 0)
 
+    def counters(self) -> dict[str, int]:
+        """All of the mesh client's own counters, as they stand now."""
+        return dict(self._client.counters)
+
+    def local_streams(self) -> int:
+        """Bulk streams that went over a peer's Unix socket (a node on this host)."""
+        return self._client.local_streams
+
     def tier_stats(self) -> tuple[TierStats, ...]:
         return self.store.tier_stats()
 
@@ -217,4 +220,4 @@ class Fleet:
         """A Prometheus collector of this node's store, serving and events."""
         from .metrics import NodeCollector
 
-        return NodeCollector(lambda: self._node.node)
+        return NodeCollector(lambda: self._mesh)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..blocks import BlockKeyer
 from ..store import BlockStore, DiskConfig
 from .bulk_server import BulkServer
 from .bulk_wire import local_socket_path
@@ -127,6 +128,17 @@ class MeshNode:
         # measured links for the card: node_id, bytes_per_s, rtt_s, fetches (Planner.links)
         self.link_rates: Callable[[], list[dict[str, Any]]] | None = None
         self._disk_namespaces = self.store.namespaces() if config.disk_path else set()
+
+    def advertise_head(self, namespace_hex: str, summary: str) -> None:
+        """Say in this node's card that it also runs a head serving ``namespace_hex``
+        (its card's ``summary``), whether or not its store holds any of it yet."""
+        self.extra_namespaces[namespace_hex] = summary
+        self.config.roles = tuple(sorted({"head", *self.config.roles}))
+
+    def recording(self, keyer: BlockKeyer) -> BlockKeyer:
+        """``keyer``, recording each block's tokens when this node's KV events carry
+        token ids (:meth:`.events.StoreEvents.recording`)."""
+        return keyer if self.events is None else self.events.source.recording(keyer)
 
     def _card(self) -> pb.CapabilityCard:
         s = self.store.stats

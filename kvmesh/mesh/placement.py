@@ -152,8 +152,9 @@ class Answer:
 
 
 @dataclass
-class Found:
-    """Whom a lookup asked, what they hold, and what a fetch from them owes."""
+class Located:
+    """What :func:`locate` learned: whom it asked, what they hold, and what a fetch
+    from them owes."""
 
     asked: list[str] = field(default_factory=list)  # in order, skipped ones included
     answers: list[Answer] = field(default_factory=list)
@@ -184,12 +185,12 @@ async def locate(
     policy: Policy = DEFAULT,
     rng: random.Random | None = None,
     may_probe: Callable[[str], bool] | None = None,
-) -> Found:
+) -> Located:
     """Ask for ``chain`` (its elements' keys) where the policy puts it: a small
     fleet in full; else the root's ``k + 1`` owners, then the ``k`` owners of the
     first element they lack, then a replica rank of a hot prefix
     (:func:`probe_replica`, unless ``may_probe`` says no)."""
-    found = Found()
+    found = Located()
     everyone = ranked(chain[0])
     if len(everyone) <= ASK_ALL_BELOW:
         await _ask(found, ask, everyone, len(everyone))
@@ -203,7 +204,7 @@ async def locate(
     return found
 
 
-async def _ask(found: Found, ask: Ask, candidates: Sequence[str], want: int) -> list[Answer]:
+async def _ask(found: Located, ask: Ask, candidates: Sequence[str], want: int) -> list[Answer]:
     asked, answers = await ask(candidates, want)
     found.asked += asked
     found.answers += answers
@@ -211,7 +212,7 @@ async def _ask(found: Found, ask: Ask, candidates: Sequence[str], want: int) -> 
 
 
 async def probe_replica(
-    found: Found,
+    found: Located,
     chain: Sequence[bytes],
     ranked: Ranked,
     ask: Ask,
