@@ -47,7 +47,8 @@ class Candidates:
 @dataclass
 class Fetched:
     """The outcome of :meth:`Acquirer.fetch`: the hit that worked and its blocks
-    (from ``start``), or ``hit is None`` and why the last try failed."""
+    (from ``start``), or ``hit is None`` and why the last try failed. A plan's:
+    the hit it would stream, what it would ask for and the choice; no blocks."""
 
     hit: PeerHit | None = None
     sink: Any = None  # what ``open_sink`` returned for the hit that worked
@@ -71,6 +72,12 @@ class _Held:
     blocks: int  # whole blocks from the root
     match: Match = field(default_factory=lambda: Match((), None))
 
+    @property
+    def start(self) -> int:
+        """The chain index a fetch starts from: after the stored whole blocks, or
+        from the root after a stored tail (a tail is matched token-exactly)."""
+        return 0 if self.whole else self.blocks
+
     @staticmethod
     def read(local: Match) -> _Held:
         tail = local.tail is not None
@@ -84,7 +91,7 @@ class _Held:
 
 #: ``attempt(hit, left, want, out)``: stream ``hit`` within ``left`` seconds asking
 #: for ``want``, filling ``out``; True when it worked (None: a plan, acting on nothing).
-_Attempt = Callable[[PeerHit, float, Want, "Fetched"], bool]
+_Attempt = Callable[[PeerHit, float, Want, Fetched], bool]
 
 
 @dataclass
@@ -172,13 +179,6 @@ class PageLimits:
         return self.cut_hit(hit) if self.cut_hit is not None else hit
 
 
-def _fetch_start(blocks: int, tail: bool) -> int:
-    """The chain index a fetch starts from, after ``blocks`` stored whole blocks
-    (and a stored ``tail``): a tail is matched token-exactly, so after one the
-    fetch starts from the root."""
-    return 0 if tail else blocks
-
-
 def _choose(session: int, tokens: int, whole: bool, disk: bool) -> Acquired:
     """The better of a live session's ``session`` tokens and the local store's
     ``tokens`` (a session wins a tie: resuming is a crop, importing a copy)."""
@@ -228,14 +228,17 @@ class Acquirer:
         local = self.local(keys)
         if pages is not None:
             local = pages.held(local)
-        start = _fetch_start(len(local.blocks), local.tail is not None)
-        held = local.blocks[:start]
+        held = _Held.read(local)
+        continued = local.blocks[: held.start]  # the stored blocks a fetch continues
+
+        def sink(hit: PeerHit, keep: tuple[int, ...] | None) -> Sink:
+            return open_sink(hit, continued, keep)
 
         def attempt(hit: PeerHit, left: float, want: Want, out: Fetched) -> bool:
-            sink = lambda h, keep: open_sink(h, held, keep)  # noqa: E731
+            start = held.start
             return self._try(layout, hit, local, start, left, sink, on_start, out, owner, want)
 
-        return self._decide(layout, keys, _Held.read(local), session, pages, attempt, on_looked_up)
+        return self._decide(layout, keys, held, session, pages, attempt, on_looked_up)
 
     def plan(self, layout: Layout, keys: PrefixKeys, *, session: int = 0) -> Acquired:
         """What :meth:`acquire` (of the whole prompt) would do now, through the same
@@ -269,7 +272,7 @@ class Acquirer:
         if on_looked_up is not None:
             on_looked_up()
         out.sought, out.lookup_s, out.offered = True, found.lookup_s, found.offered
-        out.start = _fetch_start(held.blocks, held.whole)
+        out.start = held.start
         budget = self.budget(self._wanted(keys, pages)) - found.lookup_s
         trims = pages is None  # a paged caller recomputes windows: whole blocks
         walk = self._walk(layout, found.hits, out.start, out.tokens, budget, trims, attempt)
@@ -313,10 +316,10 @@ class Acquirer:
         raises: a failed lookup is no candidate."""
         assert self.fleet is not None
         t0 = time.perf_counter()
-        hooks = self.planner.lookup_hooks(self.count)
-        if not teach:
-            hooks = {"skip": hooks["skip"]}  # type: ignore[assignment]
-        hits, errors = self.fleet.lookup(card, keys, **hooks)
+        if teach:
+            hits, errors = self.fleet.lookup(card, keys, **self.planner.lookup_hooks(self.count))
+        else:
+            hits, errors = self.fleet.lookup(card, keys, skip=self.planner.avoided)
         offered = list(hits)
         hits = [_importable(card, h) for h in hits]
         usable = [h for h in hits if h.tokens > have and self.planner.usable(h.node_id)]

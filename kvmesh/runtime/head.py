@@ -451,8 +451,7 @@ class HeadRuntime:
         ) -> Importer:
             # bounded by the prompt: a validated hit holds no more tokens than its keys
             importer = self.engine.importer(hit.tokens, keep_from)
-            for blk in held:
-                importer.add(blk)
+            self.acquirer.imported(held, importer.add)
             return importer
 
         def looked_up() -> None:
@@ -487,10 +486,21 @@ class HeadRuntime:
             if found.source == Source.SESSION:
                 state = self._resume(tokens, got)
             else:
-                state = self.engine.begin_prefill(tokens, found.prefix, found.fetched.sink)
+                sink = found.fetched.sink or self._import_held(found.prefix)
+                state = self.engine.begin_prefill(tokens, found.prefix, sink)
         except Exception as e:  # invariant 1: compute it all
             return self._anew(tokens, e, t0)
         return _Begun(state, found.source, found.prefix, found.fallback, time.perf_counter() - t0)
+
+    def _import_held(self, prefix: tuple[Block, ...]) -> Importer | None:
+        """The stored ``prefix`` copied into an importer through the acquirer (which
+        learns the import bandwidth from it, as from a fetch's); None for none.
+        Stored blocks are whole (the store refuses trimmed ones)."""
+        if not prefix:
+            return None
+        importer = self.engine.importer(sum(b.header.tokens for b in prefix))
+        self.acquirer.imported(prefix, importer.add)
+        return importer
 
     def _anew(self, tokens: list[int], error: BaseException, t0: float | None = None) -> _Begun:
         """A prompt computed from nothing, after ``error`` made its prefix unusable."""
