@@ -9,11 +9,15 @@ prompt, in the states where the query's plan once was a second spelling of it:
   recheck, so the request after it computed what the query said it would fetch).
 
 Real head processes and a real peer process on loopback (as
-``tests/test_cache_query.py``); the recheck on the planner a head asks.
+``tests/test_cache_query.py``); the recheck on a head in this process (its
+planner's clock moved past the recheck interval) and on the planner alone.
 """
 
 from __future__ import annotations
 
+import time
+
+from kvmesh.engine import Sampling
 from kvmesh.runtime.planner import RECHECK_S, Planner
 
 from .procs import Peer
@@ -60,6 +64,44 @@ def test_budget_and_a_prefix_held_here(tmp_path):
     finally:
         for h in heads:
             h.stop()
+        peer.kill()
+
+
+def test_a_slow_links_recheck_is_left_to_the_request(tiny_engine, tmp_path):
+    """A peer holds the prompt over a link measured too slow to fetch from: the
+    query and the completion both compute; once the recheck is due, any number of
+    queries say ``remote``, and the completion after them does fetch (the plan
+    once took the recheck for itself: the completion then computed)."""
+    from kvmesh.api.cache_query import cached_prefix
+
+    from .test_mesh import close, fresh_head, published
+
+    peer = Peer(alias="rpeer", log_dir=tmp_path)
+    try:
+        tokens = prompt(21, 3 * B + 9)
+        published(tiny_engine, [peer], tokens)  # its blocks and tail
+        now = [time.time()]
+        planner = Planner(prefill_tps=1.0, wall=lambda: now[0])  # computing is slow...
+        head = fresh_head(tiny_engine, [peer], runtime={"planner": planner, "max_sessions": 0})
+        try:
+            planner.observe_probe(1, 10.0)  # ...and the budget is the fetch deadline
+            (hit,) = head.acquirer.offers(head.card, head.keyer.keys(tokens))
+            # measured far slower than computing: ~100 B/s
+            slow = {"wire_bytes": 1 << 20, "raw_bytes": 1 << 20, "link_s": 1e4}
+            planner.observe_link(hit.node_id, interface=hit.interface, **slow)
+            q = cached_prefix(head, tokens)
+            assert (q["source"], q["cached_tokens"], q["fallback"]) == ("compute", 0, None)
+            now[0] += RECHECK_S + 1  # the link is rechecked once: by the next request
+            answers = [cached_prefix(head, tokens) for _ in range(3)]
+            out = head.complete(tokens, Sampling(max_tokens=1))
+            assert out.report is not None
+            assert out.report.source == "remote" and out.report.peer == "rpeer"
+            for a in answers:
+                assert (a["source"], a["peer"], a["fallback"]) == ("remote", "rpeer", None), a
+                assert a["cached_tokens"] == out.report.reused_tokens == len(tokens)
+        finally:
+            close(head)
+    finally:
         peer.kill()
 
 
