@@ -3,7 +3,7 @@
 A failed candidate gives way to the next one and is backed off; a successful
 fetch teaches the planner the peer's bandwidth and the import bandwidth (issue
 #27: ``observe_import`` is fed by real imports); a fetched chain that continues
-the local one is kept; the publisher drops work beyond its slots; a stalled
+the local one is kept; the give-back queue drops work beyond its slots; a stalled
 peer process (SIGSTOP) costs one lookup deadline before the breaker skips it; and
 each kind of failure has one reason, whoever acquires: the head's path, a paged
 caller's (the vLLM connector's way of calling) and ``/v1/cache/query``'s plan.
@@ -34,7 +34,8 @@ from kvmesh.mesh.fleet import Fleet
 from kvmesh.mesh.hits import PeerHit
 from kvmesh.mesh.node import NodeConfig, NodeThread
 from kvmesh.mesh.proto import kvmesh_pb2 as pb
-from kvmesh.runtime.acquire import MIN_CACHE_BUDGET_S, Acquirer, Pages, Publisher
+from kvmesh.runtime.acquire import MIN_CACHE_BUDGET_S, Acquirer, PageLimits
+from kvmesh.runtime.giveback import GiveBack
 from kvmesh.runtime.planner import Planner, failure_reason
 from kvmesh.runtime.telemetry import Source
 from kvmesh.store import Match, Peek
@@ -151,13 +152,13 @@ def test_the_budget_has_a_floor_and_the_fetch_deadline_as_its_ceiling(nodes):
     assert acq.budget(10) == 3.0
 
 
-def test_the_publisher_keeps_publishes_and_drops_beyond_its_slots(nodes):
+def test_the_give_back_queue_keeps_publishes_and_drops_beyond_its_slots(nodes):
     me = node("me")
     nodes.append(me)
     fleet = Fleet(me)
     fleet.advertise(CARD)
     count = Counts()
-    pub = Publisher(fleet, CARD, 1, count, publish=False)
+    pub = GiveBack(fleet, CARD, 1, count, publish=False)
     gate = threading.Event()
     chain = synthetic_chain(CARD, TOKENS, tail=False)
 
@@ -273,7 +274,8 @@ class FailingFleet:
     def lookup(self, card, keys, skip=None, on_failure=None, on_success=None):
         if self.stage == "lookup":
             reason = failure_reason(self.error)  # a peer's typed error, or the call's deadline
-            on_failure("far-id", reason)
+            if on_failure is not None:  # a plan's lookup teaches the planner nothing
+                on_failure("far-id", reason)
             return [], [reason]
         return [self.hit], []
 
@@ -311,7 +313,10 @@ def test_a_failure_kind_has_one_reason_for_the_head_a_paged_caller_and_the_query
             FailingFleet(rt.card, keys, error, stage), Planner(1.0, default_rtt=0.0), Counts()
         )
         got = paged.acquire(
-            Layout(rt.card), keys, lambda hit, held, keep: Sink([]), pages=Pages(len(keys.blocks))
+            Layout(rt.card),
+            keys,
+            lambda hit, held, keep: Sink([]),
+            pages=PageLimits(len(keys.blocks)),
         )
         assert (got.source, got.fallback) == (Source.COMPUTE, reason)
         # then (the peer backed off, or failing its lookups) the plan and the head agree

@@ -185,8 +185,8 @@ def test_over_a_slow_link_the_parts_come_compressed_and_exact(model, peer):
         wait_for(lambda: any(ns in c.namespaces for c in node.node.membership.live()), 10)
         state = engine.prefill(prompt[:64])
         real = engine.export(state, rt.keyer)[0]
-        rt.acquirer.calibrate(real)  # what a head's first fetch or export does
-        wait_for(lambda: "bp-zstd1" in rt.acquirer.squeeze.stats(), 30)
+        rt.calibrator.calibrate(real)  # what a head's first fetch or export does
+        wait_for(lambda: "bp-zstd1" in rt.calibrator.stats(), 30)
         out, r = remote(rt, prompt)
         assert r.codec in ("bp-zstd1", "bp-lz4") and r.trimmed, r
         assert r.bytes_wire < r.bytes_fetched  # compressed on the wire, whole once decoded

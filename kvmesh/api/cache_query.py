@@ -17,10 +17,12 @@ holding nothing, or not answering within the lookup deadline, shows 0).
 completion of the same prompt would report (``usage.prompt_tokens_details.
 cached_tokens``, ``kvmesh.source``, ``kvmesh.peer``, ``kvmesh.fallback``) if
 nothing changed in between and its fetch worked: the head's own acquisition
-decision (:meth:`~kvmesh.runtime.acquire.Acquirer.plan`); a prefix covering the
-whole prompt counts in full only with its stored tail (logits), else less its
-last token. Nothing is fetched; the local store is read from its index,
-untouched. Protected like the OpenAI routes (``--api-key-scope all``). Bad input
+decision, made by the same code (:meth:`~kvmesh.runtime.acquire.Acquirer.plan`:
+the fleet asked only where the completion would ask it, within the same
+budget); a prefix covering the whole prompt counts in full only with its stored
+tail (logits), else less its last token. Nothing is fetched, and nothing is
+learned: the local store is read from its index, untouched; a peer failing its
+lookup is not backed off. Protected like the OpenAI routes (``--api-key-scope all``). Bad input
 is a 400 naming the field.
 """
 
@@ -114,13 +116,17 @@ def cached_prefix(
     keyer = runtime.keyer_for(scope, client)
     keys = keyer.keys(tokens)
     session = runtime.sessions.prefix(tokens, keyer.root, scope.exact(client))
-    plan = runtime.acquirer.plan(runtime.card, keys, session=session)
-    fleet = runtime.acquirer.fleet
+    acquirer = runtime.acquirer
+    plan = acquirer.plan(runtime.engine.layout, keys, session=session)
+    # the peers' answers: the plan's own lookup, or (held here: none was sought)
+    # one made after the decision, for the report only
+    offered = plan.offered if plan.sought else acquirer.offers(runtime.card, keys)
+    fleet = acquirer.fleet
     peek = fleet.peek(keys) if fleet is not None else Peek(0, 0, False)
     prefix = {"session": session, "local": peek.ram_tokens, "disk": peek.tokens}
     if fleet is not None:
         prefix |= {card.alias: 0 for card in fleet.compatible_peers(runtime.card)}
-    for hit in plan.offered:
+    for hit in offered:
         prefix[hit.alias] = max(prefix.get(hit.alias, 0), hit.tokens)
     return {
         "prompt_tokens": n,

@@ -1,57 +1,22 @@
-"""The one acquisition core: how any engine (the head, the vLLM connector) gets a
-prompt's prefix, and how it gives computed prefixes back.
-
-*Acquire* (:meth:`Acquirer.acquire`), each step once, for every caller:
-
-1. **held**: the longest prefix in this node's store (RAM, then disk) and, for
-   the head, its live session's (a session wins a tie: resuming is a crop);
-2. **candidates**: when more of the prompt is wanted, the fleet's validated
-   hits, longest first, from usable peers (backed-off ones are not waited for),
-   holding more than is held;
-3. **fetch**: each candidate in turn while the cache-time budget lasts
-   (:meth:`Acquirer.budget` less the lookup's time): skipped when the planner
-   says computing is cheaper, else streamed, verified block by block, into a
-   sink the caller opens. A failure is counted, backs the peer off when it is
-   the peer's (:meth:`Planner.fetch_failed`), and the next candidate is tried. A
-   fetch teaches the planner the peer's and the import's bandwidth; a fetched
-   chain that continues the stored one is kept here.
-
-:meth:`Acquirer.plan` is the same decision without fetching (the store read from
-its index, untouched): ``/v1/cache/query`` answers with it. Outcomes are
-:class:`~.telemetry.Source` members, reasons :class:`~kvmesh.errors.Reason`
-members (:func:`~.planner.failure_reason`), counters typed in :mod:`.telemetry`.
-
-*Give back* (:class:`Publisher`): computed chains are stored and published on one
-background thread through bounded slots: a publish finding none free is dropped
-(counted ``publish_dropped``), never waited for. It tells
-:func:`kvmesh.memory.after_request` when it has work and when all of it is done.
-"""
-
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .. import memory, squeeze
 from ..blocks import PrefixKeys
-from ..codec import Block, Layout, part_itemsize
+from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..errors import Reason
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.transport import StreamTimes, Want
-from ..store import Match
+from ..store import Match, Peek
+from .calibrate import Calibrator
 from .planner import Attempt, Choice, Planner, failure_reason
-from .slots import Slots
 from .telemetry import Count, Family, Source, Tally, labelled
-
-log = logging.getLogger("kvmesh.acquire")
 
 MIN_CACHE_BUDGET_S = 0.2  # a fast model still tolerates a scheduling hiccup
 
@@ -82,7 +47,8 @@ class Candidates:
 @dataclass
 class Fetched:
     """The outcome of :meth:`Acquirer.fetch`: the hit that worked and its blocks
-    (from ``start``), or ``hit is None`` and why the last try failed."""
+    (from ``start``), or ``hit is None`` and why the last try failed. A plan's:
+    the hit it would stream, what it would ask for and the choice; no blocks."""
 
     hit: PeerHit | None = None
     sink: Any = None  # what ``open_sink`` returned for the hit that worked
@@ -95,6 +61,39 @@ class Fetched:
     choice: Choice | None = None  # the planner's last fetch-or-compute choice
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What this node holds of a prompt before the fleet is asked: read (acquire)
+    or from the store's index (plan, ``match`` unread)."""
+
+    tokens: int
+    whole: bool  # it ends on a stored tail
+    disk: bool  # some of it is on the disk tier only
+    blocks: int  # whole blocks from the root
+    match: Match = field(default_factory=lambda: Match((), None))
+
+    @property
+    def start(self) -> int:
+        """The chain index a fetch starts from: after the stored whole blocks, or
+        from the root after a stored tail (a tail is matched token-exactly)."""
+        return 0 if self.whole else self.blocks
+
+    @staticmethod
+    def read(local: Match) -> _Held:
+        tail = local.tail is not None
+        return _Held(local.tokens, tail, local.from_disk, len(local.blocks), local)
+
+    @staticmethod
+    def peeked(peek: Peek, block_tokens: int) -> _Held:
+        disk = peek.tokens > peek.ram_tokens
+        return _Held(peek.tokens, peek.whole, disk, peek.tokens // block_tokens)
+
+
+#: ``attempt(hit, left, want, out)``: stream ``hit`` within ``left`` seconds asking
+#: for ``want``, filling ``out``; True when it worked (None: a plan, acting on nothing).
+_Attempt = Callable[[PeerHit, float, Want, Fetched], bool]
+
+
 @dataclass
 class Acquired:
     """Where a prompt's prefix comes from: what :meth:`Acquirer.acquire` did, or
@@ -104,10 +103,11 @@ class Acquired:
     tokens: int = 0  # prompt tokens ``source`` holds from the start
     whole: bool = False  # they end on a stored tail (its logits: nothing to compute)
     fallback: str | None = None  # why no peer's prefix is used, when one was sought
-    hit: PeerHit | None = None  # the peer fetched from (plan: the first it would try)
+    hit: PeerHit | None = None  # the peer fetched from (plan: the first it would stream)
     local: Match = field(default_factory=lambda: Match((), None))  # the stored chain read
     start: int = 0  # the chain index a fetch starts from
-    fetched: Fetched = field(default_factory=Fetched)
+    fetched: Fetched = field(default_factory=Fetched)  # (plan: its want and choice only)
+    sought: bool = False  # the fleet was asked (less than is wanted was held)
     lookup_s: float = 0.0
     offered: list[PeerHit] = field(default_factory=list)  # every peer's validated hit
 
@@ -119,10 +119,6 @@ class Acquired:
         if self.source in (Source.LOCAL, Source.DISK):
             return self.local.all()
         return ()
-
-
-def _fetches(choice: Choice | None) -> bool:
-    return choice is not None and choice.fetch
 
 
 def wire_bytes(layout: Layout, hit: PeerHit, start: int, keep: tuple[int, ...] | None) -> int:
@@ -156,7 +152,7 @@ def _importable(card: CompatCard, hit: PeerHit) -> PeerHit:
 
 
 @dataclass(frozen=True)
-class Pages:
+class PageLimits:
     """What a paged caller (the vLLM connector) may load: at most ``limit`` whole
     blocks, never a tail (it computes the rest). ``cut_hit`` cuts a candidate
     further, ``cut_held`` says how many of the stored blocks an import can take
@@ -183,13 +179,6 @@ class Pages:
         return self.cut_hit(hit) if self.cut_hit is not None else hit
 
 
-def _fetch_start(blocks: int, tail: bool) -> int:
-    """The chain index a fetch starts from, after ``blocks`` stored whole blocks
-    (and a stored ``tail``): a tail is matched token-exactly, so after one the
-    fetch starts from the root."""
-    return 0 if tail else blocks
-
-
 def _choose(session: int, tokens: int, whole: bool, disk: bool) -> Acquired:
     """The better of a live session's ``session`` tokens and the local store's
     ``tokens`` (a session wins a tie: resuming is a crop, importing a copy)."""
@@ -204,12 +193,17 @@ class Acquirer:
     """Local store, fleet candidates, planned verified fetch: see the module.
     Without a fleet (prefix reuse off, no node) only a session is ever held."""
 
-    def __init__(self, fleet: Fleet | None, planner: Planner, count: Tally) -> None:
+    def __init__(
+        self,
+        fleet: Fleet | None,
+        planner: Planner,
+        count: Tally,
+        calibrator: Calibrator | None = None,
+    ) -> None:
         self.fleet = fleet
         self.planner = planner
         self.count = count
-        self.squeeze = squeeze.Calibration()  # what each part codec achieves here
-        self._calibrating = threading.Lock()
+        self.calibrator = calibrator or Calibrator()  # which codec a fetch asks for
 
     def acquire(
         self,
@@ -218,7 +212,7 @@ class Acquirer:
         open_sink: OpenSink,
         *,
         session: int = 0,
-        pages: Pages | None = None,
+        pages: PageLimits | None = None,
         on_looked_up: Callable[[], None] | None = None,
         on_start: Callable[[PeerHit], None] | None = None,
         owner: str | None = None,
@@ -227,74 +221,67 @@ class Acquirer:
         ``session`` tokens, the local store) or fetched from the first candidate
         worth it (see the module). ``open_sink`` (:data:`OpenSink`) raising is our
         failure: the next candidate is tried. ``pages``: what a paged caller may
-        load (:class:`Pages`); None: the whole prompt, its tail included.
+        load (:class:`PageLimits`); None: the whole prompt, its tail included.
         ``on_looked_up`` hears when the candidates are known, ``on_start`` of each
         stream as it begins; blocks kept here count against ``owner``'s tenant
         budget. A cache failure is never raised: it is ``fallback``."""
         local = self.local(keys)
         if pages is not None:
             local = pages.held(local)
-        out = _choose(session, local.tokens, local.tail is not None, local.from_disk)
-        out.local = local
+        held = _Held.read(local)
+        continued = local.blocks[: held.start]  # the stored blocks a fetch continues
+
+        def sink(hit: PeerHit, keep: tuple[int, ...] | None) -> Sink:
+            return open_sink(hit, continued, keep)
+
+        def attempt(hit: PeerHit, left: float, want: Want, out: Fetched) -> bool:
+            start = held.start
+            return self._try(layout, hit, local, start, left, sink, on_start, out, owner, want)
+
+        return self._decide(layout, keys, held, session, pages, attempt, on_looked_up)
+
+    def plan(self, layout: Layout, keys: PrefixKeys, *, session: int = 0) -> Acquired:
+        """What :meth:`acquire` (of the whole prompt) would do now, through the same
+        decision, acting on nothing: the local store read from its index
+        (untouched), the fleet asked only where acquire would ask it, the planner
+        taught nothing, and the first candidate acquire would stream taken as
+        fetched (``hit``; ``fetched`` holds only what it would ask for)."""
+        peek = self.fleet.peek(keys) if self.fleet is not None else Peek(0, 0, False)
+        held = _Held.peeked(peek, keys.block_tokens)
+        return self._decide(layout, keys, held, session, None, None, None)
+
+    def _decide(
+        self,
+        layout: Layout,
+        keys: PrefixKeys,
+        held: _Held,
+        session: int,
+        pages: PageLimits | None,
+        attempt: _Attempt | None,
+        on_looked_up: Callable[[], None] | None,
+    ) -> Acquired:
+        """The one decision (see the module) from what is ``held``: the better of it
+        and the session; the fleet asked when more is wanted; its candidates walked
+        within the budget (:meth:`_walk`), each streamed by ``attempt`` (None: a
+        plan, the first worth fetching taken)."""
+        out = _choose(session, held.tokens, held.whole, held.disk)
+        out.local = held.match
         if not self._seeks(out.tokens, keys, pages):
             return out
-        found = self._candidates(layout.card, keys, out.tokens, pages)
+        found = self._candidates(layout.card, keys, out.tokens, pages, teach=attempt is not None)
         if on_looked_up is not None:
             on_looked_up()
-        out.lookup_s, out.offered = found.lookup_s, found.offered
-        out.start = _fetch_start(len(local.blocks), local.tail is not None)
-        held = local.blocks[: out.start]
+        out.sought, out.lookup_s, out.offered = True, found.lookup_s, found.offered
+        out.start = held.start
         budget = self.budget(self._wanted(keys, pages)) - found.lookup_s
-        out.fetched = self.fetch(
-            layout,
-            found.hits,
-            local,
-            out.start,
-            out.tokens,
-            budget,
-            lambda hit, keep: open_sink(hit, held, keep),
-            on_start,
-            owner,
-            trims=pages is None,
-        )
-        hit = out.fetched.hit
-        if hit is None:
-            out.fallback = out.fetched.fallback or found.fallback
+        trims = pages is None  # a paged caller recomputes windows: whole blocks
+        walk = self._walk(layout, found.hits, out.start, out.tokens, budget, trims, attempt)
+        out.fetched = walk
+        if walk.hit is None:
+            out.fallback = walk.fallback or found.fallback
             return out
-        out.source, out.tokens, out.hit = Source.REMOTE, hit.tokens, hit
-        out.whole = hit.tail is not None
-        return out
-
-    def plan(self, card: CompatCard, keys: PrefixKeys, *, session: int = 0) -> Acquired:
-        """What :meth:`acquire` would do now, acting on nothing: the local store is
-        read from its index (untouched), the fleet asked as acquire asks it (its
-        answers in ``offered`` even when no fetch is sought), nothing fetched."""
-        if self.fleet is None:
-            return _choose(session, 0, False, False)
-        peek = self.fleet.peek(keys)
-        tokens, whole = peek.tokens, peek.whole
-        out = _choose(session, tokens, whole, tokens > peek.ram_tokens)
-        found = self.candidates(card, keys, out.tokens)
-        out.lookup_s, out.offered = found.lookup_s, found.offered
-        if not self._seeks(out.tokens, keys):
-            return out
-        start = _fetch_start(tokens // keys.block_tokens, whole)
-        layout = Layout(card)
-        hit = next(
-            (
-                h
-                for h in found.hits
-                if _fetches(
-                    self._worth(h, out.tokens, start, self._want(layout, h, start, True).wire)
-                )
-            ),
-            None,
-        )
-        if hit is None:
-            out.fallback = found.fallback
-            return out
-        out.source, out.tokens, out.whole = Source.REMOTE, hit.tokens, hit.tail is not None
-        out.hit, out.start = hit, start
+        out.source, out.tokens, out.hit = Source.REMOTE, walk.hit.tokens, walk.hit
+        out.whole = walk.hit.tail is not None
         return out
 
     def local(self, keys: PrefixKeys) -> Match:
@@ -308,7 +295,7 @@ class Acquirer:
         floor = max(self.planner.cold_s(n_tokens), MIN_CACHE_BUDGET_S)
         return min(self.fleet.fetch_deadline, floor)
 
-    def _seeks(self, have: int, keys: PrefixKeys, pages: Pages | None = None) -> bool:
+    def _seeks(self, have: int, keys: PrefixKeys, pages: PageLimits | None = None) -> bool:
         """Whether the fleet is asked: there is one, and ``have`` tokens are less
         than is wanted (every page; else all but the last token, computed anyway)."""
         if self.fleet is None:
@@ -316,40 +303,67 @@ class Acquirer:
         return have < (keys.n_tokens - 1 if pages is None else pages.limit * keys.block_tokens)
 
     @staticmethod
-    def _wanted(keys: PrefixKeys, pages: Pages | None) -> int:
+    def _wanted(keys: PrefixKeys, pages: PageLimits | None) -> int:
         """The tokens a fetch could save: the budget's measure."""
         return keys.n_tokens if pages is None else pages.limit * keys.block_tokens
 
-    def candidates(self, card: CompatCard, keys: PrefixKeys, have: int) -> Candidates:
+    def candidates(
+        self, card: CompatCard, keys: PrefixKeys, have: int, teach: bool = True
+    ) -> Candidates:
         """The fleet's validated hits holding more than ``have`` tokens, from usable
-        peers, longest first. Never raises: a failed lookup is no candidate."""
+        peers, longest first. Backed-off peers are not waited for; with ``teach``,
+        a peer failing its lookup is backed off, one answering forgiven. Never
+        raises: a failed lookup is no candidate."""
         assert self.fleet is not None
         t0 = time.perf_counter()
-        hits, errors = self.fleet.lookup(card, keys, **self.planner.lookup_hooks(self.count))
+        if teach:
+            hits, errors = self.fleet.lookup(card, keys, **self.planner.lookup_hooks(self.count))
+        else:
+            hits, errors = self.fleet.lookup(card, keys, skip=self.planner.avoided)
         offered = list(hits)
         hits = [_importable(card, h) for h in hits]
         usable = [h for h in hits if h.tokens > have and self.planner.usable(h.node_id)]
         fallback = errors[0] if errors else None
         return Candidates(usable, time.perf_counter() - t0, fallback, offered)
 
+    def offers(self, card: CompatCard, keys: PrefixKeys) -> list[PeerHit]:
+        """Every peer's validated hit for ``keys``, as it answered; the planner
+        taught nothing (what ``/v1/cache/query`` shows when no fetch is sought)."""
+        if self.fleet is None:
+            return []
+        return self.candidates(card, keys, 0, teach=False).offered
+
     def _candidates(
-        self, card: CompatCard, keys: PrefixKeys, have: int, pages: Pages | None
+        self,
+        card: CompatCard,
+        keys: PrefixKeys,
+        have: int,
+        pages: PageLimits | None,
+        teach: bool = True,
     ) -> Candidates:
-        found = self.candidates(card, keys, have)
+        found = self.candidates(card, keys, have, teach)
         if pages is not None:
             paged = (pages.hit(h, card.block_tokens) for h in found.hits)
             found.hits = [h for h in paged if h.tokens > have]
         return found
 
-    def _worth(self, hit: PeerHit, have: int, start: int, wire: int | None = None) -> Choice | None:
+    def _worth(
+        self, hit: PeerHit, have: int, start: int, wire: int | None = None, remember: bool = True
+    ) -> Choice | None:
         """The planner's choice for ``hit`` from block ``start`` (``wire`` bytes on
         the wire, when trimmed or compressed), or None when it holds no more than
-        ``have`` or its peer is not usable."""
+        ``have`` or its peer is not usable. ``remember``: the planner records it."""
         if hit.tokens <= have or not self.planner.usable(hit.node_id):
             return None
         nbytes = sum(i.nbytes for i in hit.infos[start:])
         return self.planner.choose(
-            hit.node_id, hit.interface, hit.tokens - have, nbytes, wire, have=have
+            hit.node_id,
+            hit.interface,
+            hit.tokens - have,
+            nbytes,
+            wire,
+            have=have,
+            remember=remember,
         )
 
     def fetch(
@@ -373,8 +387,29 @@ class Acquirer:
         against ``owner``'s tenant budget (see :class:`~kvmesh.store.BlockStore`).
         ``trims``: the import takes blocks trimmed to what it needs (a caller that
         imports the whole prompt; not a paged one, which recomputes windows)."""
+
+        def attempt(hit: PeerHit, left: float, want: Want, out: Fetched) -> bool:
+            return self._try(layout, hit, local, start, left, open_sink, on_start, out, owner, want)
+
+        return self._walk(layout, hits, start, have, budget, trims, attempt)
+
+    def _walk(
+        self,
+        layout: Layout,
+        hits: Sequence[PeerHit],
+        start: int,
+        have: int,
+        budget: float,
+        trims: bool,
+        attempt: _Attempt | None,
+    ) -> Fetched:
+        """The candidates in turn while ``budget`` seconds last: skipped when the
+        planner says computing is cheaper (counted), else ``attempt``\\ ed until one
+        works. A plan (``attempt`` None) takes the first worth fetching, the
+        planner recording nothing."""
         t0 = time.perf_counter()
         out = Fetched()
+        acting = attempt is not None
         for hit in hits:
             if hit.tokens <= have or not self.planner.usable(hit.node_id):
                 continue
@@ -383,11 +418,15 @@ class Acquirer:
                 out.fallback = Reason.BUDGET
                 break
             want = self._want(layout, hit, start, trims)
-            out.choice = self._worth(hit, have, start, want.wire)
+            out.choice = self._worth(hit, have, start, want.wire, remember=acting)
             if out.choice is None or not out.choice.fetch:
-                self.count(Count.PLANNED_COMPUTE)
+                if acting:
+                    self.count(Count.PLANNED_COMPUTE)
                 continue
-            if self._try(layout, hit, local, start, left, open_sink, on_start, out, owner, want):
+            if attempt is None:  # a plan: this is the stream acquire would start
+                out.hit, out.want = hit, want
+                return out
+            if attempt(hit, left, want, out):
                 return out
         return out
 
@@ -401,27 +440,10 @@ class Acquirer:
         keep = layout.keep_from(hit.tokens) if trims else None
         rate = self.planner.link_rate(hit.node_id, hit.interface)
         wire = wire_bytes(layout, hit, start, keep)
-        codec = self.squeeze.best(rate, wire)
+        codec, ratio = self.calibrator.codec(rate, wire)
         if codec == "raw":
             return Want(keep, (), wire)
-        ratio = self.squeeze.stats().get(codec, {}).get("ratio", 1.0)
-        return Want(keep, (codec,), int(wire / max(ratio, 1.0)))
-
-    def calibrate(self, block: Block) -> None:
-        """Measure the part codecs on ``block``'s KV bytes (real ones: a fetched or
-        exported block), off the request path and at most once a minute
-        (:meth:`squeeze.Calibration.sample`). Until then every fetch asks for raw."""
-        if self._calibrating.acquire(blocking=False):
-            itemsize = max(part_itemsize(block.header, i) for i in range(len(block.header.layers)))
-            threading.Thread(
-                target=self._sample, args=(block, itemsize), name="kvmesh-calibrate", daemon=True
-            ).start()
-
-    def _sample(self, block: Block, itemsize: int) -> None:
-        try:
-            self.squeeze.sample(block.payload(), itemsize)
-        finally:
-            self._calibrating.release()
+        return Want(keep, (codec,), int(wire / ratio))
 
     def _try(
         self,
@@ -464,7 +486,7 @@ class Acquirer:
         out.hit, out.sink, out.blocks, out.nbytes, out.fallback = hit, sink, blocks, nbytes, None
         out.times, out.want = times, want
         if blocks:
-            self.calibrate(max(blocks, key=lambda b: b.nbytes))
+            self.calibrator.calibrate(max(blocks, key=lambda b: b.nbytes))
         if start == len(local.blocks):  # the fetched blocks continue the stored chain
             self.fleet.keep(blocks, owner)
         return True
@@ -510,89 +532,3 @@ class _Timed:
         self.sink(blk)
         self.seconds += time.perf_counter() - t0
         self.nbytes += blk.nbytes
-
-
-class Publisher:
-    """Stores and publishes computed chains on one background thread, through
-    ``slots`` bounded slots (a publish finding none free is dropped and counted)."""
-
-    def __init__(
-        self, fleet: Fleet | None, card: CompatCard, slots: int, count: Tally, publish: bool = True
-    ) -> None:
-        self.fleet = fleet
-        self.card = card
-        self.count = count
-        self.publish = publish
-        self._slots = Slots(slots)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-publish")
-        self._working = 0  # submitted, not yet finished: tells the heap trimmer (kvmesh.memory)
-        self._working_lock = threading.Lock()
-
-    def reserve(self) -> bool:
-        """One slot, or False (counted ``publish_dropped``) when all are taken."""
-        if self._slots.take():
-            return True
-        self.count(Count.PUBLISH_DROPPED)
-        return False
-
-    def release(self) -> None:
-        """Give back a slot reserved for work that will not be submitted."""
-        self._slots.give()
-
-    def submit(
-        self, make: Callable[[], list[list[Block]]], counter: str, owner: str | None = None
-    ) -> None:
-        """In a reserved slot: ``make()`` the chains (on the background thread),
-        keep each here (against ``owner``'s tenant budget) and publish it; count
-        their distinct blocks under ``counter``."""
-        self._work(+1)
-        try:
-            self._pool.submit(self._run, make, counter, owner)
-        except RuntimeError:  # shut down: the work will never run, nor say it is done
-            self._work(-1)
-            raise
-
-    def _work(self, n: int) -> None:
-        """Count work in and out; the heap trimmer hears when all of it is done
-        (exports free memory: an idle head gives it back, see kvmesh.memory)."""
-        with self._working_lock:
-            self._working += n
-            if self._working == (1 if n > 0 else 0):
-                memory.after_request(idle=n < 0, source="publish")
-
-    def background(self, fn: Callable[..., object], *args: object) -> None:
-        """Other off-path work that should queue behind publishes (audits)."""
-        self._pool.submit(fn, *args)
-
-    def _run(self, make: Callable[[], list[list[Block]]], counter: str, owner: str | None) -> None:
-        try:
-            chains = make()
-            if self.fleet is None:
-                return
-            for chain in chains:
-                self.fleet.keep(chain, owner)
-                if self.publish:
-                    self.fleet.publish(self.card, chain)
-            self.count(counter, len({b.key for c in chains for b in c}))  # distinct blocks
-        except Exception as e:  # a publish never fails a request
-            log.warning("publish failed: %r", e)
-            self.count(Count.PUBLISH_FAILED)
-        finally:
-            self._slots.give()
-            self._work(-1)
-
-    def pending(self) -> int:
-        """Publishes not yet handed to peers (exports running or queued sends)."""
-        n = self._slots.in_use
-        if self.fleet is not None:
-            n += self.fleet.queued()
-        return n
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until queued publishes reached the peers (tests, benchmarks, shutdown)."""
-        left = self._slots.wait_idle(timeout)
-        if self.fleet is not None:
-            self.fleet.drain(max(0.1, left))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

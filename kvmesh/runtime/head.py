@@ -46,7 +46,7 @@ from ..errors import CacheMiss
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
-from .acquire import Acquired, Acquirer, Publisher
+from .acquire import Acquired, Acquirer
 from .audit import Auditor
 from .batch import (
     DEFAULT_MAX_BATCH,
@@ -57,6 +57,8 @@ from .batch import (
     Job,
     PrefillPlan,
 )
+from .calibrate import Calibrator
+from .giveback import GiveBack
 from .planner import Planner, failure_reason
 from .ready import ready
 from .sessions import Sessions
@@ -214,7 +216,7 @@ class _Prefilled:
 
 class HeadRuntime:
     """One engine serving requests (:meth:`generate`) with its sessions, batch,
-    acquirer and publisher; see the module."""
+    acquirer and give-back queue; see the module."""
 
     def __init__(
         self,
@@ -258,11 +260,12 @@ class HeadRuntime:
         self.sessions = Sessions(self.card, max_sessions, self.batch)
         self.tenants = TenantStats()
         count = self.telemetry.count
-        self.acquirer = Acquirer(reuse, self.planner, count)
+        self.calibrator = Calibrator()  # what each part codec achieves here
+        self.acquirer = Acquirer(reuse, self.planner, count, self.calibrator)
         if self.fleet is not None:
             self.fleet.show_links(self.planner.links)
-        # exports waiting for the publisher: dropped beyond ``max_pending_publishes``
-        self.publisher = Publisher(reuse, self.card, max_pending_publishes, count)
+        # exports waiting to be given back: dropped beyond ``max_pending_publishes``
+        self.give_back = GiveBack(reuse, self.card, max_pending_publishes, count)
         if reuse is not None:
             reuse.advertise(self.card)
         self.warm_s = self.warm_up()
@@ -377,7 +380,7 @@ class HeadRuntime:
             if audit is not None:
                 check = self.auditor.check
                 args = (self.engine, self._lock, keyer, audit, self.planner, self.telemetry.count)
-                self.publisher.background(check, *args)
+                self.give_back.background(check, *args)
 
     def _make_room(self, nbytes: int) -> None:
         """Give back at least ``nbytes`` of the KV budget, oldest sessions first (the
@@ -454,8 +457,7 @@ class HeadRuntime:
         ) -> Importer:
             # bounded by the prompt: a validated hit holds no more tokens than its keys
             importer = self.engine.importer(hit.tokens, keep_from)
-            for blk in held:
-                importer.add(blk)
+            self.acquirer.imported(held, importer.add)
             return importer
 
         def looked_up() -> None:
@@ -490,10 +492,21 @@ class HeadRuntime:
             if found.source == Source.SESSION:
                 state = self._resume(tokens, got)
             else:
-                state = self.engine.begin_prefill(tokens, found.prefix, found.fetched.sink)
+                sink = found.fetched.sink or self._import_held(found.prefix)
+                state = self.engine.begin_prefill(tokens, found.prefix, sink)
         except Exception as e:  # invariant 1: compute it all
             return self._anew(tokens, e, t0)
         return _Begun(state, found.source, found.prefix, found.fallback, time.perf_counter() - t0)
+
+    def _import_held(self, prefix: tuple[Block, ...]) -> Importer | None:
+        """The stored ``prefix`` copied into an importer through the acquirer (which
+        learns the import bandwidth from it, as from a fetch's); None for none.
+        Stored blocks are whole (the store refuses trimmed ones)."""
+        if not prefix:
+            return None
+        importer = self.engine.importer(sum(b.header.tokens for b in prefix))
+        self.acquirer.imported(prefix, importer.add)
+        return importer
 
     def _anew(self, tokens: list[int], error: BaseException, t0: float | None = None) -> _Begun:
         """A prompt computed from nothing, after ``error`` made its prefix unusable."""
@@ -544,23 +557,23 @@ class HeadRuntime:
         computed (cancelled, failed), as a finished prompt's are: the next request
         for them imports them. Only when it computed a block beyond what it came
         with; the chain from the root is what the local store holds, then the
-        export of the rest (on the publisher thread)."""
+        export of the rest (on the give-back thread)."""
         b = self.card.block_tokens
         n = state.cached // b * b
-        fleet = self.publisher.fleet  # None: nothing shared
+        fleet = self.give_back.fleet  # None: nothing shared
         if not self.publish_enabled or fleet is None or n <= state.imported_tokens:
             return
-        if not self.publisher.reserve():
+        if not self.give_back.reserve():
             return
         partial = KVState(state.tokens[:n], state.cache, None, n)  # blocks only: no tail
 
-        def chains() -> list[list[Block]]:  # on the publisher thread
+        def chains() -> list[list[Block]]:  # on the give-back thread
             keys = keyer.keys(partial.tokens)
             have = list(fleet.local_prefix(keys).blocks)
             more = self.engine.export(partial, keyer, keys, first_block=len(have))
             return [have + more]
 
-        self.publisher.submit(chains, Count.PARTIAL_BLOCKS, owner)
+        self.give_back.submit(chains, Count.PARTIAL_BLOCKS, owner)
 
     def _report(
         self, tokens: list[int], got: _Acquired, begun: _Begun, compute_s: float
@@ -613,11 +626,11 @@ class HeadRuntime:
         """Export and publish the prompt's blocks (and the answer's) off the request
         path; without ``tails`` (an anonymous request: its tail is keyed for nobody)
         whole blocks only."""
-        if not self.publisher.reserve():
+        if not self.give_back.reserve():
             return
         keyer = keyer or self.keyer
 
-        def chains() -> list[list[Block]]:  # on the publisher thread
+        def chains() -> list[list[Block]]:  # on the give-back thread
             # after a trimmed import the prompt's state lacks the positions before
             # its windows: its blocks are exported from where it holds them all
             held = -(-self.engine.exportable_from(prompt) // self.card.block_tokens)
@@ -633,26 +646,26 @@ class HeadRuntime:
                 first_block=skipped + len(prompt_full),
             )
             if blocks:
-                self.acquirer.calibrate(blocks[0])
+                self.calibrator.calibrate(blocks[0])
             out = [blocks, prompt_full + more] if more else [blocks]
             if tails:
                 return out
             whole = ([b for b in c if b.header.kind != "tail"] for c in out)
             return [c for c in whole if c]
 
-        self.publisher.submit(chains, Count.PUBLISHED_BLOCKS, owner)
+        self.give_back.submit(chains, Count.PUBLISHED_BLOCKS, owner)
 
     def publish_pending(self) -> int:
         """Publishes not yet handed to peers (exports running or queued sends)."""
-        return self.publisher.pending()
+        return self.give_back.pending()
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued publishes to reach the peers (tests and the demo)."""
-        self.publisher.flush(timeout)
+        self.give_back.flush(timeout)
 
     def close(self) -> None:
         self.batch.close()
-        self.publisher.close()
+        self.give_back.close()
         self.planner.flush()  # what it learned of the links, kept for the next start
 
 

@@ -372,13 +372,15 @@ class Planner:
         load: float = 0.0,
         inflight: int = 0,
         rtt_s: float | None = None,
+        remember: bool = True,
     ) -> Choice:
         """Fetch ``raw_bytes`` (``wire_bytes`` on the wire: less when trimmed or
         compressed) from ``peer``, reached on ``interface``, or compute the
         ``tokens`` it would save after ``have`` already in? ``load``: the fetches
         per second the peer's card says it serves; ``inflight``: our own fetches
         to it now; ``rtt_s``: a round trip known otherwise (the membership's),
-        used until a connect is measured. Remembered as the peer's last choice."""
+        used until a connect is measured. Remembered as the peer's last choice
+        (a recheck counted as done) unless ``remember`` is off: a plan's question."""
         wire = raw_bytes if wire_bytes is None else wire_bytes
         compute = self.compute_s(tokens, have)
         with self._lock:
@@ -394,12 +396,15 @@ class Planner:
             if not fetch and measured and self.force is None:
                 prior = self._book.prior(interface or link.interface) / busy
                 by_prior = rtt + wire / prior + raw_bytes / self.import_bandwidth
-                fetch = self._recheck(link, by_prior, compute)
-            link.last_choice = "fetch" if fetch else "compute"
-            link.interface = interface or link.interface
+                fetch = self._recheck(link, by_prior, compute, remember)
+            if remember:
+                link.last_choice = "fetch" if fetch else "compute"
+                link.interface = interface or link.interface
         return Choice(fetch, fetch_s, compute, rate, rtt, measured)
 
-    def _recheck(self, link: Link, prior_fetch_s: float, compute_s: float) -> bool:
+    def _recheck(
+        self, link: Link, prior_fetch_s: float, compute_s: float, remember: bool = True
+    ) -> bool:
         """Whether to fetch once anyway, to measure ``link`` again: its measured rate
         alone makes computing win (its interface's prior would fetch) and it was not
         measured or rechecked for ``RECHECK_S``. A link measured slow once (or a
@@ -407,7 +412,8 @@ class Planner:
         now = self._book.wall()
         if prior_fetch_s >= compute_s or now - max(link.at, link.rechecked) < RECHECK_S:
             return False
-        link.rechecked = now
+        if remember:
+            link.rechecked = now
         return True
 
     def estimate(self, peer: str | None, tokens: int, nbytes: int) -> Estimate:

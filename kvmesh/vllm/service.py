@@ -1,4 +1,4 @@
-"""The mesh side of one vLLM worker: node, fleet, planner, acquisition core, publisher.
+"""The mesh side of one vLLM worker: node, fleet, planner, acquisition core, give-back queue.
 
 Each vLLM worker process (one per tensor-parallel rank) that registers a KV cache
 starts one :class:`MeshService`, owned by its worker-side connector: one mesh node,
@@ -39,7 +39,8 @@ from ..compat import CompatCard
 from ..mesh.events import RecordingKeyer, StoreEvents
 from ..mesh.fleet import Fleet
 from ..mesh.node import NodeConfig, NodeThread
-from ..runtime.acquire import Acquirer, Publisher
+from ..runtime.acquire import Acquirer
+from ..runtime.giveback import GiveBack
 from ..runtime.planner import Planner
 from ..runtime.ready import ready
 from .config import ConnectorSettings
@@ -78,7 +79,7 @@ class MeshService:
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self.acquirer = Acquirer(self.fleet, self.planner, self.count)
-        self.publisher = Publisher(
+        self.give_back = GiveBack(
             self.fleet, card, int(settings["max_pending_publishes"]), self.count, settings.publish
         )
         # acquisitions (lookup, then fetch) never wait on loads, loads wait on them:
@@ -111,17 +112,17 @@ class MeshService:
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until queued publishes reached the peers (tests, benchmarks, shutdown)."""
-        self.publisher.flush(timeout)
+        self.give_back.flush(timeout)
 
     def close(self) -> None:
         """Flush publishes, stop the threads and the node; the counters go to the log
         (one ``kvmesh counters {...}`` line: what benchmarks of a server read)."""
         log.warning("kvmesh counters %s", json.dumps(dict(sorted(self.counters.items()))))
         try:
-            self.publisher.flush(timeout=10)
+            self.give_back.flush(timeout=10)
         except Exception as e:  # shutdown never fails vLLM's
             log.warning("publishes not flushed at shutdown: %r", e)
         for pool in (self.acquires, self.loads):
             pool.shutdown(wait=True, cancel_futures=True)
-        self.publisher.close()
+        self.give_back.close()
         self.node.close()

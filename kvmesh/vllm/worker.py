@@ -40,7 +40,7 @@ from ..codec import PREFIX, Block, Layout
 from ..compat import CompatCard
 from ..errors import CacheMiss, ConfigError, Reason
 from ..mesh.hits import PeerHit
-from ..runtime.acquire import Pages as PageLimits
+from ..runtime.acquire import PageLimits
 from ..runtime.planner import failure_reason
 from ..runtime.telemetry import Count, Family, Source, labelled
 from . import service as services
@@ -460,7 +460,7 @@ class KVMeshWorker:
                 del self._pending[spec.req_id]
                 self._forget(p)
         # a slot only now (never held across steps); none free is counted publish_dropped
-        if spec.final and not p.broken and p.copies and svc.publisher.reserve():
+        if spec.final and not p.broken and p.copies and svc.give_back.reserve():
             self._publish(svc, pages, p)
 
     def _copy_pages(
@@ -508,7 +508,7 @@ class KVMeshWorker:
             svc.count(WorkerCount.SEAL_US, round((time.perf_counter() - t1) * 1e6))
             return [list(p.have) + sealed]  # kept here, then sent to the peers
 
-        svc.publisher.submit(chains, WorkerCount.PAGES_PUBLISHED)
+        svc.give_back.submit(chains, WorkerCount.PAGES_PUBLISHED)
 
     # ==========================================================================
 
