@@ -27,7 +27,7 @@ def test_a_peer_holds_salted_keys_only_and_never_the_tenant(tiny_engine):
         head.flush()
         store = peer.node.store
         wait_for(lambda: store.stats.entries >= len(toks) // 32, what="publish")
-        salted = head.keyer_for(CacheScope(root), "key:acme").keys(toks)
+        salted = head.keyer_for(root, "key:acme").keys(toks)
         plain = head.keyer.keys(toks)
         held = set(store._entries)
         assert set(salted.blocks) <= held and salted.tail in held  # the salted chain, all of it

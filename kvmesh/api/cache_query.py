@@ -113,9 +113,10 @@ def cached_prefix(
     its source, the tokens it would not recompute, and why it would fall back."""
     n = len(tokens)
     scope = scope or CacheScope()
-    keyer = runtime.keyer_for(scope, client)
+    caller = scope.exact(client)  # once: an anonymous caller's is new each time
+    keyer = runtime.keyer_for(scope.root, caller)
     keys = keyer.keys(tokens)
-    session = runtime.sessions.prefix(tokens, keyer.root, scope.exact(client))
+    session = runtime.sessions.prefix(tokens, keyer.root, caller)
     acquirer = runtime.acquirer
     plan = acquirer.plan(runtime.engine.layout, keys, session=session)
     # the peers' answers: the plan's own lookup, or (held here: none was sought)

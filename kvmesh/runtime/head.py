@@ -312,7 +312,7 @@ class HeadRuntime:
             return
         scope = scope or CacheScope()
         caller = scope.exact(client)  # decided once: an anonymous caller's is new each time
-        keyer = self._keyer(scope.root, caller)
+        keyer = self.keyer_for(scope.root, caller)
         stamps = Stamps(t0)
         got = self._acquire(tokens, keyer, caller, scope.tenant, stamps, id(out))
         stamps.acquired = time.perf_counter()
@@ -387,11 +387,7 @@ class HeadRuntime:
         batch asks before a request would wait for room)."""
         self.sessions.drop(nbytes)
 
-    def keyer_for(self, scope: CacheScope, client: str = "") -> BlockKeyer:
-        """The keyer of ``scope``'s chains, its exact tails ``client``'s own."""
-        return self._keyer(scope.root, scope.exact(client))
-
-    def _keyer(self, root: bytes | None, caller: str) -> BlockKeyer:
+    def keyer_for(self, root: bytes | None, caller: str = "") -> BlockKeyer:
         """The keyer of the chains under ``root`` (None: the namespace), its exact
         tails ``caller``'s (:meth:`CacheScope.exact`)."""
         return self.keyer.rooted(root or self.card.namespace, _caller(caller))
