@@ -1,3 +1,33 @@
+"""The one acquisition core: how any engine (the head, the vLLM connector) gets a
+prompt's prefix.
+
+*Acquire* (:meth:`Acquirer.acquire`), each step once, for every caller:
+
+1. **held**: the longest prefix in this node's store (RAM, then disk) and, for
+   the head, its live session's (a session wins a tie: resuming is a crop);
+2. **candidates**: when more of the prompt is wanted, the fleet's validated
+   hits, longest first, from usable peers (backed-off ones are not waited for),
+   holding more than is held;
+3. **fetch**: each candidate in turn while the cache-time budget lasts
+   (:meth:`Acquirer.budget` less the lookup's time): skipped when the planner
+   says computing is cheaper, else streamed, verified block by block, into a
+   sink the caller opens. A failure is counted, backs the peer off when it is
+   the peer's (:meth:`Planner.fetch_failed`), and the next candidate is tried. A
+   fetch teaches the planner the peer's and the import's bandwidth; a fetched
+   chain that continues the stored one is kept here. Stored blocks are imported
+   through :meth:`Acquirer.imported` too, so the planner learns local imports.
+
+:meth:`Acquirer.plan` goes through the same decision (``_decide``) acting on
+nothing: the store read from its index, untouched; the fleet asked only where
+acquire would ask it; the planner taught nothing; the first candidate acquire
+would stream taken as fetched. ``/v1/cache/query`` answers with it. A paged
+caller's limits are :class:`PageLimits`. Outcomes are
+:class:`~.telemetry.Source` members, reasons :class:`~kvmesh.errors.Reason`
+members (:func:`~.planner.failure_reason`), counters typed in :mod:`.telemetry`.
+Giving computed chains back is :mod:`.giveback`'s; which codec a fetch asks for,
+:mod:`.calibrate`'s.
+"""
+
 from __future__ import annotations
 
 import dataclasses
