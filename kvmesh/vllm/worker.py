@@ -16,6 +16,11 @@ size are in the card, so shards of different layouts never mix).
   sealed, stored and published off the path through the core's bounded slots. A
   page vLLM no longer holds and the store lacks means nothing of that prompt is
   published.
+- a request's page keys are hashed once: at its ask, and by a save step only
+  past the keys its records hold (dropped with them when it finishes).
+- on a hybrid's card (``STATE_WHERE_SAVED``) a peer's hit, the stored chain and
+  the pages loaded are cut where :class:`~kvmesh.vllm.pages.StateCut` says: the
+  last page that carries a recurrent state.
 - KV events: rank 0 hears its store and sends the changes in its worker metadata.
 """
 
