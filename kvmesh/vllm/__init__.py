@@ -1,6 +1,6 @@
 """kvmesh inside vLLM: a KV connector, so vLLM servers share prefill through the mesh.
 
-``pip install 'kvmesh[vllm]'`` registers :func:`register` as a ``vllm.general_plugins``
+``pip install 'kvmesh[vllm]'`` registers :func:`register_connector` as a ``vllm.general_plugins``
 entry point, which makes ``"kv_connector": "KVMeshConnector"`` available to
 ``vllm serve`` and ``LLM(...)``. Importing this package does not import vLLM.
 See ``docs/vllm.md``.
@@ -20,7 +20,7 @@ CONNECTOR_NAME = "KVMeshConnector"
 CONNECTOR_MODULE = "kvmesh.vllm.connector"
 
 
-def register() -> None:
+def register_connector() -> None:
     """vLLM plugin entry point: register the connector by name (idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import (
         KVConnectorFactory,

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class Ask:
     req_id: str
     tokens: list[int]  # the prompt's full pages that vLLM does not compute itself
-    salt: str | None = None  # vLLM's cache_salt: its own key chain (see spec.keyer_for)
+    salt: str | None = None  # vLLM's cache_salt: its own key chain (see spec.salted_keyer)
 
 
 #: A request's vLLM block ids, one list per KV cache group: page i of group g in

@@ -16,7 +16,8 @@ format (:data:`FP8`). A recurrent layer's page (vLLM's ``MambaSpec``: Gated
 DeltaNet, Mamba) is one raw byte page holding its state tensors back to back,
 which is exactly the codec's state of that layer; such a card leaves the state
 to the producer (``STATE_WHERE_SAVED``): a page carries it when vLLM kept a
-checkpoint at the page's end, and an import ends on a page that carries it.
+checkpoint at the page's end, and an import ends on a page that carries it
+(:class:`StateCut`, the one place that rule is kept).
 No vLLM import here.
 """
 
@@ -27,13 +28,15 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..blocks import BlockKeyer, PrefixKeys
-from ..codec import Block, Layout, new_blob
+from ..codec import PREFIX, Block, Layout, new_blob
 from ..compat import STATE_WHERE_SAVED, CompatCard, LayerGeometry
 from ..errors import ConfigError, MalformedPayload
+from ..mesh.hits import PeerHit
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # vLLM's FP8 KV cache (--kv-cache-dtype): the card's dtype; its pages are uint8 tensors
@@ -210,11 +213,6 @@ class Pages:
             return [ids] * len(self.tensors)
         return [ids[g] for g in self.groups]
 
-    @property
-    def state_groups(self) -> set[int]:
-        """The KV cache groups that hold recurrent state (vLLM pages them apart)."""
-        return {self.groups[i] for i, _ in self._state}
-
     def _parts(self, ids: PageIds) -> list[torch.Tensor | None]:
         """Byte views of one page, per attention layer K then V (a paged layer as its
         two halves); None, None for a layer whose group holds no page here."""
@@ -300,6 +298,68 @@ class Pages:
                 if part is not None:
                     part.copy_(torch.frombuffer(view[off : off + n], dtype=torch.uint8))
                 off += n
+
+
+class StateCut:
+    """Where an import of a chain of pages can end: the one owner of the rule of a
+    card that leaves the recurrent state to its producer (``STATE_WHERE_SAVED``: a
+    hybrid model, whose state vLLM keeps only where a prefill chunk ended). On such
+    a card a peer's hit, the stored chain and the pages loaded are all cut to the
+    last page that carries a state; on any other card nothing is cut."""
+
+    def __init__(self, layout: Layout) -> None:
+        card = layout.card
+        self.applies = card.state_optional
+        self.block_tokens = card.block_tokens
+        # the least announced size of a page that carries the state: a stateless
+        # page's by more than half the state (for a peer that sets no flag)
+        bare = layout.header("block", bytes(32), bytes(32), 0, card.block_tokens)
+        self._least = PREFIX.size + len(bare.encode()) + bare.payload_bytes + card.state_bytes // 2
+
+    def end(self, carries: Sequence[bool]) -> int:
+        """How many of a chain's first pages an import can take, ``carries[i]`` saying
+        whether page ``i`` carries the recurrent state: the rule itself."""
+        if not self.applies:
+            return len(carries)
+        return max((i + 1 for i, c in enumerate(carries) if c), default=0)
+
+    def blocks(self, blocks: Sequence[Block]) -> int:
+        """How many of ``blocks`` (their headers say which carry a state) an import
+        can take."""
+        return self.end([bool(b.header.states) for b in blocks]) if self.applies else len(blocks)
+
+    def hit(self, hit: PeerHit) -> PeerHit:
+        """``hit`` cut to where an import can end, by what its lookup answer claims of
+        each page: its ``states`` flag, or from a peer that sets none, its announced
+        size. Either is a claim: the fetched block is checked again."""
+        if not self.applies:
+            return hit
+        n = self.end([self._announced(b) for b in hit.blocks])
+        return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * self.block_tokens)
+
+    def _announced(self, info: Any) -> bool:
+        return bool(info.states) if info.HasField("states") else info.nbytes >= self._least
+
+
+def page_keys(
+    keyer: BlockKeyer, tokens: Sequence[int], known: PrefixKeys | None = None
+) -> PrefixKeys:
+    """Keys of at least ``tokens``' whole pages (a prompt's first pages), hashing only
+    those past ``known`` (keys of the same prompt's first pages, from its ask or its
+    last save step, under the same ``keyer``): each page of a prompt is hashed once,
+    not once a step."""
+    if known is None or not known.blocks:
+        return keyer.keys(tokens)
+    b = keyer.block_tokens
+    n = len(tokens) // b
+    if len(known.blocks) >= n:
+        return known
+    chain = list(known.blocks)
+    parent = chain[-1]  # the chain goes on from it (the root is hashed into page 0 only)
+    for i in range(len(chain), n):
+        parent = keyer.block_key(parent, tokens[i * b : (i + 1) * b])
+        chain.append(parent)
+    return PrefixKeys(b, len(tokens), tuple(chain), keyer.tail_key(parent, tokens[n * b :]))
 
 
 def check_position(block: Block, keyer: BlockKeyer, keys: PrefixKeys, index: int) -> None:

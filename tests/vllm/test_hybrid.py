@@ -95,38 +95,3 @@ def _card(model, engine, CacheSpec, model_card, block):  # noqa: N803
         states=(state,) * 3 + ((),),
     )
     return model_card(model, model, spec, engine=engine)
-
-
-def test_a_hit_is_cut_to_the_last_page_its_answer_flags_with_the_state():
-    """The worker loads up to the last page the lookup answer says carries the state
-    (its flag); from a peer that sets no flag, up to the last page whose announced
-    size says so; never past a stateless last page."""
-    import dataclasses
-
-    from kvmesh.codec import Layout, new_blob
-    from kvmesh.compat import STATE_WHERE_SAVED
-    from kvmesh.mesh.hits import PeerHit, info_of
-    from kvmesh.mesh.proto import kvmesh_pb2 as pb
-    from kvmesh.vllm.worker import _state_capped
-
-    from ..helpers import small_card
-
-    card = small_card(
-        num_kv_heads=0,
-        head_dim=0,
-        layer_geometry=("state:float32[2,8]", "kv:1x8"),
-        state_every=STATE_WHERE_SAVED,
-    )
-    layout = Layout(card)
-    blocks = []
-    for i, state in enumerate((True, False, True, False)):
-        header = layout.header("block", bytes([i]) * 32, bytes(32), i * 4, 4, state)
-        blob, view = new_blob(header)
-        view[:] = bytes(len(view))
-        blocks.append(info_of(layout.seal(header, blob)))
-    hit = PeerHit("n", "p", "a", "ethernet", "e", tuple(blocks), None, 16)
-    assert [b.states for b in _state_capped(hit, layout).blocks] == [True, False, True]
-    old = tuple(pb.BlockInfo(key=b.key, nbytes=b.nbytes, tokens=4) for b in blocks)  # no flag
-    assert len(_state_capped(dataclasses.replace(hit, blocks=old), layout).blocks) == 3
-    lying = tuple(pb.BlockInfo(key=b.key, nbytes=b.nbytes, tokens=4, states=False) for b in blocks)
-    assert _state_capped(dataclasses.replace(hit, blocks=lying), layout).tokens == 0

@@ -12,10 +12,20 @@ import pytest
 import torch
 
 from kvmesh.blocks import BlockKeyer
-from kvmesh.codec import Layout, decode_block
+from kvmesh.codec import Layout, decode_block, new_blob
+from kvmesh.compat import STATE_WHERE_SAVED
 from kvmesh.errors import ConfigError, IncompatibleCard, MalformedPayload
 from kvmesh.vllm.config import parse_settings
-from kvmesh.vllm.pages import PAGED, SPLIT_KV, CacheSpec, Pages, check_position, model_card
+from kvmesh.vllm.pages import (
+    PAGED,
+    SPLIT_KV,
+    CacheSpec,
+    Pages,
+    StateCut,
+    check_position,
+    model_card,
+    page_keys,
+)
 
 from ..helpers import small_card
 
@@ -181,3 +191,72 @@ def test_layers_of_other_page_shapes_and_shared_layers_travel_in_one_block():
         at = 3 if layer == 2 else 2
         assert torch.equal(s[at], d[0 if layer == 2 else 1]), layer
     assert not dst[2][1:].any() and not dst[0][0].any()  # nothing else written
+
+
+def test_an_import_is_cut_to_the_last_page_that_carries_the_state():
+    """On a card that leaves the state to its producer, a hit is cut to the last page
+    its lookup answer flags with the state (from a peer that sets no flag, the last
+    whose announced size says so; never past a stateless last page), and so are the
+    stored chain and the verified pages a load takes; on another card nothing is."""
+    from kvmesh.mesh.hits import PeerHit, info_of
+    from kvmesh.mesh.proto import kvmesh_pb2 as pb
+
+    card = small_card(
+        num_kv_heads=0,
+        head_dim=0,
+        layer_geometry=("state:float32[2,8]", "kv:1x8"),
+        state_every=STATE_WHERE_SAVED,
+    )
+    layout = Layout(card)
+    blocks = []
+    for i, state in enumerate((True, False, True, False)):
+        header = layout.header("block", bytes([i]) * 32, bytes(32), i * 4, 4, state)
+        blob, view = new_blob(header)
+        view[:] = bytes(len(view))
+        blocks.append(layout.seal(header, blob))
+    cut = StateCut(layout)
+    assert cut.end([False, True, False]) == 2 and cut.end([False, False]) == 0
+    assert cut.blocks(blocks) == 3 and cut.blocks(blocks[1:2]) == 0
+
+    infos = tuple(info_of(b) for b in blocks)
+    hit = PeerHit("n", "p", "a", "ethernet", "e", infos, None, 16)
+    assert [b.states for b in cut.hit(hit).blocks] == [True, False, True]
+    assert cut.hit(hit).tokens == 12
+    old = tuple(pb.BlockInfo(key=b.key, nbytes=b.nbytes, tokens=4) for b in infos)  # no flag
+    assert len(cut.hit(dataclasses.replace(hit, blocks=old)).blocks) == 3
+    lying = tuple(pb.BlockInfo(key=b.key, nbytes=b.nbytes, tokens=4, states=False) for b in infos)
+    assert cut.hit(dataclasses.replace(hit, blocks=lying)).tokens == 0
+
+    plain = StateCut(Layout(small_card()))
+    assert not plain.applies and plain.end([False, False]) == 2
+    assert plain.hit(hit) is hit and plain.blocks(blocks) == 4
+
+
+class _CountingKeyer(BlockKeyer):
+    """A keyer that counts the pages it hashes."""
+
+    hashed = 0
+
+    def block_key(self, parent, tokens):
+        self.hashed += 1
+        return super().block_key(parent, tokens)
+
+
+@pytest.mark.parametrize("root", [None, bytes(range(32))])
+def test_a_prompts_page_keys_are_hashed_once_over_its_save_steps(root):
+    """Keys grown step by step from the ask's are the keys of the whole prompt (salted
+    or not), and each page is hashed once: a step hashes only the pages past the
+    keys it is given."""
+    keyer = _CountingKeyer(bytes(32), 4, root=root)
+    tokens = list(range(100, 140))  # ten pages
+    asked = keyer.keys(tokens[:24])  # the ask: six pages
+    assert keyer.hashed == 6
+    keys = page_keys(keyer, tokens[:8], asked)  # a first chunk: already hashed
+    assert keys is asked and keyer.hashed == 6
+    for end in (28, 28, 36, 40):  # the save steps
+        keys = page_keys(keyer, tokens[:end], keys)
+        assert (
+            keys.blocks[: end // 4] == BlockKeyer(bytes(32), 4, root=root).keys(tokens[:end]).blocks
+        )
+    assert keyer.hashed == 10
+    assert page_keys(keyer, tokens[:8]).blocks == asked.blocks[:2]  # none known: all hashed
