@@ -28,6 +28,7 @@ from kvmesh.engine import Sampling
 from kvmesh.engine.base import Decoded
 from kvmesh.runtime.batch import BatchRunner, Job, PrefillPlan
 from kvmesh.runtime.head import Generation, HeadRuntime
+from kvmesh.runtime.kvbudget import forward_work_bytes
 
 from . import zoo
 from .test_batch import engine  # one loaded engine per (kind, arch) for both files
@@ -218,3 +219,35 @@ def test_a_failing_batched_prefill_fails_only_the_prompt_whose_own_forward_fails
         assert h.complete(toks[:30], greedy).tokens  # the engine goes on
     finally:
         h.close()
+
+
+def test_a_prompt_alone_is_computed_in_one_forward_when_its_budget_holds_it():
+    """Nothing decodes or waits beside a lone prompt, so nobody waits between its
+    chunks: it is computed in one forward of up to ``lone_prefill`` tokens, with the
+    answer its chunks give; a KV budget that holds the chunked forward but not the
+    whole one keeps it chunked (the wider forward's working memory is reserved)."""
+    eng = engine("torch", "llama")
+    toks = zoo.prompt_tokens(zoo.hf_model("llama"), 300)
+    greedy = Sampling(max_tokens=4, stop_on_eos=False)
+    h = HeadRuntime(eng, publish=False, max_sessions=0, prefill_chunk=64)
+    try:
+        one = h.complete(toks, greedy)
+        assert (h.batch.prefill_forwards, h.batch.peak_prefill_chunk) == (1, 300)
+        h.batch.lone_prefill = 64  # chunked on purpose: ceil(300 / 64) forwards
+        assert h.complete(toks, greedy).tokens == one.tokens
+        assert h.batch.prefill_forwards == 1 + 5
+        assert h.batch.held_bytes == 0  # nothing left reserved
+        kv = h._kv_bytes(len(toks), greedy)
+        charge, work = h.batch.charge(kv, 1, len(toks)), h.batch.prefill_work(kv, 1, len(toks))
+    finally:
+        h.close()
+    wide = forward_work_bytes(eng, 300, 300)
+    assert wide > work
+    tight = HeadRuntime(
+        eng, publish=False, max_sessions=0, prefill_chunk=64, kv_budget_bytes=charge + 1
+    )
+    try:
+        assert tight.complete(toks, greedy).tokens == one.tokens
+        assert (tight.batch.prefill_forwards, tight.batch.peak_prefill_chunk) == (5, 64)
+    finally:
+        tight.close()

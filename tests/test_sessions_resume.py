@@ -89,6 +89,7 @@ def resume_beside_a_stream(
         )
         t.start()
         assert started.wait(120)
+        h.batch.peak_prefill_chunk = 0  # turn 1 and the stream's prompt ran alone: widened
         gc.collect()
         _reset_peak()
         base = _status("VmRSS")

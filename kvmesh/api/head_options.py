@@ -25,6 +25,7 @@ from ..engine import DEVICES, DTYPES, ENGINES
 from ..engine.base import PREFILL_CHUNK
 from ..engine.deterministic import DEFAULT_GRID
 from ..mesh.options import HEAD, Kind, Option, Value
+from ..runtime.prefill import LONE_PREFILL
 from ..units import parse_size
 from .tools import PARSER_CHOICES
 
@@ -223,7 +224,9 @@ class HeadOptions:
     prefill_chunk: int = _row(
         "Most prompt tokens one request computes in one forward: a long prompt (a resumed "
         "session's too) is computed in chunks with decode steps between, so running streams "
-        "wait at most one chunk. Its working memory counts in --kv-budget.",
+        "wait at most one chunk. Its working memory counts in --kv-budget. A prompt alone "
+        f"on the engine (nothing decoding or waiting) takes up to {LONE_PREFILL} tokens a "
+        "forward where --kv-budget holds them.",
         PREFILL_CHUNK,
         "int",
         low=16,

@@ -59,7 +59,7 @@ from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState
 from ..engine.grammar import compile_grammar
 from .jobs import CANCEL_STAGES, PREFILLING, QUEUED, RUNNING, Job, PrefillPlan
 from .kvbudget import PAD_SLACK, PAD_TOKENS, STEP_FACTOR, KVBudget, forward_work_bytes
-from .prefill import PREFILL_BATCH_TOKENS, Prefilling, PrefillOrder, PrefixSharing
+from .prefill import LONE_PREFILL, PREFILL_BATCH_TOKENS, Prefilling, PrefillOrder, PrefixSharing
 
 log = logging.getLogger("kvmesh.batch")
 
@@ -102,6 +102,7 @@ class BatchRunner:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         self.prefill_batch_tokens = prefill_batch_tokens
+        self.lone_prefill = max(prefill_chunk, LONE_PREFILL)  # a lone prompt's forward
         self._cv = threading.Condition()
         self._budget = KVBudget(engine, kv_budget_bytes, prefill_chunk, self._cv)
         self._sharing = PrefixSharing(engine, lock, enabled=max_batch > 1)
@@ -320,11 +321,30 @@ class BatchRunner:
             self.prefill_chunk, self.max_batch, self.prefill_batch_tokens, self.engine.batches
         )
         group, chunks = order.group(ready, self.prefill_forwards)
-        self._prefill_forward(group, chunks)
+        widened = self._widen_alone(group, chunks)
+        try:
+            self._prefill_forward(group, chunks)
+        finally:
+            if widened:
+                self._budget.unreserve(widened)
         for pre in group:
             if pre in self._prefilling and pre.left <= 0:
                 self._prefilling.remove(pre)
                 self._prefilled(pre)
+
+    def _widen_alone(self, group: list[Prefilling], chunks: list[int]) -> int:
+        """A prompt alone on the engine computes up to ``lone_prefill`` tokens in
+        this forward when the budget holds its working memory (see
+        :mod:`kvmesh.runtime.prefill`). Returns the bytes reserved for it."""
+        pre, q = group[0], min(group[0].left, self.lone_prefill)
+        beside = self._running or self._waiting or len(self._prefilling) > 1
+        if beside or q <= chunks[0]:
+            return 0
+        extra = self._budget.widen(pre.job, q)
+        if extra is None:
+            return 0
+        chunks[0] = q
+        return extra
 
     def _drop_prefill(
         self, pre: Prefilling, cancelled: bool = False, error: BaseException | None = None

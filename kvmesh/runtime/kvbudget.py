@@ -118,13 +118,25 @@ class KVBudget:
         """The working memory of a job's largest prefill forward: one chunk of its
         prompt attending to all of it (:func:`forward_work_bytes`). A prompt whose
         length is not given is taken to fill its ``kv_bytes``."""
-        ctx = prompt_tokens
-        if ctx is None:
-            ctx = kv_bytes // max(1, n * self.engine.card.kv_bytes_per_token)
+        ctx = self._context(kv_bytes, n, prompt_tokens)
         if ctx <= 0:
             return 0
         q = min(self.prefill_chunk, ctx)
         return forward_work_bytes(self.engine, q, ctx, self._geometry)
+
+    def _context(self, kv_bytes: int, n: int, prompt_tokens: int | None) -> int:
+        if prompt_tokens is not None:
+            return prompt_tokens
+        return kv_bytes // max(1, n * self.engine.card.kv_bytes_per_token)
+
+    def widen(self, job: Job, q: int) -> int | None:
+        """Reserve what a forward of ``q`` of ``job``'s prompt tokens needs beyond
+        the prefill work it was charged: the bytes reserved (:meth:`unreserve`
+        them after the forward), or None when the budget lacks them."""
+        ctx = self._context(job.kv_bytes, job.sampling.n, job.prompt_tokens)
+        need = forward_work_bytes(self.engine, q, max(ctx, q), self._geometry)
+        extra = max(0, need - job._work)
+        return extra if self.reserve(extra) else None
 
     def job_charge(self, job: Job) -> tuple[int, int]:
         """``job``'s charge and, of it, its prefill forwards' working memory."""
