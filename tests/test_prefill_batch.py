@@ -29,6 +29,7 @@ from kvmesh.engine.base import Decoded
 from kvmesh.runtime.batch import BatchRunner, Job, PrefillPlan
 from kvmesh.runtime.head import Generation, HeadRuntime
 from kvmesh.runtime.kvbudget import forward_work_bytes
+from kvmesh.runtime.prefill import SPEED_FROM
 
 from . import zoo
 from .test_batch import engine  # one loaded engine per (kind, arch) for both files
@@ -223,31 +224,37 @@ def test_a_failing_batched_prefill_fails_only_the_prompt_whose_own_forward_fails
 
 def test_a_prompt_alone_is_computed_in_one_forward_when_its_budget_holds_it():
     """Nothing decodes or waits beside a lone prompt, so nobody waits between its
-    chunks: it is computed in one forward of up to ``lone_prefill`` tokens, with the
-    answer its chunks give; a KV budget that holds the chunked forward but not the
-    whole one keeps it chunked (the wider forward's working memory is reserved)."""
+    chunks: once the runner has measured a forward, it computes the prompt in one
+    forward of up to ``lone.most`` tokens (as many as its speed computes in
+    ``lone.seconds``), with the answer its chunks give; a KV budget that holds the
+    chunked forward but not the whole one keeps it chunked (the wider forward's
+    working memory is reserved, then given back)."""
     eng = engine("torch", "llama")
     toks = zoo.prompt_tokens(zoo.hf_model("llama"), 300)
     greedy = Sampling(max_tokens=4, stop_on_eos=False)
-    h = HeadRuntime(eng, publish=False, max_sessions=0, prefill_chunk=64)
+    h = HeadRuntime(eng, publish=False, max_sessions=0, prefill_chunk=SPEED_FROM)
+    h.batch.lone.seconds = 3600.0  # any speed: the width is what is tested here
     try:
-        one = h.complete(toks, greedy)
-        assert (h.batch.prefill_forwards, h.batch.peak_prefill_chunk) == (1, 300)
-        h.batch.lone_prefill = 64  # chunked on purpose: ceil(300 / 64) forwards
-        assert h.complete(toks, greedy).tokens == one.tokens
-        assert h.batch.prefill_forwards == 1 + 5
+        first = h.complete(toks, greedy)  # no forward measured yet: one chunk, then the rest
+        assert (h.batch.prefill_forwards, h.batch.peak_prefill_chunk) == (2, 300 - SPEED_FROM)
+        assert h.complete(toks, greedy).tokens == first.tokens
+        assert (h.batch.prefill_forwards, h.batch.peak_prefill_chunk) == (3, 300)
+        h.batch.lone.seconds = 1e-9  # a forward that long computes less than a chunk
+        assert h.complete(toks, greedy).tokens == first.tokens
+        assert h.batch.prefill_forwards == 3 + 3  # ceil(300 / 128)
         assert h.batch.held_bytes == 0  # nothing left reserved
         kv = h._kv_bytes(len(toks), greedy)
         charge, work = h.batch.charge(kv, 1, len(toks)), h.batch.prefill_work(kv, 1, len(toks))
     finally:
         h.close()
-    wide = forward_work_bytes(eng, 300, 300)
-    assert wide > work
+    assert forward_work_bytes(eng, 300, 300) > work
     tight = HeadRuntime(
-        eng, publish=False, max_sessions=0, prefill_chunk=64, kv_budget_bytes=charge + 1
+        eng, publish=False, max_sessions=0, prefill_chunk=SPEED_FROM, kv_budget_bytes=charge + 1
     )
+    tight.batch.lone.seconds = 3600.0
     try:
-        assert tight.complete(toks, greedy).tokens == one.tokens
-        assert (tight.batch.prefill_forwards, tight.batch.peak_prefill_chunk) == (5, 64)
+        for _ in range(2):  # the second after a measured forward: still chunked
+            assert tight.complete(toks, greedy).tokens == first.tokens
+        assert (tight.batch.prefill_forwards, tight.batch.peak_prefill_chunk) == (6, SPEED_FROM)
     finally:
         tight.close()

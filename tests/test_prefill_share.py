@@ -254,7 +254,7 @@ def test_a_cancelled_prompts_computed_blocks_are_kept_in_the_store():
     a, _ = long_prompts()
     node = NodeThread(NodeConfig(listen="127.0.0.1:0", alias="keeper", gossip_interval=0.3, ttl=2))
     h = HeadRuntime(engine(), node, max_sessions=0)
-    h.batch.prefill_chunk = h.batch.lone_prefill = CHUNK  # chunked though alone
+    h.batch.prefill_chunk = h.batch.lone.most = CHUNK  # chunked though alone
     try:
         gone, out = LeavesAfter(h, 5), Generation()
         start(h, a, out, cancel=gone, client="a").join(120)

@@ -25,7 +25,7 @@ from ..engine import DEVICES, DTYPES, ENGINES
 from ..engine.base import PREFILL_CHUNK
 from ..engine.deterministic import DEFAULT_GRID
 from ..mesh.options import HEAD, Kind, Option, Value
-from ..runtime.prefill import LONE_PREFILL
+from ..runtime.prefill import LONE_FORWARD_S, LONE_PREFILL
 from ..units import parse_size
 from .tools import PARSER_CHOICES
 
@@ -226,7 +226,8 @@ class HeadOptions:
         "session's too) is computed in chunks with decode steps between, so running streams "
         "wait at most one chunk. Its working memory counts in --kv-budget. A prompt alone "
         f"on the engine (nothing decoding or waiting) takes up to {LONE_PREFILL} tokens a "
-        "forward where --kv-budget holds them.",
+        f"forward, as many as the head computes in about {LONE_FORWARD_S:g} s, where "
+        "--kv-budget holds them.",
         PREFILL_CHUNK,
         "int",
         low=16,

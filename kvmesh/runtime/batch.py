@@ -59,7 +59,14 @@ from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState
 from ..engine.grammar import compile_grammar
 from .jobs import CANCEL_STAGES, PREFILLING, QUEUED, RUNNING, Job, PrefillPlan
 from .kvbudget import PAD_SLACK, PAD_TOKENS, STEP_FACTOR, KVBudget, forward_work_bytes
-from .prefill import LONE_PREFILL, PREFILL_BATCH_TOKENS, Prefilling, PrefillOrder, PrefixSharing
+from .prefill import (
+    LONE_PREFILL,
+    PREFILL_BATCH_TOKENS,
+    LoneForward,
+    Prefilling,
+    PrefillOrder,
+    PrefixSharing,
+)
 
 log = logging.getLogger("kvmesh.batch")
 
@@ -102,7 +109,7 @@ class BatchRunner:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         self.prefill_batch_tokens = prefill_batch_tokens
-        self.lone_prefill = max(prefill_chunk, LONE_PREFILL)  # a lone prompt's forward
+        self.lone = LoneForward(max(prefill_chunk, LONE_PREFILL))  # a lone prompt's forward
         self._cv = threading.Condition()
         self._budget = KVBudget(engine, kv_budget_bytes, prefill_chunk, self._cv)
         self._sharing = PrefixSharing(engine, lock, enabled=max_batch > 1)
@@ -333,18 +340,16 @@ class BatchRunner:
                 self._prefilled(pre)
 
     def _widen_alone(self, group: list[Prefilling], chunks: list[int]) -> int:
-        """A prompt alone on the engine computes up to ``lone_prefill`` tokens in
+        """A prompt alone on the engine computes up to ``lone.width()`` tokens in
         this forward when the budget holds its working memory (see
         :mod:`kvmesh.runtime.prefill`). Returns the bytes reserved for it."""
-        pre, q = group[0], min(group[0].left, self.lone_prefill)
+        pre, q = group[0], min(group[0].left, self.lone.width())
         beside = self._running or self._waiting or len(self._prefilling) > 1
         if beside or q <= chunks[0]:
             return 0
-        extra = self._budget.widen(pre.job, q)
-        if extra is None:
-            return 0
-        chunks[0] = q
-        return extra
+        extra = self._budget.widen(pre.job, q)  # None: the budget lacks it
+        chunks[0] = q if extra is not None else chunks[0]
+        return extra or 0
 
     def _drop_prefill(
         self, pre: Prefilling, cancelled: bool = False, error: BaseException | None = None
@@ -375,6 +380,7 @@ class BatchRunner:
                     self._prefill_forward([pre], [min(n, pre.left)])
             return
         dt = time.perf_counter() - t0
+        self.lone.observe(sum(chunks), dt)
         self.prefill_forwards += 1
         self.prefill_tokens += sum(chunks)
         self.peak_prefill_chunk = max(self.peak_prefill_chunk, *chunks)

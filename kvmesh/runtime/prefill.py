@@ -8,7 +8,9 @@ its tokens; beside it, up to ``max_rows`` prompts whose next chunks are within
 ``PAD_SLACK`` of its length and whose positions pad within the rule, while the
 forward holds at most ``max_tokens``. A prompt alone on the engine (nothing
 decoding, prefilling or waiting beside it: nobody waits between its chunks)
-computes up to :data:`LONE_PREFILL` tokens a forward when the KV budget holds that
+computes up to :data:`LONE_PREFILL` tokens a forward, as many as this engine's
+measured prefill speed computes in :data:`LONE_FORWARD_S` (so a request arriving
+meanwhile waits no longer than that, or one chunk), when the KV budget holds that
 forward's working memory: each forward's fixed cost is paid less often.
 
 Sharing: a job takes the longest run of whole blocks (``card.block_tokens``)
@@ -44,6 +46,30 @@ STARVE_TURNS = 8  # a prompt passed over for this many prefill forwards goes nex
 # max_num_batched_tokens; measured on the fleet's model (2-core EPYC), a cold
 # 1,574-token turn 40-45 ms in 512-token chunks, 26-32 ms in one forward
 LONE_PREFILL = 2048
+LONE_FORWARD_S = 0.1  # the longest a lone prompt's wider forward is expected to take
+SPEED_FROM = 128  # prompt tokens in a forward that measures the prefill speed
+
+
+class LoneForward:
+    """How wide a lone prompt's forward may be (see the module): at most ``most``
+    tokens, about as many as this runner's measured prefill speed computes in
+    ``seconds`` (none until one of its forwards was measured)."""
+
+    def __init__(self, most: int, seconds: float = LONE_FORWARD_S) -> None:
+        self.most, self.seconds = most, seconds
+        self._per_token = 0.0  # seconds a prompt token took, a moving average
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens >= SPEED_FROM and seconds > 0:  # a short forward's is its fixed cost
+            now = seconds / tokens
+            self._per_token = now if not self._per_token else 0.7 * self._per_token + 0.3 * now
+
+    def width(self) -> int:
+        """The most tokens a lone prompt's next forward computes (0: not measured)."""
+        if not self._per_token:
+            return 0
+        return min(self.most, int(self.seconds / self._per_token))
+
 
 Running = Sequence[tuple[KVState, bytes | None]]  # resident sequences: (state, chain root)
 
