@@ -148,7 +148,8 @@ def test_a_non_streaming_client_that_leaves_mid_decode_stops_it(head):
     cancelled = head.metric('kvmesh_requests_cancelled_total{stage="running"}')
     tokens = head.metric("kvmesh_completion_tokens_total")
     client = Raw(head.url, LONG)
-    head.wait(lambda s: s["queue"]["running"] == 1)
+    # decoding, not only scheduled: a loaded machine may still be prefilling it
+    head.wait(lambda s: s["queue"]["running"] == 1 and s["batch"]["sequences"] == 1)
     client.leave()
     _idle(head)
     assert head.metric('kvmesh_requests_cancelled_total{stage="running"}') == cancelled + 1
