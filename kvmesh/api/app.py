@@ -469,7 +469,11 @@ def _add_health_routes(
                 "running": scheduler.running,
                 "max": scheduler.max_queue,
             },
-            "batch": {"sequences": runtime.batch.running, "max": runtime.batch.max_batch},
+            "batch": {
+                "sequences": runtime.batch.running,
+                "max": runtime.batch.max_batch,
+                "torch_threads": runtime.batch.torch_threads,
+            },
             "memory": memory_report(),
         }
         if failure is None:

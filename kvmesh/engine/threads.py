@@ -1,0 +1,214 @@
+"""Which thread runs torch's parallel work in a serving process, and on how many cores.
+
+libgomp gives each thread that opens a parallel region a team of its own, and once
+a process holds more OpenMP threads than CPUs an idle team member spins ~100 times
+(not ~3 ms) before it sleeps on a futex: every parallel region of a forward then
+wakes its workers, and a woken worker is often placed on its waker's core, so the
+forward runs at one core's speed. A head whose main thread loaded the model (one
+team) and whose engine thread computes (a second) is in that state.
+
+- :func:`reserve`, first thing in a serving process (before the model loads), makes
+  torch single-threaded by default and keeps the count torch chose: every thread
+  but the engine's computes alone, without a team.
+- :class:`EngineThreads` runs on the engine thread: :meth:`~EngineThreads.fit`
+  before each forward gives that thread, and only it, as many threads as the cores
+  others leave idle (the count reserved at most, one at least), measured from
+  ``/proc/stat`` against this process's own CPU time over the last
+  :data:`WINDOW_S`. An unthrottled team spins between parallel regions: on a core
+  another process wants, that spinning and the waits at each region's barrier cost
+  more than the second core gives, so a loaded machine gets one thread.
+
+Without :func:`reserve` (a library, a test process) nothing changes: ``fit`` keeps
+torch's own count. The counts are set per thread (libgomp's ``omp_set_num_threads``
+and MKL's ``mkl_set_num_threads_local``), never through ``torch.set_num_threads``,
+which would also change what every thread takes at its first parallel op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from typing import Any
+
+WINDOW_S = 0.1  # the load others put on the cores is re-measured at most this often
+BUSY_CORE = 0.5  # another process using this much of a core (on average) takes it
+
+_reserved: int | None = None  # the count torch chose, kept for the engine thread
+_lock = threading.Lock()
+
+
+def reserve() -> int:
+    """Torch single-threaded by default from now on, its own count kept for the
+    engine thread (:class:`EngineThreads`). Call on the main thread before the
+    model loads. Returns the count kept."""
+    global _reserved
+    import torch
+
+    with _lock:
+        if _reserved is None:
+            _reserved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        return _reserved
+
+
+def reserved() -> int | None:
+    """The count :func:`reserve` kept (None: none)."""
+    return _reserved
+
+
+def threads_for(free: float, most: int) -> int:
+    """The threads a forward takes with ``free`` cores left idle by others: one per
+    free core (a core others use less than :data:`BUSY_CORE` of counts as free),
+    at least one, at most ``most``."""
+    return max(1, min(most, int(free + BUSY_CORE)))
+
+
+class _Counts:
+    """Per-thread setters of OpenMP's and MKL's thread counts (None: unavailable)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        gomp = _loaded("libgomp") or os.path.join(lib, "libgomp.so.1")
+        self.omp = _symbol(gomp, "omp_set_num_threads", ctypes.c_int)
+        # MKL's per-thread setter, as torch links it, takes its count by reference
+        self.mkl = _symbol(lib + "/libtorch_cpu.so", "mkl_set_num_threads_local", _INT_P)
+
+    def set(self, n: int) -> bool:
+        if self.omp is None:
+            return False
+        self.omp(n)
+        if self.mkl is not None:
+            self.mkl(ctypes.byref(ctypes.c_int(n)))
+        return True
+
+
+def _loaded(name: str) -> str | None:
+    """The path of the shared library ``name`` this process has loaded (torch's own
+    libgomp, whatever its file is called), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith(name + "."):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+_INT_P = ctypes.POINTER(ctypes.c_int)
+
+
+def _symbol(path: str, name: str, arg: Any) -> Any:
+    """The function ``name`` of the already loaded library ``path``, taking one
+    ``arg`` (None: not loaded, or no such function)."""
+    try:
+        fn = getattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [arg], None
+    return fn
+
+
+class _Load:
+    """The cores other processes kept busy on this process's CPUs, over the last
+    window: ``/proc/stat``'s busy time of those CPUs less this process's own."""
+
+    def __init__(self) -> None:
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.others = 0.0
+        self._at = 0.0
+        self._busy = 0.0
+        self._ours = 0.0
+
+    def sample(self, now: float) -> float:
+        """The latest measure, re-measured when :data:`WINDOW_S` has passed."""
+        if now - self._at < WINDOW_S:
+            return self.others
+        busy, ours = self._busy_s(), _own_cpu_s()
+        if self._at and busy >= 0:
+            spent = (busy - self._busy) - (ours - self._ours)
+            self.others = max(0.0, spent / (now - self._at))
+        self._at, self._busy, self._ours = now, busy, ours
+        return self.others
+
+    def _busy_s(self) -> float:
+        """Seconds the CPUs this process may use have been busy (-1: unknown)."""
+        want = {f"cpu{i}" for i in self.cpus}
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        try:
+            with open("/proc/stat") as f:
+                for line in f:
+                    name, *fields = line.split()
+                    if name in want:
+                        idle = int(fields[3]) + int(fields[4])  # idle, iowait
+                        total += sum(int(x) for x in fields[:8]) - idle
+                    elif not name.startswith("cpu"):
+                        break
+        except (OSError, ValueError, IndexError):
+            return -1.0
+        return total / tick
+
+
+def _take_all(n: int) -> int:
+    """Without per-thread setters: this thread takes ``n`` for good, and the count a
+    thread takes at its first parallel op is put back to one from a thread of its own."""
+    import torch
+
+    torch.set_num_threads(n)
+    back = threading.Thread(target=torch.set_num_threads, args=(1,), name="kvmesh-threads")
+    back.start()
+    back.join()
+    return n
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class EngineThreads:
+    """The engine thread's torch threads (see the module): :meth:`take` then
+    :meth:`fit` on that thread."""
+
+    def __init__(self) -> None:
+        self.most = 0  # the count reserved (0: none, torch's count is left alone)
+        self.now = 0  # the count the engine thread computes with (0: torch's own)
+        self.load = _Load()
+        self._counts: _Counts | None = None
+
+    def take(self) -> int:
+        """On the engine thread, once: it computes with the reserved count from now
+        on (see :meth:`fit`). Returns the count."""
+        self.most = _reserved or 0
+        if self.most > 1:
+            import torch
+
+            torch.get_num_threads()  # torch's per-thread set-up first: it would undo ours
+            counts = _Counts()
+            self._counts = counts if counts.omp is not None else None
+        return self.fit()
+
+    def fit(self) -> int:
+        """Before a forward: as many threads as the cores others leave idle (see the
+        module). Returns the count it computes with (0: torch's own, unchanged)."""
+        if self._counts is None:
+            if self.most and not self.now:
+                self.now = _take_all(self.most)
+            return self.now
+        return self.use(
+            threads_for(len(self.load.cpus) - self.load.sample(time.monotonic()), self.most)
+        )
+
+    def use(self, n: int) -> int:
+        """On the engine thread: compute with ``n`` threads (one to the count reserved)
+        from now on. Returns the count it computes with (0: torch's own, unchanged)."""
+        n = max(1, min(self.most, n))
+        if self._counts is not None and n != self.now and self._counts.set(n):
+            self.now = n
+        return self.now
