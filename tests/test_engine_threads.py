@@ -3,9 +3,10 @@ leave idle (kvmesh/engine/threads.py).
 
 - In a fresh process that reserved the threads: the main thread and every thread
   that starts computing later run torch single-threaded; the engine thread computes
-  with the count it is given (torch's own at most, one at least), and a model's
-  linear layer and softmax compute the same bits at every count; without a
-  reservation nothing changes.
+  with the count it is given (torch's own at most, one at least: set in torch's own
+  OpenMP runtime, not the one a tokenizer's wheel brings), and a real engine's
+  forward computes the same bits at every count; without a reservation nothing
+  changes.
 - With every core kept busy by other (real, busy-looping) processes, the engine
   thread takes one thread, and the load it measures counts those processes.
 - The rule: one thread per core others leave idle, within [1, the count reserved].
@@ -29,20 +30,24 @@ from .test_api import Head
 
 PROBE = r"""
 import json, sys, threading, time, torch
-from kvmesh.engine import threads
+from kvmesh.engine import threads, load_engine
 own = torch.get_num_threads()
 if RESERVE:
     threads.reserve()
 out = {"own": own, "main": torch.get_num_threads()}
-x, w = torch.randn(300, 896), torch.randn(1024, 896)
-want = torch.softmax(torch.nn.functional.linear(x, w), -1)
+# a real engine: its tokenizer's libraries bring their own OpenMP runtime into the process
+engine = load_engine(MODEL)
+prompt = engine.encode("the engine thread computes this prompt " * 40)
+want = engine.prefill(prompt).logits
 
 def engine_thread():
     et = threads.EngineThreads()
     out["took"] = et.take()
     out["engine"] = {}
     for n in range(1, own + 1):
-        out["engine"][n] = [et.use(n), torch.get_num_threads(), torch.equal(torch.softmax(torch.nn.functional.linear(x, w), -1), want)]
+        used = et.use(n)
+        same = torch.equal(engine.prefill(prompt).logits, want)
+        out["engine"][n] = [used, torch.get_num_threads(), same]
     later = threading.Thread(target=lambda: out.setdefault("later", torch.get_num_threads()))
     later.start(); later.join()
     out["engine_after"] = torch.get_num_threads()
@@ -59,7 +64,7 @@ print(json.dumps(out), flush=True)
 def probe(reserve: bool, busy: int = 0) -> dict:
     """Run PROBE in a fresh process; ``busy`` busy-looping processes (pinned to its
     CPUs) run while it measures the load."""
-    code = PROBE.replace("RESERVE", str(reserve))
+    code = PROBE.replace("RESERVE", str(reserve)).replace("MODEL", repr("demo-tiny"))
     loops = []
     p = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
