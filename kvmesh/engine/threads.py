@@ -9,9 +9,12 @@ in that state: measured on the fleet benchmark's model (2-core AMD EPYC), 537 ne
 tokens over 4,285 took a head's engine thread 35-37 ms, one thread alone 33 ms,
 two threads of a process's only team 23 ms.
 
-- :func:`reserve`, first thing in a serving process (before the model loads), makes
-  torch single-threaded by default and keeps the count torch chose: every thread
-  but the engine's computes alone, without a team.
+- :func:`reserve`, first thing in a serving process (before torch is imported),
+  makes torch single-threaded by default and keeps the count torch chose: every
+  thread but the engine's computes alone, without a team. Idle team members spin
+  :data:`SPIN` times (``GOMP_SPINCOUNT``, unless set) before they sleep: enough to
+  span the gaps between a forward's parallel regions, short enough that two heads
+  that both took two threads at the same moment yield to each other at once.
 - :class:`EngineThreads` runs on the engine thread: :meth:`~EngineThreads.fit`
   before each forward gives that thread, and only it, as many threads as the cores
   others leave idle (the count reserved at most, one at least), measured from
@@ -35,6 +38,7 @@ import time
 from typing import Any
 
 WINDOW_S = 0.1  # the load others put on the cores is re-measured at most this often
+SPIN = "10000"  # libgomp's spins (~0.1 ms) before an idle team member sleeps (default ~3 ms)
 BUSY_CORE = 0.5  # another process using this much of a core (on average) takes it
 
 _reserved: int | None = None  # the count torch chose, kept for the engine thread
@@ -46,6 +50,7 @@ def reserve() -> int:
     engine thread (:class:`EngineThreads`). Call on the main thread before the
     model loads. Returns the count kept."""
     global _reserved
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN)  # read once, as torch loads libgomp
     import torch
 
     with _lock:
@@ -121,25 +126,30 @@ def _symbol(path: str, name: str, arg: Any) -> Any:
 
 
 class _Load:
-    """The cores other processes kept busy on this process's CPUs, over the last
-    window: ``/proc/stat``'s busy time of those CPUs less this process's own."""
+    """The cores other processes keep busy on this process's CPUs: the larger of
+    the last window's average (``/proc/stat``'s busy time of those CPUs less this
+    process's own) and the tasks runnable now beside the caller's team
+    (``/proc/loadavg``: a window after an idle spell is an average over it, and
+    load that came since shows only there)."""
 
     def __init__(self) -> None:
         self.cpus = sorted(os.sched_getaffinity(0))
         self.others = 0.0
+        self.window = 0.0  # the last window's average
         self._at = 0.0
         self._busy = 0.0
         self._ours = 0.0
 
-    def sample(self, now: float) -> float:
-        """The latest measure, re-measured when :data:`WINDOW_S` has passed."""
-        if now - self._at < WINDOW_S:
-            return self.others
-        busy, ours = self._busy_s(), _own_cpu_s()
-        if self._at and busy >= 0:
-            spent = (busy - self._busy) - (ours - self._ours)
-            self.others = max(0.0, spent / (now - self._at))
-        self._at, self._busy, self._ours = now, busy, ours
+    def sample(self, now: float, team: int = 1) -> float:
+        """Others' load now, the caller computing with ``team`` threads (its workers
+        may be running too); the window is re-measured once :data:`WINDOW_S` passed."""
+        if now - self._at >= WINDOW_S:
+            busy, ours = self._busy_s(), _own_cpu_s()
+            if self._at and busy >= 0:
+                spent = (busy - self._busy) - (ours - self._ours)
+                self.window = max(0.0, spent / (now - self._at))
+            self._at, self._busy, self._ours = now, busy, ours
+        self.others = max(self.window, _runnable() - max(1, team))
         return self.others
 
     def _busy_s(self) -> float:
@@ -171,6 +181,15 @@ def _take_all(n: int) -> int:
     back.start()
     back.join()
     return n
+
+
+def _runnable() -> float:
+    """Tasks runnable on the machine now, the caller included (0: unknown)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _own_cpu_s() -> float:
@@ -207,14 +226,19 @@ class EngineThreads:
             if self.most and not self.now:
                 self.now = _take_all(self.most)
             return self.now
-        return self.use(
-            threads_for(len(self.load.cpus) - self.load.sample(time.monotonic()), self.most)
-        )
+        others = self.load.sample(time.monotonic(), self.now)
+        return self.use(threads_for(len(self.load.cpus) - others, self.most))
 
     def use(self, n: int) -> int:
         """On the engine thread: compute with ``n`` threads (one to the count reserved)
         from now on. Returns the count it computes with (0: torch's own, unchanged)."""
         n = max(1, min(self.most, n))
         if self._counts is not None and n != self.now and self._counts.set(n):
+            import sys as _s
+
+            print(
+                file=_s.stderr,
+                flush=True,
+            )
             self.now = n
         return self.now
