@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 WINDOW_S = 0.1  # the load others put on the cores is re-measured at most this often
+STALE_S = 1.0  # a window longer than this spans an idle spell
 SPIN = "10000"  # libgomp's spins (~0.1 ms) before an idle team member sleeps (default ~3 ms)
 BUSY_CORE = 0.5  # another process using this much of a core (on average) takes it
 
@@ -126,30 +127,31 @@ def _symbol(path: str, name: str, arg: Any) -> Any:
 
 
 class _Load:
-    """The cores other processes keep busy on this process's CPUs: the larger of
-    the last window's average (``/proc/stat``'s busy time of those CPUs less this
-    process's own) and the tasks runnable now beside the caller's team
-    (``/proc/loadavg``: a window after an idle spell is an average over it, and
-    load that came since shows only there)."""
+    """The cores other processes keep busy on this process's CPUs: over the last
+    window, ``/proc/stat``'s busy time of those CPUs less this process's own; after
+    an idle spell, the tasks runnable now (``/proc/loadavg``) less this process's."""
 
     def __init__(self) -> None:
         self.cpus = sorted(os.sched_getaffinity(0))
         self.others = 0.0
-        self.window = 0.0  # the last window's average
         self._at = 0.0
         self._busy = 0.0
         self._ours = 0.0
 
     def sample(self, now: float, team: int = 1) -> float:
-        """Others' load now, the caller computing with ``team`` threads (its workers
-        may be running too); the window is re-measured once :data:`WINDOW_S` passed."""
-        if now - self._at >= WINDOW_S:
-            busy, ours = self._busy_s(), _own_cpu_s()
-            if self._at and busy >= 0:
-                spent = (busy - self._busy) - (ours - self._ours)
-                self.window = max(0.0, spent / (now - self._at))
-            self._at, self._busy, self._ours = now, busy, ours
-        self.others = max(self.window, _runnable() - max(1, team))
+        """Others' load: the last window's, re-measured once :data:`WINDOW_S` passed;
+        after an idle spell (a window longer than :data:`STALE_S`, or none yet), the
+        tasks runnable now beside the caller's ``team`` threads instead."""
+        if now - self._at < WINDOW_S:
+            return self.others
+        stale = now - self._at > STALE_S
+        busy, ours = self._busy_s(), _own_cpu_s()
+        if self._at and busy >= 0:
+            spent = (busy - self._busy) - (ours - self._ours)
+            self.others = max(0.0, spent / (now - self._at))
+        self._at, self._busy, self._ours = now, busy, ours
+        if stale:  # an average over the idle spell says nothing of now
+            self.others = max(0.0, _runnable() - max(team, _own_runnable()))
         return self.others
 
     def _busy_s(self) -> float:
@@ -190,6 +192,18 @@ def _runnable() -> float:
             return float(f.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def _own_runnable() -> int:
+    """This process's threads runnable now (a scan of its threads: for rare use)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            continue  # a thread that ended meanwhile
+    return n
 
 
 def _own_cpu_s() -> float:
