@@ -19,9 +19,10 @@ two threads of a process's only team 23 ms.
   before each forward gives that thread, and only it, as many threads as the cores
   others leave idle (the count reserved at most, one at least), measured from
   ``/proc/stat`` against this process's own CPU time over the last
-  :data:`WINDOW_S`. An unthrottled team spins between parallel regions: on a core
-  another process wants, that spinning and the waits at each region's barrier cost
-  more than the second core gives, so a loaded machine gets one thread.
+  :data:`WINDOW_S` (after an idle spell, from the tasks runnable now). An
+  unthrottled team spins between parallel regions: on a core another process
+  wants, that spinning and the waits at each region's barrier cost more than the
+  second core gives, so a loaded machine gets one thread.
 
 Without :func:`reserve` (a library, a test process) nothing changes: ``fit`` keeps
 torch's own count. The counts are set per thread (libgomp's ``omp_set_num_threads``
@@ -248,11 +249,5 @@ class EngineThreads:
         from now on. Returns the count it computes with (0: torch's own, unchanged)."""
         n = max(1, min(self.most, n))
         if self._counts is not None and n != self.now and self._counts.set(n):
-            import sys as _s
-
-            print(
-                file=_s.stderr,
-                flush=True,
-            )
             self.now = n
         return self.now
