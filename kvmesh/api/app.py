@@ -469,11 +469,7 @@ def _add_health_routes(
                 "running": scheduler.running,
                 "max": scheduler.max_queue,
             },
-            "batch": {
-                "sequences": runtime.batch.running,
-                "max": runtime.batch.max_batch,
-                "torch_threads": runtime.batch.torch_threads,
-            },
+            "batch": {"sequences": runtime.batch.running, "max": runtime.batch.max_batch},
             "memory": memory_report(),
         }
         if failure is None:

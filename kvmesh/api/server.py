@@ -46,14 +46,12 @@ def bind(listen: str) -> socket.socket:
 
 
 def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
-    from ..engine import load_engine, threads
+    from ..engine import load_engine
     from ..engine.embedded import resolve_model
     from ..mesh.node import NodeThread
     from ..runtime.ready import prepare_process, ready
 
     prepare_process()  # before torch's threads allocate: the fetch's threads share the warm heap
-    if opts.engine == "torch" and not opts.deterministic_grid:  # a fixed count keeps the bits
-        threads.reserve()  # torch's parallel work is the engine thread's alone (see there)
     engine = load_engine(
         opts.model,
         opts.engine,

@@ -57,7 +57,6 @@ from typing import Any
 from .. import memory
 from ..engine.base import PREFILL_CHUNK, Decoded, Decoder, Engine, KVState
 from ..engine.grammar import compile_grammar
-from ..engine.threads import EngineThreads
 from .jobs import CANCEL_STAGES, PREFILLING, QUEUED, RUNNING, Job, PrefillPlan
 from .kvbudget import PAD_SLACK, PAD_TOKENS, STEP_FACTOR, KVBudget, forward_work_bytes
 from .prefill import (
@@ -111,7 +110,6 @@ class BatchRunner:
             raise ValueError("prefill_chunk must be at least 1")
         self.prefill_batch_tokens = prefill_batch_tokens
         self.lone = LoneForward(max(prefill_chunk, LONE_PREFILL))  # a lone prompt's forward
-        self.threads = EngineThreads()  # the engine thread's torch threads
         self._cv = threading.Condition()
         self._budget = KVBudget(engine, kv_budget_bytes, prefill_chunk, self._cv)
         self._sharing = PrefixSharing(engine, lock, enabled=max_batch > 1)
@@ -142,7 +140,8 @@ class BatchRunner:
         return self._budget.charge(kv_bytes, n, prompt_tokens)
 
     def prefill_work(self, kv_bytes: int, n: int = 1, prompt_tokens: int | None = None) -> int:
-        """A job's largest prefill forward's working memory (KVBudget.prefill_work)."""
+        """The working memory of a job's largest prefill forward (see
+        :meth:`KVBudget.prefill_work`)."""
         return self._budget.prefill_work(kv_bytes, n, prompt_tokens)
 
     def check(self, n: int, kv_bytes: int, prompt_tokens: int | None = None) -> None:
@@ -160,8 +159,9 @@ class BatchRunner:
 
     def submit(self, job: Job) -> Job:
         """Queue ``job``; read its tokens with ``job.tokens()``. A grammar is compiled
-        here, in the caller's thread (an error is the caller's ValueError; the compile
-        never stalls the engine thread, whose decoders then find it cached)."""
+        here, in the caller's thread (an error is the caller's ValueError; the
+        tokenizer's one-off set-up and the compile never stall the engine thread,
+        whose decoders then find it cached)."""
         self.check(job.sampling.n, job.kv_bytes, job.prompt_tokens)
         if job.sampling.grammar is not None:
             compile_grammar(self.engine.tokenizer, job.sampling.grammar)
@@ -175,7 +175,8 @@ class BatchRunner:
         return job
 
     def reserve(self, nbytes: int) -> bool:
-        """Hold ``nbytes`` of the budget (a kept session); False if they do not fit now."""
+        """Hold ``nbytes`` of the budget for something else (a kept session);
+        False when they do not fit beside what runs now."""
         return self._budget.reserve(nbytes)
 
     def unreserve(self, nbytes: int) -> None:
@@ -203,11 +204,6 @@ class BatchRunner:
         return len(self._prefilling)
 
     @property
-    def torch_threads(self) -> int:
-        """The threads the engine's last forward computed with (0: torch's own count)."""
-        return self.threads.now
-
-    @property
     def held_bytes(self) -> int:
         """Budget bytes held now: admitted jobs (charged) and reservations."""
         return self._budget.held + self._budget.reserved
@@ -224,7 +220,8 @@ class BatchRunner:
 
     @property
     def share_rescued_tokens(self) -> int:
-        """Of :attr:`shared_tokens`, those taken from a cancelled or failed producer."""
+        """Of :attr:`shared_tokens`, those taken from a producer that was cancelled
+        or failed."""
         return self._sharing.rescued_tokens
 
     def close(self) -> None:
@@ -237,7 +234,6 @@ class BatchRunner:
 
     def _run(self) -> None:
         """The loop, supervised: if it dies, every job fails and nothing waits."""
-        self.threads.take()
         try:
             self._loop()
         except BaseException as e:
@@ -263,7 +259,6 @@ class BatchRunner:
             while self._starting:  # each stays listed while it starts: a death ends it too
                 self._begin(self._starting[0])
                 self._starting.pop(0)
-            self.threads.fit()  # as many as the cores others leave idle
             if self._prefilling:
                 self._prefill_turn()
             if self._running:
@@ -303,7 +298,8 @@ class BatchRunner:
         return [(s.state, s.job._root) for s in self._running]
 
     def _begin(self, job: Job) -> None:
-        """Plan ``job``'s prefill (its prefix imported); one with nothing left decodes."""
+        """Plan ``job``'s prefill (its prefix imported); a prompt with nothing left
+        to compute starts decoding at once."""
         try:
             if job.on_start is not None:
                 job.on_start()
@@ -344,8 +340,9 @@ class BatchRunner:
                 self._prefilled(pre)
 
     def _widen_alone(self, group: list[Prefilling], chunks: list[int]) -> int:
-        """A prompt alone computes up to ``lone.width()`` tokens in this forward if the
-        budget holds its working memory (:mod:`.prefill`). Returns the bytes reserved."""
+        """A prompt alone on the engine computes up to ``lone.width()`` tokens in
+        this forward when the budget holds its working memory (see
+        :mod:`kvmesh.runtime.prefill`). Returns the bytes reserved for it."""
         pre, q = group[0], min(group[0].left, self.lone.width())
         beside = self._running or self._waiting or len(self._prefilling) > 1
         if beside or q <= chunks[0]:
@@ -485,7 +482,8 @@ class BatchRunner:
                 self._forward(group)
 
     def _forward(self, going: list[_Seq]) -> None:
-        """One batched forward; if it raises, each alone (only a failing one's job fails)."""
+        """One batched forward; if it raises, each sequence alone, failing only the
+        jobs whose own forward fails."""
         lens = [s.state.cached for s in going]
         padding = len(lens) * max(lens) - sum(lens)
         if padding > self.peak_padding[0]:

@@ -259,7 +259,7 @@ export interface Health {
   compatible_peers: number;
   publish_pending: number;
   queue: { waiting: number; queued_tokens: number; running: number; max: number };
-  batch: { sequences: number; max: number; torch_threads: number };
+  batch: { sequences: number; max: number };
   error?: string;
 }
 
