@@ -286,6 +286,9 @@ def model_bytes(model: Any) -> int:
     if hasattr(model, "buffers") and hasattr(model, "parameters"):  # torch.nn.Module
         storages: dict[int, int] = {}
         for t in (*model.parameters(), *model.buffers()):
+            if t.is_mkldnn:  # oneDNN's own layout (packed weights): no storage to share
+                storages[id(t)] = t.nbytes
+                continue
             st = t.untyped_storage()
             storages[st.data_ptr()] = st.nbytes()
         return sum(storages.values())

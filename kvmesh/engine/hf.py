@@ -72,6 +72,8 @@ from .kernels import (  # noqa: F401
     _choose_kernels,
     _rows_first_linear,
     batched,
+    pack_weights,
+    packs,
 )
 from .protocol import Scorer
 from .sampling import distribution, greedy, safe_temperature
@@ -784,6 +786,8 @@ class TransformersEngine(EngineBase):
         self._state_every = self.card.state_every
         if deterministic_grid:
             self._go_deterministic(deterministic_grid)
+        elif packs(self.kernels):  # deterministic prefills on F.linear: plain weights
+            pack_weights(self.model)
         self.layout = Layout(self.card)
         eos = self.model.generation_config.eos_token_id
         eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []

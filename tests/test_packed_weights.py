@@ -1,0 +1,137 @@
+"""Linear weights packed in oneDNN's layout (kvmesh/engine/kernels.py): the packed
+kernel serves every row count or none (its layout is the only copy of the
+weights), it computes what ``F.linear`` does, the plain weights' memory is given
+back (the model file's mapping included), and deterministic mode never packs.
+
+The engines are real (the embedded ``demo-tiny``, seeded weights); which kernels a
+start takes is forced through the kept-choice record, as a first start on another
+machine would have measured it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvmesh import memory
+from kvmesh.engine.kernels import MORE_ROWS, PACKED, _choose, packs
+
+from .test_kernel_cache import choice_files
+
+ALL = list(range(1, MORE_ROWS + 1))
+DECODE = [
+    (range(1, 2), 1),
+    (range(2, 3), 2),
+    (range(3, 5), 4),
+    (range(5, 9), 8),
+    (range(9, 17), 16),
+]
+
+
+def totals(prefill: dict[str, float], decode: dict[str, float]):
+    """Calibration's per-bucket times: ``decode`` at every decode bucket."""
+    return [*((rows, dict(decode)) for rows, _ in DECODE), ((MORE_ROWS,), dict(prefill))]
+
+
+def test_packed_serves_every_row_count_or_none():
+    # fastest at the prefill rows, within 5% of the fastest at every decode bucket
+    chosen = _choose(totals({PACKED: 0.9, "onednn": 1.0}, {PACKED: 1.03, "streamed": 1.0}))
+    assert chosen == dict.fromkeys(ALL, PACKED) and packs(chosen)
+    # 10% behind at the decode rows: nowhere, each bucket its fastest other kernel
+    chosen = _choose(totals({PACKED: 0.9, "onednn": 1.0}, {PACKED: 1.1, "streamed": 1.0}))
+    assert chosen == {**dict.fromkeys(range(1, 17), "streamed"), MORE_ROWS: "onednn"}
+    assert not packs(chosen)
+    # not the fastest at the prefill rows: nowhere
+    chosen = _choose(totals({PACKED: 1.0, "onednn": 0.9}, {PACKED: 0.5, "streamed": 1.0}))
+    assert chosen == {**dict.fromkeys(range(1, 17), "streamed"), MORE_ROWS: "onednn"}
+    # it lost to F.linear at one bucket (not a candidate there): nowhere
+    lost = totals({PACKED: 0.9}, {PACKED: 0.9})
+    lost[0] = (lost[0][0], {"streamed": 1.0})
+    assert _choose(lost) == {1: "streamed"}
+    assert _choose([]) == {} and not packs({})
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch, tiny_dir):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(tiny_dir.parent)
+    monkeypatch.setenv("KVMESH_HOME", str(home))
+    return home
+
+
+def forced(home, kernels: dict[int, str], **kw):
+    """An engine whose start takes ``kernels`` from the kept record."""
+    from kvmesh.engine import load_engine
+
+    if not choice_files(home):
+        load_engine("demo-tiny", "torch")  # measures and keeps a record
+    (kept,) = choice_files(home)
+    rec = json.loads(kept.read_text())
+    kept.write_text(json.dumps({**rec, "value": {str(r): k for r, k in kernels.items()}}))
+    return load_engine("demo-tiny", "torch", **kw)
+
+
+def linears(eng):
+    return [m for m in eng.model.modules() if type(m) is torch.nn.Linear]
+
+
+def mapped_ranges(path) -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(str(path)):
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def greedy(eng, toks, steps=6):
+    st = eng.prefill(toks)
+    first = st.logits.clone()
+    out = []
+    for _ in range(steps):
+        st.tokens.append(int(torch.argmax(st.logits)))
+        out.append(st.tokens[-1])
+        eng.decode_batch([st])
+    eng.detach(st)
+    return first, out
+
+
+def test_a_packed_engine_computes_what_plain_weights_do(home, tiny_dir):
+    plain = forced(home, {})  # F.linear at every row count
+    packed = forced(home, dict.fromkeys(ALL, PACKED))
+    assert packs(packed.kernels) and not plain.kernels
+    tied = {
+        id(m) for m in linears(packed) if m.weight is packed.model.get_input_embeddings().weight
+    }
+    for m in linears(packed):  # every layer packed but the one sharing the embeddings
+        assert m.weight.is_mkldnn == (id(m) not in tied)
+    assert not any(m.weight.is_mkldnn for m in linears(plain))
+    # the same bytes of weights, none of them left in the model file's mapping
+    assert memory.model_bytes(packed.model) == memory.model_bytes(plain.model)
+    files = [r for f in tiny_dir.glob("*.safetensors") for r in mapped_ranges(f.resolve())]
+    for t in packed.model.parameters():
+        if not t.is_mkldnn:
+            assert not any(lo <= t.data_ptr() < hi for lo, hi in files)
+    toks = list(range(5, 5 + 90))
+    want_first, want = greedy(plain, toks)
+    got_first, got = greedy(packed, toks)
+    torch.testing.assert_close(got_first, want_first, rtol=1e-4, atol=1e-4)
+    assert got == want
+    # a batched prefill and a batched decode step (two rows) on the packed weights
+    rows = [packed.begin_prefill(toks[:n]) for n in (40, 90)]
+    packed.prefill_batch(rows, [40, 90])
+    torch.testing.assert_close(rows[1].logits, want_first, rtol=1e-4, atol=1e-4)
+    for st in rows:
+        st.tokens.append(int(torch.argmax(st.logits)))
+    packed.decode_batch(rows)
+    assert rows[1].tokens[-1] == want[0]
+    for st in rows:
+        packed.detach(st)
+
+
+def test_deterministic_mode_keeps_plain_weights(home):
+    eng = forced(home, dict.fromkeys(ALL, PACKED), deterministic_grid=64)
+    assert not any(m.weight.is_mkldnn for m in linears(eng))
