@@ -240,11 +240,13 @@ def step_costs(engine: str) -> dict:  # type: ignore[type-arg]
 def kernel_steps(eng, batches, step) -> dict:  # type: ignore[no-untyped-def, type-arg]
     """Each linear kernel forced in turn for every batched size, interleaved: the
     median step (wall and CPU ms) of each, side by side, so one run shows what the
-    start-up choice gained and what it left (the choice is restored after)."""
+    start-up choice gained and what it left (the choice is restored after). Weights
+    packed at start (the ``packed`` kernel) have no plain copy: only it runs."""
     from kvmesh.engine.hf import KERNELS
+    from kvmesh.engine.kernels import PACKED, packs
 
     chosen = eng.kernels
-    names = ["linear", *KERNELS]
+    names = [PACKED] if packs(chosen) else ["linear", *(k for k in KERNELS if k != PACKED)]
     times: dict = {(k, n): [] for k in batches if k > 1 for n in names}  # type: ignore[type-arg]
     try:
         for _ in range(SIZE.rounds):
