@@ -135,3 +135,19 @@ def test_a_packed_engine_computes_what_plain_weights_do(home, tiny_dir):
 def test_deterministic_mode_keeps_plain_weights(home):
     eng = forced(home, dict.fromkeys(ALL, PACKED), deterministic_grid=64)
     assert not any(m.weight.is_mkldnn for m in linears(eng))
+
+
+def test_packing_is_not_measured_where_a_copy_would_not_fit(tiny_engine, monkeypatch, caplog):
+    """Calibration times the packed kernel on a packed copy of every layer: where that
+    copy (with as much again to spare) exceeds the memory available, the kernel is no
+    candidate and the start takes the others."""
+    import logging
+
+    from kvmesh.engine import kernels
+
+    assert not kernels._room_for(1 << 60) and kernels._room_for(1)
+    monkeypatch.setattr(kernels, "_room_for", lambda n: False)
+    with caplog.at_level(logging.INFO, "kvmesh.kernels"), torch.inference_mode():
+        chosen = kernels._calibrate(tiny_engine.model, reps=1)
+    assert PACKED not in chosen.values()
+    assert "packed weights not measured" in caplog.text

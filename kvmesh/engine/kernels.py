@@ -144,15 +144,36 @@ def _calibrate(model: Any, reps: int = 3) -> dict[int, str]:
 def _packed_copies(layers: Sequence[Any]) -> Iterator[bool]:
     """Within it the packed kernel reads a packed copy of each layer's weight (see
     :func:`_pack`) on this thread: measured and checked as it runs once packed.
-    Yields False (no copies) where this torch cannot pack them."""
-    try:
-        _packing.copies = {id(m.weight): _pack(m.weight) for m in layers}
-    except Exception:  # no oneDNN, or not for this dtype: the kernel is no candidate
-        _packing.copies = {}
+    Yields False (no copies) where this torch cannot pack them, or where the copies
+    would not fit in memory now with as much again to spare."""
+    from .compiled import log
+
+    need = sum(m.weight.nbytes for m in layers)
+    _packing.copies = {}
+    if not _room_for(2 * need):
+        log.info("packed weights not measured: a copy of %d MiB would not fit", need >> 20)
+    else:
+        try:
+            _packing.copies = {id(m.weight): _pack(m.weight) for m in layers}
+        except Exception:  # no oneDNN, or not for this dtype: the kernel is no candidate
+            _packing.copies = {}
     try:
         yield bool(_packing.copies)
     finally:
         _packing.copies = {}
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether ``nbytes`` fit in the memory available now (Linux's MemAvailable;
+    where that is unknown, no)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return nbytes <= int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _calibrate_buckets(
