@@ -146,8 +146,15 @@ def test_packing_is_not_measured_where_a_copy_would_not_fit(tiny_engine, monkeyp
     from kvmesh.engine import kernels
 
     assert not kernels._room_for(1 << 60) and kernels._room_for(1)
-    monkeypatch.setattr(kernels, "_room_for", lambda n: False)
+    # room for a layer of each shape (the correctness check's copies), not for all
+    layers = [m for m in tiny_engine.model.modules() if type(m) is torch.nn.Linear]
+    every = 2 * sum(m.weight.nbytes for m in layers)
+    assert every > 2 * sum({m.weight.shape: m.weight.nbytes for m in layers}.values())
+    monkeypatch.setattr(kernels, "_room_for", lambda n: n < every)
+    calls = []
+    real = kernels.KERNELS[PACKED]
+    monkeypatch.setitem(kernels.KERNELS, PACKED, lambda *a: calls.append(1) or real(*a))
     with caplog.at_level(logging.INFO, "kvmesh.kernels"), torch.inference_mode():
         chosen = kernels._calibrate(tiny_engine.model, reps=1)
-    assert PACKED not in chosen.values()
+    assert not calls and PACKED not in chosen.values()  # not checked, not timed
     assert "packed weights not measured" in caplog.text

@@ -134,8 +134,9 @@ def _calibrate(model: Any, reps: int = 3) -> dict[int, str]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _packed_copies(layers):
-            return _calibrate_buckets(layers, shapes, reps, time.thread_time)
+        with _packed_copies(layers) as packed:
+            skip = () if packed else (PACKED,)
+            return _calibrate_buckets(layers, shapes, reps, time.thread_time, skip)
     finally:
         torch.set_num_threads(threads)
 
@@ -177,7 +178,11 @@ def _room_for(nbytes: int) -> bool:
 
 
 def _calibrate_buckets(
-    layers: list[Any], shapes: list[Any], reps: int, clock: Callable[[], float]
+    layers: list[Any],
+    shapes: list[Any],
+    reps: int,
+    clock: Callable[[], float],
+    skip: Sequence[str] = (),
 ) -> dict[int, str]:
     totals: list[tuple[Sequence[int], dict[str, float]]] = []
     for rows, serves in _measured():
@@ -186,7 +191,7 @@ def _calibrate_buckets(
             for m in layers
         }
         # those that compute what F.linear does here, then beat it in every round so far
-        alive = [k for k in KERNELS if _agrees(k, shapes, rows)]
+        alive = [k for k in KERNELS if k not in skip and _agrees(k, shapes, rows)]
         rounds: list[dict[str | None, float]] = []
         for rep in range(reps + 1):  # round 0 warms up (oneDNN builds its kernels), untimed
             times: dict[str | None, float] = {}
