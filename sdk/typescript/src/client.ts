@@ -207,7 +207,11 @@ export class KvmeshClient {
     async function* chunks(): AsyncGenerator<T> {
       try {
         if (!response.body) throw new KvmeshError("the stream has no body");
-        yield* jsonChunks<T>(response.body);
+        for await (const chunk of jsonChunks<T>(response.body)) {
+          // a chunk already read when abort() or the caller's signal came is not given
+          if (controller.signal.aborted) throw new AbortError("aborted");
+          yield chunk;
+        }
       } catch (e) {
         throw controller.signal.aborted && !(e instanceof KvmeshError) ? new AbortError("aborted") : mapFailure(e, signal);
       } finally {

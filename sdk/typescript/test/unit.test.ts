@@ -289,4 +289,18 @@ describe("streams", () => {
     ac.abort();
     await expect(it2.next()).rejects.toBeInstanceOf(AbortError);
   });
+
+  it("gives no chunk after an abort, even one it already read", async () => {
+    const s = await serve(sse([CHUNK("a") + CHUNK("b")], true)); // one write: "b" arrives with "a"
+    const { c } = client(s.url);
+    for (const end of ["abort", "signal"] as const) {
+      const ac = new AbortController();
+      const stream = await c.chat.completions.create({ ...CHAT, stream: true }, { signal: ac.signal });
+      const it = stream[Symbol.asyncIterator]();
+      expect((await it.next()).value.choices[0].delta.content).toBe("a");
+      if (end === "abort") stream.abort();
+      else ac.abort();
+      await expect(it.next()).rejects.toBeInstanceOf(AbortError);
+    }
+  });
 });
