@@ -24,6 +24,15 @@ def tiny_engine():
 
 
 @pytest.fixture(scope="session")
+def plain_tiny_engine():
+    """``demo-tiny`` with its plain weights whatever this machine's kernel choice:
+    for the tests that swap the kernel table or calibrate its model again."""
+    from kvmesh.engine import load_engine
+
+    return load_engine("demo-tiny", "torch", pack=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     from kvmesh.engine.embedded import ensure_demo
 

@@ -82,7 +82,7 @@ def test_a_profiled_call_is_named_for_the_step_costs(built):
     torch.testing.assert_close(y, torch.full((2, 8), 16.0))  # the same result as unprofiled
 
 
-def test_calibration_times_one_thread_and_restores_the_count(tiny_engine):
+def test_calibration_times_one_thread_and_restores_the_count(plain_tiny_engine):
     from kvmesh.engine.hf import KERNELS, _calibrate
 
     saved = torch.get_num_threads()
@@ -97,7 +97,7 @@ def test_calibration_times_one_thread_and_restores_the_count(tiny_engine):
     KERNELS["streamed"] = counting
     try:
         with torch.inference_mode():
-            chosen = _calibrate(tiny_engine.model, reps=1)
+            chosen = _calibrate(plain_tiny_engine.model, reps=1)
         assert torch.get_num_threads() == 2  # restored
     finally:
         KERNELS["streamed"] = kernel

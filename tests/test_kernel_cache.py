@@ -351,8 +351,10 @@ def choice_files(home: Path) -> list[Path]:
     return sorted((home / "kernels").glob("choice-*.json"))
 
 
-def test_restarts_take_the_choice_the_first_start_kept(tiny_engine, tmp_path, monkeypatch, caplog):
-    model = tiny_engine.model
+def test_restarts_take_the_choice_the_first_start_kept(
+    plain_tiny_engine, tmp_path, monkeypatch, caplog
+):
+    model = plain_tiny_engine.model
     home = tmp_path / "home"
     monkeypatch.setenv("KVMESH_HOME", str(home))
     with torch.inference_mode():
@@ -406,7 +408,7 @@ def test_a_restarted_engine_takes_the_kept_choice(tiny_dir, tmp_path, monkeypatc
     assert second.kernels == {2: other, 3: other}
 
 
-def test_calibration_skips_a_kernel_that_fails_or_computes_garbage(tiny_engine):
+def test_calibration_skips_a_kernel_that_fails_or_computes_garbage(plain_tiny_engine):
     """A kernel raising (as a bad return code does: ValueError) or returning wrong
     numbers is no candidate; the measurement itself never raises."""
     saved = dict(KERNELS)
@@ -421,7 +423,7 @@ def test_calibration_skips_a_kernel_that_fails_or_computes_garbage(tiny_engine):
     KERNELS.update({"refusing": refusing, "garbage": garbage})
     try:
         with torch.inference_mode():
-            chosen = _calibrate(tiny_engine.model, reps=1)
+            chosen = _calibrate(plain_tiny_engine.model, reps=1)
     finally:
         KERNELS.clear()
         KERNELS.update(saved)

@@ -137,7 +137,7 @@ def test_deterministic_mode_keeps_plain_weights(home):
     assert not any(m.weight.is_mkldnn for m in linears(eng))
 
 
-def test_packing_is_not_measured_where_a_copy_would_not_fit(tiny_engine, monkeypatch, caplog):
+def test_packing_is_not_measured_where_a_copy_would_not_fit(plain_tiny_engine, monkeypatch, caplog):
     """Calibration times the packed kernel on a packed copy of every layer: where that
     copy (with as much again to spare) exceeds the memory available, the kernel is no
     candidate and the start takes the others."""
@@ -147,7 +147,7 @@ def test_packing_is_not_measured_where_a_copy_would_not_fit(tiny_engine, monkeyp
 
     assert not kernels._room_for(1 << 60) and kernels._room_for(1)
     # room for a layer of each shape (the correctness check's copies), not for all
-    layers = [m for m in tiny_engine.model.modules() if type(m) is torch.nn.Linear]
+    layers = [m for m in plain_tiny_engine.model.modules() if type(m) is torch.nn.Linear]
     every = 2 * sum(m.weight.nbytes for m in layers)
     assert every > 2 * sum({m.weight.shape: m.weight.nbytes for m in layers}.values())
     monkeypatch.setattr(kernels, "_room_for", lambda n: n < every)
@@ -155,6 +155,6 @@ def test_packing_is_not_measured_where_a_copy_would_not_fit(tiny_engine, monkeyp
     real = kernels.KERNELS[PACKED]
     monkeypatch.setitem(kernels.KERNELS, PACKED, lambda *a: calls.append(1) or real(*a))
     with caplog.at_level(logging.INFO, "kvmesh.kernels"), torch.inference_mode():
-        chosen = kernels._calibrate(tiny_engine.model, reps=1)
+        chosen = kernels._calibrate(plain_tiny_engine.model, reps=1)
     assert not calls and PACKED not in chosen.values()  # not checked, not timed
     assert "packed weights not measured" in caplog.text

@@ -729,9 +729,12 @@ class TransformersEngine(EngineBase):
         threads: int | None = None,
         block_digest: str = "blake3",
         deterministic_grid: int = 0,
+        pack: bool = True,
     ) -> None:
         """``deterministic_grid`` > 0: deterministic mode on a prefill grid of that
-        many tokens (:mod:`kvmesh.engine.deterministic`)."""
+        many tokens (:mod:`kvmesh.engine.deterministic`). ``pack=False`` keeps the
+        plain weights whatever the kernel choice (``kernels.pack_weights``): for
+        whoever swaps the kernel table, as the kernel tests do."""
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
         from transformers.utils import logging as hf_logging
 
@@ -786,7 +789,7 @@ class TransformersEngine(EngineBase):
         self._state_every = self.card.state_every
         if deterministic_grid:
             self._go_deterministic(deterministic_grid)
-        elif packs(self.kernels):  # deterministic prefills on F.linear: plain weights
+        elif pack and packs(self.kernels):  # deterministic prefills on F.linear: plain
             pack_weights(self.model)
         self.layout = Layout(self.card)
         eos = self.model.generation_config.eos_token_id
