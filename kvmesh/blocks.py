@@ -17,6 +17,14 @@ optional ``cache_salt`` (vLLM's request field). Only block 0's key depends on th
 root, and every later key on block 0's, so two roots share no key. Headers still
 name the namespace as block 0's parent (the structural root of every tree), so a
 block on the wire or on disk does not say which root — which tenant — it has.
+A LoRA adapter's weights digest (:func:`adapter_digest`) roots a chain the same
+way: an adapter's KV is found only under its own weights.
+
+Prompts that carry images (or other media) hash more than token ids: a block (or
+tail) whose positions overlap an item's placeholder span also hashes that span's
+:class:`Media` (its offset, length and content digest), so a block at or after an
+image is a hit only for the same image at the same place; blocks wholly before
+the first item keep their text-only keys and are shared with text prompts.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import hmac
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 # Below 32 tokens per-block overhead dominates encode and import; above it, the
 # reuse lost at a divergence point (B/2 tokens on average) outweighs the gain (bench/codec.py).
@@ -37,6 +46,9 @@ _TAIL_TAG = b"T"
 _CALLER_TAG = b"C"  # a caller's own tail: b"TC" + 32-byte caller digest
 _TENANT_DOMAIN = b"kvmesh/tenant-root/v1\x00"
 _ROOT_DOMAIN = b"kvmesh/chain-root/v1\x00"
+_ADAPTER_TAG = b"kvmesh/adapter/v1\x00"  # appended to a chain root's input by an adapter
+_ADAPTER_DOMAIN = b"kvmesh/adapter-digest/v1\x00"
+_MEDIA_TAG = b"M"  # per media span a block overlaps: b"M" + offset, length + digest
 MAX_CACHE_SALT_CHARS = 1024  # vLLM sets none; ours keeps a salt a small hash input
 
 
@@ -67,36 +79,97 @@ def tenant_root(secret: bytes, tenant: str) -> bytes:
 
 
 def chain_root(
-    namespace: bytes, tenant: bytes | None = None, cache_salt: str | None = None
+    namespace: bytes,
+    tenant: bytes | None = None,
+    cache_salt: str | None = None,
+    adapter: bytes | None = None,
 ) -> bytes:
     """The root a request's key chain starts from: the namespace itself when there
-    is neither a tenant root nor a salt (the one shared cache),
+    is no tenant root, salt or adapter (the one shared cache),
     else SHA-256 of the namespace, the tenant root (``tenant``, from
     :func:`tenant_root`; absent: the shared namespace) and the salt, each
-    length-prefixed. The salt separates requests *within* what ``tenant`` already
-    separates: it is never a way into another tenant's cache."""
+    length-prefixed, then the adapter's weights digest (:func:`adapter_digest`)
+    where there is one. The salt separates requests *within* what ``tenant``
+    already separates: it is never a way into another tenant's cache."""
     if len(namespace) != KEY_BYTES:
         raise ValueError("namespace must be 32 bytes")
-    if tenant is None and cache_salt is None:
+    if tenant is None and cache_salt is None and adapter is None:
         return namespace
     if tenant is not None and len(tenant) != KEY_BYTES:
         raise ValueError("a tenant root is 32 bytes")
+    if adapter is not None and len(adapter) != KEY_BYTES:
+        raise ValueError("an adapter digest is 32 bytes")
     salt = b"" if cache_salt is None else check_cache_salt(cache_salt).encode("utf-8")
     t = tenant or b""
     msg = _ROOT_DOMAIN + namespace + bytes([len(t)]) + t + len(salt).to_bytes(4, "little")
-    return hashlib.sha256(msg + salt).digest()
+    return hashlib.sha256(msg + salt + (_ADAPTER_TAG + adapter if adapter else b"")).digest()
 
 
 def request_root(
-    namespace: bytes, tenant: bytes | None = None, cache_salt: str | None = None
+    namespace: bytes,
+    tenant: bytes | None = None,
+    cache_salt: str | None = None,
+    adapter: bytes | None = None,
 ) -> bytes | None:
     """The root a request's keyer is rooted at (:meth:`BlockKeyer.rooted`), from its
-    tenant root (None: the shared cache) and ``cache_salt``: None, the namespace
-    itself, when there is neither; else :func:`chain_root`. ValueError on a bad salt.
-    The one derivation the head's API, its tenants and the vLLM connector share."""
-    if tenant is None and cache_salt is None:
+    tenant root (None: the shared cache), ``cache_salt`` and LoRA adapter digest:
+    None, the namespace itself, when there is none of them; else :func:`chain_root`.
+    ValueError on a bad salt. The one derivation the head's API, its tenants and
+    the vLLM connector share."""
+    if tenant is None and cache_salt is None and adapter is None:
         return None
-    return chain_root(namespace, tenant, cache_salt)
+    return chain_root(namespace, tenant, cache_salt, adapter)
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+MAX_ADAPTER_BYTES = 8 << 30  # read whole to hash: a bound on what a path may make us read
+
+
+def adapter_digest(directory: str | Path) -> bytes:
+    """SHA-256 of a PEFT LoRA adapter directory's config and weights (each file
+    name- and length-prefixed), the identity its KV is keyed by: two adapters
+    with the same weights and config share KV whatever they are called, and any
+    change to either shares none. ValueError when ``directory`` holds no
+    ``adapter_config.json`` or no weights, or more than :data:`MAX_ADAPTER_BYTES`."""
+    root = Path(directory)
+    files = [root / name for name in ADAPTER_FILES if (root / name).is_file()]
+    if not files or files[0].name != ADAPTER_FILES[0] or len(files) < 2:
+        raise ValueError(f"{root} is not a LoRA adapter (adapter_config.json and weights)")
+    if sum(f.stat().st_size for f in files) > MAX_ADAPTER_BYTES:
+        raise ValueError(f"{root}: adapter files larger than {MAX_ADAPTER_BYTES} bytes")
+    h = hashlib.sha256(_ADAPTER_DOMAIN)
+    for f in files:
+        data = f.read_bytes()
+        h.update(f.name.encode() + b"\x00" + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Media:
+    """One image (or other media item) in a prompt: its placeholder positions
+    ``[offset, offset + length)`` and a 32-byte digest of its content."""
+
+    offset: int
+    length: int
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length <= 0 or len(self.digest) != KEY_BYTES:
+            raise ValueError("a media span has offset >= 0, length > 0 and a 32-byte digest")
+
+    def overlaps(self, start: int, stop: int) -> bool:
+        return self.offset < stop and start < self.offset + self.length
+
+
+def media_bytes(media: Sequence[Media], start: int, stop: int) -> bytes:
+    """What positions ``[start, stop)`` hash besides their token ids: each media
+    span they overlap, in prompt order (nothing where they overlap none)."""
+    return b"".join(
+        _MEDIA_TAG + struct.pack("<II", m.offset, m.length) + m.digest
+        for m in media
+        if m.overlaps(start, stop)
+    )
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -148,35 +221,40 @@ class BlockKeyer:
         tails ``caller``'s own (see :meth:`tail_key`)."""
         return BlockKeyer(self.namespace, self.block_tokens, self._fleet_key, root, caller)
 
-    def _h(self, parent: bytes, tag: bytes, tokens: Sequence[int]) -> bytes:
-        msg = parent + tag + len(tokens).to_bytes(4, "little") + _token_bytes(tokens)
+    def _h(self, parent: bytes, tag: bytes, tokens: Sequence[int], media: bytes = b"") -> bytes:
+        # media after the length-prefixed tokens: where the tokens end says where it starts
+        msg = parent + tag + len(tokens).to_bytes(4, "little") + _token_bytes(tokens) + media
         if self._fleet_key is not None:
             return hmac.new(self._fleet_key, msg, hashlib.sha256).digest()
         return hashlib.sha256(msg).digest()
 
-    def block_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+    def block_key(self, parent: bytes, tokens: Sequence[int], media: bytes = b"") -> bytes:
+        """``media``: what the block's positions hash besides tokens (:func:`media_bytes`)."""
         if len(tokens) != self.block_tokens:
             raise ValueError(f"a block has {self.block_tokens} tokens, got {len(tokens)}")
-        return self._h(parent, _BLOCK_TAG, tokens)
+        return self._h(parent, _BLOCK_TAG, tokens, media)
 
-    def tail_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+    def tail_key(self, parent: bytes, tokens: Sequence[int], media: bytes = b"") -> bytes:
         """A tail is matched token-exactly, so a hit on it says "exactly this prompt
         was sent". With ``caller`` (whose conversation this is) the key is that
         caller's own: another caller under the same root reuses whole blocks only."""
         if len(tokens) >= self.block_tokens:
             raise ValueError("a tail is shorter than a block")
         tag = _TAIL_TAG if self.caller is None else _TAIL_TAG + _CALLER_TAG + self.caller
-        return self._h(parent, tag, tokens)
+        return self._h(parent, tag, tokens, media)
 
-    def keys(self, tokens: Sequence[int]) -> PrefixKeys:
+    def keys(self, tokens: Sequence[int], media: Sequence[Media] = ()) -> PrefixKeys:
+        """The chain of ``tokens``; ``media``: the prompt's media spans (see the module)."""
         b = self.block_tokens
         n_full = len(tokens) // b
         chain: list[bytes] = []
         parent = self.root  # hashed in; headers name the namespace (see parent_of)
         for i in range(n_full):
-            parent = self.block_key(parent, tokens[i * b : (i + 1) * b])
+            extra = media_bytes(media, i * b, (i + 1) * b) if media else b""
+            parent = self.block_key(parent, tokens[i * b : (i + 1) * b], extra)
             chain.append(parent)
-        tail = self.tail_key(parent, tokens[n_full * b :])
+        extra = media_bytes(media, n_full * b, len(tokens)) if media else b""
+        tail = self.tail_key(parent, tokens[n_full * b :], extra)
         return PrefixKeys(b, len(tokens), tuple(chain), tail)
 
     def parent_of(self, keys: PrefixKeys, index: int) -> bytes:

@@ -1539,3 +1539,54 @@ def tools_model(arch: str = "qwen2") -> Path:
         _write_json(tmp / "config.json", cfg)
 
     return _atomic(dst, build)
+
+
+# --- LoRA adapters -------------------------------------------------------------------------------
+
+
+def lora_adapter(base: Path, seed: int, rank: int = 8) -> Path:
+    """A PEFT LoRA adapter (``adapter_config.json``, ``adapter_model.safetensors``) on
+    the attention projections q/k/v/o of ``base`` (a model of the Llama/Qwen layout:
+    ``model.layers.N.self_attn``), seeded random A and B (PEFT starts B at zero, a
+    no-op: these change every layer's K and V, so an adapter's KV is its own)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((base / "config.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+    }
+    digest = hashlib.sha256(f"{base.resolve()}|{seed}|{rank}".encode()).hexdigest()[:12]
+    dst = zoo_home() / "lora" / f"{base.name}-s{seed}-r{rank}-{digest}"
+
+    def build(tmp: Path) -> None:
+        g = torch.Generator().manual_seed(seed)
+        weights = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            for name, (fan_in, fan_out) in shapes.items():
+                prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+                weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.2
+                weights[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.2
+        save_file(weights, str(tmp / "adapter_model.safetensors"))
+        _write_json(
+            tmp / "adapter_config.json",
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(base),
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "target_modules": sorted(shapes),
+                "bias": "none",
+                "fan_in_fan_out": False,
+            },
+        )
+
+    return _atomic(dst, build)

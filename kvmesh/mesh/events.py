@@ -173,8 +173,8 @@ class RecordingKeyer(BlockKeyer):
         )
         self.memo = memo
 
-    def block_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
-        key = super().block_key(parent, tokens)
+    def block_key(self, parent: bytes, tokens: Sequence[int], media: bytes = b"") -> bytes:
+        key = super().block_key(parent, tokens, media)
         self.memo.record(key, tokens)
         return key
 

@@ -16,9 +16,12 @@ scheduler hands them to vLLM's publisher as vLLM's own ``BlockStored`` /
 as vLLM's blocks; never ``AllBlocksCleared``. The hashes are kvmesh's keys.
 
 A request with vLLM's ``cache_salt`` is keyed from a chain root of the namespace
-and the salt, so it is looked up and saved only among requests with the same salt.
-Requests that kvmesh's keys cannot describe (LoRA adapters, multimodal inputs,
-prompt embeddings, an invalid salt) are neither looked up nor saved.
+and the salt, so it is looked up and saved only among requests with the same salt;
+a request with a LoRA adapter from a root of its adapter's weights digest (config
+and weights files: the same adapter under any name or id shares its KV, another
+adapter none, nor does the base model). Requests that kvmesh's keys cannot
+describe (multimodal inputs, prompt embeddings, an invalid salt, an adapter whose
+files cannot be read) are neither looked up nor saved.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from .spec import PLAIN, Scope
+
 # -- scheduler -> workers (every step) ----------------------------------------------
 
 
@@ -25,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class Ask:
     req_id: str
     tokens: list[int]  # the prompt's full pages that vLLM does not compute itself
-    salt: str | None = None  # vLLM's cache_salt: its own key chain (see spec.salted_keyer)
+    scope: Scope = PLAIN  # what its keys hash besides tokens (salt, adapter)
 
 
 #: A request's vLLM block ids, one list per KV cache group: page i of group g in
@@ -53,7 +55,7 @@ class SaveSpec:
     block_ids: GroupIds  # per group, the ids of pages [first, ...)
     first: int = 0
     final: bool = True
-    salt: str | None = None
+    scope: Scope = PLAIN
     state_page: int = -1  # the page this step's forward ended on, its state vLLM's checkpoint
 
 

@@ -117,6 +117,7 @@ class _Tracked:
 
     tokens: list[int]
     block_ids: GroupIds
+    scope: spec.Scope
     saved: int = 0  # pages handed to the workers to save
     final: bool = False  # the prefill is complete: nothing more to save
 
@@ -125,8 +126,7 @@ class _Tracked:
 class _Request:
     """Everything the scheduler keeps of one request, dropped in one place."""
 
-    eligible: bool  # kvmesh's keys describe its KV (spec.eligible)
-    salt: str | None = None
+    scope: spec.Scope | None  # what its keys hash besides tokens; None: they cannot describe it
     asked: _Asked | None = None
     tracked: _Tracked | None = None
     first_local: int = 0  # tokens vLLM's own prefix cache holds
@@ -155,9 +155,8 @@ class KVMeshScheduler:
         with self._lock:
             r = self._requests.get(req_id)
             if r is None:
-                ok = spec.eligible(request)
-                r = self._requests[req_id] = _Request(ok, spec.salt_of(request) if ok else None)
-        if not r.eligible or tokens is None:
+                r = self._requests[req_id] = _Request(spec.scope_of(request))
+        if r.scope is None or tokens is None:
             return 0, False
         pages = (len(tokens) - 1) // self.block_size  # vLLM computes at least the last token
         if pages * self.block_size <= num_computed_tokens:
@@ -166,7 +165,7 @@ class KVMeshScheduler:
             asked = r.asked
             if asked is None:  # the workers find its pages; ask again next step
                 r.asked = _Asked(time.monotonic())
-                self._asks.append(Ask(req_id, list(tokens[: pages * self.block_size]), r.salt))
+                self._asks.append(Ask(req_id, list(tokens[: pages * self.block_size]), r.scope))
                 return None, False
             if asked.loading:
                 return 0, False
@@ -238,8 +237,9 @@ class KVMeshScheduler:
             meta.drops, self._drops = self._drops, []
             for new in scheduler_output.scheduled_new_reqs:
                 r = self._requests.get(new.req_id)
-                if r is not None and r.eligible and new.prompt_token_ids is not None:
-                    r.tracked = _Tracked(list(new.prompt_token_ids), group_ids(new.block_ids))
+                if r is not None and r.scope is not None and new.prompt_token_ids is not None:
+                    ids = group_ids(new.block_ids)
+                    r.tracked = _Tracked(list(new.prompt_token_ids), ids, r.scope)
                     self._maybe_save(meta, new.req_id, r, new.num_computed_tokens, scheduler_output)
             cached = scheduler_output.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
@@ -272,7 +272,7 @@ class KVMeshScheduler:
             ids = [g[t.saved : pages] for g in t.block_ids]
             state_page = end // self.block_size - 1 if end % self.block_size == 0 else -1
             tokens = t.tokens[: pages * self.block_size]
-            meta.saves.append(SaveSpec(req_id, tokens, ids, t.saved, t.final, r.salt, state_page))
+            meta.saves.append(SaveSpec(req_id, tokens, ids, t.saved, t.final, t.scope, state_page))
             t.saved = max(t.saved, pages)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

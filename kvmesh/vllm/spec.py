@@ -6,10 +6,14 @@ order and windows, the model's files, and which requests kvmesh's keys describe.
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..blocks import BlockKeyer, check_cache_salt, request_root
+from ..blocks import BlockKeyer, PrefixKeys, adapter_digest, check_cache_salt, request_root
 from ..errors import ConfigError
 from .pages import DTYPES, FP8, CacheSpec
 
@@ -17,6 +21,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+log = logging.getLogger("kvmesh.vllm")
 
 
 def cache_spec(kv_cache_config: KVCacheConfig, cache_dtype: str = "auto") -> CacheSpec:
@@ -248,30 +254,80 @@ def model_order(names: list[str]) -> list[str]:
         return names
 
 
-def eligible(request: Request) -> bool:
-    """Requests whose KV is a function of the prompt's token ids alone (a cache
-    salt, when valid, only changes where their key chain starts)."""
-    salt = getattr(request, "cache_salt", None)
+@dataclass(frozen=True)
+class Scope:
+    """What a request's keys hash besides its token ids (picklable: the scheduler
+    hands it to the workers): vLLM's ``cache_salt`` and its LoRA adapter's weights
+    digest (:func:`~kvmesh.blocks.adapter_digest`), which root its chain where the
+    head's API roots it (:func:`~kvmesh.blocks.request_root`)."""
+
+    salt: str | None = None
+    adapter: bytes | None = None
+
+    def keyer(self, keyer: BlockKeyer) -> BlockKeyer:
+        """``keyer`` rooted for this scope; ``keyer`` itself for the plain one."""
+        root = request_root(keyer.namespace, None, self.salt, self.adapter)
+        return keyer if root is None else keyer.rooted(root)
+
+    def keys(self, keyer: BlockKeyer, tokens: list[int]) -> PrefixKeys:
+        return self.keyer(keyer).keys(tokens)
+
+
+PLAIN = Scope()
+
+
+def scope_of(request: Request) -> Scope | None:
+    """The scope of a request whose KV kvmesh's keys describe, else None: a bad
+    ``cache_salt``, prompt embeddings, media, or a LoRA adapter whose files cannot
+    be read (vLLM resolved it to no local directory)."""
+    salt = getattr(request, "cache_salt", None) or None
     if salt is not None:
         try:
             check_cache_salt(salt)
         except ValueError:
-            return False
-    return (
-        getattr(request, "lora_request", None) is None
-        and not getattr(request, "mm_features", None)
-        and getattr(request, "prompt_embeds", None) is None
-    )
+            return None
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return Scope(salt) if salt else PLAIN
+    digest = _ADAPTERS.digest(str(getattr(lora, "lora_path", "") or ""))
+    return None if digest is None else Scope(salt, digest)
 
 
-def salt_of(request: Request) -> str | None:
-    return getattr(request, "cache_salt", None) or None
+class _AdapterDigests:
+    """:func:`~kvmesh.blocks.adapter_digest` per adapter directory, read once (again
+    when its config file changes), at most ``size`` kept."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._digests: OrderedDict[tuple[str, int, int], bytes | None] = OrderedDict()
+
+    def digest(self, path: str) -> bytes | None:
+        try:
+            st = (Path(path) / "adapter_config.json").stat()
+        except OSError:
+            return self._failed(path, "no adapter_config.json")
+        key = (path, st.st_mtime_ns, st.st_size)
+        with self._lock:
+            if key in self._digests:
+                self._digests.move_to_end(key)
+                return self._digests[key]
+        try:
+            digest: bytes | None = adapter_digest(path)
+        except (OSError, ValueError) as e:
+            digest = self._failed(path, str(e))
+        with self._lock:
+            self._digests[key] = digest
+            while len(self._digests) > self._size:
+                self._digests.popitem(last=False)
+        return digest
+
+    @staticmethod
+    def _failed(path: str, why: str) -> None:
+        log.warning("kvmesh: LoRA adapter %r is not cached (%s): its requests compute", path, why)
+        return None
 
 
-def salted_keyer(keyer: BlockKeyer, salt: str | None) -> BlockKeyer:
-    """``keyer`` salted with vLLM's ``cache_salt``: a request's key chain, rooted where
-    the head's API roots it (:func:`~kvmesh.blocks.request_root`), so salted requests
-    are saved and found under keys no other salt (or none) shares; ``keyer`` itself
-    without a salt."""
-    root = request_root(keyer.namespace, None, salt)
-    return keyer if root is None else keyer.rooted(root)
+_ADAPTERS = _AdapterDigests()

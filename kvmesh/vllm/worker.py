@@ -67,7 +67,6 @@ from .spec import (
     layer_windows,
     model_dirs,
     model_order,
-    salted_keyer,
     shared_layers,
 )
 
@@ -137,7 +136,7 @@ class _Pending:
     the prompt's page keys (each page hashed once: see :func:`~kvmesh.vllm.pages.page_keys`)."""
 
     have: tuple[Block, ...]  # the chain's start, already in the local store
-    keyer: BlockKeyer  # the request's own (salted) key chain
+    keyer: BlockKeyer  # the request's own key chain (salt, adapter)
     keys: PrefixKeys  # at least the pages saved so far
     copies: list[tuple[bytearray, object]] = field(default_factory=list)
     broken: bool = False  # a page could not be had: nothing of it is published
@@ -251,7 +250,7 @@ class KVMeshWorker:
                     svc.count(WorkerCount.ACQUIRE_DROPPED)
                     self._answers[ask.req_id] = 0
                     continue
-                keys = salted_keyer(svc.keyer, ask.salt).keys(ask.tokens)
+                keys = ask.scope.keys(svc.keyer, ask.tokens)
                 acq = self._acqs[ask.req_id] = Acquisition(keys)  # saves reuse them
                 self._inflight += 1
                 acq.done = svc.acquires.submit(self._acquire, ask.req_id, acq)
@@ -478,7 +477,7 @@ class KVMeshWorker:
         """A prompt's first save step: its record, from the keys its ask hashed (if
         it was asked) and the chain's start the store holds; None if the prefill is
         complete and every page already held."""
-        keyer = salted_keyer(svc.keyer, spec.salt)
+        keyer = spec.scope.keyer(svc.keyer)
         with self._lock:
             acq = self._acqs.get(spec.req_id)
         keys = page_keys(keyer, spec.tokens, acq.keys if acq is not None else None)

@@ -236,15 +236,22 @@ class APIServer:
                 time.sleep(1)
         raise TimeoutError(f"vLLM server not ready in {timeout} s; log: {self.log}")
 
-    def complete(self, prompt: list[int], max_tokens: int = 4) -> tuple[Any, ...]:
+    def complete(
+        self, prompt: list[int], max_tokens: int = 4, model: str | None = None
+    ) -> tuple[Any, ...]:
         """A greedy completion of token ids through the ``openai`` client: its tokens, top-5
         log-probabilities (as :func:`token_ids`), cached prompt tokens and what kvmesh did
-        (None when it was not asked: vLLM's own prefix cache held the prompt)."""
+        (None when it was not asked: vLLM's own prefix cache held the prompt). ``model``:
+        a served name (a LoRA adapter's); default the base model."""
         import openai
 
         client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=600)
         resp = client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=5
+            model=model or self.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=5,
         )
         tokens, top = token_ids(resp.choices[0])
         report = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get("kvmesh")
