@@ -265,9 +265,13 @@ class Scope:
     adapter: bytes | None = None
 
     def keyer(self, keyer: BlockKeyer) -> BlockKeyer:
-        """``keyer`` rooted for this scope; ``keyer`` itself for the plain one."""
+        """``keyer`` rooted for this scope; ``keyer`` itself for the plain one. An
+        adapter's keyer records no tokens, so its blocks' KV events carry none: a
+        router that hashes token ids would take them for the base model's."""
         root = request_root(keyer.namespace, None, self.salt, self.adapter)
-        return keyer if root is None else keyer.rooted(root)
+        if root is None:
+            return keyer
+        return BlockKeyer.rooted(keyer, root) if self.adapter else keyer.rooted(root)
 
     def keys(self, keyer: BlockKeyer, tokens: list[int]) -> PrefixKeys:
         return self.keyer(keyer).keys(tokens)
@@ -280,7 +284,7 @@ def scope_of(request: Request) -> Scope | None:
     """The scope of a request whose KV kvmesh's keys describe, else None: a bad
     ``cache_salt``, prompt embeddings, media, or a LoRA adapter whose files cannot
     be read (vLLM resolved it to no local directory)."""
-    salt = getattr(request, "cache_salt", None) or None
+    salt = getattr(request, "cache_salt", None)
     if salt is not None:
         try:
             check_cache_salt(salt)

@@ -1,0 +1,63 @@
+"""What the vLLM connector keys a request by besides its token ids (``Scope``):
+its salt and its LoRA adapter's weights digest root its chain; an adapter whose
+files cannot be read, media and prompt embeddings are not keyed at all. Runs in
+the main environment: requests are stand-ins with vLLM's ``Request`` attribute
+names (the real path runs in tests/vllm/test_lora.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+from kvmesh.blocks import BlockKeyer, adapter_digest
+from kvmesh.mesh.events import RecordingKeyer, TokenMemo
+from kvmesh.vllm.spec import PLAIN, Scope, scope_of
+
+from . import zoo
+
+NS = hashlib.sha256(b"ns").digest()
+TOKENS = list(range(40))
+
+
+def request(**kw: object) -> SimpleNamespace:
+    base = {"cache_salt": None, "lora_request": None, "mm_features": None, "prompt_embeds": None}
+    return SimpleNamespace(**{**base, **kw})
+
+
+def lora(path: object) -> SimpleNamespace:
+    return SimpleNamespace(lora_name="x", lora_int_id=1, lora_path=str(path))
+
+
+def test_a_requests_scope_roots_its_chain_by_salt_and_adapter(tmp_path, tiny_dir):
+    a, b = zoo.lora_adapter(tiny_dir, 1), zoo.lora_adapter(tiny_dir, 2)
+    assert scope_of(request()) == PLAIN
+    assert scope_of(request(cache_salt="s")) == Scope("s")
+    assert scope_of(request(lora_request=lora(a))) == Scope(None, adapter_digest(a))
+    assert scope_of(request(cache_salt="s", lora_request=lora(b))) == Scope("s", adapter_digest(b))
+    keyer = BlockKeyer(NS, 16)
+    scopes = [PLAIN, Scope("s"), scope_of(request(lora_request=lora(a))), Scope("s", b"\1" * 32)]
+    firsts = {s.keys(keyer, TOKENS).blocks[0] for s in scopes}  # type: ignore[union-attr]
+    assert len(firsts) == 4 and PLAIN.keys(keyer, TOKENS) == keyer.keys(TOKENS)
+
+
+def test_requests_kvmesh_cannot_key_are_not_scoped(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")  # no weights
+    for r in (
+        request(cache_salt=""),
+        request(cache_salt="x" * 2000),
+        request(mm_features=[object()]),
+        request(prompt_embeds=object()),
+        request(lora_request=lora(tmp_path)),
+        request(lora_request=lora(tmp_path / "missing")),
+        request(lora_request=lora("org/hub-adapter-id")),
+    ):
+        assert scope_of(r) is None
+
+
+def test_an_adapters_blocks_record_no_tokens_for_kv_events():
+    memo = TokenMemo()
+    keyer = RecordingKeyer(BlockKeyer(NS, 16), memo)
+    Scope("s").keys(keyer, TOKENS)
+    assert len(memo) == 2  # a salted chain's tokens, as a plain one's
+    Scope(None, b"\1" * 32).keys(keyer, TOKENS)
+    assert len(memo) == 2  # none of the adapter's
