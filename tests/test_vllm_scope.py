@@ -61,3 +61,11 @@ def test_an_adapters_blocks_record_no_tokens_for_kv_events():
     assert len(memo) == 2  # a salted chain's tokens, as a plain one's
     Scope(None, b"\1" * 32).keys(keyer, TOKENS)
     assert len(memo) == 2  # none of the adapter's
+
+
+def test_an_unreadable_adapter_is_logged_once(tmp_path, caplog):
+    r = request(lora_request=lora(tmp_path / "gone"))
+    with caplog.at_level("WARNING", logger="kvmesh.vllm"):
+        assert scope_of(r) is None and scope_of(r) is None
+    assert [m for m in caplog.messages if "gone" in m and "not cached" in m] == caplog.messages[:1]
+    assert len(caplog.messages) == 1

@@ -301,7 +301,8 @@ def scope_of(request: Request) -> Scope | None:
 
 class _AdapterDigests:
     """:func:`~kvmesh.blocks.adapter_digest` per adapter directory, read once (again
-    when its config file changes), at most ``size`` kept."""
+    when its config file changes; the first request of an adapter reads its files in
+    the scheduler), failures too (logged once), at most ``size`` kept."""
 
     def __init__(self, size: int = 64) -> None:
         self._size = size
@@ -311,9 +312,9 @@ class _AdapterDigests:
     def digest(self, path: str) -> bytes | None:
         try:
             st = (Path(path) / "adapter_config.json").stat()
+            key = (path, st.st_mtime_ns, st.st_size)
         except OSError:
-            return self._failed(path, "no adapter_config.json")
-        key = (path, st.st_mtime_ns, st.st_size)
+            key = (path, -1, -1)
         with self._lock:
             if key in self._digests:
                 self._digests.move_to_end(key)
@@ -321,17 +322,13 @@ class _AdapterDigests:
         try:
             digest: bytes | None = adapter_digest(path)
         except (OSError, ValueError) as e:
-            digest = self._failed(path, str(e))
+            log.warning("kvmesh: LoRA adapter %r is not cached (%s): its requests compute", path, e)
+            digest = None
         with self._lock:
             self._digests[key] = digest
             while len(self._digests) > self._size:
                 self._digests.popitem(last=False)
         return digest
-
-    @staticmethod
-    def _failed(path: str, why: str) -> None:
-        log.warning("kvmesh: LoRA adapter %r is not cached (%s): its requests compute", path, why)
-        return None
 
 
 _ADAPTERS = _AdapterDigests()
