@@ -9,8 +9,9 @@ from __future__ import annotations
 import hashlib
 from types import SimpleNamespace
 
-from kvmesh.blocks import BlockKeyer, adapter_digest
+from kvmesh.blocks import BlockKeyer, Media, adapter_digest
 from kvmesh.mesh.events import RecordingKeyer, TokenMemo
+from kvmesh.vllm.pages import page_keys
 from kvmesh.vllm.spec import PLAIN, Scope, scope_of
 
 from . import zoo
@@ -22,6 +23,12 @@ TOKENS = list(range(40))
 def request(**kw: object) -> SimpleNamespace:
     base = {"cache_salt": None, "lora_request": None, "mm_features": None, "prompt_embeds": None}
     return SimpleNamespace(**{**base, **kw})
+
+
+def feature(modality: str, identifier: str, offset: int, length: int) -> SimpleNamespace:
+    """vLLM's ``MultiModalFeatureSpec``'s fields kvmesh reads."""
+    pos = SimpleNamespace(offset=offset, length=length)
+    return SimpleNamespace(modality=modality, identifier=identifier, mm_position=pos)
 
 
 def lora(path: object) -> SimpleNamespace:
@@ -45,7 +52,8 @@ def test_requests_kvmesh_cannot_key_are_not_scoped(tmp_path):
     for r in (
         request(cache_salt=""),
         request(cache_salt="x" * 2000),
-        request(mm_features=[object()]),
+        request(mm_features=[object()]),  # not what vLLM makes
+        request(mm_features=[feature("image", "h", 3, 0)]),
         request(prompt_embeds=object()),
         request(lora_request=lora(tmp_path)),
         request(lora_request=lora(tmp_path / "missing")),
@@ -61,6 +69,8 @@ def test_an_adapters_blocks_record_no_tokens_for_kv_events():
     assert len(memo) == 2  # a salted chain's tokens, as a plain one's
     Scope(None, b"\1" * 32).keys(keyer, TOKENS)
     assert len(memo) == 2  # none of the adapter's
+    Scope(media=(Media(0, 4, b"\2" * 32),)).keys(keyer, TOKENS)
+    assert len(memo) == 2  # nor of a prompt with an image
 
 
 def test_an_unreadable_adapter_is_logged_once(tmp_path, caplog):
@@ -69,3 +79,26 @@ def test_an_unreadable_adapter_is_logged_once(tmp_path, caplog):
         assert scope_of(r) is None and scope_of(r) is None
     assert [m for m in caplog.messages if "gone" in m and "not cached" in m] == caplog.messages[:1]
     assert len(caplog.messages) == 1
+
+
+def test_media_are_keyed_by_vllms_hash_at_their_place():
+    keyer = BlockKeyer(NS, 16)
+    tokens = [1] * 8 + [9] * 20 + list(range(12))  # an image's placeholders at [8, 28)
+
+    def first_keys(*features: SimpleNamespace) -> tuple[bytes, ...]:
+        scope = scope_of(request(mm_features=list(features)))
+        assert scope is not None and len(scope.media) == len(features)
+        return scope.keys(keyer, tokens).blocks
+
+    a = first_keys(feature("image", "hash-a", 8, 20))
+    assert a == first_keys(feature("image", "hash-a", 8, 20))
+    b = first_keys(feature("image", "hash-b", 8, 20))
+    assert a[0] != b[0] and a[1] != b[1]  # both pages overlap the image
+    assert first_keys(feature("audio", "hash-a", 8, 20))[0] != a[0]
+    later = first_keys(feature("image", "hash-a", 16, 12))  # wholly after page 0
+    assert later[0] == keyer.keys(tokens).blocks[0] != a[0]
+    # the workers' incremental keys (a save step at a time) agree with the whole chain
+    scope = scope_of(request(mm_features=[feature("image", "hash-a", 8, 20)]))
+    assert scope is not None
+    first = page_keys(scope.keyer(keyer), tokens[:16], None, scope.media)
+    assert page_keys(scope.keyer(keyer), tokens, first, scope.media) == scope.keys(keyer, tokens)

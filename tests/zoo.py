@@ -1590,3 +1590,60 @@ def lora_adapter(base: Path, seed: int, rank: int = 8) -> Path:
         )
 
     return _atomic(dst, build)
+
+
+# --- a vision-language model vLLM's CPU build runs ------------------------------------------------
+
+
+def blip2_model() -> Path:
+    """A tiny ``Blip2ForConditionalGeneration`` (a 1-layer 32-wide vision tower on 32x32
+    images in patches of 8, a 1-layer Q-Former, 32 query tokens, a 4-layer OPT of hidden
+    64 with 2 heads of 32), seeded, with ``hf_model("qwen2")``'s tokenizer plus
+    ``<image>`` and a PIL image processor. Of vLLM 0.32's vision models it is one that
+    runs without torchvision (which has no CPU build here); vLLM puts its 32 image
+    tokens at the start of the prompt."""
+    dst = zoo_home() / f"blip2-float32-r{_recipe('qwen2')}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import (
+            AutoTokenizer,
+            Blip2Config,
+            Blip2ForConditionalGeneration,
+            Blip2Processor,
+        )
+        from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+
+        tok = AutoTokenizer.from_pretrained(hf_model("qwen2"))
+        image = BlipImageProcessorPil(size={"height": 32, "width": 32})
+        processor = Blip2Processor(image_processor=image, tokenizer=tok, num_query_tokens=32)
+        vocab = len(tok)  # with <image>
+        text = {
+            "model_type": "opt",
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "vocab_size": vocab,
+            "word_embed_proj_dim": 64,
+            "max_position_embeddings": 2048,
+            "bos_token_id": tok.bos_token_id or 0,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id or 0,
+        }
+        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+        vision |= {"num_attention_heads": 2, "image_size": 32, "patch_size": 8}
+        qformer = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+        qformer |= {"intermediate_size": 64, "encoder_hidden_size": 32, "vocab_size": vocab}
+        config = Blip2Config(
+            vision_config=vision,
+            qformer_config=qformer,
+            text_config=text,
+            num_query_tokens=32,
+            image_token_index=tok.convert_tokens_to_ids("<image>"),
+        )
+        torch.manual_seed(0)
+        Blip2ForConditionalGeneration(config).eval().save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+
+    return _atomic(dst, build)

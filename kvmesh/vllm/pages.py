@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..blocks import BlockKeyer, PrefixKeys
+from ..blocks import BlockKeyer, Media, PrefixKeys, media_bytes
 from ..codec import PREFIX, Block, Layout, new_blob
 from ..compat import STATE_WHERE_SAVED, CompatCard, LayerGeometry
 from ..errors import ConfigError, MalformedPayload
@@ -342,14 +342,17 @@ class StateCut:
 
 
 def page_keys(
-    keyer: BlockKeyer, tokens: Sequence[int], known: PrefixKeys | None = None
+    keyer: BlockKeyer,
+    tokens: Sequence[int],
+    known: PrefixKeys | None = None,
+    media: Sequence[Media] = (),
 ) -> PrefixKeys:
     """Keys of at least ``tokens``' whole pages (a prompt's first pages), hashing only
     those past ``known`` (keys of the same prompt's first pages, from its ask or its
-    last save step, under the same ``keyer``): each page of a prompt is hashed once,
-    not once a step."""
+    last save step, under the same ``keyer`` and ``media``): each page of a prompt is
+    hashed once, not once a step."""
     if known is None or not known.blocks:
-        return keyer.keys(tokens)
+        return keyer.keys(tokens, media)
     b = keyer.block_tokens
     n = len(tokens) // b
     if len(known.blocks) >= n:
@@ -357,9 +360,11 @@ def page_keys(
     chain = list(known.blocks)
     parent = chain[-1]  # the chain goes on from it (the root is hashed into page 0 only)
     for i in range(len(chain), n):
-        parent = keyer.block_key(parent, tokens[i * b : (i + 1) * b])
+        extra = media_bytes(media, i * b, (i + 1) * b)
+        parent = keyer.block_key(parent, tokens[i * b : (i + 1) * b], extra)
         chain.append(parent)
-    return PrefixKeys(b, len(tokens), tuple(chain), keyer.tail_key(parent, tokens[n * b :]))
+    tail = keyer.tail_key(parent, tokens[n * b :], media_bytes(media, n * b, len(tokens)))
+    return PrefixKeys(b, len(tokens), tuple(chain), tail)
 
 
 def check_position(block: Block, keyer: BlockKeyer, keys: PrefixKeys, index: int) -> None:

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..blocks import BlockKeyer, PrefixKeys, adapter_digest, check_cache_salt, request_root
+from ..blocks import (
+    BlockKeyer,
+    Media,
+    PrefixKeys,
+    adapter_digest,
+    check_cache_salt,
+    request_root,
+)
 from ..errors import ConfigError
 from .pages import DTYPES, FP8, CacheSpec
 
@@ -259,22 +266,26 @@ class Scope:
     """What a request's keys hash besides its token ids (picklable: the scheduler
     hands it to the workers): vLLM's ``cache_salt`` and its LoRA adapter's weights
     digest (:func:`~kvmesh.blocks.adapter_digest`), which root its chain where the
-    head's API roots it (:func:`~kvmesh.blocks.request_root`)."""
+    head's API roots it (:func:`~kvmesh.blocks.request_root`), and its multimodal
+    items' placeholder spans (:class:`~kvmesh.blocks.Media`), hashed into the
+    pages that overlap them."""
 
     salt: str | None = None
     adapter: bytes | None = None
+    media: tuple[Media, ...] = ()
 
     def keyer(self, keyer: BlockKeyer) -> BlockKeyer:
-        """``keyer`` rooted for this scope; ``keyer`` itself for the plain one. An
-        adapter's keyer records no tokens, so its blocks' KV events carry none: a
-        router that hashes token ids would take them for the base model's."""
+        """``keyer`` rooted for this scope; ``keyer`` itself for the plain one. The
+        keyer of an adapter or of media records no tokens, so their blocks' KV events
+        carry none: a router that hashes token ids would take them for text blocks
+        of the base model."""
         root = request_root(keyer.namespace, None, self.salt, self.adapter)
-        if root is None:
-            return keyer
-        return BlockKeyer.rooted(keyer, root) if self.adapter else keyer.rooted(root)
+        if self.adapter or self.media:
+            return BlockKeyer.rooted(keyer, keyer.root if root is None else root)
+        return keyer if root is None else keyer.rooted(root)
 
     def keys(self, keyer: BlockKeyer, tokens: list[int]) -> PrefixKeys:
-        return self.keyer(keyer).keys(tokens)
+        return self.keyer(keyer).keys(tokens, self.media)
 
 
 PLAIN = Scope()
@@ -282,21 +293,35 @@ PLAIN = Scope()
 
 def scope_of(request: Request) -> Scope | None:
     """The scope of a request whose KV kvmesh's keys describe, else None: a bad
-    ``cache_salt``, prompt embeddings, media, or a LoRA adapter whose files cannot
-    be read (vLLM resolved it to no local directory)."""
+    ``cache_salt``, prompt embeddings, or a LoRA adapter whose files cannot be read
+    (vLLM resolved it to no local directory). Each multimodal item is keyed by its
+    placeholder span and vLLM's own hash of it (``identifier``: of the item's data
+    and processor options, as vLLM's prefix cache keys it; a client's
+    ``multi_modal_uuids`` replace it, as they do there)."""
     salt = getattr(request, "cache_salt", None)
     if salt is not None:
         try:
             check_cache_salt(salt)
         except ValueError:
             return None
-    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    try:
+        media = tuple(_media(f) for f in getattr(request, "mm_features", None) or ())
+    except (AttributeError, TypeError, ValueError):  # not the feature vLLM 0.32 makes
         return None
     lora = getattr(request, "lora_request", None)
     if lora is None:
-        return Scope(salt) if salt else PLAIN
+        return Scope(salt, None, media) if salt or media else PLAIN
     digest = _ADAPTERS.digest(str(getattr(lora, "lora_path", "") or ""))
-    return None if digest is None else Scope(salt, digest)
+    return None if digest is None else Scope(salt, digest, media)
+
+
+def _media(feature: Any) -> Media:
+    """One of vLLM's ``MultiModalFeatureSpec`` as a span kvmesh's keys hash."""
+    pos = feature.mm_position
+    ident = f"{feature.modality}\x00{feature.identifier}".encode()
+    return Media(int(pos.offset), int(pos.length), hashlib.sha256(ident).digest())
 
 
 class _AdapterDigests:

@@ -458,7 +458,7 @@ class KVMeshWorker:
             if p is None:
                 return  # every page already held
         else:
-            p.keys = page_keys(p.keyer, spec.tokens, p.keys)
+            p.keys = page_keys(p.keyer, spec.tokens, p.keys, spec.scope.media)
         try:
             if not p.broken:
                 self._copy_pages(svc, pages, spec, p)
@@ -480,7 +480,8 @@ class KVMeshWorker:
         keyer = spec.scope.keyer(svc.keyer)
         with self._lock:
             acq = self._acqs.get(spec.req_id)
-        keys = page_keys(keyer, spec.tokens, acq.keys if acq is not None else None)
+        known = acq.keys if acq is not None else None
+        keys = page_keys(keyer, spec.tokens, known, spec.scope.media)
         n = len(spec.tokens) // self.block_size
         have = svc.fleet.local_prefix(keys).blocks[:n]
         if spec.final and len(have) >= n:

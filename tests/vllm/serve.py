@@ -257,6 +257,27 @@ class APIServer:
         report = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get("kvmesh")
         return tokens, top, resp.usage.prompt_tokens_details.cached_tokens, report
 
+    def chat(self, content: list[dict[str, Any]], max_tokens: int = 4) -> tuple[Any, ...]:
+        """:meth:`complete` for one user message of OpenAI content parts (text,
+        ``image_url``) through the chat endpoint."""
+        import openai
+
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=600)
+        resp = client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=5,
+        )
+        steps = resp.choices[0].logprobs.content
+        tid = lambda t: int(t.removeprefix("token_id:"))  # noqa: E731
+        tokens = [tid(s.token) for s in steps]
+        top = [sorted([[tid(t.token), float(t.logprob)] for t in s.top_logprobs]) for s in steps]
+        report = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get("kvmesh")
+        return tokens, top, resp.usage.prompt_tokens_details.cached_tokens, report
+
     def close(self) -> None:
         """A clean stop (SIGTERM: the connector flushes its publishes), else killed."""
         if self.proc.poll() is None:
