@@ -19,9 +19,11 @@ A request with vLLM's ``cache_salt`` is keyed from a chain root of the namespace
 and the salt, so it is looked up and saved only among requests with the same salt;
 a request with a LoRA adapter from a root of its adapter's weights digest (config
 and weights files: the same adapter under any name or id shares its KV, another
-adapter none, nor does the base model). Requests that kvmesh's keys cannot
-describe (multimodal inputs, prompt embeddings, an invalid salt, an adapter whose
-files cannot be read) are neither looked up nor saved.
+adapter none, nor does the base model). A page that overlaps a multimodal item's
+placeholders also hashes the item's span and vLLM's own hash of it, so it is found
+only for the same item at the same place (:class:`~.spec.Scope`). Requests that
+kvmesh's keys cannot describe (prompt embeddings, an invalid salt, an adapter
+whose files cannot be read) are neither looked up nor saved.
 """
 
 from __future__ import annotations
