@@ -79,11 +79,16 @@ def test_a_fresh_vllm_serve_gets_a_hybrid_prompt_and_its_state_from_the_mesh(tmp
 def _card(model, engine, CacheSpec, model_card, block):  # noqa: N803
     """The card B served, rebuilt from the model's config and vLLM's state shapes
     (conv state then recurrent state, per Gated DeltaNet layer)."""
+    import torch
+
     cfg = QWEN3_NEXT
     conv = 2 * 2 * cfg["linear_key_head_dim"] + 2 * cfg["linear_value_head_dim"]
+    # vLLM's CPU build keeps the recurrent state in float32 where its accelerated GDN
+    # runs (AVX-512 BF16 or AMX), else in the model's dtype ("auto")
+    recurrent = "float32" if torch.cpu._is_avx512_bf16_supported() else "bfloat16"
     state = (
         ("bfloat16", (3, conv)),  # kernel 4: the last 3 inputs
-        ("float32", (2, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"])),
+        (recurrent, (2, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"])),
     )
     spec = CacheSpec(
         num_layers=4,

@@ -237,9 +237,9 @@ class _CountingKeyer(BlockKeyer):
 
     hashed = 0
 
-    def block_key(self, parent, tokens):
+    def block_key(self, parent, tokens, media=b""):
         self.hashed += 1
-        return super().block_key(parent, tokens)
+        return super().block_key(parent, tokens, media)
 
 
 @pytest.mark.parametrize("root", [None, bytes(range(32))])
