@@ -114,7 +114,10 @@ def test_the_loop_answers_while_a_large_schema_compiles(head):
         if head.http.get("/healthz").status_code == 200 and not done.is_set():
             answered_during += 1
     t.join()
-    assert result["r"].status_code == 200, result["r"].text
+    r = result["r"]
+    # compiled (200), or on a slow, loaded machine past the head's compile limit (400
+    # grammar_too_complex): either way off the loop, which answered meanwhile
+    assert r.status_code == 200 or r.json()["error"]["code"] == "grammar_too_complex", r.text
     assert answered_during >= 1
 
 
