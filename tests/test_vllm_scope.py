@@ -102,3 +102,18 @@ def test_media_are_keyed_by_vllms_hash_at_their_place():
     assert scope is not None
     first = page_keys(scope.keyer(keyer), tokens[:16], None, scope.media)
     assert page_keys(scope.keyer(keyer), tokens, first, scope.media) == scope.keys(keyer, tokens)
+
+
+def test_an_adapters_new_weights_get_a_new_digest(tmp_path, tiny_dir):
+    """Weights rewritten in place, its config untouched: the scope follows the files."""
+    src = zoo.lora_adapter(tiny_dir, 1)
+    a = tmp_path / "a"
+    a.mkdir()
+    for f in src.iterdir():
+        (a / f.name).write_bytes(f.read_bytes())
+    before = scope_of(request(lora_request=lora(a)))
+    weights = a / "adapter_model.safetensors"
+    weights.write_bytes(zoo.lora_adapter(tiny_dir, 2).joinpath(weights.name).read_bytes())
+    after = scope_of(request(lora_request=lora(a)))
+    assert before is not None and after is not None and before.adapter != after.adapter
+    assert after.adapter == adapter_digest(a)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..blocks import (
+    ADAPTER_FILES,
     BlockKeyer,
     Media,
     PrefixKeys,
@@ -326,20 +327,17 @@ def _media(feature: Any) -> Media:
 
 class _AdapterDigests:
     """:func:`~kvmesh.blocks.adapter_digest` per adapter directory, read once (again
-    when its config file changes; the first request of an adapter reads its files in
-    the scheduler), failures too (logged once), at most ``size`` kept."""
+    when any of its files changes: a stale digest would key new weights' KV under the
+    old ones'; the first request of an adapter reads its files in the scheduler),
+    failures too (logged once), at most ``size`` kept."""
 
     def __init__(self, size: int = 64) -> None:
         self._size = size
         self._lock = threading.Lock()
-        self._digests: OrderedDict[tuple[str, int, int], bytes | None] = OrderedDict()
+        self._digests: OrderedDict[tuple[object, ...], bytes | None] = OrderedDict()
 
     def digest(self, path: str) -> bytes | None:
-        try:
-            st = (Path(path) / "adapter_config.json").stat()
-            key = (path, st.st_mtime_ns, st.st_size)
-        except OSError:
-            key = (path, -1, -1)
+        key = (path, *map(_stamp, (Path(path) / name for name in ADAPTER_FILES)))
         with self._lock:
             if key in self._digests:
                 self._digests.move_to_end(key)
@@ -354,6 +352,15 @@ class _AdapterDigests:
             while len(self._digests) > self._size:
                 self._digests.popitem(last=False)
         return digest
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    """What tells a file changed: its mtime and size ((-1, -1): absent)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return (-1, -1)
+    return (st.st_mtime_ns, st.st_size)
 
 
 _ADAPTERS = _AdapterDigests()
