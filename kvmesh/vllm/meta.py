@@ -27,7 +27,7 @@ from .spec import PLAIN, Scope
 class Ask:
     req_id: str
     tokens: list[int]  # the prompt's full pages that vLLM does not compute itself
-    scope: Scope = PLAIN  # what its keys hash besides tokens (salt, adapter)
+    scope: Scope = PLAIN  # what its keys hash besides tokens (salt, adapter, media)
 
 
 #: A request's vLLM block ids, one list per KV cache group: page i of group g in

@@ -136,7 +136,7 @@ class _Pending:
     the prompt's page keys (each page hashed once: see :func:`~kvmesh.vllm.pages.page_keys`)."""
 
     have: tuple[Block, ...]  # the chain's start, already in the local store
-    keyer: BlockKeyer  # the request's own key chain (salt, adapter)
+    keyer: BlockKeyer  # the request's own key chain (its Scope's)
     keys: PrefixKeys  # at least the pages saved so far
     copies: list[tuple[bytearray, object]] = field(default_factory=list)
     broken: bool = False  # a page could not be had: nothing of it is published
