@@ -131,16 +131,27 @@ def adapter_digest(directory: str | Path) -> bytes:
     with the same weights and config share KV whatever they are called, and any
     change to either shares none. ValueError when ``directory`` holds no
     ``adapter_config.json`` or no weights, or more than :data:`MAX_ADAPTER_BYTES`."""
+    return adapter_files_digest(read_adapter(directory))
+
+
+def read_adapter(directory: str | Path) -> dict[str, bytes]:
+    """The bytes of a PEFT LoRA adapter directory's files (:data:`ADAPTER_FILES`
+    that exist), by name, read once: what its digest and its weights both come
+    from, so the two never disagree. ValueError as :func:`adapter_digest`."""
     root = Path(directory)
     files = [root / name for name in ADAPTER_FILES if (root / name).is_file()]
     if not files or files[0].name != ADAPTER_FILES[0] or len(files) < 2:
         raise ValueError(f"{root} is not a LoRA adapter (adapter_config.json and weights)")
     if sum(f.stat().st_size for f in files) > MAX_ADAPTER_BYTES:
         raise ValueError(f"{root}: adapter files larger than {MAX_ADAPTER_BYTES} bytes")
+    return {f.name: f.read_bytes() for f in files}
+
+
+def adapter_files_digest(files: dict[str, bytes]) -> bytes:
+    """:func:`adapter_digest` of files :func:`read_adapter` read (in its order)."""
     h = hashlib.sha256(_ADAPTER_DOMAIN)
-    for f in files:
-        data = f.read_bytes()
-        h.update(f.name.encode() + b"\x00" + len(data).to_bytes(8, "little"))
+    for name, data in files.items():
+        h.update(name.encode() + b"\x00" + len(data).to_bytes(8, "little"))
         h.update(data)
     return h.digest()
 

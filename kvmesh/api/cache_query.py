@@ -57,7 +57,8 @@ def router(runtime: HeadRuntime, service: OpenAIService) -> APIRouter:
 
     @r.post(PATH)
     async def query(request: Request, req: CacheQuery) -> dict[str, Any]:
-        scope = service.scope_of(request, req.cache_salt)  # the caller's own tenant and salt
+        # the caller's own tenant, salt and adapter
+        scope = service.scope_of(request, req.cache_salt, req.model)
         client = identity_of(request).share
         if req.model not in service.names():
             raise APIError(

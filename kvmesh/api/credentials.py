@@ -370,19 +370,22 @@ class Tenants:
         self.shared = shared
         self._roots: dict[str, bytes] = {}
 
-    def root(self, tenant: str | None, cache_salt: str | None = None) -> bytes | None:
-        """The chain root of ``tenant``'s requests with ``cache_salt`` (None: the
-        namespace). Raises ValueError on a bad salt."""
+    def root(
+        self, tenant: str | None, cache_salt: str | None = None, adapter: bytes | None = None
+    ) -> bytes | None:
+        """The chain root of ``tenant``'s requests with ``cache_salt`` and LoRA
+        ``adapter`` digest (None for all: the namespace). Raises ValueError on a
+        bad salt."""
         if cache_salt is not None:
             check_cache_salt(cache_salt)  # before a tenant root is cached for it
         if tenant is None or tenant in self.shared or tenant == DEFAULT_TENANT:
-            return request_root(self.namespace, None, cache_salt)
+            return request_root(self.namespace, None, cache_salt, adapter)
         troot = self._roots.get(tenant)
         if troot is None:
             troot = tenant_root(self._secret, tenant)
             if len(self._roots) < 1 << 16:  # header tenants are unbounded: cache a few
                 self._roots[tenant] = troot
-        return request_root(self.namespace, troot, cache_salt)
+        return request_root(self.namespace, troot, cache_salt, adapter)
 
 
 __all__ = [

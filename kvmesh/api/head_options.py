@@ -167,6 +167,14 @@ class HeadOptions:
         "The --model argument as given and its directory name are accepted too.",
         multiple=True,
     )
+    lora: tuple[str, ...] = _row(
+        "Serve a LoRA adapter: NAME=PATH, a PEFT adapter directory (adapter_config.json, "
+        "adapter_model.safetensors; repeatable). A request whose model is NAME computes with "
+        "it; its KV is keyed by the adapter's weights digest, so it is shared only with "
+        "requests for the same weights, on any head. torch engine, not --deterministic.",
+        multiple=True,
+        flags=("--lora", "--lora-modules"),
+    )
     max_tokens_default: int = _row(
         "Most tokens generated for a request that sets no max_tokens (never past the "
         "context window), so leaving it out cannot hold a batch slot for a whole context. "
@@ -287,6 +295,21 @@ class HeadOptions:
     @property
     def tenant_budget_bytes(self) -> int | None:
         return self.tenant_budget
+
+    def lora_modules(self) -> dict[str, str]:
+        """``--lora``'s adapters, name -> directory. ValueError for a value that is
+        not NAME=PATH, a name given twice, or one that is the model's own name."""
+        out: dict[str, str] = {}
+        base = {self.model_names()[0], *self.model_names()[1]}
+        for value in self.lora:
+            name, sep, path = value.partition("=")
+            name, path = name.strip(), path.strip()
+            if not sep or not name or not path:
+                raise ValueError(f"invalid --lora {value!r}: NAME=PATH")
+            if name in out or name in base:
+                raise ValueError(f"invalid --lora {value!r}: the name {name!r} is taken")
+            out[name] = path
+        return out
 
     def model_names(self) -> tuple[str, tuple[str, ...]]:
         """(canonical name, accepted aliases): the first ``--served-model-name``,

@@ -150,26 +150,31 @@ class OpenAIService:
         self.grammars = GrammarWorker()  # grammars check and compile off the event loop
 
     def names(self) -> set[str]:
-        return {self.model_name, *self.aliases, self.runtime.card.model_id}
+        """Every ``model`` a request may name: the base model's names and the LoRA
+        adapters' (``kvmesh head --lora``)."""
+        return {self.model_name, *self.aliases, self.runtime.card.model_id, *self.runtime.adapters}
 
     def scope(self, request: Request, req: GenerationRequest) -> CacheScope:
-        """Whose cache ``req`` uses: its tenant (as the guard decided) and
-        ``cache_salt``, and whose token-exact reuse. A 400 for a bad salt."""
-        return self.scope_of(request, req.cache_salt)
+        """Whose cache ``req`` uses: its tenant (as the guard decided),
+        ``cache_salt`` and LoRA adapter (its ``model``), and whose token-exact
+        reuse. A 400 for a bad salt."""
+        return self.scope_of(request, req.cache_salt, req.model)
 
-    def scope_of(self, request: Request, value: object) -> CacheScope:
-        """:meth:`scope` from the request and its ``cache_salt`` field's value."""
+    def scope_of(self, request: Request, value: object, model: str = "") -> CacheScope:
+        """:meth:`scope` from the request, its ``cache_salt`` field's value and
+        its ``model`` (an adapter's name roots its chains at the adapter's digest)."""
         try:
             salt = None if value is None else check_cache_salt(value)
         except ValueError as e:
             raise APIError(400, str(e), param="cache_salt", code="invalid_cache_salt") from None
         who = identity_of(request)
+        adapter = model if model in self.runtime.adapters else None
+        digest = self.runtime.adapters[adapter] if adapter else None
         if self.tenants is None:
-            return CacheScope(
-                request_root(self.runtime.card.namespace, None, salt), None, who.caller
-            )
+            root = request_root(self.runtime.card.namespace, None, salt, digest)
+            return CacheScope(root, None, who.caller, adapter)
         tenant = who.tenant or DEFAULT_TENANT  # keyless requests count (and are capped) too
-        return CacheScope(self.tenants.root(tenant, salt), tenant, who.caller)
+        return CacheScope(self.tenants.root(tenant, salt, digest), tenant, who.caller, adapter)
 
     def sampling_for(self, req: GenerationRequest, n_prompt: int) -> Sampling:
         """The generation routes' checks of ``req`` (model, parameters, context for a
@@ -501,8 +506,9 @@ class OpenAIService:
             for run, text, job in zip(runs, texts, jobs, strict=True):
                 run.echo = text
                 if top is not None:
+                    adapter = scope.adapter if scope is not None else None
                     score = functools.partial(
-                        self.runtime.prompt_logprobs, run.tokens, top, job.cancel
+                        self.runtime.prompt_logprobs, run.tokens, top, job.cancel, adapter
                     )
                     run.prompt_lp = await loop.run_in_executor(self._scoring, score)
         for run, sampling, job in zip(runs, samplings, jobs, strict=True):
@@ -524,19 +530,24 @@ def router(service: OpenAIService) -> APIRouter:
 
     @r.get("/v1/models")
     async def models() -> dict[str, Any]:
+        # vLLM's fields: the model as loaded (an adapter: its name), the parent an
+        # adapter applies to (the base: none), the context
+        base = service.runtime.card.model_id
+        listed: list[tuple[str, str, str | None]] = [(service.model_name, base, None)]
+        listed += [(name, name, service.model_name) for name in service.runtime.adapters]
         return {
             "object": "list",
             "data": [
                 {
-                    "id": service.model_name,
+                    "id": name,
                     "object": "model",
                     "created": service.created,
                     "owned_by": "kvmesh",
-                    # vLLM's fields: the model as loaded, no parent (no adapter), context
-                    "root": service.runtime.card.model_id,
-                    "parent": None,
+                    "root": root,
+                    "parent": parent,
                     "max_model_len": service.max_context,
                 }
+                for name, root, parent in listed
             ],
         }
 

@@ -48,6 +48,11 @@ class Renderer:
         self.model_name = model_name
         self._token_texts: dict[int, str] = {}
 
+    def served(self, req: GenerationRequest) -> str:
+        """The ``model`` an answer to ``req`` names: the LoRA adapter it asked for
+        (as vLLM answers), else the canonical name."""
+        return req.model if req.model in self.runtime.adapters else self.model_name
+
     def body(
         self,
         req: GenerationRequest,
@@ -70,7 +75,7 @@ class Renderer:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,  # canonical, as the stream's chunks (and vLLM)
+            "model": self.served(req),  # canonical, as the stream's chunks (and vLLM)
             "choices": choices,
             "usage": self.usage(runs),
             "kvmesh": self.report(runs),

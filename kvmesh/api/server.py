@@ -114,6 +114,7 @@ def _serve(
         max_batch=opts.max_batch,
         kv_budget_bytes=opts.kv_budget_bytes,
         prefill_chunk=opts.prefill_chunk,
+        adapters=opts.lora_modules(),
         # what it learns of links and of its own prefill outlives a restart
         planner=Planner(home=kvmesh_home(), model=engine.card.namespace_hex),
     )

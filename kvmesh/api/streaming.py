@@ -168,7 +168,7 @@ class _Events:
                 "id": self.rid,
                 "object": self.object,
                 "created": self.created,
-                "model": self.render.model_name,
+                "model": self.render.served(self.req),
                 "choices": choices,
                 **extra,
             }

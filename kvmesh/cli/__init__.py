@@ -16,12 +16,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from ..engine import pick_device, pick_dtype
 from ..engine.deterministic import check as check_deterministic
+from ..engine.lora import NEEDS as ADAPTER_NEEDS
 from ..errors import ConfigError, KVMeshError
 from .options import (
     client_security_options,
@@ -301,6 +303,7 @@ def _checked_head(opts: HeadOptions) -> HeadOptions:
             check_deterministic(opts.engine, opts.deterministic_grid)
     _tenant_options(opts.tenant_header, opts.shared_tenant)
     _access(opts)
+    _adapters(opts)
     if opts.tenant_secret_file:
         from ..api.credentials import KeyFileError, head_secret
 
@@ -309,6 +312,24 @@ def _checked_head(opts: HeadOptions) -> HeadOptions:
         except KeyFileError as e:
             raise click.BadParameter(str(e), param_hint="--tenant-secret-file") from None
     return dataclasses.replace(opts, device=device)
+
+
+def _adapters(opts: HeadOptions) -> None:
+    """``--lora`` checked before the model loads: NAME=PATH, names free, each a
+    directory with a PEFT config and safetensors weights, on an engine that applies
+    them (the weights themselves are checked against the model when it loads)."""
+    try:
+        adapters = opts.lora_modules()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--lora") from None
+    if adapters and (opts.engine != "torch" or opts.deterministic):
+        raise click.UsageError("--lora needs the torch engine, without --deterministic")
+    for name, path in adapters.items():
+        missing = [f for f in ADAPTER_NEEDS if not (Path(path) / f).is_file()]
+        if missing:
+            raise click.BadParameter(
+                f"{name}={path}: no {' or '.join(missing)} there", param_hint="--lora"
+            )
 
 
 def _access(opts: HeadOptions) -> None:

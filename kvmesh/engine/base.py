@@ -31,6 +31,7 @@ from ..blocks import BlockKeyer, PrefixKeys
 from ..codec import Block, BlockHeader, Layout, new_blob
 from ..compat import CompatCard
 from ..errors import ConfigError, MalformedPayload, NoChatTemplate
+from . import lora
 from .decode import Decoded, Decoder, Sampling, StopScanner, TokenLogprob
 from .geometry import MAX_STATE_EVERY, CacheGeometry, card_from_hf_dir, model_name
 from .protocol import PREFILL_CHUNK, Engine, Scorer
@@ -191,12 +192,21 @@ class EngineBase(abc.ABC):
     def new_rng(self, seed: int | None) -> Any: ...
 
     @abc.abstractmethod
-    def prompt_scorer(self) -> Scorer: ...
+    def prompt_scorer(self, adapter: str | None = None) -> Scorer: ...
+
+    def load_adapter(self, name: str, path: str) -> bytes:
+        """Serve a PEFT LoRA adapter as ``name``; its weights digest. Only the torch
+        engine applies adapters."""
+        raise ConfigError(f"--lora needs the torch engine (this head runs {self.name})")
 
     # -- engine-neutral -------------------------------------------------------
 
     def begin_prefill(
-        self, tokens: Sequence[int], prefix: Sequence[Block] = (), imported: Importer | None = None
+        self,
+        tokens: Sequence[int],
+        prefix: Sequence[Block] = (),
+        imported: Importer | None = None,
+        adapter: str | None = None,
     ) -> KVState:
         """The state of ``tokens`` before its computed suffix: ``prefix`` imported
         (``imported``: already copied in, see :meth:`importer`), ``cached`` the
@@ -216,13 +226,13 @@ class EngineBase(abc.ABC):
         tail = prefix[-1] if prefix and prefix[-1].header.kind == "tail" else None
         if p == len(tokens) and tail is not None and self.restorable(cache, p) == p:
             logits = self._read_logits(tail.logits_bytes())
-            return KVState(tokens, cache, logits, p, p, 0, used_stored_logits=True)
+            return KVState(tokens, cache, logits, p, p, 0, True, adapter=adapter)
         # no stored logits: recompute the last token; a recurrent state restarts
         # from the last checkpoint the prefix carries
         q = self.restorable(cache, p - 1 if p == len(tokens) else p)
         if q != p and q != self._positions(cache):  # an importer may have stopped there
             cache = self._crop(cache, q) if q else None
-        return KVState(tokens, cache, None, q, q, len(tokens) - q)
+        return KVState(tokens, cache, None, q, q, len(tokens) - q, adapter=adapter)
 
     def begin_resume(self, state: KVState, keep: int, tokens: Sequence[int]) -> KVState:
         """:meth:`begin_prefill` from the first ``keep`` cached positions of a live
@@ -230,7 +240,7 @@ class EngineBase(abc.ABC):
         tokens = list(tokens)
         keep = self.restorable(state.cache, min(keep, len(tokens) - 1, state.cached))
         cache = self._crop(state.cache, keep) if keep else None
-        return KVState(tokens, cache, None, keep, keep, len(tokens) - keep)
+        return KVState(tokens, cache, None, keep, keep, len(tokens) - keep, adapter=state.adapter)
 
     def prefill(
         self,
@@ -239,13 +249,14 @@ class EngineBase(abc.ABC):
         imported: Importer | None = None,
         between: Callable[[], None] | None = None,
         chunk: int = PREFILL_CHUNK,
+        adapter: str | None = None,
     ) -> KVState:
         """KV and next-token logits for ``tokens``, importing ``prefix`` first.
         ``imported`` is ``prefix`` already copied in (see :meth:`importer`). With
         ``between``, a suffix longer than ``chunk`` tokens is computed ``chunk`` at
         a time and ``between()`` runs after each chunk but the last (a batch keeps
         decoding while a long prompt is prefilled)."""
-        state = self.begin_prefill(tokens, prefix, imported)
+        state = self.begin_prefill(tokens, prefix, imported, adapter)
         while between is not None and len(state.tokens) - state.cached > chunk:
             self.prefill_batch([state], [chunk])
             between()
@@ -266,7 +277,10 @@ class EngineBase(abc.ABC):
             at = state.cached
             if n < 1 or at + n > len(state.tokens):
                 raise ValueError(f"chunk of {n} tokens at {at} of {len(state.tokens)}")
-            state.cache, state.logits = self._forward(state.cache, state.tokens[at : at + n], at)
+            with lora.rows([state.adapter]):
+                state.cache, state.logits = self._forward(
+                    state.cache, state.tokens[at : at + n], at
+                )
             state.cached = at + n
 
     def extend(self, state: KVState, tokens: Sequence[int]) -> KVState:
@@ -277,9 +291,10 @@ class EngineBase(abc.ABC):
             return state
         if state.cached < len(state.tokens):  # last token not in the cache yet
             tokens = state.tokens[state.cached :] + list(tokens)
-        cache, logits = self._forward(state.cache, tokens, state.cached)
+        with lora.rows([state.adapter]):
+            cache, logits = self._forward(state.cache, tokens, state.cached)
         all_tokens = state.tokens + list(tokens[len(state.tokens) - state.cached :])
-        return KVState(all_tokens, cache, logits, len(all_tokens))
+        return KVState(all_tokens, cache, logits, len(all_tokens), adapter=state.adapter)
 
     def resume(self, state: KVState, keep: int, tokens: Sequence[int]) -> KVState:
         """Reuse the first ``keep`` cached positions of a live ``state`` for ``tokens``
@@ -293,11 +308,12 @@ class EngineBase(abc.ABC):
         prefill): the same cached tensors (a crop shares them; decoding one copy
         never writes into another) and the same logits."""
         if self.reuse_off is not None:  # a cache it cannot copy: computed again
-            again = self.prefill(state.tokens[: state.cached]) if state.cached else None
+            n, adapter = state.cached, state.adapter
+            again = self.prefill(state.tokens[:n], adapter=adapter) if n else None
             cache = again.cache if again is not None else None
-            return KVState(list(state.tokens), cache, state.logits, state.cached)
+            return KVState(list(state.tokens), cache, state.logits, n, adapter=adapter)
         cache = self._crop(state.cache, state.cached) if state.cached else None
-        return KVState(list(state.tokens), cache, state.logits, state.cached)
+        return KVState(list(state.tokens), cache, state.logits, state.cached, adapter=state.adapter)
 
     def generate(
         self, state: KVState, sampling: Sampling, out: Decoded | None = None
@@ -324,7 +340,8 @@ class EngineBase(abc.ABC):
 
     def _advance(self, state: KVState) -> None:
         pending = state.tokens[state.cached :]
-        state.cache, state.logits = self._forward(state.cache, pending, state.cached)
+        with lora.rows([state.adapter]):
+            state.cache, state.logits = self._forward(state.cache, pending, state.cached)
         state.cached = len(state.tokens)
 
     @property

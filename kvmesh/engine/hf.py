@@ -54,7 +54,7 @@ from ..blocks import DEFAULT_BLOCK_TOKENS, last_block_stops, split_at, stale_sta
 from ..codec import Block, Layout
 from ..compat import LayerGeometry, kv_quant_params
 from ..errors import CacheMiss, CannotRestore, ConfigError
-from . import attention
+from . import attention, lora
 from . import deterministic as det
 from .attention import continuing
 from .base import EngineBase
@@ -613,7 +613,7 @@ def _prefill_rows(
     last = sorted({q - 1 for q in chunks})  # the positions whose logits are kept
     keep = torch.tensor(last, dtype=torch.long, device=engine.device)
     kw = {engine._cache_kw: cache}
-    with batched(engine._prefill_kernels()):
+    with batched(engine._prefill_kernels()), lora.rows([s.adapter for s in states]):
         out = engine.model(
             input_ids=ids,
             attention_mask=mask,
@@ -696,16 +696,17 @@ def _sample(
     return int(torch.multinomial(torch.from_numpy(p), 1, generator=rng).item())
 
 
-def _scorer(engine: TransformersEngine) -> Scorer:
+def _scorer(engine: TransformersEngine, adapter: str | None) -> Scorer:
     """:meth:`TransformersEngine.prompt_scorer`: every position's logits of a chunk,
-    on a plain cache (nothing recorded: it is never exported)."""
+    on a plain cache (nothing recorded: it is never exported), with ``adapter``."""
     model = engine.model
     kw = {engine._cache_kw: cache_utils.DynamicCache(config=model.config)}
 
     @torch.inference_mode()
     def score(ids: Sequence[int], targets: Sequence[int], top: int) -> Any:
         x = torch.tensor([list(ids)], dtype=torch.long, device=engine.device)
-        logits = model(input_ids=x, use_cache=True, logits_to_keep=0, **kw).logits[0]
+        with lora.rows([adapter]):
+            logits = model(input_ids=x, use_cache=True, logits_to_keep=0, **kw).logits[0]
         lp = torch.log_softmax(logits.float(), dim=-1)
         want = torch.tensor(list(targets), device=lp.device)
         token_lp = lp.gather(1, want[:, None])[:, 0].cpu().numpy()
@@ -715,6 +716,18 @@ def _scorer(engine: TransformersEngine) -> Scorer:
         return token_lp, idx.cpu().numpy(), vals.cpu().numpy()
 
     return score
+
+
+def _load_adapter(engine: TransformersEngine, name: str, path: str) -> bytes:
+    """:meth:`TransformersEngine.load_adapter` (:mod:`.lora`); not in deterministic
+    mode, whose kernels are row-invariant without a delta only."""
+    if engine.grid:
+        raise ConfigError("--lora is not served in deterministic mode")
+    adapter = lora.load(engine.model, name, path, engine.dtype, engine.device)
+    if engine.device.type != "cpu":  # on the CPU every linear layer is routed already
+        _rows_first_linear(engine.model)
+    lora.attach(engine.model, adapter, engine.adapters)
+    return adapter.digest
 
 
 class TransformersEngine(EngineBase):
@@ -758,6 +771,7 @@ class TransformersEngine(EngineBase):
         self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
         self._batches: dict[tuple[int, ...], _Batch] = {}  # live batch caches, oldest first
         self.grid, self._rowwise = 0, False  # deterministic mode (_go_deterministic)
+        self.adapters: dict[str, lora.Adapter] = {}  # LoRA adapters by name (load_adapter)
         if self.device.type == "cpu":
             _rows_first_linear(self.model)
             with torch.inference_mode():
@@ -921,9 +935,10 @@ class TransformersEngine(EngineBase):
         pending = state.tokens[state.cached :]
         # a lone step: its row count's kernel (deterministic: as a batch's row, or F.linear)
         kernels = self.kernels if self._rowwise or not self.grid else {}
-        state.cache, state.logits = self._forward(
-            state.cache, pending, state.cached, False, kernels
-        )
+        with lora.rows([state.adapter]):
+            state.cache, state.logits = self._forward(
+                state.cache, pending, state.cached, False, kernels
+            )
         state.cached = len(state.tokens)
 
     def _prefill_kernels(self) -> Mapping[int, str]:
@@ -1035,7 +1050,7 @@ class TransformersEngine(EngineBase):
         kw = {self._cache_kw: batch.cache}
         rows = det.rowwise([n + 1 for n in batch.lens]) if self._rowwise else nullcontext()
         # a failed forward leaves the batch half written: it is not kept
-        with batched(self.kernels), rows:
+        with batched(self.kernels), rows, lora.rows([s.adapter for s in states]):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -1159,5 +1174,8 @@ class TransformersEngine(EngineBase):
     def _log_softmax(self, logits: Any) -> np.ndarray:
         return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
 
-    def prompt_scorer(self) -> Scorer:
-        return _scorer(self)
+    def prompt_scorer(self, adapter: str | None = None) -> Scorer:
+        return _scorer(self, adapter)
+
+    def load_adapter(self, name: str, path: str) -> bytes:
+        return _load_adapter(self, name, path)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import deterministic as det
+from . import lora
 from .compiled import streamed_linear
 
 _batched = threading.local()  # .kernels: {rows: kernel} during a batched step
@@ -100,6 +101,11 @@ def batched(kernels: Mapping[int, str]) -> Iterator[None]:
 
 
 def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output by the chosen kernel, plus its LoRA deltas (:mod:`.lora`)."""
+    return lora.add_deltas(self, x, _base_linear(self, x))
+
+
+def _base_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if self.weight.is_mkldnn:  # packed in place: the plain weights are gone
         return _packed(self.weight, self.bias, x.reshape(rows, x.shape[-1])).reshape(

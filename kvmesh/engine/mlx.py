@@ -716,5 +716,7 @@ class MLXEngine(EngineBase):
         m = x.max()
         return (x - (m + np.log(np.exp(x - m).sum()))).astype(np.float32)
 
-    def prompt_scorer(self) -> Scorer:
+    def prompt_scorer(self, adapter: str | None = None) -> Scorer:
+        if adapter is not None:
+            raise ConfigError("the mlx engine serves no LoRA adapters")
         return _scorer(self)

@@ -60,10 +60,14 @@ class Engine(Protocol):
         ...
 
     def begin_prefill(
-        self, tokens: Sequence[int], prefix: Sequence[Block] = (), imported: Importer | None = None
+        self,
+        tokens: Sequence[int],
+        prefix: Sequence[Block] = (),
+        imported: Importer | None = None,
+        adapter: str | None = None,
     ) -> KVState:
         """The state of ``tokens`` with ``prefix`` imported, before its suffix is
-        computed (:meth:`prefill_batch`)."""
+        computed (:meth:`prefill_batch`) with LoRA ``adapter`` (:meth:`load_adapter`)."""
         ...
 
     def begin_resume(self, state: KVState, keep: int, tokens: Sequence[int]) -> KVState:
@@ -81,6 +85,7 @@ class Engine(Protocol):
         imported: Importer | None = None,
         between: Callable[[], None] | None = None,
         chunk: int = PREFILL_CHUNK,
+        adapter: str | None = None,
     ) -> KVState:
         """:meth:`begin_prefill` then every chunk of the suffix: a whole state."""
         ...
@@ -110,6 +115,12 @@ class Engine(Protocol):
         """Make ``state`` own its tensors once it leaves a batch."""
         ...
 
+    def load_adapter(self, name: str, path: str) -> bytes:
+        """Serve the PEFT LoRA adapter at ``path`` as ``name`` (a state whose
+        ``adapter`` is ``name`` computes with it); its weights digest
+        (:func:`~kvmesh.blocks.adapter_digest`). ConfigError where it cannot."""
+        ...
+
     def new_rng(self, seed: int | None) -> Any: ...
 
     def sample(
@@ -128,7 +139,7 @@ class Engine(Protocol):
         """``token``'s logprob under the raw ``logits`` and the ``top`` most likely."""
         ...
 
-    def prompt_scorer(self) -> Scorer:
+    def prompt_scorer(self, adapter: str | None = None) -> Scorer:
         """Prompt log-probabilities chunk by chunk on a fresh cache of its own: each
         call continues where the last ended (:mod:`kvmesh.engine.scoring`)."""
         ...

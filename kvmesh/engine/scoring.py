@@ -35,16 +35,18 @@ def prompt_logprobs(
     lock: Any = None,
     cancel: threading.Event | None = None,
     chunk: int = SCORE_CHUNK,
+    adapter: str | None = None,
 ) -> list[TokenLogprob | None]:
     """Per token of ``tokens``: its log-probability after the tokens before it and
     the ``top`` most likely tokens there (most likely first); None for the first.
     ``lock`` (the engine lock) is held for each chunk's forward; ``cancel`` set
-    stops before the next chunk (raising :class:`Cancelled`)."""
+    stops before the next chunk (raising :class:`Cancelled`). ``adapter``: with
+    that LoRA adapter (:meth:`~kvmesh.engine.protocol.Engine.load_adapter`)."""
     tokens = [int(t) for t in tokens]
     if not tokens:
         return []
     out: list[TokenLogprob | None] = [None]
-    score = engine.prompt_scorer()
+    score = engine.prompt_scorer(adapter)
     lock = lock or contextlib.nullcontext()
     n = len(tokens)
     for start in range(0, n - 1, chunk):  # the last position predicts nothing in the prompt

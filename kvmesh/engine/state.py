@@ -29,7 +29,8 @@ from ..errors import MalformedPayload
 
 @dataclass
 class KVState:
-    """One sequence's state. ``cache`` holds KV for ``cached`` tokens."""
+    """One sequence's state. ``cache`` holds KV for ``cached`` tokens, computed
+    with LoRA ``adapter`` (its name on the engine; None: the base model)."""
 
     tokens: list[int]
     cache: Any
@@ -39,6 +40,13 @@ class KVState:
     computed_tokens: int = 0  # tokens forward-passed by prefill
     used_stored_logits: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    adapter: str | None = None
+
+    def view(self, n: int, logits: Any = None) -> KVState:
+        """Its first ``n`` positions as a state of their own, on the same cache,
+        with ``logits`` (None: none), computed with the same adapter: what is
+        exported or kept of it."""
+        return KVState(self.tokens[:n], self.cache, logits, n, adapter=self.adapter)
 
 
 def check_chain(prefix: Sequence[Block], layout: Layout, tokens: int, checked: bool = False) -> int:

@@ -37,13 +37,15 @@ TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 4e-2}
 
 @dataclass(frozen=True)
 class AuditJob:
-    """One block to re-derive: the tokens up to its end, and who served it."""
+    """One block to re-derive: the tokens up to its end (computed with LoRA
+    ``adapter``, as the request was), and who served it."""
 
     tokens: tuple[int, ...]
     block: Block
     index: int  # the block's position in its chain
     peer_id: str
     peer: str
+    adapter: str | None = None
 
 
 class Auditor:
@@ -54,7 +56,12 @@ class Auditor:
         self._rng = random.Random(seed)
 
     def pick(
-        self, tokens: Sequence[int], fetched: Sequence[tuple[int, Block]], peer_id: str, peer: str
+        self,
+        tokens: Sequence[int],
+        fetched: Sequence[tuple[int, Block]],
+        peer_id: str,
+        peer: str,
+        adapter: str | None = None,
     ) -> AuditJob | None:
         """With probability ``rate``, one of the ``(chain index, block)`` pairs
         fetched from ``peer`` (full blocks only: a tail holds logits as well)."""
@@ -63,7 +70,7 @@ class Auditor:
             return None
         i, blk = self._rng.choice(full)
         end = blk.header.start + blk.header.tokens
-        return AuditJob(tuple(tokens[:end]), blk, i, peer_id, peer)
+        return AuditJob(tuple(tokens[:end]), blk, i, peer_id, peer, adapter)
 
     def check(
         self,
@@ -95,7 +102,7 @@ class Auditor:
     def agrees(engine: Engine, keyer: BlockKeyer, job: AuditJob) -> bool | None:
         """Whether a local recompute of ``job.block`` matches the imported bytes;
         None when the block cannot be re-derived here (e.g. past a window)."""
-        state = engine.prefill(list(job.tokens))
+        state = engine.prefill(list(job.tokens), adapter=job.adapter)
         mine = [
             b for b in engine.export(state, keyer, first_block=job.index) if b.key == job.block.key
         ]

@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,11 +95,14 @@ class CacheScope:
     counters go under on this head; it never leaves the head. ``caller``: whose
     token-exact reuse (exact tails, a session beyond whole blocks) the request
     shares; None: its ``client``'s, "": nobody's (an unidentified caller gets
-    whole blocks only: behind a proxy or a NAT, one address is many people)."""
+    whole blocks only: behind a proxy or a NAT, one address is many people).
+    ``adapter``: the LoRA adapter it computes with (its name on the engine; its
+    weights digest is in ``root``)."""
 
     root: bytes | None = None
     tenant: str | None = None
     caller: str | None = None
+    adapter: str | None = None
 
     def exact(self, client: str) -> str:
         """The identity token-exact reuse is keyed by: for an anonymous request
@@ -214,6 +217,38 @@ class _Prefilled:
     prompt: KVState | None = None  # the prompt's own view, for publishing
 
 
+def _prefill_report(
+    planner: Planner, tokens: list[int], got: _Acquired, begun: _Begun, compute_s: float
+) -> tuple[PrefillReport, tuple[Block, ...]]:
+    """How ``begun``'s prompt was obtained, now that it is computed (its prefill
+    time learnt by ``planner``); and the reused block chain."""
+    state, fallback, source, prefix = begun.state, begun.fallback, begun.source, begun.prefix
+    found = got.found
+    dt = begun.begin_s + compute_s
+    if state.computed_tokens:
+        planner.observe_prefill(state.computed_tokens, dt)
+    if fallback:
+        log.info("prefill fell back: %s", fallback)
+    report = PrefillReport(
+        source=source,
+        prompt_tokens=len(tokens),
+        reused_tokens=state.imported_tokens,
+        computed_tokens=state.computed_tokens,
+        peer=found.hit.alias if source == Source.REMOTE and found.hit else None,
+        bytes_fetched=found.fetched.nbytes if source == Source.REMOTE else 0,
+        fallback=fallback,
+        lookup_s=found.lookup_s,
+        fetch_s=found.fetched.fetch_s,
+        import_s=dt if not state.computed_tokens else 0.0,
+        compute_s=dt,
+        saved_s=planner.compute_s(state.imported_tokens),
+        used_stored_logits=state.used_stored_logits,
+        **_wire_report(found, source == Source.REMOTE),
+    )
+    chain = () if source == Source.SESSION else prefix
+    return report, tuple(b for b in chain if b.header.kind == "block")
+
+
 class HeadRuntime:
     """One engine serving requests (:meth:`generate`) with its sessions, batch,
     acquirer and give-back queue; see the module."""
@@ -233,12 +268,16 @@ class HeadRuntime:
         max_batch: int = DEFAULT_MAX_BATCH,
         kv_budget_bytes: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         """``node``: the mesh node this head serves through (:attr:`fleet`, its one
         door to the mesh; None: a head alone); ``hash_key``: the fleet's block-key
-        secret, from which :attr:`keyer` is made."""
+        secret, from which :attr:`keyer` is made; ``adapters``: LoRA adapters to
+        serve, name -> PEFT directory (ConfigError for one the engine cannot take)."""
         self.engine = engine
         self.card = engine.card
+        # name -> weights digest: a request naming one computes with it, keyed by it
+        self.adapters = {n: engine.load_adapter(n, p) for n, p in (adapters or {}).items()}
         self.node = node  # the node itself: tests and benchmarks reach in; the head does not
         if engine.reuse_off is not None:  # served, every prompt computed, nothing shared
             log.warning("prefix reuse is off for this model: %s", engine.reuse_off)
@@ -321,7 +360,7 @@ class HeadRuntime:
         def prefill() -> PrefillPlan:  # on the engine thread: the batch computes the rest
             stamps.engine = time.perf_counter()
             with self._lock:
-                begun = self._begin(tokens, got)
+                begun = self._begin(tokens, got, scope.adapter)
             return self._plan(tokens, got, begun, done, out, keyer, stamps, scope.tenant)
 
         def first_token() -> None:
@@ -376,7 +415,7 @@ class HeadRuntime:
             )
         hit = got.found.hit
         if self.auditor is not None and report.source == Source.REMOTE and hit is not None:
-            audit = self.auditor.pick(tokens, got.fetched, hit.node_id, hit.alias)
+            audit = self.auditor.pick(tokens, got.fetched, hit.node_id, hit.alias, scope.adapter)
             if audit is not None:
                 check = self.auditor.check
                 args = (self.engine, self._lock, keyer, audit, self.planner, self.telemetry.count)
@@ -397,15 +436,19 @@ class HeadRuntime:
         return self.tenants.counters()
 
     def prompt_logprobs(
-        self, tokens: Sequence[int], top: int = 0, cancel: threading.Event | None = None
+        self,
+        tokens: Sequence[int],
+        top: int = 0,
+        cancel: threading.Event | None = None,
+        adapter: str | None = None,
     ) -> list[TokenLogprob | None]:
         """Each prompt token's log-probability and ``top`` alternatives (None for the
-        first): one full forward of its own, nothing cached reused (see
-        :mod:`kvmesh.engine.scoring`), the engine lock held one chunk at a time so
-        running requests decode between chunks. An engine that died fails it."""
+        first) with LoRA ``adapter``: one full forward of its own, nothing cached
+        reused (see :mod:`kvmesh.engine.scoring`), the engine lock held one chunk at
+        a time so running requests decode between chunks. An engine that died fails it."""
         if self.engine_failure is not None:
             raise EngineFailed(f"the engine thread died: {self.engine_failure!r}")
-        return prompt_logprobs(self.engine, tokens, top, lock=self._lock, cancel=cancel)
+        return prompt_logprobs(self.engine, tokens, top, self._lock, cancel, adapter=adapter)
 
     def check_request(self, prompt_tokens: int, sampling: Sampling) -> None:
         """Raise ValueError (a 400) for a request this head could never run: ``n``
@@ -478,7 +521,7 @@ class HeadRuntime:
             stamps.received = found.fetched.times.received
         return _Acquired(found, session[0] if session else None)
 
-    def _begin(self, tokens: list[int], got: _Acquired) -> _Begun:
+    def _begin(self, tokens: list[int], got: _Acquired, adapter: str | None) -> _Begun:
         """Under the engine lock: the prompt's state with the acquired prefix imported
         (or the session resumed), its suffix still to compute. A prefix that cannot
         be used is dropped (invariant 1: everything is computed)."""
@@ -489,9 +532,9 @@ class HeadRuntime:
                 state = self._resume(tokens, got)
             else:
                 sink = found.fetched.sink or self._import_held(found.prefix)
-                state = self.engine.begin_prefill(tokens, found.prefix, sink)
+                state = self.engine.begin_prefill(tokens, found.prefix, sink, adapter)
         except Exception as e:  # invariant 1: compute it all
-            return self._anew(tokens, e, t0)
+            return self._anew(tokens, e, adapter, t0)
         return _Begun(state, found.source, found.prefix, found.fallback, time.perf_counter() - t0)
 
     def _import_held(self, prefix: tuple[Block, ...]) -> Importer | None:
@@ -504,10 +547,12 @@ class HeadRuntime:
         self.acquirer.imported(prefix, importer.add)
         return importer
 
-    def _anew(self, tokens: list[int], error: BaseException, t0: float | None = None) -> _Begun:
+    def _anew(
+        self, tokens: list[int], error: BaseException, adapter: str | None, t0: float | None = None
+    ) -> _Begun:
         """A prompt computed from nothing, after ``error`` made its prefix unusable."""
         t0 = time.perf_counter() if t0 is None else t0
-        state = self.engine.begin_prefill(tokens)
+        state = self.engine.begin_prefill(tokens, adapter=adapter)
         return _Begun(state, Source.COMPUTE, (), failure_reason(error), time.perf_counter() - t0)
 
     def _plan(
@@ -534,12 +579,12 @@ class HeadRuntime:
             b = begun
             if plan.shared:  # whole blocks of another request's state, still in memory
                 b = _Begun(state, Source.SESSION, (), begun.fallback, begun.begin_s)
-            done.report, done.chain = self._report(tokens, got, b, plan.compute_s)
+            done.report, done.chain = _prefill_report(self.planner, tokens, got, b, plan.compute_s)
             out.report = done.report
-            done.prompt = KVState(list(tokens), state.cache, state.logits, len(tokens))
+            done.prompt = state.view(len(tokens), state.logits)
 
         def anew(error: BaseException) -> PrefillPlan:
-            begun = self._anew(tokens, error)
+            begun = self._anew(tokens, error, plan.state.adapter)
             return self._plan(tokens, got, begun, done, out, keyer, stamps, owner)
 
         def abandoned(state: KVState) -> None:  # on the engine thread
@@ -561,7 +606,7 @@ class HeadRuntime:
             return
         if not self.give_back.reserve():
             return
-        partial = KVState(state.tokens[:n], state.cache, None, n)  # blocks only: no tail
+        partial = state.view(n)  # blocks only: no tail
 
         def chains() -> list[list[Block]]:  # on the give-back thread
             keys = keyer.keys(partial.tokens)
@@ -570,37 +615,6 @@ class HeadRuntime:
             return [have + more]
 
         self.give_back.submit(chains, Count.PARTIAL_BLOCKS, owner)
-
-    def _report(
-        self, tokens: list[int], got: _Acquired, begun: _Begun, compute_s: float
-    ) -> tuple[PrefillReport, tuple[Block, ...]]:
-        """How ``begun``'s prompt was obtained, now that it is computed; and the
-        reused block chain."""
-        state, fallback, source, prefix = begun.state, begun.fallback, begun.source, begun.prefix
-        found = got.found
-        dt = begun.begin_s + compute_s
-        if state.computed_tokens:
-            self.planner.observe_prefill(state.computed_tokens, dt)
-        if fallback:
-            log.info("prefill fell back: %s", fallback)
-        report = PrefillReport(
-            source=source,
-            prompt_tokens=len(tokens),
-            reused_tokens=state.imported_tokens,
-            computed_tokens=state.computed_tokens,
-            peer=found.hit.alias if source == Source.REMOTE and found.hit else None,
-            bytes_fetched=found.fetched.nbytes if source == Source.REMOTE else 0,
-            fallback=fallback,
-            lookup_s=found.lookup_s,
-            fetch_s=found.fetched.fetch_s,
-            import_s=dt if not state.computed_tokens else 0.0,
-            compute_s=dt,
-            saved_s=self.planner.compute_s(state.imported_tokens),
-            used_stored_logits=state.used_stored_logits,
-            **_wire_report(found, source == Source.REMOTE),
-        )
-        chain = () if source == Source.SESSION else prefix
-        return report, tuple(b for b in chain if b.header.kind == "block")
 
     def _resume(self, tokens: list[int], got: _Acquired) -> KVState:
         session = self.sessions.take(got.session) if got.session is not None else None
@@ -637,7 +651,7 @@ class HeadRuntime:
             prompt_full = [b for b in blocks if b.header.kind == "block"]
             skipped = n_reused - len(reused[:n_reused])  # blocks the chain starts after
             more = self.engine.export(
-                KVState(final.tokens[: final.cached], final.cache, None, final.cached),
+                final.view(final.cached),
                 keyer,
                 first_block=skipped + len(prompt_full),
             )
