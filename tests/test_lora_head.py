@@ -107,6 +107,9 @@ def test_adapters_the_model_cannot_take_are_refused(engine, tmp_path, adapters):
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(ConfigError, match="use_dora"):
         engine.load_adapter("dora", str(dora))
+    (dora / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        engine.load_adapter("dora", str(dora))
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     shutil.copy(adapters[0] / "adapter_config.json", pickled)

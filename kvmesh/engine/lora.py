@@ -57,7 +57,9 @@ def _config(raw: bytes, where: Path) -> dict[str, Any]:
         cfg = json.loads(raw)
     except ValueError as e:
         raise ConfigError(f"{where}: adapter_config.json is not JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: adapter_config.json is not a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{where}: not a LoRA adapter (peft_type {cfg.get('peft_type')!r})")
     unsupported = {
         "use_dora": cfg.get("use_dora"),
@@ -71,7 +73,7 @@ def _config(raw: bytes, where: Path) -> dict[str, Any]:
     if bad:
         raise ConfigError(f"{where}: LoRA options kvmesh does not apply: {', '.join(bad)}")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+    if type(r) is not int or r < 1 or type(alpha) not in (int, float):
         raise ConfigError(f"{where}: adapter_config.json needs an integer r >= 1 and lora_alpha")
     return cfg
 
