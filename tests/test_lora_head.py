@@ -8,8 +8,8 @@ own, and adapters the model cannot take are refused before anything is attached.
 Head processes with a real peer: a prompt served with adapter ``a`` is published
 under a root of a's weights digest; a fresh head serving the same files under
 another name gets it from the peer, tokens and log-probabilities identical to the
-cold answer, while the same prompt with adapter ``b`` or with no adapter finds
-none of it. /v1/models lists the adapters as vLLM does (``parent``: the base).
+cold answer (and its audit, a recompute with the adapter, agrees), while the
+same prompt with adapter ``b`` or with no adapter finds none of it. /v1/models lists the adapters as vLLM does (``parent``: the base).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kvmesh.engine.hf import TransformersEngine
 from kvmesh.errors import ConfigError
 
 from . import zoo
+from .helpers import wait_for
 from .procs import Peer
 from .test_api import Head
 
@@ -156,10 +157,14 @@ def test_an_adapters_prompt_is_shared_under_its_weights_and_no_others(tmp_path, 
             h1.wait(lambda s: s["publish_pending"] == 0)
         finally:
             h1.stop()
-        h2 = Head("--seed", peer.address, "--exact-reuse-by-address", *lora(mine=renamed, b=b))
+        # every remote hit audited: the recompute takes the request's adapter
+        args = ("--exact-reuse-by-address", "--audit-rate", "1", *lora(mine=renamed, b=b))
+        h2 = Head("--seed", peer.address, *args)
         try:
             h2.wait(lambda s: s["compatible_peers"] >= 1)
             warm = complete(h2, "mine")
+            wait_for(lambda: h2.metric("kvmesh_audits_total") == 1, 60, "the audit")
+            assert h2.metric("kvmesh_audit_mismatches_total") == 0
             other = complete(h2, "b")
             base = complete(h2, "demo-tiny")
         finally:

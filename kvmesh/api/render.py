@@ -75,7 +75,7 @@ class Renderer:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.served(req),  # canonical, as the stream's chunks (and vLLM)
+            "model": self.served(req),  # as the stream's chunks name it (and vLLM)
             "choices": choices,
             "usage": self.usage(runs),
             "kvmesh": self.report(runs),
