@@ -89,6 +89,11 @@ def test_a_batch_of_mixed_adapters_gives_each_row_its_own(engine):
         engine.decode_batch([alone])
         assert torch.allclose(s.logits, alone.logits, atol=1e-4, rtol=1e-4), n
     assert not torch.allclose(states[1].logits, states[2].logits, atol=1e-2)
+    prompts = [engine.begin_prefill(tokens, adapter=n) for n in names]  # one prefill forward
+    engine.prefill_batch(prompts, [len(tokens)] * len(names))
+    for n, s in zip(names, prompts, strict=True):
+        alone = engine.prefill(tokens, adapter=n).logits
+        assert torch.allclose(s.logits, alone, atol=1e-4, rtol=1e-4), n
     fork = engine.fork(states[2])  # n > 1 sequences keep their adapter
     assert fork.adapter == "b"
 
