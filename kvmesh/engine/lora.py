@@ -42,13 +42,11 @@ ATTR = "kvmesh_lora"  # a linear layer's {adapter name: (A, B, scale)}
 
 @dataclass(frozen=True)
 class Adapter:
-    """A loaded adapter: its name (what a request's ``model`` selects), where it
-    was read, its weights digest, and the deltas by module name."""
+    """A loaded adapter: its name (what a request's ``model`` selects), its
+    weights digest, and the deltas by module name."""
 
     name: str
-    path: Path
     digest: bytes
-    rank: int
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
 
 
@@ -125,7 +123,7 @@ def load(model: Any, name: str, path: str | Path, dtype: Any, device: Any) -> Ad
         deltas[module] = (a, b, _scale(cfg))
     if not deltas or 2 * len(deltas) != len(tensors):
         raise ConfigError(f"{where}: no LoRA layers, or a B without its A")
-    return Adapter(name, where, adapter_files_digest(files), int(cfg["r"]), deltas)
+    return Adapter(name, adapter_files_digest(files), deltas)
 
 
 def attach(model: Any, adapter: Adapter, served: dict[str, Adapter]) -> None:
@@ -157,9 +155,11 @@ def rows(names: Sequence[str | None]) -> Iterator[None]:
 def add_deltas(layer: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``y`` (``layer``'s output for ``x``) plus each row's adapter delta, if any:
     ``scale * B(A(x))``, as PEFT computes it."""
+    held = getattr(layer, ATTR, None)  # first: most layers of most models hold none
+    if not held:
+        return y
     names = getattr(_rows, "names", None)
-    held = getattr(layer, ATTR, None)
-    if names is None or not held:
+    if names is None:
         return y
     import torch  # here, not at import: the engine-neutral modules import this one
 
