@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvmesh import memory
-from kvmesh.engine.kernels import MORE_ROWS, PACKED, _choose, packs
+from kvmesh.engine.kernels import BASE, MORE_ROWS, PACKED, _choose, packs
 
 from .test_kernel_cache import choice_files
 
@@ -35,19 +35,31 @@ def totals(prefill: dict[str, float], decode: dict[str, float]):
 
 
 def test_packed_serves_every_row_count_or_none():
-    # fastest at the prefill rows, within 5% of the fastest at every decode bucket
+    # fastest at the prefill rows, 3% behind at every decode bucket: nowhere (it loses
+    # overall), each bucket its fastest other kernel
     chosen = _choose(totals({PACKED: 0.9, "onednn": 1.0}, {PACKED: 1.03, "streamed": 1.0}))
-    assert chosen == dict.fromkeys(ALL, PACKED) and packs(chosen)
-    # 10% behind at the decode rows: nowhere, each bucket its fastest other kernel
-    chosen = _choose(totals({PACKED: 0.9, "onednn": 1.0}, {PACKED: 1.1, "streamed": 1.0}))
     assert chosen == {**dict.fromkeys(range(1, 17), "streamed"), MORE_ROWS: "onednn"}
     assert not packs(chosen)
+    # 15% behind at one row, 40% ahead at the other decode buckets and the prefill
+    # rows: everywhere (a sum of 4.35 against 6)
+    ahead = totals({PACKED: 0.8, "onednn": 1.0}, {PACKED: 0.6, "streamed": 1.0})
+    ahead[0] = (ahead[0][0], {PACKED: 1.15, "streamed": 1.0})
+    chosen = _choose(ahead)
+    assert chosen == dict.fromkeys(ALL, PACKED) and packs(chosen)
+    # but 30% behind anywhere: nowhere, however far ahead elsewhere
+    ahead[0] = (ahead[0][0], {PACKED: 1.3, "streamed": 1.0})
+    assert not packs(_choose(ahead))
+    # F.linear's time counts where no other kernel beat it
+    slow = totals({PACKED: 0.8, BASE: 1.0}, {PACKED: 0.6, BASE: 1.0})
+    assert packs(_choose(slow))
+    slow[1] = (slow[1][0], {PACKED: 0.6, BASE: 0.2})  # it lost to F.linear there
+    assert _choose(slow) == {}
     # not the fastest at the prefill rows: nowhere
     chosen = _choose(totals({PACKED: 1.0, "onednn": 0.9}, {PACKED: 0.5, "streamed": 1.0}))
     assert chosen == {**dict.fromkeys(range(1, 17), "streamed"), MORE_ROWS: "onednn"}
     # it lost to F.linear at one bucket (not a candidate there): nowhere
     lost = totals({PACKED: 0.9}, {PACKED: 0.9})
-    lost[0] = (lost[0][0], {"streamed": 1.0})
+    lost[0] = (lost[0][0], {"streamed": 0.4, PACKED: 0.5, BASE: 0.5})
     assert _choose(lost) == {1: "streamed"}
     assert _choose([]) == {} and not packs({})
 
