@@ -5,19 +5,18 @@ row a decode step reads the weights at half the speed the compiled kernel does,
 and at a prefill's tens to hundreds of rows oneDNN's linear beats it by 1.1-1.5x
 (docs/benchmarks.md, serve_compare). So at start each row count 1..:data:`MAX_ROWS_FIRST`
 (decode steps, lone or batched) and every larger count (:data:`MORE_ROWS`: prefill
-chunks, measured at :data:`PREFILL_ROWS` rows) is given the kernel of
-:data:`KERNELS` that measured faster than ``F.linear`` here by :data:`MARGIN`
-(best calls, on the engine's threads), and computes what it does (:func:`_agrees`); the choice is kept in the
-private kernel cache, so a restart takes the same kernels (float rounding depends
-on them). Inside :func:`batched` the model's linear layers take the chosen kernel
-for their row count; outside it ``F.linear``.
+chunks, measured at :data:`PREFILL_ROWS` rows) is given the kernel of :data:`KERNELS`
+that measured faster than ``F.linear`` here by :data:`MARGIN` (on the engine's own
+threads, best calls: :func:`_calibrate`) and computes what it does (:func:`_agrees`);
+the choice is kept in the private kernel cache, so a restart takes the same kernels
+(float rounding depends on them). Inside :func:`batched` the model's linear layers take
+the chosen kernel for their row count; outside it ``F.linear``.
 
 One kernel is all or nothing: ``packed``, oneDNN's linear on the weights in its own
 blocked layout, which is then their only copy (:func:`pack_weights`: the same
 memory; the plain weights and the model file's mapping are given back). It takes
-every row count when it wins the prefill rows and, summed over the row counts
-measured, the others (:func:`_choose`; measured on the 0.5B demo, 2-core AMD EPYC:
-1.1x oneDNN on plain weights at 576 rows, 1.4x at 64, 1.5x the compiled kernel at
+every row count when it wins overall (:func:`_choose`; measured on the 0.5B demo,
+2-core AMD EPYC: 1.1x oneDNN on plain weights at 576 rows, 1.4x at 64, 1.5x the compiled kernel at
 4-16 rows, even at one; on a Zen 3 EPYC, two threads: 1.3-2.8x ``F.linear`` at 1-16
 rows, 1.15x at 64); packed layers compute with it everywhere. Deterministic
 mode keeps the plain weights (its prefill takes ``F.linear``).
@@ -130,11 +129,13 @@ def _calibrate(model: Any, reps: int = 5) -> dict[int, str]:
     machine where one beats ``F.linear``: for each bucket of :data:`_BUCKETS` (and
     :data:`PREFILL_ROWS` rows for :data:`MORE_ROWS`), every kernel runs every
     linear layer of the model once (the weight traffic of a decode step), interleaved,
-    ``reps`` rounds. A kernel's time is its best round, and it replaces ``F.linear``
-    only if that beats ``F.linear``'s best by :data:`MARGIN` (the fastest such). A
-    kernel this torch lacks, or one that computes something else, is not a candidate.
+    ``reps`` rounds. A kernel's time is the sum over the model's layers of its best
+    call on a layer of that shape; it replaces ``F.linear`` where that beats
+    ``F.linear``'s by :data:`MARGIN` (:func:`_choose`); one twice as slow as
+    ``F.linear`` after a round is not timed again. A kernel this torch lacks, or one
+    that computes something else, is not a candidate.
 
-    Each pass is timed by the wall clock on the threads the engine computes with
+    Each call is timed by the wall clock on the threads the engine computes with
     (``torch.get_num_threads()``): a kernel's speed at a few rows is in how it splits
     them between threads (MKL's two-thread ``F.linear`` at two rows took 4x oneDNN's
     packed kernel on a Zen 3 EPYC; on one thread they were on a par), so one thread's
