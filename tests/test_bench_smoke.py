@@ -9,6 +9,10 @@ with that reason. ``bench/serve_compare.py`` needs vLLM too and runs in the vLLM
 venv's own suite (``tests/vllm/test_serve_compare.py``, which reuses :func:`start`
 and :func:`finish`), not twice.
 
+The ttft benchmark's runs and a third of the others run from
+``tests/test_bench_smoke_ttft.py`` and ``tests/test_bench_smoke_fleet.py`` (:data:`SPLIT`), with
+this file's :func:`smoke`, so that the README's ``--dist loadfile`` spreads them over workers.
+
 Children are recognised by a marker in their environment (each run's own
 ``KVMESH_BENCH_TAG``), inherited by everything a benchmark starts, so other
 work on the machine is never mistaken for a leftover.
@@ -43,17 +47,9 @@ ELSEWHERE = {
 TIMEOUT_S = 600  # one smoke run; they take seconds to a minute on a loaded 2-core machine
 # smoke runs that tests/test_bench_smoke_<file>.py runs instead (the README's command gives each
 # test file to one worker: a file of every benchmark would be one worker's 15 minutes)
-SPLIT = {
-    "ttft.py": "ttft",
-    **dict.fromkeys(
-        ("fleet.py", "bounded_work.py", "agent_probes.py", "deterministic.py", "codec.py"),
-        "fleet",
-    ),
-    **dict.fromkeys(
-        ("serving.py", "echo_cost.py", "healthz.py", "hostile_publish.py", "head_overhead.py"),
-        "fleet",
-    ),
-}
+FLEET_FILE = ("fleet", "bounded_work", "agent_probes", "deterministic", "codec", "serving")
+FLEET_FILE += ("echo_cost", "healthz", "hostile_publish", "head_overhead")
+SPLIT = {"ttft.py": "ttft", **{f"{name}.py": "fleet" for name in FLEET_FILE}}
 
 
 def benches(file: str = "") -> list[Path]:
