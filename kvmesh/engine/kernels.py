@@ -16,9 +16,9 @@ One kernel is all or nothing: ``packed``, oneDNN's linear on the weights in its 
 blocked layout, which is then their only copy (:func:`pack_weights`: the same
 memory; the plain weights and the model file's mapping are given back). It takes
 every row count when it wins overall (:func:`_choose`; measured on the 0.5B demo,
-2-core AMD EPYC: 1.1x oneDNN on plain weights at 576 rows, 1.4x at 64, 1.5x the compiled kernel at
-4-16 rows, even at one; on a Zen 3 EPYC, two threads: 1.3-2.8x ``F.linear`` at 1-16
-rows, 1.15x at 64); packed layers compute with it everywhere. Deterministic
+2-core AMD EPYC: 1.1x oneDNN on plain weights at 576 rows, 1.4x at 64, 1.5x the
+compiled kernel at 4-16 rows, even at one; on a Zen 3 EPYC, two threads: 1.3-2.8x
+``F.linear`` at 1-16 rows, 1.15x at 64); packed layers compute with it everywhere. Deterministic
 mode keeps the plain weights (its prefill takes ``F.linear``).
 """
 
@@ -212,7 +212,8 @@ def _calibrate_buckets(
                         t0 = clock()
                         _linear(m, xs[m.in_features])
                         at = (kernel, m.weight.shape)
-                        fastest[at] = min(clock() - t0, fastest.get(at, float("inf")))
+                        if rep:
+                            fastest[at] = min(clock() - t0, fastest.get(at, float("inf")))
                 except Exception:  # not built into this torch (or not for this dtype), or
                     if kernel in alive:  # it failed: not a candidate (never fails a start)
                         alive.remove(kernel)
