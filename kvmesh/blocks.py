@@ -25,6 +25,14 @@ tail) whose positions overlap an item's placeholder span also hashes that span's
 :class:`Media` (its offset, length and content digest), so a block at or after an
 image is a hit only for the same image at the same place; blocks wholly before
 the first item keep their text-only keys and are shared with text prompts.
+
+Inside one process a prompt's media positions hold *media token ids*
+(:data:`MEDIA_IDS`): ids at or above :data:`MEDIA_BASE` that stand for "position
+``i`` of media item (digest, placeholder id, length)", one id per distinct item and
+position, never reused. Token lists then compare equal exactly when their text and
+their images agree, so every in-memory prefix match (sessions, shared prefills) is
+exact with no media bookkeeping, and :meth:`BlockKeyer.keys` turns them back into
+the placeholder ids plus :class:`Media` spans that the keys hash.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +193,89 @@ def media_bytes(media: Sequence[Media], start: int, stop: int) -> bytes:
     )
 
 
+#: media token ids start here: far above any vocabulary, within int64 (torch's ids)
+MEDIA_BASE = 1 << 40
+MEDIA_MAX_LENGTH = 1 << 20  # positions one item may have (the low bits of its ids)
+_GONE_DOMAIN = b"kvmesh/media-gone/v1\x00"
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """What a run of media token ids stands for: an item's content digest, the
+    placeholder token id the model sees at its positions and its length."""
+
+    digest: bytes
+    placeholder: int
+    length: int
+
+
+class MediaIds:
+    """The process's media token ids (see the module). At most ``capacity`` items are
+    remembered, least recently named first forgotten; ids of a forgotten item are
+    never given again and key as an item that matches nothing (a miss, never a
+    wrong hit)."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[int, MediaItem] = OrderedDict()  # slot -> item
+        self._slots: dict[MediaItem, int] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def ids(self, item: MediaItem) -> list[int]:
+        """The ids of ``item``'s positions (the same list each time it is named)."""
+        if len(item.digest) != KEY_BYTES or not 0 < item.length <= MEDIA_MAX_LENGTH:
+            raise ValueError("a media item has a 32-byte digest and 1..2**20 positions")
+        if not 0 <= item.placeholder < MEDIA_BASE:
+            raise ValueError("a media item's placeholder is a token id")
+        with self._lock:
+            slot = self._slots.get(item)
+            if slot is None:
+                slot, self._next = self._next, self._next + 1
+                self._slots[item] = slot
+                if len(self._items) >= self.capacity:
+                    _, old = self._items.popitem(last=False)
+                    del self._slots[old]
+            self._items[slot] = item
+            self._items.move_to_end(slot)
+        first = MEDIA_BASE + slot * MEDIA_MAX_LENGTH
+        return list(range(first, first + item.length))
+
+    def item(self, token: int) -> tuple[MediaItem, int]:
+        """The item media id ``token`` stands for and its position in it; a forgotten
+        item's stand-in (a digest of its slot, placeholder 0)."""
+        slot, index = divmod(token - MEDIA_BASE, MEDIA_MAX_LENGTH)
+        with self._lock:
+            found = self._items.get(slot)
+        if found is None:
+            gone = hashlib.sha256(_GONE_DOMAIN + slot.to_bytes(8, "little")).digest()
+            return MediaItem(gone, 0, MEDIA_MAX_LENGTH), index
+        return found, index
+
+    def split(self, tokens: Sequence[int]) -> tuple[list[int], list[Media]]:
+        """``tokens`` as the model's ids (each media id its item's placeholder) and
+        the media spans it holds, each whole even where ``tokens`` cuts it."""
+        if not tokens or max(tokens) < MEDIA_BASE:
+            return list(tokens), []
+        ids, spans = list(tokens), []
+        for at, token in enumerate(tokens):
+            if token < MEDIA_BASE:
+                continue
+            item, index = self.item(token)
+            ids[at] = item.placeholder
+            if index == 0 or at == 0 or tokens[at - 1] != token - 1:
+                spans.append(Media(at - index, item.length, item.digest))
+        return ids, spans
+
+    def model_ids(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` with each media id as its placeholder (what a tokenizer knows)."""
+        return self.split(tokens)[0]
+
+
+#: the process's media token ids
+MEDIA_IDS = MediaIds()
+
+
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)
 
@@ -255,7 +348,10 @@ class BlockKeyer:
         return self._h(parent, tag, tokens, media)
 
     def keys(self, tokens: Sequence[int], media: Sequence[Media] = ()) -> PrefixKeys:
-        """The chain of ``tokens``; ``media``: the prompt's media spans (see the module)."""
+        """The chain of ``tokens``; ``media``: the prompt's media spans (see the module),
+        found from its media token ids when not given."""
+        if not media:
+            tokens, media = MEDIA_IDS.split(tokens)
         b = self.block_tokens
         n_full = len(tokens) // b
         chain: list[bytes] = []

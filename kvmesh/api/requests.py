@@ -19,6 +19,7 @@ Contracts:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -188,16 +189,22 @@ class ChatRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def content_text(content: str | list[dict[str, Any]] | None) -> str:
-    """A message's content as text: a string, or its text parts joined (a 400 for
-    any other part)."""
+def content_text(
+    content: str | list[dict[str, Any]] | None,
+    image: Callable[[dict[str, Any]], str] | None = None,
+) -> str:
+    """A message's content as text: a string, or its parts joined, each ``image_url``
+    part as ``image(part)`` says (without ``image``: a 400, as for any other part)."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for p in content:
-        if p.get("type") != "text" or not isinstance(p.get("text"), str):
+        if p.get("type") == "image_url" and image is not None:
+            parts.append(image(p))
+        elif p.get("type") != "text" or not isinstance(p.get("text"), str):
             raise APIError(400, "only text content parts are supported", param="messages")
-        parts.append(p["text"])
+        else:
+            parts.append(p["text"])
     return "".join(parts)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import BlockKeyer, PrefixKeys
+from ..blocks import MEDIA_IDS, BlockKeyer, PrefixKeys
 from ..codec import Block, BlockHeader, Layout, new_blob
 from ..compat import CompatCard
 from ..errors import ConfigError, MalformedPayload, NoChatTemplate
@@ -69,6 +69,8 @@ class EngineBase(abc.ABC):
     # why this model's cache cannot be exported or restored exactly (a cache type
     # kvmesh does not know yet): it is served with reuse off; None when it can
     reuse_off: str | None = None
+    # a vision-language model's images (:class:`~kvmesh.engine.vision.Vision`); None: text only
+    vision: Any = None
 
     tokenizer: Any  # a Hugging Face tokenizer, or one with the same methods
 
@@ -92,7 +94,7 @@ class EngineBase(abc.ABC):
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode_text(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+        return str(self.tokenizer.decode(MEDIA_IDS.model_ids(tokens), skip_special_tokens=True))
 
     # -- KV -------------------------------------------------------------------
 

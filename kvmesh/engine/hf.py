@@ -50,7 +50,13 @@ import torch
 from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from ..blocks import DEFAULT_BLOCK_TOKENS, last_block_stops, split_at, stale_states
+from ..blocks import (
+    DEFAULT_BLOCK_TOKENS,
+    MEDIA_BASE,
+    last_block_stops,
+    split_at,
+    stale_states,
+)
 from ..codec import Block, Layout
 from ..compat import LayerGeometry, kv_quant_params
 from ..errors import CacheMiss, CannotRestore, ConfigError
@@ -78,6 +84,7 @@ from .kernels import (  # noqa: F401
 from .protocol import Scorer
 from .sampling import distribution, greedy, safe_temperature
 from .state import Importer, KVState
+from .vision import VISION_MODEL_TYPES, Vision
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
@@ -615,7 +622,7 @@ def _prefill_rows(
     kw = {engine._cache_kw: cache}
     with batched(engine._prefill_kernels()), lora.rows([s.adapter for s in states]):
         out = engine.model(
-            input_ids=ids,
+            **engine._inputs(ids),
             attention_mask=mask,
             position_ids=pos,
             use_cache=True,
@@ -748,7 +755,12 @@ class TransformersEngine(EngineBase):
         many tokens (:mod:`kvmesh.engine.deterministic`). ``pack=False`` keeps the
         plain weights whatever the kernel choice (``kernels.pack_weights``): for
         whoever swaps the kernel table, as the kernel tests do."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForImageTextToText,
+            AutoTokenizer,
+            DynamicCache,
+        )
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -763,11 +775,12 @@ class TransformersEngine(EngineBase):
         want = _BY_NAME[dtype] if dtype else _BY_NAME.get(saved, torch.float32)
         if self.device.type == "cpu" and want != torch.float32 and dtype is None:
             want = torch.float32  # half-precision matmuls are slow on CPU
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(self.path), dtype=want, local_files_only=True
-        )
+        sees = cfg.get("model_type") in VISION_MODEL_TYPES
+        auto = AutoModelForImageTextToText if sees else AutoModelForCausalLM
+        self.model = auto.from_pretrained(str(self.path), dtype=want, local_files_only=True)
         self.model.to(self.device)  # type: ignore[arg-type]  # (transformers types .to oddly)
         self.model.eval()
+        self.vision = Vision(self.model, self.path) if sees else None
         self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
         self._batches: dict[tuple[int, ...], _Batch] = {}  # live batch caches, oldest first
         self.grid, self._rowwise = 0, False  # deterministic mode (_go_deterministic)
@@ -922,7 +935,7 @@ class TransformersEngine(EngineBase):
             ids = torch.tensor([piece], dtype=torch.long, device=self.device)
             kw = {self._cache_kw: cache}
             with batched(self._prefill_kernels() if kernels is None else kernels), continuing():
-                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
+                out = self.model(**self._inputs(ids), use_cache=True, logits_to_keep=1, **kw)
             _settle(cache, len(piece))  # the cache was extended in place
             pos += len(piece)
             if self._state_every:
@@ -930,6 +943,12 @@ class TransformersEngine(EngineBase):
                 if pos % every == 0 or pos in stops or (checkpoint_end and pos == end):
                     self._checkpoint(cache, pos, every, replace=checkpoint_end)
         return cache, out.logits[0, -1].float()
+
+    def _inputs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A forward's input: ``ids``, or with media ids among them their embeddings."""
+        if self.vision is None or int(ids.max()) < MEDIA_BASE:
+            return {"input_ids": ids}
+        return {"inputs_embeds": self.vision.embed(ids)}
 
     def _advance(self, state: KVState) -> None:
         pending = state.tokens[state.cached :]

@@ -37,6 +37,7 @@ class Engine(Protocol):
     eos_ids: frozenset[int]
     # why this model's cache cannot be exported or restored exactly; None when it can
     reuse_off: str | None
+    vision: Any  # a vision-language model's images (engine.vision.Vision); None: text only
 
     # -- text ------------------------------------------------------------------
 
