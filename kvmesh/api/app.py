@@ -191,10 +191,25 @@ class HeadCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(f"kvmesh_{name}", doc, value=value)
+        yield from self._images()
         yield GaugeMetricFamily(
             "kvmesh_prefill_peak_chunk_tokens",
             "Most tokens one prompt computed in one forward (at most --prefill-chunk)",
             value=batch.peak_prefill_chunk,
+        )
+
+    def _images(self) -> Any:
+        """A vision-language model's encoder work (nothing for a text model)."""
+        vision = self.runtime.engine.vision
+        if vision is None:
+            return
+        yield CounterMetricFamily(
+            "kvmesh_images_encoded", "Images run through the vision encoder", value=vision.encoded
+        )
+        yield CounterMetricFamily(
+            "kvmesh_image_encoder_seconds",
+            "Seconds in the vision encoder",
+            value=vision.encoder_seconds,
         )
 
     def _peers(self, c: dict[str, Any]) -> Any:

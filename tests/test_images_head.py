@@ -1,0 +1,228 @@
+"""Images on the head: ``image_url`` content parts on a LLaVA (``demo-vl-tiny``).
+
+Engine: a prompt's image positions hold media token ids; its forward (whole, or
+split inside the image) is the model's own forward with ``pixel_values``; keys see
+the pixels (one pixel changed moves every key from the image's first block on and
+none before), a prefix cut inside an image keys its blocks as the whole prompt
+does, and a forgotten item keys as nothing else.
+
+Head processes with a real peer: the same image and text after a restart is a
+remote hit for the whole prompt, tokens and log-probabilities identical to the
+cold answer, with no encoder run; one pixel changed reuses nothing past the text
+before the image; many concurrent requests with different images each get the
+answer they get alone; bad image input is a 400 that leaves the head serving.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.blocks import MEDIA_BASE, BlockKeyer, MediaIds, MediaItem
+from kvmesh.engine.hf import TransformersEngine
+
+from .helpers import wait_for
+from .procs import Peer
+from .test_api import Head
+
+MODEL = "demo-vl-tiny"
+BEFORE = "A long stretch of text that comes before the picture, shared by all. " * 3
+AFTER = " What is in the picture, in one word?"
+
+
+def png(seed: int, touch: tuple[int, int] | None = None) -> bytes:
+    """A seeded 40x50 RGB picture as PNG; ``touch``: that one pixel changed."""
+    pixels = (np.random.default_rng(seed).random((40, 50, 3)) * 255).astype("uint8")
+    if touch is not None:
+        pixels[touch] = 255 - pixels[touch]
+    out = io.BytesIO()
+    from PIL import Image
+
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def messages(*images: bytes) -> list[dict]:
+    parts = [{"type": "text", "text": BEFORE}]
+    parts += [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": AFTER}]}]
+
+
+@pytest.fixture(scope="module")
+def engine() -> TransformersEngine:
+    from kvmesh.engine.embedded import ensure_demo
+
+    return TransformersEngine(ensure_demo(MODEL))
+
+
+def prompt(engine, *images: bytes) -> list[int]:
+    text = BEFORE + "<image>" * len(images) + AFTER
+    tokens = engine.encode_chat([{"role": "user", "content": text}])
+    return engine.vision.expand(tokens, [engine.vision.picture(i) for i in images])
+
+
+def test_an_image_prompts_forward_is_the_models_own(engine):
+    tokens = prompt(engine, png(1))
+    pixels = engine.vision.picture(png(1)).pixels
+    plain = torch.tensor([[engine.vision.placeholder if t >= MEDIA_BASE else t for t in tokens]])
+    with torch.inference_mode():
+        ref = engine.model(input_ids=plain, pixel_values=pixels[None]).logits[0, -1]
+    whole = engine.prefill(tokens).logits
+    assert torch.allclose(whole, ref, atol=1e-4), (whole - ref).abs().max()
+    inside = tokens.index(next(t for t in tokens if t >= MEDIA_BASE)) + 5
+    state = engine.begin_prefill(tokens)
+    engine.prefill_batch([state], [inside])  # stops five positions into the image
+    engine.prefill_batch([state], [len(tokens) - inside])
+    assert torch.allclose(state.logits, whole, atol=1e-5)
+    other = engine.prefill(prompt(engine, png(2))).logits
+    assert (other - whole).abs().max() > 1e-3  # the image is seen
+
+
+def test_keys_see_the_pixels_and_nothing_before_them(engine):
+    keyer = BlockKeyer(engine.card.namespace, 8)
+    a, b = prompt(engine, png(1)), prompt(engine, png(1, touch=(3, 4)))
+    at = next(i for i, t in enumerate(a) if t >= MEDIA_BASE)
+    ka, kb = keyer.keys(a), keyer.keys(b)
+    first = at // 8  # the first block holding an image position
+    assert ka.blocks[:first] == kb.blocks[:first]
+    assert all(x != y for x, y in zip(ka.blocks[first:], kb.blocks[first:], strict=True))
+    assert keyer.keys(prompt(engine, png(1))) == ka  # the same image again: the same keys
+    cut = keyer.keys(a[: at + 5])  # a prefix ending inside the image
+    assert cut.blocks == ka.blocks[: len(cut.blocks)]
+    text = keyer.keys(_as_text(engine, a))  # the placeholder ids with no image
+    assert text.blocks[:first] == ka.blocks[:first] and text.blocks[first] != ka.blocks[first]
+
+
+def _as_text(engine, tokens: list[int]) -> list[int]:
+    """``tokens`` with every media id as the bare placeholder id (no image)."""
+    return [engine.vision.placeholder if t >= MEDIA_BASE else t for t in tokens]
+
+
+def test_a_forgotten_item_keys_as_nothing_else():
+    ids = MediaIds(capacity=2)
+    items = [MediaItem(bytes([i]) * 32, 7, 4) for i in range(3)]
+    first = ids.ids(items[0])
+    keyer = BlockKeyer(b"n" * 32, 4)
+    before = keyer.keys([1, 2, 3, *first]).blocks  # (the process table keys first: a miss)
+    spans_then = ids.split([1, *first])[1]
+    ids.ids(items[1]), ids.ids(items[2])  # item 0 is forgotten
+    spans_now = ids.split([1, *first])[1]
+    assert spans_then[0].digest == items[0].digest
+    assert spans_now[0].digest not in {i.digest for i in items}
+    assert ids.ids(items[0]) != first  # named again: new ids, never the old ones
+    assert len(before) == 1
+
+
+def complete(head: Head, *images: bytes, **extra) -> dict:
+    body = {"model": MODEL, "messages": messages(*images), "max_tokens": 6, "temperature": 0}
+    body |= {"logprobs": True, "top_logprobs": 2, **extra}
+    r = head.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def answer(out: dict) -> tuple:
+    c = out["choices"][0]
+    return c["message"]["content"], c["logprobs"]
+
+
+def test_an_image_prompt_is_a_remote_hit_after_a_restart_and_a_pixel_is_a_miss(tmp_path):
+    peer = Peer(alias="vl-peer", log_dir=tmp_path)
+    picture, touched = png(7), png(7, touch=(20, 30))
+    try:
+        h1 = Head("--seed", peer.address, "--exact-reuse-by-address", model=MODEL)
+        try:
+            h1.wait(lambda s: s["peers"] >= 1)
+            cold = complete(h1, picture)
+            assert cold["kvmesh"]["source"] == "compute"
+            h1.wait(lambda s: s["publish_pending"] == 0)
+        finally:
+            h1.stop()
+        h2 = Head("--seed", peer.address, "--exact-reuse-by-address", model=MODEL)
+        try:
+            h2.wait(lambda s: s["compatible_peers"] >= 1)
+            warm = complete(h2, picture)
+            encoded = h2.metric("kvmesh_images_encoded_total")
+            moved = complete(h2, touched)
+            text_only = h2.http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": BEFORE}]},
+            ).json()
+        finally:
+            h2.stop()
+    finally:
+        peer.kill()
+    n = warm["usage"]["prompt_tokens"]
+    assert warm["kvmesh"]["source"] == "remote"
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == n
+    assert answer(warm) == answer(cold)  # tokens and log-probabilities, exactly
+    assert encoded == 0  # the whole prompt came from the peer: no encoder run
+    before = text_only["usage"]["prompt_tokens"] - 2  # the user turn's text, less its end
+    reused = moved["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < reused <= before, (reused, before)  # the text before the image, no more
+
+
+def logprobs(out: dict) -> np.ndarray:
+    """The answer's tokens' log-probabilities and their top two's."""
+    rows = out["choices"][0]["logprobs"]["content"]
+    return np.array([[t["logprob"]] + [x["logprob"] for x in t["top_logprobs"]] for t in rows])
+
+
+def test_many_images_at_once_each_get_their_own_answer():
+    head = Head(model=MODEL)
+    try:
+        pictures = [png(100 + i) for i in range(8)]
+        alone = [complete(head, p) for p in pictures]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            both = list(pool.map(lambda p: complete(head, p), pictures * 2))
+    finally:
+        head.stop()
+    # batched rows compute in another order than a lone one: equal to rounding, while
+    # another image's blocks would move them by what separates two images' answers
+    apart = min(
+        np.abs(logprobs(a) - logprobs(b)).max() for i, a in enumerate(alone) for b in alone[:i]
+    )
+    for got, want in zip(both, alone * 2, strict=True):
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+        assert np.abs(logprobs(got) - logprobs(want)).max() < min(1e-3, apart / 10), apart
+
+
+def test_bad_images_are_400s_and_the_head_goes_on():
+    head = Head(model=MODEL)
+    text = Head(model="demo-tiny")
+    try:
+        cases = [
+            ({"url": "https://example.com/cat.png"}, "unsupported_image_url"),
+            ({"url": "data:image/png;base64,!!!"}, "invalid_image"),
+            ({"url": "data:text/plain;base64,aGk="}, "invalid_image"),
+            ({"url": data_url(b"\x89PNG\r\n\x1a\nnot really")}, "invalid_image"),
+            ({"url": data_url(png(1)[:60])}, "invalid_image"),  # truncated
+            ({}, "invalid_image"),
+        ]
+        for image_url, code in cases:
+            content = [{"type": "image_url", "image_url": image_url}]
+            body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+            r = head.http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == code, (image_url, r.text)
+        typed = {"model": MODEL, "messages": [{"role": "user", "content": "a <image> typed"}]}
+        r = head.http.post("/v1/chat/completions", json=typed)
+        assert r.status_code == 400 and "placeholder" in r.json()["error"]["message"]
+        many = messages(*[png(1)] * 33)
+        r = head.http.post("/v1/chat/completions", json={"model": MODEL, "messages": many})
+        assert r.status_code == 400 and "at most 32" in r.json()["error"]["message"]
+        r = text.http.post("/v1/chat/completions", json={"model": "demo-tiny", "messages": many})
+        assert r.status_code == 400 and "no images" in r.json()["error"]["message"]
+        assert complete(head, png(1))["choices"][0]["finish_reason"] == "length"  # still serving
+        wait_for(lambda: head.health()["status"] == "ok", 10, "a healthy head")
+    finally:
+        head.stop()
+        text.stop()
