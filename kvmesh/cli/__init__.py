@@ -124,12 +124,19 @@ def config_show(ctx: click.Context, as_json: bool) -> None:
     "--local", is_flag=True, help="Single process: cold prefill vs. import from a local store."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line instead of a table.")
+@click.option(
+    "--vision",
+    is_flag=True,
+    help="Two pictures in the prompt, on the embedded vision-language model demo-vl "
+    "(unless --model names another).",
+)
 @model_options
 @click.option("--prompt-tokens", default=1000, show_default=True, help="Approximate prompt length.")
 @deterministic_options
 def demo(
     local: bool,
     as_json: bool,
+    vision: bool,
     model: str,
     engine: str,
     prompt_tokens: int,
@@ -145,11 +152,18 @@ def demo(
     if deterministic:
         with _usage_errors():
             check_deterministic(engine, deterministic_grid)
+    if vision and local:
+        raise click.UsageError("--vision runs the two-node demo (not --local)")
     if not local:
         from .demo import run_two_node
 
         run_two_node(
-            model=model, engine=engine, prompt_tokens=prompt_tokens, as_json=as_json, grid=grid
+            model="demo-vl" if vision and model == "demo" else model,
+            engine=engine,
+            prompt_tokens=prompt_tokens,
+            as_json=as_json,
+            grid=grid,
+            images=2 if vision else 0,
         )
         return
     from ..engine import load_engine

@@ -155,6 +155,13 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 600) ->
         return json.loads(r.read())
 
 
+def _metric(url: str, name: str) -> float:
+    """One unlabelled series of the head's /metrics (0 when it has none)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        found = re.search(rf"^{re.escape(name)} (\S+)$", r.read().decode(), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def _wait(url: str, cond: Any, timeout: float = 60) -> dict[str, Any]:
     deadline = time.time() + timeout
     while True:
@@ -176,23 +183,63 @@ def demo_messages(target_tokens: int) -> list[dict[str, str]]:
     ]
 
 
+def demo_pictures(n: int, size: int = 224) -> list[str]:
+    """``n`` seeded pictures (smooth colour fields with a few discs) as PNG data: URLs."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for i in range(n):
+        rng = np.random.default_rng(1000 + i)
+        y, x = np.mgrid[0:size, 0:size] / size
+        img = np.stack([np.sin(6 * x + c * rng.random() * 6) * 0.5 + 0.5 for c in (1, 2, 3)], -1)
+        for cx, cy, r in rng.random((4, 3)):
+            img[(x - cx) ** 2 + (y - cy) ** 2 < (r / 4) ** 2] = rng.random(3)
+        buf = io.BytesIO()
+        Image.fromarray((img * 255).astype("uint8")).save(buf, "PNG")
+        out.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return out
+
+
+def with_pictures(msgs: list[dict[str, Any]], urls: Sequence[str]) -> list[dict[str, Any]]:
+    """``msgs`` with ``urls`` as image parts after the last message's text."""
+    *head, last = msgs
+    parts: list[dict[str, Any]] = [{"type": "text", "text": last["content"]}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [*head, {**last, "content": parts}]
+
+
 def run_two_node(
-    model: str, engine: str, prompt_tokens: int, as_json: bool, grid: int = 0
+    model: str,
+    engine: str,
+    prompt_tokens: int,
+    as_json: bool,
+    grid: int = 0,
+    images: int = 0,
 ) -> dict[str, Any]:
-    """A peer and two heads in turn (``grid`` > 0: ``--deterministic`` on that grid)."""
+    """A peer and two heads in turn (``grid`` > 0: ``--deterministic`` on that grid;
+    ``images``: that many pictures in the prompt, and no in-process reference)."""
     from rich.console import Console
 
     console = Console(stderr=True)
     procs: list[subprocess.Popen[str]] = []
-    msgs = demo_messages(prompt_tokens)
+    msgs: list[dict[str, Any]] = list(demo_messages(prompt_tokens))
+    if images:
+        msgs = with_pictures(msgs, demo_pictures(images))
     with console.status("starting a cache peer") as status:
         try:
             cold, hit, turn2 = _run_heads(model, engine, msgs, grid, procs, status.update)
         finally:
             _stop(procs)
-        status.update("the reference: a local import of the same prompt in one process")
-        local = local_hit(model, engine, msgs, grid)
+        local = None
+        if not images:
+            status.update("the reference: a local import of the same prompt in one process")
+            local = local_hit(model, engine, msgs, grid)
     result = _summary(cold, hit, turn2, local)
+    result |= {"images": images, "hit_images_encoded": int(hit["images_encoded"])}
     if as_json:
         print(json.dumps(result))
     else:
@@ -222,7 +269,7 @@ def _head_args(model: str, engine: str, peer_addr: str, grid: int) -> list[str]:
 def _run_heads(
     model: str,
     engine: str,
-    msgs: list[dict[str, str]],
+    msgs: list[dict[str, Any]],
     grid: int,
     procs: list[subprocess.Popen[str]],
     say: Callable[[str], Any],
@@ -254,11 +301,12 @@ def _run_heads(
     _wait(url, lambda h: h["compatible_peers"] >= 1)
     say("same prompt on the restarted head")
     hit = _http(url + "/v1/chat/completions", body)
+    hit["images_encoded"] = _metric(url, "kvmesh_images_encoded_total")
     say("two-turn chat")
     return cold, hit, _two_turns(url, body, msgs)
 
 
-def _two_turns(url: str, body: dict[str, Any], msgs: list[dict[str, str]]) -> Any:
+def _two_turns(url: str, body: dict[str, Any], msgs: list[dict[str, Any]]) -> Any:
     """A question, then a follow-up after its answer: the second turn's answer."""
     question = {"role": "user", "content": "Name three uses of idle memory in a fleet."}
     turn1 = _http(url + "/v1/chat/completions", {**body, "messages": msgs[:1] + [question]})
@@ -271,9 +319,10 @@ def _two_turns(url: str, body: dict[str, Any], msgs: list[dict[str, str]]) -> An
     return _http(url + "/v1/chat/completions", {**body, "messages": turn2_msgs})
 
 
-def _summary(cold: Any, hit: Any, turn2: Any, local: LocalResult) -> dict[str, Any]:
-    """The demo's figures from the answers and the local reference."""
+def _summary(cold: Any, hit: Any, turn2: Any, local: LocalResult | None) -> dict[str, Any]:
+    """The demo's figures from the answers and the local reference (None: none)."""
     kc, kh = cold["kvmesh"], hit["kvmesh"]
+    here = local.hit_ttft_s if local else None
     return {
         "prompt_tokens": cold["usage"]["prompt_tokens"],
         "reused_tokens": hit["usage"]["prompt_tokens_details"]["cached_tokens"],
@@ -290,9 +339,9 @@ def _summary(cold: Any, hit: Any, turn2: Any, local: LocalResult) -> dict[str, A
         "turn2_cached_tokens": turn2["usage"]["prompt_tokens_details"]["cached_tokens"],
         "turn2_source": turn2["kvmesh"]["source"],
         "hit_breakdown_ms": {k: round(v * 1000, 3) for k, v in kh["breakdown"].items()},
-        "local_hit_ttft_s": round(local.hit_ttft_s, 6),
-        "local_reused_tokens": local.reused_tokens,
-        "hit_vs_local": round(kh["ttft_s"] / local.hit_ttft_s, 2) if local.hit_ttft_s else None,
+        "local_hit_ttft_s": round(here, 6) if here is not None else None,
+        "local_reused_tokens": local.reused_tokens if local else None,
+        "hit_vs_local": round(kh["ttft_s"] / here, 2) if here else None,
     }
 
 
@@ -309,7 +358,7 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
 
 
 def local_hit(
-    model: str, engine: str, messages: list[dict[str, str]], grid: int = 0
+    model: str, engine: str, messages: list[dict[str, Any]], grid: int = 0
 ) -> LocalResult:
     """What ``kvmesh demo --local`` measures, for the chat prompt ``messages``, in
     this process: a cold prefill, then the same blocks imported from a local store."""
@@ -333,10 +382,14 @@ def _table(r: dict[str, Any], console: Any) -> None:
     t.add_row("remote snapshot import (TTFT)", f"{r['hit_ttft_s']:.3f} s")
     stages = ", ".join(f"{k} {v:.1f}" for k, v in r["hit_breakdown_ms"].items())
     t.add_row("  its stages (ms)", stages)
-    t.add_row(
-        "local import, same prompt (TTFT)",
-        f"{r['local_hit_ttft_s'] * 1000:.1f} ms (remote {r['hit_vs_local']:.2f}×)",
-    )
+    if r["local_hit_ttft_s"] is not None:
+        t.add_row(
+            "local import, same prompt (TTFT)",
+            f"{r['local_hit_ttft_s'] * 1000:.1f} ms (remote {r['hit_vs_local']:.2f}×)",
+        )
+    if r["images"]:
+        encoded = r["hit_images_encoded"]
+        t.add_row("pictures in the prompt", f"{r['images']}: {encoded} encoded on the hit")
     t.add_row("observed acceleration", f"~{r['speedup']:.0f}×")
     t.add_row("reused tokens", f"{r['reused_tokens']} of {r['prompt_tokens']}")
     t.add_row(
