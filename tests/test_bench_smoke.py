@@ -282,6 +282,11 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "agent_probes.py": lambda d: all(d["verdict"].values()) and len(d["verdict"]) == 7,
     "bounded_work.py": _bounded_work,
     "churn.py": lambda d: d["stored_within_budget"] and d["max_stored_bytes"] > 0,
+    # issue #51: the two-picture prompt whole from the peer, no encoder run on the hit
+    "images.py": lambda d: (
+        d["median"]["hit"]["encoder_s"] == 0 < d["median"]["cold"]["encoder_s"]
+        and all(r["hit"]["reused_tokens"] == r["hit"]["prompt_tokens"] for r in d["rounds"])
+    ),
     "conversations.py": _conversations,
     "codec.py": lambda d: (
         len(d["results"]) == 2
