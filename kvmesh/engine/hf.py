@@ -622,7 +622,7 @@ def _prefill_rows(
     kw = {engine._cache_kw: cache}
     with batched(engine._prefill_kernels()), lora.rows([s.adapter for s in states]):
         out = engine.model(
-            **engine._inputs(ids),
+            **_inputs(engine, ids),
             attention_mask=mask,
             position_ids=pos,
             use_cache=True,
@@ -737,6 +737,35 @@ def _load_adapter(engine: TransformersEngine, name: str, path: str) -> bytes:
     return adapter.digest
 
 
+def _load_model(
+    path: Path, cfg: dict[str, Any], device: torch.device, dtype: str | None
+) -> tuple[Any, torch.dtype]:
+    """The model in ``path`` (config ``cfg``) on ``device`` for inference, and its
+    dtype: ``dtype``, else the saved one (float32 on CPU: half-precision matmuls are
+    slow there). A vision-language model is loaded whole, its tower included."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    saved = str(cfg.get("dtype") or cfg.get("torch_dtype"))  # transformers 5 writes "dtype"
+    want = _BY_NAME[dtype] if dtype else _BY_NAME.get(saved, torch.float32)
+    if device.type == "cpu" and want != torch.float32 and dtype is None:
+        want = torch.float32
+    sees = cfg.get("model_type") in VISION_MODEL_TYPES
+    auto = AutoModelForImageTextToText if sees else AutoModelForCausalLM
+    model = auto.from_pretrained(str(path), dtype=want, local_files_only=True)
+    model.to(device)  # type: ignore[arg-type]  # (transformers types .to oddly)
+    return model.eval(), want
+
+
+def _inputs(engine: TransformersEngine, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A forward's input: ``ids``, or with media ids among them their embeddings."""
+    if engine.vision is None or int(ids.max()) < MEDIA_BASE:
+        return {"input_ids": ids}
+    return {"inputs_embeds": engine.vision.embed(ids)}
+
+
 class TransformersEngine(EngineBase):
     name = "torch"
 
@@ -755,31 +784,15 @@ class TransformersEngine(EngineBase):
         many tokens (:mod:`kvmesh.engine.deterministic`). ``pack=False`` keeps the
         plain weights whatever the kernel choice (``kernels.pack_weights``): for
         whoever swaps the kernel table, as the kernel tests do."""
-        from transformers import (
-            AutoModelForCausalLM,
-            AutoModelForImageTextToText,
-            AutoTokenizer,
-            DynamicCache,
-        )
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
+        from transformers import AutoTokenizer, DynamicCache
 
         if threads:
             torch.set_num_threads(threads)
         self.path = Path(path)
         self.device = torch.device(device)
         cfg = json.loads((self.path / "config.json").read_text())
-        saved = str(cfg.get("dtype") or cfg.get("torch_dtype"))  # transformers 5 writes "dtype"
-        want = _BY_NAME[dtype] if dtype else _BY_NAME.get(saved, torch.float32)
-        if self.device.type == "cpu" and want != torch.float32 and dtype is None:
-            want = torch.float32  # half-precision matmuls are slow on CPU
+        self.model, want = _load_model(self.path, cfg, self.device, dtype)
         sees = cfg.get("model_type") in VISION_MODEL_TYPES
-        auto = AutoModelForImageTextToText if sees else AutoModelForCausalLM
-        self.model = auto.from_pretrained(str(self.path), dtype=want, local_files_only=True)
-        self.model.to(self.device)  # type: ignore[arg-type]  # (transformers types .to oddly)
-        self.model.eval()
         self.vision = Vision(self.model, self.path) if sees else None
         self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
         self._batches: dict[tuple[int, ...], _Batch] = {}  # live batch caches, oldest first
@@ -935,7 +948,7 @@ class TransformersEngine(EngineBase):
             ids = torch.tensor([piece], dtype=torch.long, device=self.device)
             kw = {self._cache_kw: cache}
             with batched(self._prefill_kernels() if kernels is None else kernels), continuing():
-                out = self.model(**self._inputs(ids), use_cache=True, logits_to_keep=1, **kw)
+                out = self.model(**_inputs(self, ids), use_cache=True, logits_to_keep=1, **kw)
             _settle(cache, len(piece))  # the cache was extended in place
             pos += len(piece)
             if self._state_every:
@@ -943,12 +956,6 @@ class TransformersEngine(EngineBase):
                 if pos % every == 0 or pos in stops or (checkpoint_end and pos == end):
                     self._checkpoint(cache, pos, every, replace=checkpoint_end)
         return cache, out.logits[0, -1].float()
-
-    def _inputs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A forward's input: ``ids``, or with media ids among them their embeddings."""
-        if self.vision is None or int(ids.max()) < MEDIA_BASE:
-            return {"input_ids": ids}
-        return {"inputs_embeds": self.vision.embed(ids)}
 
     def _advance(self, state: KVState) -> None:
         pending = state.tokens[state.cached :]
