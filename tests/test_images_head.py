@@ -222,6 +222,11 @@ def test_bad_images_are_400s_and_the_head_goes_on():
         r = text.http.post("/v1/chat/completions", json={"model": "demo-tiny", "messages": many})
         assert r.status_code == 400 and "no images" in r.json()["error"]["message"]
         assert complete(head, png(1))["choices"][0]["finish_reason"] == "length"  # still serving
+        # /tokenize shows an image's positions as the placeholder id, as vLLM does
+        body = {"model": MODEL, "messages": messages(png(1))}
+        ids = head.http.post("/tokenize", json=body).json()["tokens"]
+        placeholder = head.http.post("/tokenize", json={"prompt": "<image>"}).json()["tokens"]
+        assert ids.count(placeholder[-1]) == 16 and max(ids) < MEDIA_BASE
         wait_for(lambda: head.health()["status"] == "ok", 10, "a healthy head")
     finally:
         head.stop()

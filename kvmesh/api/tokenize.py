@@ -49,6 +49,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 
+from ..blocks import MEDIA_IDS
 from .errors import APIError
 from .guard import BodyOffLoop
 from .openai import OpenAIService
@@ -108,7 +109,7 @@ def router(service: OpenAIService) -> APIRouter:
         sampling = service.sampling_for(req, len(tokens))  # the chat route's own checks
         return {
             "request_id": "chatcmpl-" + secrets.token_hex(16),
-            "token_ids": tokens,
+            "token_ids": MEDIA_IDS.model_ids(tokens),
             "token_offsets": None,
             "features": None,  # text only: no multimodal items
             "sampling_params": {
@@ -159,7 +160,7 @@ def tokenized(service: OpenAIService, req: TokenizeRequest) -> tuple[list[int], 
             tokens = service.encode(req.prompt)  # the completion's own ids
     else:
         tokens = service.chat_tokens(_chat_request(service, req))
-    tokens = [int(t) for t in tokens]
+    tokens = [int(t) for t in MEDIA_IDS.model_ids(tokens)]  # an image: its placeholder ids
     strs = [str(s) for s in tok.convert_ids_to_tokens(tokens)] if req.return_token_strs else None
     return tokens, strs
 
