@@ -135,6 +135,20 @@ def test_two_node_demo_json_on_tiny_model(engine):
     assert math.isclose(row["hit_vs_local"], ratio, abs_tol=0.006)  # rounded to 2 places
 
 
+def test_two_node_demo_with_pictures():
+    """``kvmesh demo --vision`` (issue #51): two pictures in the prompt, the whole of it
+    a remote hit after the restart, no encoder run there, the same answer."""
+    out = _kvmesh("demo", "--vision", "--json", "--model", "demo-vl-tiny", "--prompt-tokens", "300")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["images"] == 2 and row["hit_images_encoded"] == 0
+    assert row["outputs_identical"] is True and row["source"] == "remote"
+    assert row["reused_tokens"] == row["prompt_tokens"] > 2 * 16  # 16 tokens a picture
+    assert row["local_hit_ttft_s"] is None  # no in-process reference for pictures
+    refused = _kvmesh("demo", "--vision", "--local")
+    assert refused.returncode == 2 and "--vision" in refused.stderr
+
+
 def test_a_non_loopback_listener_needs_client_authentication(tmp_path):
     """Anyone who reaches an unauthenticated listener could publish and fetch: a
     non-loopback listener without a fleet key or mutual TLS is refused at start."""

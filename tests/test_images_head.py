@@ -107,6 +107,21 @@ def _as_text(engine, tokens: list[int]) -> list[int]:
     return [engine.vision.placeholder if t >= MEDIA_BASE else t for t in tokens]
 
 
+def test_an_image_no_longer_held_is_a_clear_error_not_a_wrong_answer():
+    from kvmesh.engine.embedded import ensure_demo
+    from kvmesh.engine.vision import ImageGone
+
+    engine = TransformersEngine(ensure_demo(MODEL))  # its own stores, shrunk
+    engine.vision._pixels.capacity = engine.vision._features.capacity = 1
+    first = prompt(engine, png(11))
+    prompt(engine, png(12))  # holds picture 12's pixels instead
+    with pytest.raises(ImageGone, match="send it again"):
+        engine.prefill(first)
+    again = prompt(engine, png(11))
+    assert again == first  # the same ids: the same picture
+    assert torch.isfinite(engine.prefill(again).logits).all()
+
+
 def test_a_forgotten_item_keys_as_nothing_else():
     ids = MediaIds(capacity=2)
     items = [MediaItem(bytes([i]) * 32, 7, 4) for i in range(3)]

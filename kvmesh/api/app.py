@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import memory
 from ..engine.grammar import ConstraintFailed
 from ..engine.grammar import cache_stats as grammar_cache_stats
+from ..engine.vision import ImageGone
 from ..errors import Reason
 from ..runtime.batch import CANCEL_STAGES, EngineFailed
 from ..runtime.head import HeadRuntime
@@ -431,6 +432,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ConstraintFailed)
     async def _constraint_failed(request: Request, exc: ConstraintFailed) -> Any:
         return error_response(400, str(exc), code="grammar_failed")
+
+    @app.exception_handler(ImageGone)
+    async def _image_gone(request: Request, exc: ImageGone) -> Any:
+        return error_response(503, str(exc), "server_error", code="image_evicted")
 
     @app.exception_handler(EngineFailed)
     async def _engine_failed(request: Request, exc: EngineFailed) -> Any:
