@@ -81,6 +81,7 @@ from .kernels import (  # noqa: F401
     pack_weights,
     packs,
 )
+from .mlp import fuse_gated_mlps
 from .protocol import Scorer
 from .sampling import distribution, greedy, safe_temperature
 from .state import Importer, KVState
@@ -792,6 +793,7 @@ class TransformersEngine(EngineBase):
         self.device = torch.device(device)
         cfg = json.loads((self.path / "config.json").read_text())
         self.model, want = _load_model(self.path, cfg, self.device, dtype)
+        fuse_gated_mlps(self.model)  # the same numbers, in place
         sees = cfg.get("model_type") in VISION_MODEL_TYPES
         self.vision = Vision(self.model, self.path) if sees else None
         self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
