@@ -1,4 +1,5 @@
-"""Images on the head: ``image_url`` content parts on a LLaVA (``demo-vl-tiny``).
+"""Images on the head: ``image_url`` content parts on a LLaVA (``demo-vl-tiny``) and
+on Gemma 4 (the zoo's, with its image processor).
 
 Engine: a prompt's image positions hold media token ids; its forward (whole, or
 split inside the image) is the model's own forward with ``pixel_values``; keys see
@@ -18,6 +19,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ import torch
 from kvmesh.blocks import MEDIA_BASE, BlockKeyer, MediaIds, MediaItem
 from kvmesh.engine.hf import TransformersEngine
 
+from . import zoo
 from .helpers import wait_for
 from .procs import Peer
 from .test_api import Head
@@ -57,32 +60,43 @@ def messages(*images: bytes) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": AFTER}]}]
 
 
-@pytest.fixture(scope="module")
-def engine() -> TransformersEngine:
+def model_path(name: str) -> str:
+    """A model the head serves with images: the embedded LLaVA, or the zoo's Gemma 4."""
     from kvmesh.engine.embedded import ensure_demo
 
-    return TransformersEngine(ensure_demo(MODEL))
+    return str(ensure_demo(MODEL) if name == MODEL else zoo.gemma4_vision_model())
+
+
+MODELS = [MODEL, "gemma4"]
+MARKS = {MODEL: "<image>", "gemma4": "<|image|>"}  # each one's image placeholder
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def engine(request) -> TransformersEngine:
+    return TransformersEngine(Path(model_path(request.param)))
 
 
 def prompt(engine, *images: bytes) -> list[int]:
-    text = BEFORE + "<image>" * len(images) + AFTER
+    mark = engine.tokenizer.convert_ids_to_tokens(engine.vision.placeholder)
+    text = BEFORE + mark * len(images) + AFTER
     tokens = engine.encode_chat([{"role": "user", "content": text}])
     return engine.vision.expand(tokens, [engine.vision.picture(i) for i in images])
 
 
 def test_an_image_prompts_forward_is_the_models_own(engine):
     tokens = prompt(engine, png(1))
-    pixels = engine.vision.picture(png(1)).pixels
-    plain = torch.tensor([[engine.vision.placeholder if t >= MEDIA_BASE else t for t in tokens]])
+    inputs = engine.vision.picture(png(1)).inputs  # the model's own encoder inputs
+    plain = torch.tensor([_as_text(engine, tokens)])
     with torch.inference_mode():
-        ref = engine.model(input_ids=plain, pixel_values=pixels[None]).logits[0, -1]
+        own = {k: v[None] for k, v in inputs.items()}
+        ref = engine.model(input_ids=plain, **own).logits[0, -1]
     whole = engine.prefill(tokens).logits
     assert torch.allclose(whole, ref, atol=1e-4), (whole - ref).abs().max()
     inside = tokens.index(next(t for t in tokens if t >= MEDIA_BASE)) + 5
     state = engine.begin_prefill(tokens)
     engine.prefill_batch([state], [inside])  # stops five positions into the image
     engine.prefill_batch([state], [len(tokens) - inside])
-    assert torch.allclose(state.logits, whole, atol=1e-5)
+    assert torch.allclose(state.logits, whole, atol=1e-4)  # another chunking: rounding apart
     other = engine.prefill(prompt(engine, png(2))).logits
     assert (other - whole).abs().max() > 1e-3  # the image is seen
 
@@ -137,8 +151,8 @@ def test_a_forgotten_item_keys_as_nothing_else():
     assert len(before) == 1
 
 
-def complete(head: Head, *images: bytes, **extra) -> dict:
-    body = {"model": MODEL, "messages": messages(*images), "max_tokens": 6, "temperature": 0}
+def complete(head: Head, *images: bytes, model: str = MODEL, **extra) -> dict:
+    body = {"model": model, "messages": messages(*images), "max_tokens": 6, "temperature": 0}
     body |= {"logprobs": True, "top_logprobs": 2, **extra}
     r = head.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
@@ -150,28 +164,36 @@ def answer(out: dict) -> tuple:
     return c["message"]["content"], c["logprobs"]
 
 
-def test_an_image_prompt_is_a_remote_hit_after_a_restart_and_a_pixel_is_a_miss(tmp_path):
+def first_image_position(head: Head, model: str, mark: str, picture: bytes) -> int:
+    """Where the picture's first position is in :func:`messages`' prompt (/tokenize:
+    the first placeholder id, ``mark``'s)."""
+    body = {"model": model, "messages": messages(picture)}
+    ids = head.http.post("/tokenize", json=body).json()["tokens"]
+    placeholder = head.http.post("/tokenize", json={"model": model, "prompt": mark}).json()
+    return ids.index(placeholder["tokens"][-1])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_an_image_prompt_is_a_remote_hit_after_a_restart_and_a_pixel_is_a_miss(tmp_path, name):
+    model = model_path(name)
     peer = Peer(alias="vl-peer", log_dir=tmp_path)
     picture, touched = png(7), png(7, touch=(20, 30))
     try:
-        h1 = Head("--seed", peer.address, "--exact-reuse-by-address", model=MODEL)
+        h1 = Head("--seed", peer.address, "--exact-reuse-by-address", model=model)
         try:
             h1.wait(lambda s: s["peers"] >= 1)
-            cold = complete(h1, picture)
+            cold = complete(h1, picture, model=model)
             assert cold["kvmesh"]["source"] == "compute"
             h1.wait(lambda s: s["publish_pending"] == 0)
         finally:
             h1.stop()
-        h2 = Head("--seed", peer.address, "--exact-reuse-by-address", model=MODEL)
+        h2 = Head("--seed", peer.address, "--exact-reuse-by-address", model=model)
         try:
             h2.wait(lambda s: s["compatible_peers"] >= 1)
-            warm = complete(h2, picture)
+            warm = complete(h2, picture, model=model)
             encoded = h2.metric("kvmesh_images_encoded_total")
-            moved = complete(h2, touched)
-            text_only = h2.http.post(
-                "/v1/chat/completions",
-                json={"model": MODEL, "messages": [{"role": "user", "content": BEFORE}]},
-            ).json()
+            moved = complete(h2, touched, model=model)
+            at = first_image_position(h2, model, MARKS[name], picture)
         finally:
             h2.stop()
     finally:
@@ -181,9 +203,10 @@ def test_an_image_prompt_is_a_remote_hit_after_a_restart_and_a_pixel_is_a_miss(t
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == n
     assert answer(warm) == answer(cold)  # tokens and log-probabilities, exactly
     assert encoded == 0  # the whole prompt came from the peer: no encoder run
-    before = text_only["usage"]["prompt_tokens"] - 2  # the user turn's text, less its end
     reused = moved["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert 0 < reused <= before, (reused, before)  # the text before the image, no more
+    assert reused <= at, (reused, at)  # at most the text before the image
+    # (Gemma 4's sliding layers cannot crop a session back to it: it may reuse none)
+    assert reused > 0 or name != MODEL
 
 
 def logprobs(out: dict) -> np.ndarray:

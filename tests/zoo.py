@@ -1592,6 +1592,28 @@ def lora_adapter(base: Path, seed: int, rank: int = 8) -> Path:
     return _atomic(dst, build)
 
 
+# --- vision-language models the head serves with images ------------------------------------------
+
+
+def gemma4_vision_model() -> Path:
+    """``gemma4_hub`` (its tiny vision tower: patches of 4, pooled 2x2) with Gemma 4's
+    PIL image processor at most 70 soft tokens a picture (its least), so the head serves it with
+    images (``<|image>``, its soft tokens ``<|image|>``, ``<image|>``)."""
+    src = hf_model("gemma4_hub")
+    dst = zoo_home() / f"gemma4_vl-float32-r{_recipe('gemma4_hub')}"
+
+    def build(tmp: Path) -> None:
+        from transformers.models.gemma4.image_processing_pil_gemma4 import (
+            Gemma4ImageProcessorPil,
+        )
+
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        processor = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+        processor.save_pretrained(tmp)
+
+    return _atomic(dst, build)
+
+
 # --- a vision-language model vLLM's CPU build runs ------------------------------------------------
 
 

@@ -85,7 +85,7 @@ from .mlp import fuse_gated_mlps
 from .protocol import Scorer
 from .sampling import distribution, greedy, safe_temperature
 from .state import Importer, KVState
-from .vision import VISION_MODEL_TYPES, Vision
+from .vision import Vision, sees_images
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
@@ -753,18 +753,17 @@ def _load_model(
     want = _BY_NAME[dtype] if dtype else _BY_NAME.get(saved, torch.float32)
     if device.type == "cpu" and want != torch.float32 and dtype is None:
         want = torch.float32
-    sees = cfg.get("model_type") in VISION_MODEL_TYPES
-    auto = AutoModelForImageTextToText if sees else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if sees_images(path, cfg) else AutoModelForCausalLM
     model = auto.from_pretrained(str(path), dtype=want, local_files_only=True)
     model.to(device)  # type: ignore[arg-type]  # (transformers types .to oddly)
     return model.eval(), want
 
 
-def _inputs(engine: TransformersEngine, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A forward's input: ``ids``, or with media ids among them their embeddings."""
+def _inputs(engine: TransformersEngine, ids: torch.Tensor) -> dict[str, Any]:
+    """A forward's inputs: ``ids``, or with media ids among them their images'."""
     if engine.vision is None or int(ids.max()) < MEDIA_BASE:
         return {"input_ids": ids}
-    return {"inputs_embeds": engine.vision.embed(ids)}
+    return engine.vision.inputs(ids)
 
 
 class TransformersEngine(EngineBase):
@@ -794,8 +793,7 @@ class TransformersEngine(EngineBase):
         cfg = json.loads((self.path / "config.json").read_text())
         self.model, want = _load_model(self.path, cfg, self.device, dtype)
         fuse_gated_mlps(self.model)  # the same numbers, in place
-        sees = cfg.get("model_type") in VISION_MODEL_TYPES
-        self.vision = Vision(self.model, self.path) if sees else None
+        self.vision = Vision(self.model, self.path) if sees_images(self.path, cfg) else None
         self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
         self._batches: dict[tuple[int, ...], _Batch] = {}  # live batch caches, oldest first
         self.grid, self._rowwise = 0, False  # deterministic mode (_go_deterministic)

@@ -1,19 +1,24 @@
-"""Images for a LLaVA-style vision-language model on the torch engine.
+"""Images for a vision-language model on the torch engine (LLaVA, Gemma 4).
 
-:class:`Vision` turns an image file's bytes into a :class:`Picture`: the pixels
-the model's own image processor makes of it (a transformers PIL processor; no
-torchvision), their digest, and the media token ids (:data:`~kvmesh.blocks.MEDIA_IDS`)
-that stand for its positions in a prompt. A prompt's token list carries those ids,
-so keys, sessions and shared prefills tell images apart with no more bookkeeping;
-:meth:`Vision.embed` gives a forward its input embeddings: the text embeddings,
-with each image position's row of that image's encoder output.
+:class:`Vision` turns an image file's bytes into a :class:`Picture`: what the
+model's own image processor makes of it (a transformers PIL processor; no
+torchvision), its digest, and how many positions it takes in a prompt; its
+positions hold media token ids (:data:`~kvmesh.blocks.MEDIA_IDS`), so keys,
+sessions and shared prefills tell images apart with no more bookkeeping.
+:meth:`Vision.inputs` gives a forward the model's own inputs: the placeholder ids,
+and the encoder's rows for the image positions that forward computes, which the
+model scatters into its embeddings itself (``mm_encoder_outputs``), so a forward
+may start or stop inside an image.
 
 The encoder runs only when a forward computes an image position (a prefix fetched
 through the image needs none) and its output is kept, by digest, for the next
 prompt with the same image anywhere. The digest hashes the processor's config and
 the processed pixels, so the same picture through another preprocessing is
 another image. Decoding is bounded (file bytes, pixel count) before any pixel is
-allocated; what cannot be decoded is a :class:`BadImage`.
+allocated; what cannot be decoded is a :class:`BadImage`. Models whose attention
+over an image is bidirectional (Gemma 4's ``use_bidirectional_attention``) are
+served as text only: a forward that stops inside such an image would compute
+other numbers.
 """
 
 from __future__ import annotations
@@ -33,9 +38,6 @@ import torch
 
 from ..blocks import MEDIA_BASE, MEDIA_IDS, MediaItem
 
-#: model types whose image features replace placeholder rows of the text embeddings
-#: under plain causal attention (so a prefill may stop inside an image)
-VISION_MODEL_TYPES = frozenset({"llava"})
 MAX_IMAGE_BYTES = 20 << 20  # one image file, as sent
 MAX_IMAGE_PIXELS = 40_000_000  # width x height before decoding (PIL's bomb check is 89M)
 _DIGEST_DOMAIN = b"kvmesh/image/v1\x00"
@@ -51,43 +53,76 @@ class ImageGone(RuntimeError):
 
 @dataclass(frozen=True)
 class Picture:
-    """One processed image: its digest and its pixels as the vision tower takes them."""
+    """One processed image: its digest, its encoder inputs (one image's, no batch
+    axis) and how many positions it takes in a prompt."""
 
     digest: bytes
-    pixels: torch.Tensor  # [channels, height, width]
+    inputs: dict[str, torch.Tensor]
+    length: int
 
     @property
     def nbytes(self) -> int:
-        return self.pixels.numel() * self.pixels.element_size()
+        return sum(t.numel() * t.element_size() for t in self.inputs.values())
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one architecture takes images: the processor outputs its encoder reads,
+    and the ids around an image's positions (token ids from the config)."""
+
+    encoder_inputs: tuple[str, ...]
+    around: tuple[str, ...] = ()  # config fields of the ids before and after: (begin, end)
+
+    def length(self, out: Any, cfg: Any) -> int:
+        if "num_soft_tokens_per_image" in out:
+            return int(out["num_soft_tokens_per_image"][0])
+        vision = cfg.vision_config  # LLaVA: a patch grid, the CLS row unless "full"
+        patches = (vision.image_size // vision.patch_size) ** 2
+        return patches + (1 if cfg.vision_feature_select_strategy == "full" else 0)
+
+
+FAMILIES = {
+    "llava": _Family(("pixel_values",)),
+    "gemma4": _Family(("pixel_values", "image_position_ids"), ("boi_token_id", "eoi_token_id")),
+}
+
+
+def sees_images(path: Path, cfg: dict[str, Any]) -> bool:
+    """Whether the model in ``path`` (config ``cfg``) is served with images: a family
+    of :data:`FAMILIES` with an image processor, causal over its images."""
+    if cfg.get("model_type") not in FAMILIES or not (path / "preprocessor_config.json").is_file():
+        return False
+    text = cfg.get("text_config") or {}
+    return text.get("use_bidirectional_attention") in (None, False)
 
 
 class _Bounded:
-    """Digest -> tensor, least recently used first dropped past ``capacity`` bytes."""
+    """Digest -> value, least recently used first dropped past ``capacity`` bytes."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._items: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, digest: bytes) -> torch.Tensor | None:
+    def get(self, digest: bytes) -> Any:
         with self._lock:
             found = self._items.get(digest)
-            if found is not None:
-                self._items.move_to_end(digest)
-            return found
+            if found is None:
+                return None
+            self._items.move_to_end(digest)
+            return found[0]
 
-    def put(self, digest: bytes, value: torch.Tensor) -> None:
-        size = value.numel() * value.element_size()
+    def put(self, digest: bytes, value: Any, size: int) -> None:
         with self._lock:
             if digest in self._items:
                 self._items.move_to_end(digest)
                 return
-            self._items[digest] = value
+            self._items[digest] = (value, size)
             self._bytes += size
             while self._bytes > self.capacity and len(self._items) > 1:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= old.numel() * old.element_size()
+                _, (_, old) = self._items.popitem(last=False)
+                self._bytes -= old
 
 
 def decode_image(data: bytes) -> Any:
@@ -111,7 +146,7 @@ def decode_image(data: bytes) -> Any:
 
 
 class Vision:
-    """A vision-language model's images: processing, ids, encoder and embeddings."""
+    """A vision-language model's images: processing, ids, encoder and forward inputs."""
 
     def __init__(
         self,
@@ -123,16 +158,12 @@ class Vision:
         from transformers import AutoImageProcessor
 
         cfg = model.config
-        if cfg.model_type not in VISION_MODEL_TYPES:
-            raise ValueError(f"images on {cfg.model_type} models are not supported")
-        self.model = model
+        self.family = FAMILIES[cfg.model_type]
+        self.model, self.config = model, cfg
         self.processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
-        vision = cfg.vision_config
-        patches = (vision.image_size // vision.patch_size) ** 2
-        self.select = cfg.vision_feature_select_strategy
-        self.layer = cfg.vision_feature_layer
-        self.tokens_per_image = patches + (1 if self.select == "full" else 0)
         self.placeholder = int(cfg.image_token_id)
+        ends = [int(getattr(cfg, f)) for f in self.family.around]  # e.g. Gemma 4's boi, eoi
+        self._before, self._after = ends[:1], ends[1:]
         config = json.dumps(self.processor.to_dict(), sort_keys=True, default=str)
         self._salt = _DIGEST_DOMAIN + hashlib.sha256(config.encode()).digest()
         self._pixels = _Bounded(pixels_bytes)
@@ -142,23 +173,25 @@ class Vision:
 
     def picture(self, data: bytes) -> Picture:
         """The processed image of ``data`` (an image file's bytes), held for forwards."""
-        img = decode_image(data)
-        out = self.processor(images=[img], return_tensors="pt")
-        pixels = out["pixel_values"][0].contiguous()
-        h = hashlib.sha256(self._salt)
-        h.update(repr((tuple(pixels.shape), str(pixels.dtype))).encode())
-        h.update(pixels.numpy().tobytes())
-        picture = Picture(h.digest(), pixels)
-        self._pixels.put(picture.digest, pixels)
+        out = self.processor(images=[decode_image(data)], return_tensors="pt")
+        inputs = {k: out[k][0].contiguous() for k in self.family.encoder_inputs}
+        length = self.family.length(out, self.config)
+        h = hashlib.sha256(self._salt + length.to_bytes(4, "little"))
+        for name, t in sorted(inputs.items()):
+            h.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
+            h.update(t.numpy().tobytes())
+        picture = Picture(h.digest(), inputs, length)
+        self._pixels.put(picture.digest, picture, picture.nbytes)
         return picture
 
     def ids(self, picture: Picture) -> list[int]:
         """The media token ids of ``picture``'s positions in a prompt."""
-        return MEDIA_IDS.ids(MediaItem(picture.digest, self.placeholder, self.tokens_per_image))
+        return MEDIA_IDS.ids(MediaItem(picture.digest, self.placeholder, picture.length))
 
     def expand(self, tokens: Sequence[int], pictures: Sequence[Picture]) -> list[int]:
-        """``tokens`` with its ``i``-th placeholder id replaced by ``pictures[i]``'s ids;
-        ValueError unless there is one placeholder per picture."""
+        """``tokens`` with its ``i``-th placeholder id replaced by ``pictures[i]``'s ids
+        (between the family's begin and end ids); ValueError unless there is one
+        placeholder per picture."""
         at = [i for i, t in enumerate(tokens) if t == self.placeholder]
         if len(at) != len(pictures):
             raise ValueError(
@@ -167,46 +200,49 @@ class Vision:
         out: list[int] = []
         last = 0
         for i, picture in zip(at, pictures, strict=True):
-            out += tokens[last:i]
-            out += self.ids(picture)
+            out += [*tokens[last:i], *self._before, *self.ids(picture), *self._after]
             last = i + 1
         return out + list(tokens[last:])
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Input embeddings of ``ids`` [rows, n] (media ids among them)."""
+    def inputs(self, ids: torch.Tensor) -> dict[str, Any]:
+        """A forward's inputs for ``ids`` [rows, n] (media ids among them): the ids the
+        model knows, and the encoder's rows for the image positions among them."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
         media = ids >= MEDIA_BASE
         plain = torch.where(media, torch.full_like(ids, self.placeholder), ids)
-        embeds = self.model.get_input_embeddings()(plain)
-        if not bool(media.any()):
-            return embeds
         rows = []
         for token in ids[media].tolist():
             item, index = MEDIA_IDS.item(token)
             rows.append(self._encoded(item.digest)[index])
-        embeds[media] = torch.stack(rows).to(embeds.dtype)
-        return embeds
+        # the model concatenates pooler_output's per-image tensors (its own encoder's form)
+        image = BaseModelOutputWithPooling(pooler_output=[torch.stack(rows)])  # type: ignore[arg-type]
+        return {"input_ids": plain, "mm_encoder_outputs": {"image": image}}
 
     def _encoded(self, digest: bytes) -> torch.Tensor:
         found = self._features.get(digest)
         if found is not None:
             return found
-        pixels = self._pixels.get(digest)
-        if pixels is None:
+        picture = self._pixels.get(digest)
+        if picture is None:
             raise ImageGone("an image of this prompt is no longer held: send it again")
         begun = time.perf_counter()
-        out = self.model.get_image_features(
-            pixel_values=pixels[None].to(self.model.dtype),
-            vision_feature_layer=self.layer,
-            vision_feature_select_strategy=self.select,
-            return_dict=True,
-        )
-        feats = out.pooler_output if hasattr(out, "pooler_output") else out
-        if isinstance(feats, list | tuple):
-            feats = torch.cat(list(feats), dim=0)
-        feats = feats.reshape(-1, feats.shape[-1])
-        if feats.shape[0] != self.tokens_per_image:
-            raise ValueError(f"the encoder gave {feats.shape[0]} rows for an image")
+        feats = self._encode(picture)
         self.encoder_seconds += time.perf_counter() - begun
         self.encoded += 1
-        self._features.put(digest, feats)
+        self._features.put(digest, feats, feats.numel() * feats.element_size())
+        return feats
+
+    def _encode(self, picture: Picture) -> torch.Tensor:
+        """The encoder's output for ``picture``: one row per position it takes."""
+        kw: dict[str, Any] = {k: v[None] for k, v in picture.inputs.items()}
+        kw["pixel_values"] = kw["pixel_values"].to(self.model.dtype)
+        if self.config.model_type == "llava":
+            kw["vision_feature_layer"] = self.config.vision_feature_layer
+            kw["vision_feature_select_strategy"] = self.config.vision_feature_select_strategy
+        out = self.model.get_image_features(**kw, return_dict=True)
+        feats = torch.cat(list(out.pooler_output), dim=0)
+        feats = feats.reshape(-1, feats.shape[-1])
+        if feats.shape[0] != picture.length:
+            raise ValueError(f"the encoder gave {feats.shape[0]} rows for {picture.length}")
         return feats
