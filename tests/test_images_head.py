@@ -50,6 +50,14 @@ def png(seed: int, touch: tuple[int, int] | None = None) -> bytes:
     return out.getvalue()
 
 
+def bmp() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(out, "BMP")
+    return out.getvalue()
+
+
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
@@ -244,6 +252,7 @@ def test_bad_images_are_400s_and_the_head_goes_on():
             ({"url": "data:text/plain;base64,aGk="}, "invalid_image"),
             ({"url": data_url(b"\x89PNG\r\n\x1a\nnot really")}, "invalid_image"),
             ({"url": data_url(png(1)[:60])}, "invalid_image"),  # truncated
+            ({"url": data_url(bmp())}, "invalid_image"),  # a format OpenAI does not take
             ({}, "invalid_image"),
         ]
         for image_url, code in cases:

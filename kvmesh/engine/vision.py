@@ -15,7 +15,8 @@ through the image needs none) and its output is kept, by digest, for the next
 prompt with the same image anywhere. The digest hashes the processor's config and
 the processed pixels, so the same picture through another preprocessing is
 another image. Decoding is bounded (file bytes, pixel count) before any pixel is
-allocated; what cannot be decoded is a :class:`BadImage`. Models whose attention
+allocated, and only PNG, JPEG, WebP and GIF are decoded; anything else is a
+:class:`BadImage`. Models whose attention
 over an image is bidirectional (Gemma 4's ``use_bidirectional_attention``) are
 served as text only: a forward that stops inside such an image would compute
 other numbers.
@@ -40,6 +41,8 @@ from ..blocks import MEDIA_BASE, MEDIA_IDS, MediaItem
 
 MAX_IMAGE_BYTES = 20 << 20  # one image file, as sent
 MAX_IMAGE_PIXELS = 40_000_000  # width x height before decoding (PIL's bomb check is 89M)
+#: the formats decoded (what OpenAI's API takes): no other PIL parser sees a client's bytes
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _DIGEST_DOMAIN = b"kvmesh/image/v1\x00"
 
 
@@ -134,13 +137,15 @@ def decode_image(data: bytes) -> Any:
     if len(data) > MAX_IMAGE_BYTES:
         raise BadImage(f"the image is larger than {MAX_IMAGE_BYTES} bytes")
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=FORMATS)
         if img.width * img.height > MAX_IMAGE_PIXELS:
             raise BadImage(f"the image has more than {MAX_IMAGE_PIXELS} pixels")
         img.load()
         return img.convert("RGB")
     except BadImage:
         raise
+    except Image.UnidentifiedImageError:
+        raise BadImage("the image is not a PNG, JPEG, WebP or GIF file") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise BadImage(f"the image cannot be decoded ({type(e).__name__})") from None
 
