@@ -73,3 +73,11 @@ def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "con
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def assert_whole_remote_hit(warm: dict, cold: dict, answer: Callable[[dict], object]) -> None:
+    """``warm`` (an OpenAI response from a head) took its whole prompt from a peer and
+    answered exactly as ``cold`` did (``answer``: what of a response must be equal)."""
+    assert warm["kvmesh"]["source"] == "remote", warm["kvmesh"]
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == warm["usage"]["prompt_tokens"]
+    assert answer(warm) == answer(cold)  # tokens and log-probabilities, exactly

@@ -29,7 +29,7 @@ from kvmesh.blocks import MEDIA_BASE, BlockKeyer, MediaIds, MediaItem
 from kvmesh.engine.hf import TransformersEngine
 
 from . import zoo
-from .helpers import wait_for
+from .helpers import assert_whole_remote_hit, wait_for
 from .procs import Peer
 from .test_api import Head
 
@@ -206,10 +206,7 @@ def test_an_image_prompt_is_a_remote_hit_after_a_restart_and_a_pixel_is_a_miss(t
             h2.stop()
     finally:
         peer.kill()
-    n = warm["usage"]["prompt_tokens"]
-    assert warm["kvmesh"]["source"] == "remote"
-    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == n
-    assert answer(warm) == answer(cold)  # tokens and log-probabilities, exactly
+    assert_whole_remote_hit(warm, cold, answer)
     assert encoded == 0  # the whole prompt came from the peer: no encoder run
     reused = moved["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert reused <= at, (reused, at)  # at most the text before the image

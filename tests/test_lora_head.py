@@ -26,7 +26,7 @@ from kvmesh.engine.hf import TransformersEngine
 from kvmesh.errors import ConfigError
 
 from . import zoo
-from .helpers import wait_for
+from .helpers import assert_whole_remote_hit, wait_for
 from .procs import Peer
 from .test_api import Head
 
@@ -176,10 +176,7 @@ def test_an_adapters_prompt_is_shared_under_its_weights_and_no_others(tmp_path, 
             h2.stop()
     finally:
         peer.kill()
-    n = warm["usage"]["prompt_tokens"]
-    assert warm["kvmesh"]["source"] == "remote"
-    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == n
-    assert answer(warm) == answer(cold)  # tokens and log-probabilities, exactly
+    assert_whole_remote_hit(warm, cold, answer)
     for miss in (other, base):  # neither finds a's blocks
         assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, miss["kvmesh"]
     # the adapters change the model: a's answer is neither b's nor the base's
