@@ -34,7 +34,7 @@ _ROW = "kvmesh.option"  # where a field keeps its row (dataclasses' field metada
 
 #: The model a command loads (``head``, and ``demo`` too).
 MODEL = (
-    Option("model", "demo, demo-tiny or a local model directory.", "demo"),
+    Option("model", "demo, demo-tiny, demo-vl, demo-vl-tiny or a local model directory.", "demo"),
     Option(
         "engine",
         "torch (CPU, CUDA, MPS) or mlx (Apple silicon).",
