@@ -124,6 +124,20 @@ def test_keys_see_the_pixels_and_nothing_before_them(engine):
     assert text.blocks[:first] == ka.blocks[:first] and text.blocks[first] != ka.blocks[first]
 
 
+def test_a_picture_is_its_chain_roots_own(engine):
+    """A tenant's cache is its own: another root's same picture is another image (its
+    encoder output neither reused nor timed across roots), the same root's the same."""
+    vision, data = engine.vision, png(21)
+    a, b = vision.picture(data, b"a" * 32), vision.picture(data, b"b" * 32)
+    assert a.digest != b.digest and vision.picture(data, b"a" * 32).digest == a.digest
+    before = vision.encoded
+    for picture in (a, b, a):
+        text = BEFORE + engine.tokenizer.convert_ids_to_tokens(vision.placeholder)
+        tokens = engine.encode_chat([{"role": "user", "content": text}])
+        engine.prefill(vision.expand(tokens, [picture]))
+    assert vision.encoded - before == 2  # once per root; a's second time from its own cache
+
+
 def _as_text(engine, tokens: list[int]) -> list[int]:
     """``tokens`` with every media id as the bare placeholder id (no image)."""
     return [engine.vision.placeholder if t >= MEDIA_BASE else t for t in tokens]

@@ -74,7 +74,7 @@ def router(runtime: HeadRuntime, service: OpenAIService) -> APIRouter:
                 "give exactly one of prompt, messages or token_ids",
                 param=given[1] if len(given) > 1 else "prompt",
             )
-        tokens = await asyncio.to_thread(_tokens, service, req)
+        tokens = await asyncio.to_thread(_tokens, service, req, scope.root)
         if not tokens:
             raise APIError(400, "the prompt is empty", param=given[0])
         if len(tokens) > service.max_context:
@@ -91,10 +91,12 @@ def router(runtime: HeadRuntime, service: OpenAIService) -> APIRouter:
     return r
 
 
-def _tokens(service: OpenAIService, req: CacheQuery) -> list[int]:
-    """The prompt's token ids through the completion's own code (its checks too)."""
+def _tokens(service: OpenAIService, req: CacheQuery, root: bytes | None) -> list[int]:
+    """The prompt's token ids through the completion's own code (its checks too; its
+    pictures under chain ``root``, as the request's)."""
     if req.messages is not None:
-        return service.chat_tokens(ChatRequest(model=req.model, messages=req.messages))
+        chat = ChatRequest(model=req.model, messages=req.messages)
+        return service.chat_tokens(chat, root=root)
     if req.token_ids is not None:
         prompt: Any = req.token_ids
         try:

@@ -331,11 +331,13 @@ class OpenAIService:
             )
         return len(p)
 
-    def prompts(self, req: GenerationRequest, plan: ToolPlan) -> list[list[int]]:
+    def prompts(
+        self, req: GenerationRequest, plan: ToolPlan, root: bytes | None = None
+    ) -> list[list[int]]:
         """Every prompt of the request as token ids, a chat's rendered with ``plan``'s
-        tools (CPU work: call off the event loop)."""
+        tools, its pictures under chain ``root`` (CPU work: call off the event loop)."""
         if isinstance(req, ChatRequest):
-            return [self.chat_tokens(req, plan)]
+            return [self.chat_tokens(req, plan, root)]
         assert isinstance(req, CompletionRequest)
         return self.completion_prompts(req)
 
@@ -381,13 +383,16 @@ class OpenAIService:
         """``text``'s ids as a completion's prompt is tokenized."""
         return list(self.runtime.engine.encode(text))
 
-    def chat_tokens(self, req: ChatRequest, plan: ToolPlan | None = None) -> list[int]:
+    def chat_tokens(
+        self, req: ChatRequest, plan: ToolPlan | None = None, root: bytes | None = None
+    ) -> list[int]:
         """A chat's prompt, rendered with its tools (``plan``: :meth:`tool_plan`'s
         answer when the caller has it already), its images' positions holding their
-        media token ids."""
+        media token ids, each picture the request's chain ``root``'s own (see
+        :meth:`~kvmesh.engine.vision.Vision.picture`)."""
         tools = (plan if plan is not None else self.tool_plan(req)).tools
         pictures: list[Picture] = []
-        image = self._image_reader(pictures)
+        image = self._image_reader(pictures, root)
         try:
             msgs = [
                 template_message(m.role, content_text(m.content, image), m.model_extra or {})
@@ -404,7 +409,9 @@ class OpenAIService:
         except ValueError as e:  # e.g. the placeholder typed as text
             raise APIError(400, str(e), param="messages", code="invalid_image") from None
 
-    def _image_reader(self, into: list[Picture]) -> Callable[[dict[str, Any]], str]:
+    def _image_reader(
+        self, into: list[Picture], root: bytes | None
+    ) -> Callable[[dict[str, Any]], str]:
         """What an ``image_url`` part becomes in the rendered text: the model's image
         placeholder, its processed picture appended to ``into``."""
         vision = self.runtime.engine.vision
@@ -417,7 +424,7 @@ class OpenAIService:
             if len(into) >= MAX_IMAGES:
                 raise APIError(400, f"at most {MAX_IMAGES} images per request", param="messages")
             try:
-                into.append(vision.picture(image_url_bytes(part)))
+                into.append(vision.picture(image_url_bytes(part), root))
             except BadImage as e:
                 raise APIError(400, str(e), param="messages", code="invalid_image") from None
             return str(self.tokenizer.convert_ids_to_tokens(vision.placeholder))
@@ -593,7 +600,8 @@ def router(service: OpenAIService) -> APIRouter:
         plan = service.tool_plan(req)  # its tools: decided once, a 400 before any work
         jobs = service.admit(service.prompt_count(req))  # QueueFull: 503 before any work
         try:
-            prompts = await run_in_threadpool(service.prompts, req, plan)  # templating: CPU
+            # templating and pictures: CPU
+            prompts = await run_in_threadpool(service.prompts, req, plan, scope.root)
             client = identity_of(request).share
             runs = await service.launch(req, prompts, jobs, plan, client, scope)
         except BaseException:

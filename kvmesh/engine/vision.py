@@ -12,9 +12,10 @@ may start or stop inside an image.
 
 The encoder runs only when a forward computes an image position (a prefix fetched
 through the image needs none) and its output is kept, by digest, for the next
-prompt with the same image anywhere. The digest hashes the processor's config and
-the processed pixels, so the same picture through another preprocessing is
-another image. Decoding is bounded (file bytes, pixel count) before any pixel is
+prompt with the same image under the same chain root. The digest hashes the
+request's chain root (a tenant's cache is its own: another tenant's picture is
+neither reused nor timed), the processor's config and the processed pixels, so the
+same picture through another preprocessing is another image. Decoding is bounded (file bytes, pixel count) before any pixel is
 allocated, and only PNG, JPEG, WebP and GIF are decoded; anything else is a
 :class:`BadImage`. Models whose attention
 over an image is bidirectional (Gemma 4's ``use_bidirectional_attention``) are
@@ -176,15 +177,16 @@ class Vision:
         self.encoded = 0  # images run through the encoder
         self.encoder_seconds = 0.0
 
-    def picture(self, data: bytes) -> Picture:
-        """The processed image of ``data`` (an image file's bytes), held for forwards."""
+    def picture(self, data: bytes, root: bytes | None = None) -> Picture:
+        """The processed image of ``data`` (an image file's bytes) for a request under
+        chain ``root`` (None: the shared cache), held for forwards."""
         out = self.processor(images=[decode_image(data)], return_tensors="pt")
         inputs = {k: out[k][0].contiguous() for k in self.family.encoder_inputs}
         length = self.family.length(out, self.config)
-        h = hashlib.sha256(self._salt + length.to_bytes(4, "little"))
+        h = hashlib.sha256(self._salt + (root or b"") + length.to_bytes(4, "little"))
         for name, t in sorted(inputs.items()):
             h.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
-            h.update(t.numpy().tobytes())
+            h.update(t.numpy())  # its bytes in place (contiguous): no copy
         picture = Picture(h.digest(), inputs, length)
         self._pixels.put(picture.digest, picture, picture.nbytes)
         return picture
