@@ -21,7 +21,6 @@ import argparse
 import base64
 import io
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 from _common import machine, run_main, spawn_kvmesh, spawn_peer, stop, wait_for
 
-from kvmesh.cli.demo import demo_messages, demo_pictures, with_pictures
+from kvmesh.cli.demo import demo_messages, demo_pictures, head_metric, with_pictures
 
 
 def touched(url: str) -> str:
@@ -62,8 +61,7 @@ def start_head(model: str, peer: str) -> tuple[Any, httpx.Client]:
 
 
 def metric(http: httpx.Client, name: str) -> float:
-    found = re.search(rf"^{re.escape(name)} (\S+)$", http.get("/metrics").text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return head_metric(str(http.base_url).rstrip("/"), name)
 
 
 def ask(http: httpx.Client, model: str, msgs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -155,7 +155,7 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 600) ->
         return json.loads(r.read())
 
 
-def _metric(url: str, name: str) -> float:
+def head_metric(url: str, name: str) -> float:
     """One unlabelled series of the head's /metrics (0 when it has none)."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         found = re.search(rf"^{re.escape(name)} (\S+)$", r.read().decode(), re.M)
@@ -301,7 +301,7 @@ def _run_heads(
     _wait(url, lambda h: h["compatible_peers"] >= 1)
     say("same prompt on the restarted head")
     hit = _http(url + "/v1/chat/completions", body)
-    hit["images_encoded"] = _metric(url, "kvmesh_images_encoded_total")
+    hit["images_encoded"] = head_metric(url, "kvmesh_images_encoded_total")
     say("two-turn chat")
     return cold, hit, _two_turns(url, body, msgs)
 
