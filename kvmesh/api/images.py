@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from typing import Any
 
-from ..engine.vision import MAX_IMAGE_BYTES
+from ..engine.vision import MAX_IMAGE_BYTES, BadImage, Picture
 from .errors import APIError
 
 MAX_IMAGES = 32  # per request
@@ -46,3 +47,34 @@ def image_url_bytes(part: dict[str, Any]) -> bytes:
         return base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError):
         raise _refuse("an image data: URL holds invalid base64") from None
+
+
+def image_reader(
+    vision: Any, tokenizer: Any, into: list[Picture], root: bytes | None
+) -> Callable[[dict[str, Any]], str]:
+    """What an ``image_url`` part becomes in a chat's rendered text: ``vision``'s
+    image placeholder (``vision`` None: the model takes no images, a 400), its
+    processed picture (the chain ``root``'s own) appended to ``into``."""
+
+    def read(part: dict[str, Any]) -> str:
+        if vision is None:
+            raise _refuse("this model takes no images")
+        if len(into) >= MAX_IMAGES:
+            raise _refuse(f"at most {MAX_IMAGES} images per request")
+        try:
+            into.append(vision.picture(image_url_bytes(part), root))
+        except BadImage as e:
+            raise _refuse(str(e)) from None
+        return str(tokenizer.convert_ids_to_tokens(vision.placeholder))
+
+    return read
+
+
+def expand_pictures(vision: Any, tokens: list[int], pictures: list[Picture]) -> list[int]:
+    """``tokens`` with each picture's placeholder widened to its media token ids."""
+    if vision is None:
+        return tokens
+    try:
+        return list(vision.expand(tokens, pictures))
+    except ValueError as e:  # e.g. the placeholder typed as text
+        raise _refuse(str(e)) from None

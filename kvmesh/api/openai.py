@@ -55,7 +55,6 @@ import dataclasses
 import functools
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +66,7 @@ from starlette.concurrency import run_in_threadpool
 from ..blocks import check_cache_salt, request_root
 from ..engine import Decoded, Sampling
 from ..engine.grammar import GrammarSpec, compile_grammar
-from ..engine.vision import BadImage, Picture
+from ..engine.vision import Picture
 from ..errors import NoChatTemplate
 from ..runtime.batch import OverBudget
 from ..runtime.head import CacheScope, Generation, HeadRuntime
@@ -75,7 +74,7 @@ from .credentials import DEFAULT_TENANT, Tenants
 from .errors import APIError, error_response
 from .grammar_worker import GrammarWorker
 from .guard import BodyOffLoop, identity_of
-from .images import MAX_IMAGES, image_url_bytes
+from .images import expand_pictures, image_reader
 from .render import Renderer, Run
 from .requests import (
     GUIDED,
@@ -392,7 +391,8 @@ class OpenAIService:
         :meth:`~kvmesh.engine.vision.Vision.picture`)."""
         tools = (plan if plan is not None else self.tool_plan(req)).tools
         pictures: list[Picture] = []
-        image = self._image_reader(pictures, root)
+        vision = self.runtime.engine.vision
+        image = image_reader(vision, self.tokenizer, pictures, root)
         try:
             msgs = [
                 template_message(m.role, content_text(m.content, image), m.model_extra or {})
@@ -400,36 +400,7 @@ class OpenAIService:
             ]
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
-        tokens = self._render(msgs, tools)
-        vision = self.runtime.engine.vision
-        if vision is None:
-            return tokens
-        try:
-            return vision.expand(tokens, pictures)
-        except ValueError as e:  # e.g. the placeholder typed as text
-            raise APIError(400, str(e), param="messages", code="invalid_image") from None
-
-    def _image_reader(
-        self, into: list[Picture], root: bytes | None
-    ) -> Callable[[dict[str, Any]], str]:
-        """What an ``image_url`` part becomes in the rendered text: the model's image
-        placeholder, its processed picture appended to ``into``."""
-        vision = self.runtime.engine.vision
-
-        def read(part: dict[str, Any]) -> str:
-            if vision is None:
-                raise APIError(
-                    400, "this model takes no images", param="messages", code="invalid_image"
-                )
-            if len(into) >= MAX_IMAGES:
-                raise APIError(400, f"at most {MAX_IMAGES} images per request", param="messages")
-            try:
-                into.append(vision.picture(image_url_bytes(part), root))
-            except BadImage as e:
-                raise APIError(400, str(e), param="messages", code="invalid_image") from None
-            return str(self.tokenizer.convert_ids_to_tokens(vision.placeholder))
-
-        return read
+        return expand_pictures(vision, self._render(msgs, tools), pictures)
 
     def _render(self, msgs: list[dict[str, Any]], tools: Any) -> list[int]:
         """``msgs`` through the chat template (with ``tools``: None for none) as ids."""
