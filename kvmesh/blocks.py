@@ -267,6 +267,16 @@ class MediaIds:
                 spans.append(Media(at - index, item.length, item.digest))
         return ids, spans
 
+    def cut(self, tokens: Sequence[int], stop: int) -> tuple[int, int] | None:
+        """The span ``[start, end)`` of the media item that ending a forward before
+        ``tokens[stop]`` would split (one of its positions on each side), or None."""
+        if not 0 < stop < len(tokens) or tokens[stop] < MEDIA_BASE:
+            return None
+        if tokens[stop - 1] != tokens[stop] - 1:
+            return None  # the item starts at ``stop``: nothing is split
+        item, index = self.item(tokens[stop])
+        return stop - index, stop - index + item.length
+
     def model_ids(self, tokens: Sequence[int]) -> list[int]:
         """``tokens`` with each media id as its placeholder (what a tokenizer knows)."""
         return self.split(tokens)[0]

@@ -1,5 +1,6 @@
 """Images on the head: ``image_url`` content parts on a LLaVA (``demo-vl-tiny``) and
-on Gemma 4 (the zoo's, with its image processor).
+on Gemma 4 (the zoo's, with its image processor), causal over pictures and attending
+both ways within them (``use_bidirectional_attention: "vision"``).
 
 Engine: a prompt's image positions hold media token ids; its forward (whole, or
 split inside the image) is the model's own forward with ``pixel_values``; keys see
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import dataclasses
 import io
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +29,11 @@ import pytest
 import torch
 
 from kvmesh.blocks import MEDIA_BASE, BlockKeyer, MediaIds, MediaItem
+from kvmesh.engine import Decoded, Sampling
 from kvmesh.engine.hf import TransformersEngine
+from kvmesh.errors import ConfigError
+from kvmesh.runtime.audit import Auditor
+from kvmesh.runtime.batch import BatchRunner, Job, PrefillPlan
 
 from . import zoo
 from .helpers import assert_whole_remote_hit, wait_for
@@ -72,11 +79,14 @@ def model_path(name: str) -> str:
     """A model the head serves with images: the embedded LLaVA, or the zoo's Gemma 4."""
     from kvmesh.engine.embedded import ensure_demo
 
-    return str(ensure_demo(MODEL) if name == MODEL else zoo.gemma4_vision_model())
+    if name == MODEL:
+        return str(ensure_demo(MODEL))
+    return str(zoo.gemma4_vision_model(bidirectional=name == BIDIR))
 
 
-MODELS = [MODEL, "gemma4"]
-MARKS = {MODEL: "<image>", "gemma4": "<|image|>"}  # each one's image placeholder
+BIDIR = "gemma4-bidir"  # its sliding layers attend both ways within a picture
+MODELS = [MODEL, "gemma4", BIDIR]
+MARKS = {MODEL: "<image>", "gemma4": "<|image|>", BIDIR: "<|image|>"}  # image placeholders
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -91,22 +101,101 @@ def prompt(engine, *images: bytes) -> list[int]:
     return engine.vision.expand(tokens, [engine.vision.picture(i) for i in images])
 
 
+def own_forward(engine, tokens: list[int], picture: bytes) -> torch.Tensor:
+    """The last logits of transformers' own forward of ``tokens`` with the picture's
+    encoder inputs (and, attended both ways, which positions are the picture's)."""
+    plain = torch.tensor([_as_text(engine, tokens)])
+    own = {k: v[None] for k, v in engine.vision.picture(picture).inputs.items()}
+    if engine.vision.bidirectional:
+        own["mm_token_type_ids"] = (plain == engine.vision.placeholder).long()
+    with torch.inference_mode():
+        return engine.model(input_ids=plain, **own).logits[0, -1]
+
+
 def test_an_image_prompts_forward_is_the_models_own(engine):
     tokens = prompt(engine, png(1))
-    inputs = engine.vision.picture(png(1)).inputs  # the model's own encoder inputs
-    plain = torch.tensor([_as_text(engine, tokens)])
-    with torch.inference_mode():
-        own = {k: v[None] for k, v in inputs.items()}
-        ref = engine.model(input_ids=plain, **own).logits[0, -1]
+    ref = own_forward(engine, tokens, png(1))
     whole = engine.prefill(tokens).logits
     assert torch.allclose(whole, ref, atol=1e-4), (whole - ref).abs().max()
     inside = tokens.index(next(t for t in tokens if t >= MEDIA_BASE)) + 5
     state = engine.begin_prefill(tokens)
-    engine.prefill_batch([state], [inside])  # stops five positions into the image
-    engine.prefill_batch([state], [len(tokens) - inside])
+    first = engine.forward_tokens(tokens, 0, inside)  # five positions into the image
+    assert first == (inside - 5 if engine.vision.bidirectional else inside)
+    engine.prefill_batch([state], [first])
+    engine.prefill_batch([state], [len(tokens) - first])
     assert torch.allclose(state.logits, whole, atol=1e-4)  # another chunking: rounding apart
     other = engine.prefill(prompt(engine, png(2))).logits
     assert (other - whole).abs().max() > 1e-3  # the image is seen
+
+
+def test_a_picture_attended_both_ways_is_computed_whole_and_reused_inside():
+    """Gemma 4 with ``use_bidirectional_attention: "vision"``: a forward that stopped
+    inside a picture would compute other numbers, so none does (chunks move to the
+    picture's start, or through its end); reuse that ends inside the picture (a hit
+    up to a block boundary there) continues it as a cold prompt computes it."""
+    engine = TransformersEngine(Path(model_path(BIDIR)))
+    assert engine.whole_pictures
+    tokens = prompt(engine, png(3))
+    start = next(i for i, t in enumerate(tokens) if t >= MEDIA_BASE)
+    end = start + engine.vision.picture(png(3)).length
+    whole = engine.prefill(tokens).logits
+    split = engine.begin_prefill(tokens)  # what a forward stopping inside would compute
+    engine.prefill_batch([split], [start + 5])
+    engine.prefill_batch([split], [len(tokens) - start - 5])
+    assert (split.logits - whole).abs().max() > 1e-3  # (so the rest is not vacuous)
+    assert engine.forward_tokens(tokens, 0, start + 5) == start
+    assert engine.forward_tokens(tokens, start, 5) == end - start  # starts at it: through it
+    assert engine.forward_tokens(tokens, start + 2, 5) == end - start - 2  # within it
+    assert engine.forward_tokens(tokens, 0, end + 1) == end + 1  # text: as asked
+    chunked = engine.prefill(tokens, chunk=start + 5, between=lambda: None)
+    assert torch.allclose(chunked.logits, whole, atol=1e-4)
+    other = tokens[:end] + engine.encode(" and something else entirely")
+    reused = engine.begin_resume(chunked, start + 7, other)  # 7 positions into the picture
+    engine.prefill_batch([reused], [len(other) - reused.cached])
+    cold = engine.prefill(other).logits
+    assert torch.allclose(reused.logits, cold, atol=1e-4), (reused.logits - cold).abs().max()
+    causal = TransformersEngine(Path(model_path("gemma4")))
+    assert not causal.whole_pictures
+    assert causal.forward_tokens(prompt(causal, png(3)), 0, start + 5) == start + 5
+    with pytest.raises(ConfigError, match="both ways"):  # its grid would cut pictures
+        TransformersEngine(Path(model_path(BIDIR)), deterministic_grid=engine.block_tokens)
+
+
+def test_an_audit_of_a_block_inside_a_picture_attended_both_ways_computes_it_whole():
+    """An honest peer's block that ends inside such a picture passes its audit: the
+    recompute runs through the picture's end (stopping at the block's end would
+    compute other numbers and quarantine the peer)."""
+    engine = TransformersEngine(Path(model_path(BIDIR)))
+    tokens = prompt(engine, png(5))
+    start = next(i for i, t in enumerate(tokens) if t >= MEDIA_BASE)
+    end = start + engine.vision.picture(png(5)).length
+    keyer = BlockKeyer(engine.card.namespace, engine.card.block_tokens)
+    blocks = engine.export(engine.prefill(tokens), keyer)
+    b = engine.card.block_tokens
+    index = next(i for i, k in enumerate(blocks) if start < (i + 1) * b < end)  # ends inside
+    job = Auditor(1.0).pick(tokens, [(index, blocks[index])], "peer-id", "peer")
+    assert job is not None and len(job.tokens) == end
+    assert Auditor.agrees(engine, keyer, job) is True
+    cut = dataclasses.replace(job, tokens=tuple(tokens[: (index + 1) * b]))
+    assert Auditor.agrees(engine, keyer, cut) is False  # what stopping there would say
+
+
+def test_the_batch_runner_stops_no_forward_inside_a_picture_attended_both_ways():
+    engine = TransformersEngine(Path(model_path(BIDIR)))
+    tokens = prompt(engine, png(4))
+    start = next(i for i, t in enumerate(tokens) if t >= MEDIA_BASE)
+    lock = threading.RLock()
+    runner = BatchRunner(engine, lock, prefill_chunk=start + 5)  # five into the picture
+    try:
+        one = Sampling(max_tokens=1, stop_on_eos=False)  # its last token is not forwarded
+        plan = lambda: PrefillPlan(engine.begin_prefill(tokens))  # noqa: E731
+        job = runner.submit(Job(one, [Decoded()], plan, 1 << 24))
+        assert len(list(job.tokens())) == 1
+        assert runner.peak_prefill_chunk == start  # the first forward stopped before it
+    finally:
+        runner.close()
+    whole = engine.prefill(tokens).logits
+    assert torch.allclose(job.state.logits, whole, atol=1e-4)
 
 
 def test_keys_see_the_pixels_and_nothing_before_them(engine):

@@ -1595,12 +1595,15 @@ def lora_adapter(base: Path, seed: int, rank: int = 8) -> Path:
 # --- vision-language models the head serves with images ------------------------------------------
 
 
-def gemma4_vision_model() -> Path:
+def gemma4_vision_model(bidirectional: bool = False) -> Path:
     """``gemma4_hub`` (its tiny vision tower: patches of 4, pooled 2x2) with Gemma 4's
     PIL image processor at most 70 soft tokens a picture (its least), so the head serves it with
-    images (``<|image>``, its soft tokens ``<|image|>``, ``<image|>``)."""
+    images (``<|image>``, its soft tokens ``<|image|>``, ``<image|>``). ``bidirectional``:
+    its sliding layers attend both ways within a picture, as Gemma 4's larger models do
+    (``use_bidirectional_attention: "vision"``)."""
     src = hf_model("gemma4_hub")
-    dst = zoo_home() / f"gemma4_vl-float32-r{_recipe('gemma4_hub')}"
+    name = "gemma4_vl_bidir" if bidirectional else "gemma4_vl"
+    dst = zoo_home() / f"{name}-float32-r{_recipe('gemma4_hub')}"
 
     def build(tmp: Path) -> None:
         from transformers.models.gemma4.image_processing_pil_gemma4 import (
@@ -1610,6 +1613,10 @@ def gemma4_vision_model() -> Path:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
         processor = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
         processor.save_pretrained(tmp)
+        if bidirectional:
+            cfg = json.loads((tmp / "config.json").read_text())
+            cfg["text_config"]["use_bidirectional_attention"] = "vision"
+            _write_json(tmp / "config.json", cfg)
 
     return _atomic(dst, build)
 

@@ -71,6 +71,7 @@ class EngineBase(abc.ABC):
     reuse_off: str | None = None
     # a vision-language model's images (:class:`~kvmesh.engine.vision.Vision`); None: text only
     vision: Any = None
+    whole_pictures = False  # attention within a picture goes both ways (forward_tokens)
 
     tokenizer: Any  # a Hugging Face tokenizer, or one with the same methods
 
@@ -260,7 +261,7 @@ class EngineBase(abc.ABC):
         decoding while a long prompt is prefilled)."""
         state = self.begin_prefill(tokens, prefix, imported, adapter)
         while between is not None and len(state.tokens) - state.cached > chunk:
-            self.prefill_batch([state], [chunk])
+            self.prefill_batch([state], [self.forward_tokens(state.tokens, state.cached, chunk)])
             between()
         if state.cached < len(state.tokens):
             self.prefill_batch([state], [len(state.tokens) - state.cached])
@@ -350,6 +351,20 @@ class EngineBase(abc.ABC):
     def batches(self) -> bool:
         """Whether :meth:`decode_batch` runs several sequences in one forward."""
         return False
+
+    def forward_tokens(self, tokens: Sequence[int], start: int, n: int) -> int:
+        """How many of ``tokens`` a prefill forward from ``start`` computes when ``n``
+        are asked: ``n``, unless the model attends both ways within a picture
+        (:attr:`whole_pictures`: a picture's keys and values depend on all of it) and
+        the forward would stop inside one; then up to the picture's start, or through
+        its end when the forward starts at or within it (more than ``n``)."""
+        if not self.whole_pictures:
+            return n
+        span = MEDIA_IDS.cut(tokens, start + n)
+        if span is None:
+            return n
+        first, end = span
+        return first - start if first > start else end - start
 
     def detach(self, state: KVState) -> None:
         """Make ``state`` own its tensors once it leaves a batch (a session or an

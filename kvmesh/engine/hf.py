@@ -623,7 +623,7 @@ def _prefill_rows(
     kw = {engine._cache_kw: cache}
     with batched(engine._prefill_kernels()), lora.rows([s.adapter for s in states]):
         out = engine.model(
-            **_inputs(engine, ids),
+            **_inputs(engine, ids, width),
             attention_mask=mask,
             position_ids=pos,
             use_cache=True,
@@ -759,11 +759,12 @@ def _load_model(
     return model.eval(), want
 
 
-def _inputs(engine: TransformersEngine, ids: torch.Tensor) -> dict[str, Any]:
-    """A forward's inputs: ``ids``, or with media ids among them their images'."""
+def _inputs(engine: TransformersEngine, ids: torch.Tensor, past: int) -> dict[str, Any]:
+    """A forward's inputs: ``ids`` (after ``past`` cached positions), or with media
+    ids among them their images'."""
     if engine.vision is None or int(ids.max()) < MEDIA_BASE:
         return {"input_ids": ids}
-    return engine.vision.inputs(ids)
+    return engine.vision.inputs(ids, past)
 
 
 class TransformersEngine(EngineBase):
@@ -794,6 +795,7 @@ class TransformersEngine(EngineBase):
         self.model, want = _load_model(self.path, cfg, self.device, dtype)
         fuse_gated_mlps(self.model)  # the same numbers, in place
         self.vision = Vision(self.model, self.path) if sees_images(self.path, cfg) else None
+        self.whole_pictures = self.vision is not None and self.vision.bidirectional
         self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
         self._batches: dict[tuple[int, ...], _Batch] = {}  # live batch caches, oldest first
         self.grid, self._rowwise = 0, False  # deterministic mode (_go_deterministic)
@@ -876,6 +878,11 @@ class TransformersEngine(EngineBase):
                 "exactly without recurrent state (this one: "
                 f"{'recurrent state' if c.state_every else self.reuse_off or self.device})"
             )
+        if self.whole_pictures:  # its grid would stop forwards inside pictures
+            raise ConfigError(
+                "--deterministic cannot serve a model that attends both ways within a "
+                "picture (use_bidirectional_attention: vision)"
+            )
         # row-invariant batched decode: the compiled kernel (float32) at every row
         # count, SDPA row by row; otherwise each sequence decodes alone
         rows = (
@@ -948,7 +955,7 @@ class TransformersEngine(EngineBase):
             ids = torch.tensor([piece], dtype=torch.long, device=self.device)
             kw = {self._cache_kw: cache}
             with batched(self._prefill_kernels() if kernels is None else kernels), continuing():
-                out = self.model(**_inputs(self, ids), use_cache=True, logits_to_keep=1, **kw)
+                out = self.model(**_inputs(self, ids, pos), use_cache=True, logits_to_keep=1, **kw)
             _settle(cache, len(piece))  # the cache was extended in place
             pos += len(piece)
             if self._state_every:

@@ -38,6 +38,7 @@ class Engine(Protocol):
     # why this model's cache cannot be exported or restored exactly; None when it can
     reuse_off: str | None
     vision: Any  # a vision-language model's images (engine.vision.Vision); None: text only
+    whole_pictures: bool  # a prefill forward never stops inside a picture (forward_tokens)
 
     # -- text ------------------------------------------------------------------
 
@@ -89,6 +90,11 @@ class Engine(Protocol):
         adapter: str | None = None,
     ) -> KVState:
         """:meth:`begin_prefill` then every chunk of the suffix: a whole state."""
+        ...
+
+    def forward_tokens(self, tokens: Sequence[int], start: int, n: int) -> int:
+        """How many of ``tokens`` a prefill forward from ``start`` computes when ``n``
+        are asked (a forward never stops inside a picture attended both ways)."""
         ...
 
     # -- decode ----------------------------------------------------------------

@@ -18,9 +18,14 @@ neither reused nor timed), the processor's config and the processed pixels, so t
 same picture through another preprocessing is another image. Decoding is bounded (file bytes, pixel count) before any pixel is
 allocated, and only PNG, JPEG, WebP and GIF are decoded; anything else is a
 :class:`BadImage`. Models whose attention
-over an image is bidirectional (Gemma 4's ``use_bidirectional_attention``) are
-served as text only: a forward that stops inside such an image would compute
-other numbers.
+over an image goes both ways (Gemma 4's ``use_bidirectional_attention: "vision"``:
+within a picture each position sees all of it) are :attr:`Vision.bidirectional`:
+a picture's keys and values depend on the whole picture, so a forward never stops
+inside one (the engine's ``forward_tokens``), and each forward says which of its
+positions are a picture's (``mm_token_type_ids``). Reuse may still end inside a
+picture: what was computed there saw the whole picture, which the key's digest
+names. Attention both ways over everything (``"all"``) is not a causal model:
+served as text only.
 """
 
 from __future__ import annotations
@@ -93,11 +98,23 @@ FAMILIES = {
 
 def sees_images(path: Path, cfg: dict[str, Any]) -> bool:
     """Whether the model in ``path`` (config ``cfg``) is served with images: a family
-    of :data:`FAMILIES` with an image processor, causal over its images."""
+    of :data:`FAMILIES` with an image processor, causal over its text."""
     if cfg.get("model_type") not in FAMILIES or not (path / "preprocessor_config.json").is_file():
         return False
     text = cfg.get("text_config") or {}
-    return text.get("use_bidirectional_attention") in (None, False)
+    return text.get("use_bidirectional_attention") in (None, False, "vision")
+
+
+def _types(media: torch.Tensor, past: int) -> torch.Tensor:
+    """The picture positions of a forward's ``media`` mask [rows, n] as Gemma 4's
+    ``mm_token_type_ids``, spanning its ``past`` cached positions as text too:
+    transformers looks them up by absolute position, and reads them as covering the
+    sequence from its first position. Cached positions need no bidirectional pair
+    (causal attention already sees them), so they are text (0) here."""
+    types = media.long()
+    if past:
+        types = torch.cat([types.new_zeros((types.shape[0], past)), types], dim=1)
+    return types
 
 
 class _Bounded:
@@ -170,6 +187,8 @@ class Vision:
         self.placeholder = int(cfg.image_token_id)
         ends = [int(getattr(cfg, f)) for f in self.family.around]  # e.g. Gemma 4's boi, eoi
         self._before, self._after = ends[:1], ends[1:]
+        text = cfg.get_text_config()
+        self.bidirectional = getattr(text, "use_bidirectional_attention", None) == "vision"
         config = json.dumps(self.processor.to_dict(), sort_keys=True, default=str)
         self._salt = _DIGEST_DOMAIN + hashlib.sha256(config.encode()).digest()
         self._pixels = _Bounded(pixels_bytes)
@@ -211,9 +230,10 @@ class Vision:
             last = i + 1
         return out + list(tokens[last:])
 
-    def inputs(self, ids: torch.Tensor) -> dict[str, Any]:
-        """A forward's inputs for ``ids`` [rows, n] (media ids among them): the ids the
-        model knows, and the encoder's rows for the image positions among them."""
+    def inputs(self, ids: torch.Tensor, past: int = 0) -> dict[str, Any]:
+        """A forward's inputs for ``ids`` [rows, n] (media ids among them) after
+        ``past`` cached positions: the ids the model knows, and the encoder's rows for
+        the image positions among them."""
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         media = ids >= MEDIA_BASE
@@ -224,7 +244,10 @@ class Vision:
             rows.append(self._encoded(item.digest)[index])
         # the model concatenates pooler_output's per-image tensors (its own encoder's form)
         image = BaseModelOutputWithPooling(pooler_output=[torch.stack(rows)])  # type: ignore[arg-type]
-        return {"input_ids": plain, "mm_encoder_outputs": {"image": image}}
+        out = {"input_ids": plain, "mm_encoder_outputs": {"image": image}}
+        if self.bidirectional:  # the positions attended both ways (the processor's type 1)
+            out["mm_token_type_ids"] = _types(media, past)
+        return out
 
     def _encoded(self, digest: bytes) -> torch.Tensor:
         found = self._features.get(digest)

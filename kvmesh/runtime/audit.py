@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import BlockKeyer
+from ..blocks import MEDIA_IDS, BlockKeyer
 from ..codec import Block, TensorSpec, trim
 from ..engine import Engine
 from .planner import Planner
@@ -37,7 +37,8 @@ TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 4e-2}
 
 @dataclass(frozen=True)
 class AuditJob:
-    """One block to re-derive: the tokens up to its end (computed with LoRA
+    """One block to re-derive: the tokens up to its end, or the end of a picture it
+    cuts (computed with LoRA
     ``adapter``, as the request was), and who served it."""
 
     tokens: tuple[int, ...]
@@ -70,6 +71,8 @@ class Auditor:
             return None
         i, blk = self._rng.choice(full)
         end = blk.header.start + blk.header.tokens
+        cut = MEDIA_IDS.cut(tokens, end)  # a picture attended both ways is computed whole
+        end = cut[1] if cut is not None else end
         return AuditJob(tuple(tokens[:end]), blk, i, peer_id, peer, adapter)
 
     def check(
