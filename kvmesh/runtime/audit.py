@@ -37,9 +37,8 @@ TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 4e-2}
 
 @dataclass(frozen=True)
 class AuditJob:
-    """One block to re-derive: the tokens up to its end, or the end of a picture it
-    cuts (computed with LoRA
-    ``adapter``, as the request was), and who served it."""
+    """One block to re-derive: the tokens up to its end, or to the end of a picture
+    it cuts (computed with LoRA ``adapter``, as the request was), and who served it."""
 
     tokens: tuple[int, ...]
     block: Block
