@@ -193,6 +193,22 @@ def media_bytes(media: Sequence[Media], start: int, stop: int) -> bytes:
     )
 
 
+_MEDIA_SPAN_BYTES = len(_MEDIA_TAG) + 8 + KEY_BYTES
+
+
+def media_spans(extra: bytes) -> list[Media]:
+    """The spans :func:`media_bytes` wrote, in order (ValueError on other bytes)."""
+    if len(extra) % _MEDIA_SPAN_BYTES:
+        raise ValueError("not media bytes")
+    out = []
+    for at in range(0, len(extra), _MEDIA_SPAN_BYTES):
+        if extra[at : at + 1] != _MEDIA_TAG:
+            raise ValueError("not media bytes")
+        offset, length = struct.unpack_from("<II", extra, at + 1)
+        out.append(Media(offset, length, extra[at + 9 : at + _MEDIA_SPAN_BYTES]))
+    return out
+
+
 #: media token ids start here: far above any vocabulary, within int64 (torch's ids)
 MEDIA_BASE = 1 << 40
 MEDIA_MAX_LENGTH = 1 << 20  # positions one item may have (the low bits of its ids)

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvmesh.blocks import BlockKeyer
+from kvmesh.blocks import MEDIA_IDS, BlockKeyer, MediaItem
 from kvmesh.codec import Layout
 from kvmesh.mesh.events import (
     AllBlocksCleared,
@@ -61,6 +61,31 @@ def test_stored_events_carry_the_prompts_blocks_and_tokens():
     assert stored.parent_block_hash is None
     assert stored.token_ids == tokens[: 3 * B]
     assert (stored.block_size, stored.medium, stored.lora_id) == (B, "CPU", None)
+    assert stored.extra_keys is None  # no picture: no extra keys (omitted on the wire)
+
+
+def test_a_blocks_pictures_are_its_extra_keys_as_vllm_names_them():
+    memo = TokenMemo()
+    sink = StoreEvents(memo)
+    store = BlockStore(1 << 20, listener=sink)
+    item = MediaItem(bytes(range(32)), placeholder=7, length=B + 3)
+    # the picture from position B - 2 to 2B + 1: blocks 0, 1 and 2 overlap it, 3 does not
+    tokens = list(range(10, 10 + B - 2)) + MEDIA_IDS.ids(item) + list(range(2 * B))
+    keys = recording(memo).keys(tokens)
+    for blk in synthetic_chain(CARD, tokens):
+        store.put(blk)
+    (stored,) = events_of(sink)[1:]
+    assert stored.block_hashes == [external_hash(k) for k in keys.blocks]
+    pic = item.digest.hex()  # offsets from each block's start, as vLLM's extra keys
+    assert stored.extra_keys == [((pic, B - 2),), ((pic, -2),), ((pic, -2 - B),), None]
+    assert stored.token_ids[B - 3 : B + 1] == [10 + B - 3, 7, 7, 7]  # the placeholder id
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(stored))
+    assert raw["extra_keys"] == [[[pic, B - 2]], [[pic, -2]], [[pic, -2 - B]], None]
+    hashes_only = StoreEvents(token_ids=False)  # no tokens: no pictures either
+    store = BlockStore(1 << 20, listener=hashes_only)
+    for blk in synthetic_chain(CARD, tokens):
+        store.put(blk)
+    assert events_of(hashes_only)[1].extra_keys is None
 
 
 def test_a_block_whose_tokens_were_never_seen_carries_hashes_only():

@@ -20,7 +20,11 @@ vLLM's own classes.
   big-endian), opaque to a router; ``parent_block_hash`` is None for a first
   block; ``medium`` is ``CPU`` (RAM tier) or ``STORAGE`` (disk tier).
   ``token_ids`` are the blocks' tokens where this process saw them
-  (:class:`TokenMemo`, filled by :class:`RecordingKeyer` on a head), else empty.
+  (:class:`TokenMemo`, filled by :class:`RecordingKeyer` on a head), else empty;
+  a picture's positions carry its placeholder id, and the block's ``extra_keys``
+  entry names each picture it overlaps as vLLM does, ``(identifier, offset from
+  the block's start)``, the identifier the picture's digest in hex (None for a
+  block without one; no ``extra_keys`` at all when no block of the event has one).
   Tails (partial blocks) are not announced.
 - :class:`EventPublisher` owns the ZMQ sockets and one thread. A slow or absent
   subscriber never slows the store: PUB drops past its high-water mark (the gap
@@ -69,7 +73,7 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
-from ..blocks import BlockKeyer
+from ..blocks import BlockKeyer, media_spans
 from ..codec import BlockHeader
 from ..errors import ConfigError
 from ..private import PrivateFileError, read_private
@@ -101,6 +105,8 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # per block: its pictures' (identifier, offset from the block's start), or None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -142,23 +148,36 @@ class TokenMemo:
 
     def __init__(self, max_blocks: int = 16384) -> None:
         self.max_blocks = max_blocks
-        self._tokens: OrderedDict[bytes, bytes] = OrderedDict()
+        self._tokens: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def record(self, key: bytes, tokens: Sequence[int]) -> None:
+    def record(self, key: bytes, tokens: Sequence[int], media: bytes | None = None) -> None:
+        """``key``'s block holds ``tokens`` (model ids) and ``media`` (what it hashes
+        besides them: :func:`~kvmesh.blocks.media_bytes`; None: what was recorded)."""
         if self.max_blocks <= 0:
             return
         packed = array("I", tokens).tobytes()
         with self._lock:
-            self._tokens[key] = packed
+            if media is None:
+                media = self._tokens.get(key, (b"", b""))[1]
+            self._tokens[key] = (packed, media)
             self._tokens.move_to_end(key)
             while len(self._tokens) > self.max_blocks:
                 self._tokens.popitem(last=False)
 
     def get(self, key: bytes) -> list[int] | None:
         with self._lock:
-            packed = self._tokens.get(key)
-        return None if packed is None else array("I", packed).tolist()
+            found = self._tokens.get(key)
+        return None if found is None else array("I", found[0]).tolist()
+
+    def pictures(self, key: bytes, start: int) -> tuple[tuple[str, int], ...] | None:
+        """The media items ``key``'s block (at position ``start``) overlaps, as vLLM's
+        events name them: (digest in hex, offset from the block's start); None: none."""
+        with self._lock:
+            found = self._tokens.get(key)
+        if found is None or not found[1]:
+            return None
+        return tuple((m.digest.hex(), m.offset - start) for m in media_spans(found[1]))
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -175,7 +194,7 @@ class RecordingKeyer(BlockKeyer):
 
     def block_key(self, parent: bytes, tokens: Sequence[int], media: bytes = b"") -> bytes:
         key = super().block_key(parent, tokens, media)
-        self.memo.record(key, tokens)
+        self.memo.record(key, tokens, media)
         return key
 
     def rooted(self, root: bytes, caller: bytes | None = None) -> BlockKeyer:
@@ -272,6 +291,7 @@ class StoreEvents:
 
     def _stored(self, out: list[Event], medium: str, h: BlockHeader) -> None:
         tokens = self.memo.get(h.key) if self.token_ids else None
+        pictures = self.memo.pictures(h.key, h.start) if tokens is not None else None
         parent = None if h.start == 0 else external_hash(h.parent)
         last = out[-1] if out else None
         if (  # the next block of the same chain: one event, as vLLM's
@@ -283,10 +303,11 @@ class StoreEvents:
         ):
             last.block_hashes.append(external_hash(h.key))
             last.token_ids.extend(tokens or ())
+            _add_extra_keys(last, pictures)
             return
-        out.append(
-            BlockStored([external_hash(h.key)], parent, tokens or [], h.tokens, None, medium, None)
-        )
+        ev = BlockStored([external_hash(h.key)], parent, tokens or [], h.tokens, None, medium, None)
+        _add_extra_keys(ev, pictures)
+        out.append(ev)
 
     @staticmethod
     def _removed(out: list[Event], medium: str, h: BlockHeader) -> None:
@@ -295,6 +316,16 @@ class StoreEvents:
             last.block_hashes.append(external_hash(h.key))
         else:
             out.append(BlockRemoved([external_hash(h.key)], medium))
+
+
+def _add_extra_keys(event: BlockStored, pictures: tuple[tuple[str, int], ...] | None) -> None:
+    """The ``extra_keys`` entry of ``event``'s last block (its list made, None for
+    each block before, at the first block that has pictures)."""
+    if pictures is None and event.extra_keys is None:
+        return
+    if event.extra_keys is None:
+        event.extra_keys = [None] * (len(event.block_hashes) - 1)
+    event.extra_keys.append(pictures)
 
 
 # -- who may listen -----------------------------------------------------------------

@@ -29,6 +29,9 @@ def vllm_decode(payload: bytes) -> object:
     return VLLM.decode(payload)
 
 
+PICTURE = (("ab" * 32, -3),)  # a block's picture: (identifier, offset from the block's start)
+
+
 def test_the_bytes_are_vllms_own():
     mine = ours.KVEventBatch(
         2.5,
@@ -36,6 +39,7 @@ def test_the_bytes_are_vllms_own():
             ours.AllBlocksCleared(),
             ours.BlockStored([7, 8], None, list(range(64)), 32, None, "CPU", None),
             ours.BlockStored([9], 8, [], 32, None, "STORAGE", None),
+            ours.BlockStored([10, 11], 9, [5] * 64, 32, None, "CPU", None, [None, PICTURE]),
             ours.BlockRemoved([7], "CPU"),
         ],
         0,
@@ -62,14 +66,25 @@ def test_the_bytes_are_vllms_own():
                 medium=kv.MEDIUM_STORAGE,
                 lora_name=None,
             ),
+            kv.BlockStored(
+                block_hashes=[10, 11],
+                parent_block_hash=9,
+                token_ids=[5] * 64,
+                block_size=32,
+                lora_id=None,
+                medium=kv.MEDIUM_CPU,
+                lora_name=None,
+                extra_keys=[None, PICTURE],
+            ),
             kv.BlockRemoved(block_hashes=[7], medium=kv.MEDIUM_CPU),
         ],
         data_parallel_rank=0,
     )
     enc = msgspec.msgpack.Encoder()
     assert enc.encode(mine) == enc.encode(theirs)
-    assert VLLM.decode(enc.encode(mine)) == theirs
-    assert ours.decode_batch(enc.encode(theirs)) == mine
+    # (decoded, a picture's pair is a list: the same bytes again)
+    assert enc.encode(VLLM.decode(enc.encode(mine))) == enc.encode(theirs)
+    assert enc.encode(ours.decode_batch(enc.encode(theirs))) == enc.encode(mine)
     assert ours.MEDIUM == {"ram": kv.MEDIUM_CPU, "disk": kv.MEDIUM_STORAGE}
 
 
