@@ -198,6 +198,50 @@ def test_the_batch_runner_stops_no_forward_inside_a_picture_attended_both_ways()
     assert torch.allclose(job.state.logits, whole, atol=1e-4)
 
 
+def encoded(image, fmt: str = "PNG", **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def odd_pictures() -> dict[str, bytes]:
+    """Pictures a client may send that are not plain RGB rectangles."""
+    from PIL import Image
+
+    frame = Image.new("P", (40, 30))
+    deep = (np.random.default_rng(3).random((30, 40)) * 65535).astype("uint16")
+    return {
+        "grey": encoded(Image.new("L", (40, 30), 7)),
+        "grey+alpha": encoded(Image.new("LA", (40, 30))),
+        "palette+transparency": encoded(frame, transparency=0),
+        "16-bit": encoded(Image.fromarray(deep)),
+        "CMYK JPEG": encoded(Image.new("CMYK", (40, 30)), "JPEG"),
+        "RGBA WebP": encoded(Image.new("RGBA", (40, 30)), "WEBP"),
+        "GIF of 50 frames": encoded(frame, "GIF", save_all=True, append_images=[frame] * 49),
+        "one pixel": encoded(Image.new("RGB", (1, 1))),
+        "1x4000": encoded(Image.new("RGB", (1, 4000))),
+    }
+
+
+def test_odd_pictures_are_served_or_refused_before_any_forward(engine):
+    """Every mode and shape is served (a finite forward) or a :class:`BadImage` at
+    decoding, never an encoder failure: Gemma 4's vision tower indexes a table of
+    patch positions, so a picture too long and thin for it is refused up front."""
+    from kvmesh.engine.vision import BadImage
+
+    text = BEFORE + engine.tokenizer.convert_ids_to_tokens(engine.vision.placeholder)
+    tokens = engine.encode_chat([{"role": "user", "content": text}])
+    for name, data in odd_pictures().items():
+        try:
+            picture = engine.vision.picture(data)
+        except BadImage as e:
+            assert name == "1x4000" and engine.model.config.model_type == "gemma4", (name, e)
+            assert "too long and thin" in str(e)
+            continue
+        logits = engine.prefill(engine.vision.expand(tokens, [picture])).logits
+        assert torch.isfinite(logits).all(), name
+
+
 def test_keys_see_the_pixels_and_nothing_before_them(engine):
     keyer = BlockKeyer(engine.card.namespace, 8)
     a, b = prompt(engine, png(1)), prompt(engine, png(1, touch=(3, 4)))

@@ -81,6 +81,21 @@ class _Family:
 
     encoder_inputs: tuple[str, ...]
     around: tuple[str, ...] = ()  # config fields of the ids before and after: (begin, end)
+    # the vision config's size of the table ``image_position_ids`` index (Gemma 4's): a
+    # picture whose patches reach past it (a very long, thin one) is refused, not encoded
+    position_table: str = ""
+
+    def check(self, inputs: dict[str, Any], cfg: Any) -> None:
+        """A :class:`BadImage` where the encoder could not take ``inputs``."""
+        if not self.position_table:
+            return
+        table = int(getattr(cfg.vision_config, self.position_table))
+        reach = int(inputs["image_position_ids"].max()) + 1
+        if reach > table:
+            raise BadImage(
+                f"the image is too long and thin for this model: {reach} patches along a "
+                f"side, its vision tower takes at most {table}"
+            )
 
     def length(self, out: Any, cfg: Any) -> int:
         if "num_soft_tokens_per_image" in out:
@@ -92,7 +107,11 @@ class _Family:
 
 FAMILIES = {
     "llava": _Family(("pixel_values",)),
-    "gemma4": _Family(("pixel_values", "image_position_ids"), ("boi_token_id", "eoi_token_id")),
+    "gemma4": _Family(
+        ("pixel_values", "image_position_ids"),
+        ("boi_token_id", "eoi_token_id"),
+        position_table="position_embedding_size",
+    ),
 }
 
 
@@ -201,6 +220,7 @@ class Vision:
         chain ``root`` (None: the shared cache), held for forwards."""
         out = self.processor(images=[decode_image(data)], return_tensors="pt")
         inputs = {k: out[k][0].contiguous() for k in self.family.encoder_inputs}
+        self.family.check(inputs, self.config)
         length = self.family.length(out, self.config)
         h = hashlib.sha256(self._salt + (root or b"") + length.to_bytes(4, "little"))
         for name, t in sorted(inputs.items()):
