@@ -1,9 +1,11 @@
-"""Images on the head: ``image_url`` content parts on a LLaVA (``demo-vl-tiny``) and
-on Gemma 4 (the zoo's, with its image processor), causal over pictures and attending
-both ways within them (``use_bidirectional_attention: "vision"``).
+"""Images on the head: ``image_url`` content parts on a LLaVA (``demo-vl-tiny``), on
+Gemma 4 (the zoo's, with its image processor), causal over pictures and attending
+both ways within them (``use_bidirectional_attention: "vision"``), and on Gemma 3
+(the zoo's, both ways within pictures on every layer).
 
 Engine: a prompt's image positions hold media token ids; its forward (whole, or
-split inside the image) is the model's own forward with ``pixel_values``; keys see
+in chunks: inside the image where attention is causal, at its edges where it goes
+both ways) is the model's own forward with ``pixel_values``; keys see
 the pixels (one pixel changed moves every key from the image's first block on and
 none before), a prefix cut inside an image keys its blocks as the whole prompt
 does, and a forgotten item keys as nothing else.
@@ -81,12 +83,19 @@ def model_path(name: str) -> str:
 
     if name == MODEL:
         return str(ensure_demo(MODEL))
+    if name == "gemma3":
+        return str(zoo.gemma3_vision_model())
     return str(zoo.gemma4_vision_model(bidirectional=name == BIDIR))
 
 
 BIDIR = "gemma4-bidir"  # its sliding layers attend both ways within a picture
-MODELS = [MODEL, "gemma4", BIDIR]
-MARKS = {MODEL: "<image>", "gemma4": "<|image|>", BIDIR: "<|image|>"}  # image placeholders
+MODELS = [MODEL, "gemma4", BIDIR, "gemma3"]  # Gemma 3: both ways within a picture, every layer
+MARKS = {
+    MODEL: "<image>",
+    "gemma4": "<|image|>",
+    BIDIR: "<|image|>",
+    "gemma3": "<image_soft_token>",
+}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -107,7 +116,7 @@ def own_forward(engine, tokens: list[int], picture: bytes) -> torch.Tensor:
     plain = torch.tensor([_as_text(engine, tokens)])
     own = {k: v[None] for k, v in engine.vision.picture(picture).inputs.items()}
     if engine.vision.bidirectional:
-        own["mm_token_type_ids"] = (plain == engine.vision.placeholder).long()
+        own[engine.vision.family.types] = (plain == engine.vision.placeholder).long()
     with torch.inference_mode():
         return engine.model(input_ids=plain, **own).logits[0, -1]
 
@@ -128,12 +137,14 @@ def test_an_image_prompts_forward_is_the_models_own(engine):
     assert (other - whole).abs().max() > 1e-3  # the image is seen
 
 
-def test_a_picture_attended_both_ways_is_computed_whole_and_reused_inside():
-    """Gemma 4 with ``use_bidirectional_attention: "vision"``: a forward that stopped
-    inside a picture would compute other numbers, so none does (chunks move to the
-    picture's start, or through its end); reuse that ends inside the picture (a hit
-    up to a block boundary there) continues it as a cold prompt computes it."""
-    engine = TransformersEngine(Path(model_path(BIDIR)))
+@pytest.mark.parametrize("name", [BIDIR, "gemma3"])
+def test_a_picture_attended_both_ways_is_computed_whole_and_reused_inside(name):
+    """Gemma 4 with ``use_bidirectional_attention: "vision"`` (its sliding layers) and
+    Gemma 3 (every layer): a forward that stopped inside a picture would compute
+    other numbers, so none does (chunks move to the picture's start, or through its
+    end); reuse that ends inside the picture (a hit up to a block boundary there)
+    continues it as a cold prompt computes it."""
+    engine = TransformersEngine(Path(model_path(name)))
     assert engine.whole_pictures
     tokens = prompt(engine, png(3))
     start = next(i for i, t in enumerate(tokens) if t >= MEDIA_BASE)
@@ -158,7 +169,7 @@ def test_a_picture_attended_both_ways_is_computed_whole_and_reused_inside():
     assert not causal.whole_pictures
     assert causal.forward_tokens(prompt(causal, png(3)), 0, start + 5) == start + 5
     with pytest.raises(ConfigError, match="both ways"):  # its grid would cut pictures
-        TransformersEngine(Path(model_path(BIDIR)), deterministic_grid=engine.block_tokens)
+        TransformersEngine(Path(model_path(name)), deterministic_grid=engine.block_tokens)
 
 
 def test_an_audit_of_a_block_inside_a_picture_attended_both_ways_computes_it_whole():
@@ -240,6 +251,21 @@ def test_odd_pictures_are_served_or_refused_before_any_forward(engine):
             continue
         logits = engine.prefill(engine.vision.expand(tokens, [picture])).logits
         assert torch.isfinite(logits).all(), name
+
+
+def test_a_gemma3_prompt_tokenizes_as_its_processor_makes_it():
+    """Gemma 3's processor widens each picture to ``\\n\\n<boi>`` + soft tokens +
+    ``<eoi>\\n\\n`` in the text (``Gemma3Processor.full_image_sequence``); a head's
+    prompt for the same chat is those ids, the picture's positions its media ids."""
+    engine = TransformersEngine(Path(model_path("gemma3")))
+    picture = engine.vision.picture(png(1))
+    text = BEFORE + engine.vision.text(engine.tokenizer) + AFTER
+    ours = engine.vision.expand(engine.encode_chat([{"role": "user", "content": text}]), [picture])
+    boi, eoi, soft = zoo.GEMMA3_IMAGE_TOKENS
+    full = f"\n\n{boi}{soft * picture.length}{eoi}\n\n"
+    theirs = engine.encode_chat([{"role": "user", "content": BEFORE + full + AFTER}])
+    assert _as_text(engine, ours) == theirs
+    assert sum(t >= MEDIA_BASE for t in ours) == picture.length == 16
 
 
 def test_keys_see_the_pixels_and_nothing_before_them(engine):

@@ -1621,6 +1621,55 @@ def gemma4_vision_model(bidirectional: bool = False) -> Path:
     return _atomic(dst, build)
 
 
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
+def gemma3_vision_model() -> Path:
+    """A tiny ``Gemma3ForConditionalGeneration``: ``hf_model("gemma3")``'s text config
+    and tokenizer (plus Gemma 3's three image tokens), a 1-layer SigLIP tower of width
+    32 on 32x32 pictures in patches of 8 (16 soft tokens a picture), seeded weights, and
+    Gemma 3's PIL image processor. Its attention within a picture goes both ways."""
+    src = hf_model("gemma3")
+    dst = zoo_home() / f"gemma3_vl-float32-r{_recipe('gemma3')}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+
+        tok = AutoTokenizer.from_pretrained(str(src))
+        tok.add_special_tokens({"additional_special_tokens": list(GEMMA3_IMAGE_TOKENS)})
+        boi, eoi, image = tok.convert_tokens_to_ids(list(GEMMA3_IMAGE_TOKENS))
+        text = json.loads((src / "config.json").read_text())
+        text |= {"vocab_size": len(tok), "architectures": None}
+        vision = {"model_type": "siglip_vision_model", "hidden_size": 32}
+        vision |= {"intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+        vision |= {"image_size": 32, "patch_size": 8}
+        config = Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=16,
+            boi_token_index=boi,
+            eoi_token_index=eoi,
+            image_token_index=image,
+        )
+        torch.manual_seed(3)
+        model = Gemma3ForConditionalGeneration(config).eval()
+        with torch.no_grad():  # transformers starts the projection at zero: pictures unseen
+            proj = model.model.multi_modal_projector.mm_input_projection_weight
+            proj.normal_(0.0, 0.2)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(tmp)
+        for f in ("chat_template.jinja",):  # the text model's template
+            if (src / f).is_file():
+                shutil.copy2(src / f, tmp / f)
+
+    return _atomic(dst, build)
+
+
 # --- a vision-language model vLLM's CPU build runs ------------------------------------------------
 
 

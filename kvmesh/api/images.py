@@ -65,7 +65,7 @@ def image_reader(
             into.append(vision.picture(image_url_bytes(part), root))
         except BadImage as e:
             raise _refuse(str(e)) from None
-        return str(tokenizer.convert_ids_to_tokens(vision.placeholder))
+        return str(vision.text(tokenizer))
 
     return read
 

@@ -1,4 +1,4 @@
-"""Images for a vision-language model on the torch engine (LLaVA, Gemma 4).
+"""Images for a vision-language model on the torch engine (LLaVA, Gemma 3, Gemma 4).
 
 :class:`Vision` turns an image file's bytes into a :class:`Picture`: what the
 model's own image processor makes of it (a transformers PIL processor; no
@@ -18,8 +18,9 @@ neither reused nor timed), the processor's config and the processed pixels, so t
 same picture through another preprocessing is another image. Decoding is bounded (file bytes, pixel count) before any pixel is
 allocated, and only PNG, JPEG, WebP and GIF are decoded; anything else is a
 :class:`BadImage`. Models whose attention
-over an image goes both ways (Gemma 4's ``use_bidirectional_attention: "vision"``:
-within a picture each position sees all of it) are :attr:`Vision.bidirectional`:
+over an image goes both ways (Gemma 3's; Gemma 4's with
+``use_bidirectional_attention: "vision"``: within a picture each position sees all
+of it) are :attr:`Vision.bidirectional`:
 a picture's keys and values depend on the whole picture, so a forward never stops
 inside one (the engine's ``forward_tokens``), and each forward says which of its
 positions are a picture's (``mm_token_type_ids``). Reuse may still end inside a
@@ -84,6 +85,11 @@ class _Family:
     # the vision config's size of the table ``image_position_ids`` index (Gemma 4's): a
     # picture whose patches reach past it (a very long, thin one) is refused, not encoded
     position_table: str = ""
+    soft_tokens: str = ""  # the config field of a picture's positions (else the processor's)
+    types: str = "mm_token_type_ids"  # the forward's argument naming a picture's positions
+    both_ways: bool = False  # attention within a picture always goes both ways (Gemma 3)
+    pooled_list: bool = True  # the forward takes pooler_output as a list (else one tensor)
+    blank: str = ""  # text on each side of a picture in the prompt (Gemma 3's processor's)
 
     def check(self, inputs: dict[str, Any], cfg: Any) -> None:
         """A :class:`BadImage` where the encoder could not take ``inputs``."""
@@ -98,6 +104,8 @@ class _Family:
             )
 
     def length(self, out: Any, cfg: Any) -> int:
+        if self.soft_tokens:
+            return int(getattr(cfg, self.soft_tokens))
         if "num_soft_tokens_per_image" in out:
             return int(out["num_soft_tokens_per_image"][0])
         vision = cfg.vision_config  # LLaVA: a patch grid, the CLS row unless "full"
@@ -111,6 +119,15 @@ FAMILIES = {
         ("pixel_values", "image_position_ids"),
         ("boi_token_id", "eoi_token_id"),
         position_table="position_embedding_size",
+    ),
+    "gemma3": _Family(
+        ("pixel_values",),
+        ("boi_token_id", "eoi_token_id"),
+        soft_tokens="mm_tokens_per_image",
+        types="token_type_ids",
+        both_ways=True,
+        pooled_list=False,
+        blank="\n\n",
     ),
 }
 
@@ -207,7 +224,8 @@ class Vision:
         ends = [int(getattr(cfg, f)) for f in self.family.around]  # e.g. Gemma 4's boi, eoi
         self._before, self._after = ends[:1], ends[1:]
         text = cfg.get_text_config()
-        self.bidirectional = getattr(text, "use_bidirectional_attention", None) == "vision"
+        both_ways = getattr(text, "use_bidirectional_attention", None) == "vision"
+        self.bidirectional = self.family.both_ways or both_ways
         config = json.dumps(self.processor.to_dict(), sort_keys=True, default=str)
         self._salt = _DIGEST_DOMAIN + hashlib.sha256(config.encode()).digest()
         self._pixels = _Bounded(pixels_bytes)
@@ -233,6 +251,13 @@ class Vision:
     def ids(self, picture: Picture) -> list[int]:
         """The media token ids of ``picture``'s positions in a prompt."""
         return MEDIA_IDS.ids(MediaItem(picture.digest, self.placeholder, picture.length))
+
+    def text(self, tokenizer: Any) -> str:
+        """What one picture is in a prompt's text, for the chat template: the
+        placeholder token (:meth:`expand` widens it), with the family's blank text on
+        each side (so the prompt tokenizes as the model's own processor makes it)."""
+        mark = str(tokenizer.convert_ids_to_tokens(self.placeholder))
+        return self.family.blank + mark + self.family.blank
 
     def expand(self, tokens: Sequence[int], pictures: Sequence[Picture]) -> list[int]:
         """``tokens`` with its ``i``-th placeholder id replaced by ``pictures[i]``'s ids
@@ -263,10 +288,12 @@ class Vision:
             item, index = MEDIA_IDS.item(token)
             rows.append(self._encoded(item.digest)[index])
         # the model concatenates pooler_output's per-image tensors (its own encoder's form)
-        image = BaseModelOutputWithPooling(pooler_output=[torch.stack(rows)])  # type: ignore[arg-type]
+        stacked = torch.stack(rows)
+        pooled = [stacked] if self.family.pooled_list else stacked
+        image = BaseModelOutputWithPooling(pooler_output=pooled)  # type: ignore[arg-type]
         out = {"input_ids": plain, "mm_encoder_outputs": {"image": image}}
         if self.bidirectional:  # the positions attended both ways (the processor's type 1)
-            out["mm_token_type_ids"] = _types(media, past)
+            out[self.family.types] = _types(media, past)
         return out
 
     def _encoded(self, digest: bytes) -> torch.Tensor:
