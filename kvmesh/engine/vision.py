@@ -23,7 +23,8 @@ over an image goes both ways (Gemma 3's; Gemma 4's with
 of it) are :attr:`Vision.bidirectional`:
 a picture's keys and values depend on the whole picture, so a forward never stops
 inside one (the engine's ``forward_tokens``), and each forward says which of its
-positions are a picture's (``mm_token_type_ids``). Reuse may still end inside a
+positions are a picture's (Gemma 4's ``mm_token_type_ids``, Gemma 3's
+``token_type_ids``). Reuse may still end inside a
 picture: what was computed there saw the whole picture, which the key's digest
 names. Attention both ways over everything (``"all"``) is not a causal model:
 served as text only.
@@ -142,8 +143,8 @@ def sees_images(path: Path, cfg: dict[str, Any]) -> bool:
 
 
 def _types(media: torch.Tensor, past: int) -> torch.Tensor:
-    """The picture positions of a forward's ``media`` mask [rows, n] as Gemma 4's
-    ``mm_token_type_ids``, spanning its ``past`` cached positions as text too:
+    """The picture positions of a forward's ``media`` mask [rows, n] as the Gemmas'
+    token types (1: a picture's), spanning its ``past`` cached positions as text too:
     transformers looks them up by absolute position, and reads them as covering the
     sequence from its first position. Cached positions need no bidirectional pair
     (causal attention already sees them), so they are text (0) here."""
