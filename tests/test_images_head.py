@@ -78,7 +78,8 @@ def messages(*images: bytes) -> list[dict]:
 
 
 def model_path(name: str) -> str:
-    """A model the head serves with images: the embedded LLaVA, or the zoo's Gemma 4."""
+    """A model the head serves with images: the embedded LLaVA, or the zoo's Gemma 3
+    or Gemma 4 (causal over pictures, or ``BIDIR``)."""
     from kvmesh.engine.embedded import ensure_demo
 
     if name == MODEL:
