@@ -329,7 +329,7 @@ class BatchRunner:
         )
         group, chunks = order.group(ready, self.prefill_forwards)
         widened = self._widen_alone(group, chunks)
-        chunks = [self._whole(p, n) for p, n in zip(group, chunks, strict=True)]
+        chunks = [_whole(self.engine, p, n) for p, n in zip(group, chunks, strict=True)]
         try:
             self._prefill_forward(group, chunks)
         finally:
@@ -351,12 +351,6 @@ class BatchRunner:
         extra = self._budget.widen(pre.job, q)  # None: the budget lacks it
         chunks[0] = q if extra is not None else chunks[0]
         return extra or 0
-
-    def _whole(self, pre: Prefilling, n: int) -> int:
-        """``n`` tokens of ``pre``'s prompt, moved so the forward stops at no picture's
-        inside where the model attends both ways within one (``forward_tokens``)."""
-        state = pre.plan.state
-        return min(self.engine.forward_tokens(state.tokens, state.cached, n), pre.left)
 
     def _drop_prefill(
         self, pre: Prefilling, cancelled: bool = False, error: BaseException | None = None
@@ -544,6 +538,13 @@ class BatchRunner:
         for job in waiting:
             self._budget.release(job)
             job.end(error=error)
+
+
+def _whole(engine: Engine, pre: Prefilling, n: int) -> int:
+    """``n`` tokens of ``pre``'s prompt, moved so the forward stops at no picture's
+    inside where the model attends both ways within one (``forward_tokens``)."""
+    state = pre.plan.state
+    return min(engine.forward_tokens(state.tokens, state.cached, n), pre.left)
 
 
 def _resident_by_client(running: list[_Seq], prefilling: list[Prefilling]) -> dict[str, int]:
