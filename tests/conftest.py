@@ -58,23 +58,31 @@ def certs(tmp_path_factory):
 
 # Files that take minutes, started first: the README's command gives each file to one
 # worker in collection order, and a long file collected last keeps its worker busy
-# after the others ran out of files. Order only (a file missing here runs as before).
+# after the others ran out of files. Order only (a file missing here runs as before);
+# longest first, by the worker-seconds of a whole run (pytest --junitxml).
 LONG_FILES = (
+    "test_bench_smoke_fleet.py",
     "test_bench_smoke.py",
+    "test_bench_smoke_ttft.py",
+    "test_harnesses.py",
+    "test_zoo_mlx.py",
+    "test_cli.py",
+    "test_images_head.py",
     "test_today_procs.py",
     "test_deterministic.py",
-    "test_harnesses.py",
-    "test_api.py",
-    "test_bench_smoke_fleet.py",
-    "test_bench_smoke_ttft.py",
-    "test_cli.py",
-    "test_disk.py",
-    "test_client_sdks.py",
-    "test_today_torch.py",
     "test_zoo_torch.py",
-    "test_agents.py",
-    "test_lint.py",
+    "test_api.py",
+    "test_kernel_cache.py",
+    "test_mlx_today.py",
+    "test_today_torch.py",
+    "test_client_sdks.py",
+    "test_head_robust.py",
     "test_edge.py",
+    "test_dashboard.py",
+    "test_agents.py",
+    "test_sliding.py",
+    "test_disk.py",
+    "test_lint.py",
 )
 
 

@@ -6,6 +6,7 @@ network namespace exists) leave nothing behind and say why."""
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,7 +36,10 @@ def test_ttft_fails_a_forced_fetch_that_computed_and_says_why(tmp_path: Path) ->
     says it failed and why (the report's fallback reason), the JSON is written, and
     the run exits non-zero naming them."""
     out = tmp_path / "x.json"
-    proc, tag = start(ROOT / "bench" / "ttft.py", out, KVMESH_BENCH_FAIL="forced-fetch")
+    bench = ROOT / "bench" / "ttft.py"  # one model: the failure is the same on both
+    proc, tag = start(
+        bench, out, sys.executable, "--model", "demo-tiny", KVMESH_BENCH_FAIL="forced-fetch"
+    )
     text = finish(proc, tag)
     assert proc.returncode != 0 and "row(s) failed" in text, text
     rows = json.loads(out.read_text())["results"]

@@ -31,7 +31,8 @@ SAMPLING = Sampling(max_tokens=6)
 
 
 def head_node(seeds=()) -> NodeThread:
-    """The mesh node a test head runs on."""
+    """The mesh node a test head runs on (a loaded CI machine must not turn a slow
+    lookup into a miss: these tests assert hits, not the lookup's deadline)."""
     return NodeThread(
         NodeConfig(
             listen="127.0.0.1:0",
@@ -40,6 +41,7 @@ def head_node(seeds=()) -> NodeThread:
             gossip_interval=0.3,
             ttl=2,
             roles=("head", "cache"),
+            lookup_deadline=5.0,
         )
     )
 
