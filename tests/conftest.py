@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -12,8 +14,21 @@ import pytest
 # ast.parse with "AST constructor recursion depth mismatch" after tests that
 # leave coroutines to the garbage collector. Imported here, it is parsed first.)
 
-# Hermetic model/digest cache for the whole run (subprocesses inherit it).
-os.environ.setdefault("KVMESH_HOME", tempfile.mkdtemp(prefix="kvmesh-test-home-"))
+# OpenMP threads sleep when their work is done instead of spinning for milliseconds: three
+# test workers, and the heads and peers they start, share two cores, and a spinning
+# thread burns a core another process needed (measured: in-process model tests 0.66x the
+# wall time and CPU). Results do not depend on it; set it to test with spinning threads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Hermetic model/digest cache for the whole run (xdist's workers and every subprocess
+# inherit it: ~80 MB of zoo models), removed when the process that made it exits.
+if "KVMESH_HOME" not in os.environ:
+    os.environ["KVMESH_HOME"] = tempfile.mkdtemp(prefix="kvmesh-test-home-")
+    atexit.register(shutil.rmtree, os.environ["KVMESH_HOME"], ignore_errors=True)
+# vLLM's IPC sockets (a server that is killed leaves them) in a directory of the run's own
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvmesh-test-vllm-rpc-")
+    atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -185,21 +185,24 @@ def teach(src: Path, dst: Path, examples: list[tuple[list[int], list[int]]]) -> 
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    assert model.config.attention_dropout == 0.0  # a training forward's logits are eval's
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     batch = [
         (torch.tensor([p + a]), torch.tensor([[-100] * len(p) + a]), len(p)) for p, a in examples
     ]
     margin = 0.0
     for _step in range(600):
-        model.train()
         opt.zero_grad()
-        sum(model(input_ids=ids, labels=labels).loss for ids, labels, _ in batch).backward()
-        opt.step()
-        model.eval()
-        with torch.inference_mode():
-            margin = min(answer_margin(model, ids, n) for ids, _, n in batch)
+        outs = [model(input_ids=ids, labels=labels) for ids, labels, _ in batch]
+        # the margin of the weights this forward ran: saved as they are once it is enough
+        margin = min(
+            answer_margin(o.logits.detach(), ids, n)
+            for o, (ids, _, n) in zip(outs, batch, strict=True)
+        )
         if margin > 5.0:
             break
+        sum(o.loss for o in outs).backward()
+        opt.step()
     assert margin > 5.0, f"the model did not learn its answers (margin {margin:.2f})"
     print(f"\ntaught {len(examples)} answers in {_step + 1} steps (margin {margin:.1f})")
     model.save_pretrained(str(dst))
@@ -208,9 +211,9 @@ def teach(src: Path, dst: Path, examples: list[tuple[list[int], list[int]]]) -> 
             shutil.copy2(f, dst / f.name)
 
 
-def answer_margin(model: Any, ids: Any, n_prompt: int) -> float:
+def answer_margin(logits: Any, ids: Any, n_prompt: int) -> float:
     """Over the answer's tokens: the smallest lead of the right token's logit over the next."""
-    logits = model(input_ids=ids).logits[0, n_prompt - 1 : -1]
+    logits = logits[0, n_prompt - 1 : -1]
     want = ids[0, n_prompt:]
     right = logits.gather(1, want[:, None])[:, 0]
     other = logits.scatter(1, want[:, None], float("-inf")).max(dim=1).values

@@ -7,6 +7,7 @@ answer. Needs root and ``ip netns`` (CI runs as root); elsewhere it is skipped.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import secrets
@@ -89,6 +90,7 @@ def net():
 
 # a real fleet: non-loopback listeners need client authentication
 FLEET_KEY = Path(tempfile.mkdtemp(prefix="kvmesh-fleet-")) / "fleet.key"
+atexit.register(shutil.rmtree, FLEET_KEY.parent, ignore_errors=True)
 FLEET_KEY.write_text(secrets.token_hex(32))
 
 
