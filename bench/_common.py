@@ -24,7 +24,6 @@ import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,9 @@ from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import Block, Layout
 from kvmesh.compat import CompatCard
 from kvmesh.engine.hf import TransformersEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.procs import free_port, log_tail  # noqa: E402  (ports no connection takes first)
 
 
 def demo_card(
@@ -307,12 +309,6 @@ def spawn_kvmesh(
     return p, await_start(p, pattern, timeout_s)
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def spawn_vllm(
     python: str, model: str, args: Sequence[str], log: Path, start_s: float
 ) -> tuple[subprocess.Popen[Any], str]:
@@ -335,7 +331,7 @@ def spawn_vllm(
         except OSError:
             time.sleep(1)
     stop(proc)
-    raise RuntimeError(f"vllm serve did not start (log: {log})")
+    raise RuntimeError(f"vllm serve did not start; {log_tail(log)}")
 
 
 def spawn_peer(*args: str) -> tuple[subprocess.Popen[str], str]:

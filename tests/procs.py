@@ -13,11 +13,61 @@ import threading
 import time
 from pathlib import Path
 
+# Ports handed to servers come from below the kernel's ephemeral range: a port from
+# bind(0), released for a child to bind seconds later (vLLM imports for ~10 s first),
+# can be taken meanwhile by any outgoing connection on the machine
+PORTS_FROM = 10000
+_next_port: list[int] = []
+
+
+def _port_slice() -> range:
+    """This process's ports: its xdist worker's share of [PORTS_FROM, ephemeral start)
+    (two workers never pick the same one); empty when the kernel leaves no room."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (low - PORTS_FROM) // workers
+    return range(PORTS_FROM + worker % workers * size, PORTS_FROM + (worker % workers + 1) * size)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))  # every address: a server on any of them holds it
+        except OSError:
+            return False
+        return True
+
 
 def free_port() -> int:
+    """A TCP port no socket holds now, for a server started in another process: the
+    next bindable one of this process's slice (see ``_port_slice``), else one the
+    kernel picks."""
+    ports = _port_slice()
+    if len(ports) >= 100:
+        if not _next_port:  # where a process starts in its slice: its pid decides
+            _next_port.append(os.getpid() % len(ports))
+        for _ in range(len(ports)):
+            port = ports[_next_port[0] % len(ports)]
+            _next_port[0] += 1
+            if _bindable(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def log_tail(log: Path, lines: int = 40) -> str:
+    """A child's log path and last lines, for an error CI prints (CI's machine, and
+    the log with it, is gone when the report is read)."""
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        return f"log: {log} ({e})"
+    return f"log: {log}, last {len(tail)} lines:\n" + "\n".join(tail)
 
 
 class Peer:

@@ -97,6 +97,12 @@ def main() -> None:
             break
 
 
+def _log_tail(log: Path) -> str:
+    from ..procs import log_tail  # client side only: this file also runs as a script
+
+    return log_tail(log)
+
+
 class VLLMProcess:
     """Client side: start ``serve.py`` in a fresh process and send it commands."""
 
@@ -128,14 +134,14 @@ class VLLMProcess:
             raise
         if "error" in self.ready:
             self.kill()
-            raise RuntimeError(f"vLLM did not start: {self.ready['error']} (log: {log})")
+            raise RuntimeError(f"vLLM did not start: {self.ready['error']}; {_log_tail(log)}")
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("@@"):
                 return json.loads(line[2:])  # type: ignore[no-any-return]
-        raise RuntimeError(f"vLLM process ended (rc={self.proc.wait()}); log: {self.log}")
+        raise RuntimeError(f"vLLM process ended (rc={self.proc.wait()}); {_log_tail(self.log)}")
 
     def call(self, op: str, **kw: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -227,14 +233,15 @@ class APIServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log: {self.log}")
+                rc = self.proc.returncode
+                raise RuntimeError(f"vLLM server exited ({rc}); {_log_tail(self.log)}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
                         return
             except OSError:
                 time.sleep(1)
-        raise TimeoutError(f"vLLM server not ready in {timeout} s; log: {self.log}")
+        raise TimeoutError(f"vLLM server not ready in {timeout} s; {_log_tail(self.log)}")
 
     def complete(
         self, prompt: list[int], max_tokens: int = 4, model: str | None = None
