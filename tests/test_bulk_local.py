@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,38 @@ def test_a_live_nodes_socket_is_never_taken_over_and_a_dead_ones_is(runtime_dir)
     finally:
         third.stop()
     assert not os.path.exists(path)
+
+
+def dead_socket_file(path: Path, age_s: float) -> None:
+    """A socket file nobody listens on, as a killed node leaves it, ``age_s`` old."""
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+
+
+def test_a_starting_node_removes_dead_nodes_socket_files_and_no_live_ones(runtime_dir):
+    live = BulkServer(CacheService(BlockStore(1 << 20)))
+    live.start("127.0.0.1", 0, local_socket_path("node-live"))
+    try:
+        long_ago = time.time() - 3600
+        os.utime(live.local_path, (long_ago, long_ago))  # a node up for an hour
+        stale = runtime_dir / "bulk-killed-an-hour-ago.sock"
+        young = runtime_dir / "bulk-killed-just-now.sock"  # or bound, not yet listening
+        dead_socket_file(stale, 3600)
+        dead_socket_file(young, 1)
+        other = runtime_dir / "bulk-not-a-socket.sock"
+        other.write_text("")
+        os.utime(other, (long_ago, long_ago))
+        starting = BulkServer(CacheService(BlockStore(1 << 20)))
+        starting.start("127.0.0.1", 0, local_socket_path("node-new"))
+        starting.stop()
+        assert not stale.exists()
+        assert young.exists() and other.exists() and os.path.exists(live.local_path)
+        # the live node answered the probe: a connection, not a refused request
+        wait_for(lambda: live.counters["bulk_local_connections"] == 1, 10)
+        wait_for(lambda: live.gate.counts() == (0, 0), 10)  # its handler is done
+        assert not [k for k in live.counters if k.startswith("bulk_rejected")], live.counters
+    finally:
+        live.stop()

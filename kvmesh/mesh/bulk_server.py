@@ -23,7 +23,11 @@ benchmark's shaper where it has no root).
 Publish bytes are reserved against the cache service's in-flight cap before they
 are allocated; every refusal is counted as ``bulk_rejected:<reason>``. Under TLS
 client certificates are required when the server has a CA. A same-host Unix
-socket is served only from a private directory of this user's.
+socket is served only from a private directory of this user's; a node that binds
+one there removes the files of dead nodes' sockets (older than ``STALE_SOCKET_S``,
+refusing connections: a killed node never unlinks its own, and no later node has
+its id). A connection that closes before sending a byte is a liveness probe (that
+sweep's, a TCP health check's): nothing is counted against it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import logging
 import os
 import socket
 import ssl
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -88,6 +93,7 @@ PROGRESS_S = 10.0
 DRAIN_S = 1.0  # after an error answered past the hello, read (and drop) this long so it lands
 PACE_BYTES = 64 << 10  # a paced stream's bytes per send
 MAX_CODECS = 8
+STALE_SOCKET_S = 60.0  # a younger socket file may be a starting node's, bound but not listening
 
 
 class Pacer:
@@ -347,6 +353,8 @@ class BulkServer:
         stream: Stream | None = None
         try:
             deadline = conn.accepted + self.auth_s  # the whole pre-auth phase
+            if _sent_nothing(conn.sock, deadline) and not conn.evicted:  # (cut: counted)
+                return
             if self._ssl is not None:
                 self._handshake(conn, deadline)
             stream = Stream(conn.sock, self.auth_s, deadline)
@@ -507,17 +515,11 @@ def _unix_listener(path: str) -> tuple[socket.socket, int]:
     os.makedirs(folder, mode=0o700, exist_ok=True)
     if not private_dir(folder):
         raise PermissionError(f"{folder} is not a private directory of this user")
+    _remove_dead_sockets(folder)
     if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody listens: a dead node's
-        else:
+        if not _refuses(path):  # (one that answers, or is too busy to: a live node's)
             raise FileExistsError(f"a live node listens at {path}")
-        finally:
-            probe.close()
+        os.unlink(path)  # nobody listens: a dead node's
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
@@ -529,6 +531,49 @@ def _unix_listener(path: str) -> tuple[socket.socket, int]:
         raise
     sock.settimeout(0.25)
     return sock, inode
+
+
+def _refuses(path: str) -> bool:
+    """Nobody listens at the Unix socket ``path`` (the connect is refused). A full
+    backlog (a live node, busy or stopped) answers at once too, without waiting."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+def _remove_dead_sockets(folder: str) -> None:
+    """Unlink each ``bulk-*.sock`` in ``folder`` older than ``STALE_SOCKET_S`` that
+    refuses connections: a node killed without its ``finally`` leaves its file, and
+    a restart has another node id, so nothing would ever replace it."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            if not (entry.name.startswith("bulk-") and entry.name.endswith(".sock")):
+                continue
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                old = stat.S_ISSOCK(st.st_mode) and now - st.st_mtime > STALE_SOCKET_S
+                if old and _refuses(entry.path):
+                    os.unlink(entry.path)
+
+
+def _sent_nothing(sock: socket.socket, deadline: float) -> bool:
+    """The client closed before its first byte: a probe of whether this node is alive,
+    not a request to refuse. Anything else (bytes, silence, an error) is left to the
+    stream's own reads."""
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return False
 
 
 def _codec(asked: Any) -> str:
