@@ -183,19 +183,13 @@ class APIServer:
         max_model_len: int = 512,
         timeout: float = 600,
     ) -> None:
-        from ..procs import free_port
-
         self.model = model
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
             model,
-            "--port",
-            str(self.port),
             "--host",
             "127.0.0.1",
             "--dtype",
@@ -218,14 +212,36 @@ class APIServer:
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        out = open(log, "a")  # noqa: SIM115
         self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, start_new_session=True)
+        self._start(cmd, env, timeout, retry=True)
+
+    def _start(self, cmd: list[str], env: dict[str, str], timeout: float, retry: bool) -> None:
+        """The server on a free port, once ready. Started once more on another port when
+        it lost a port race: vLLM takes its own internal ports by ``bind(0)`` and release
+        (a port another process may take first), which nothing outside it can close."""
+        from ..procs import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        seen = self.log.stat().st_size if self.log.exists() else 0
+        out = open(self.log, "a")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*cmd, "--port", str(self.port)],
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+        )
         try:
             self._wait_ready(timeout)
-        except BaseException:
+        except BaseException as e:
             self.close()
-            raise
+            with open(self.log, "rb") as f:
+                f.seek(seen)  # this start's lines only
+                lost_race = b"Address already in use" in f.read()
+            if not (retry and lost_race and isinstance(e, RuntimeError)):
+                raise
+            self._start(cmd, env, timeout, retry=False)
 
     def _wait_ready(self, timeout: float) -> None:
         import urllib.request
