@@ -310,11 +310,12 @@ def spawn_kvmesh(
 
 
 def spawn_vllm(
-    python: str, model: str, args: Sequence[str], log: Path, start_s: float
+    python: str, model: str, args: Sequence[str], log: Path, start_s: float, retry: bool = True
 ) -> tuple[subprocess.Popen[Any], str]:
     """``vllm serve`` (its OpenAI server module, under ``python``: the vLLM venv's) on a
     free loopback port, owned, once ``/health`` answers; (process, URL). Its output
-    goes to ``log``."""
+    goes to ``log``. A start that lost a port race (vLLM takes its internal ports by
+    ``bind(0)`` and release) is tried once more."""
     url = f"http://127.0.0.1:{free_port()}"
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], *args]
@@ -330,7 +331,10 @@ def spawn_vllm(
                     return proc, url
         except OSError:
             time.sleep(1)
+    exited = proc.poll() is not None
     stop(proc)
+    if retry and exited and "Address already in use" in log.read_text(errors="replace"):
+        return spawn_vllm(python, model, args, log, start_s, retry=False)
     raise RuntimeError(f"vllm serve did not start; {log_tail(log)}")
 
 
