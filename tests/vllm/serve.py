@@ -103,6 +103,14 @@ def _log_tail(log: Path) -> str:
     return log_tail(log)
 
 
+def _lost_port_race(log: Path, seen: int) -> bool:
+    """What a start wrote to ``log`` after its first ``seen`` bytes says a port it
+    took was taken first (vLLM takes its internal ports by ``bind(0)`` and release)."""
+    with open(log, "rb") as f:
+        f.seek(seen)
+        return b"Address already in use" in f.read()
+
+
 class VLLMProcess:
     """Client side: start ``serve.py`` in a fresh process and send it commands."""
 
@@ -116,25 +124,36 @@ class VLLMProcess:
     ) -> None:
         if kvmesh is not None:  # a loaded CI machine must not turn a slow lookup into a miss
             kvmesh = {"lookup_timeout": 5.0, **kvmesh}
-        arg = json.dumps({"model": model, "kvmesh": kvmesh, **opts})
         self.log = log
+        arg = json.dumps({"model": model, "kvmesh": kvmesh, **opts})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.ready = self._start(arg, env)
+        if "error" in self.ready and _lost_port_race(self.log, self._seen):
+            self.ready = self._start(arg, env)  # (see APIServer._start)
+        if "error" in self.ready:
+            self.kill()
+            raise RuntimeError(f"vLLM did not start: {self.ready['error']}; {_log_tail(log)}")
+
+    def _start(self, arg: str, env: dict[str, str]) -> dict[str, Any]:
+        """A fresh ``serve.py`` process; its first answer (ready, or the error)."""
+        self._seen = self.log.stat().st_size if self.log.exists() else 0
         self.proc = subprocess.Popen(
             [sys.executable, __file__, arg],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=open(log, "a"),  # noqa: SIM115
+            stderr=open(self.log, "a"),  # noqa: SIM115
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env=env,
             start_new_session=True,  # vLLM's own processes go with it on kill()
         )
         try:
-            self.ready = self._read()
+            ready = self._read()
         except BaseException:
             self.kill()
             raise
-        if "error" in self.ready:
+        if "error" in ready:
             self.kill()
-            raise RuntimeError(f"vLLM did not start: {self.ready['error']}; {_log_tail(log)}")
+        return ready
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -236,10 +255,7 @@ class APIServer:
             self._wait_ready(timeout)
         except BaseException as e:
             self.close()
-            with open(self.log, "rb") as f:
-                f.seek(seen)  # this start's lines only
-                lost_race = b"Address already in use" in f.read()
-            if not (retry and lost_race and isinstance(e, RuntimeError)):
+            if not (retry and isinstance(e, RuntimeError) and _lost_port_race(self.log, seen)):
                 raise
             self._start(cmd, env, timeout, retry=False)
 
