@@ -229,7 +229,7 @@ def start_head(args: list[str]) -> tuple[subprocess.Popen[str], str]:
 def ask(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
     """One streamed chat turn: TTFT, total time, usage and the answer's text."""
     t0 = time.perf_counter()
-    first, usage, text, chunks = 0.0, None, [], 0
+    first, usage, text, chunks, report = 0.0, None, [], 0, None
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:500]!r}")
@@ -250,6 +250,7 @@ def ask(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
                 for tc in d.get("tool_calls") or []:
                     text.append((tc.get("function") or {}).get("arguments") or "")
             usage = event.get("usage") or usage
+            report = event.get("kvmesh") or report  # a head's, with the usage
     if usage is None:
         raise RuntimeError("no usage event")
     return {
@@ -259,6 +260,8 @@ def ask(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
         "completion_tokens": usage.get("completion_tokens", 0),
         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
         "answer": "".join(text),
+        # a head's seconds per stage to the first token (vLLM: none)
+        "stages": (report or {}).get("breakdown") or None,
     }
 
 

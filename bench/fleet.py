@@ -408,7 +408,18 @@ def summarize(rows: list[dict[str, Any]], wall: float) -> dict[str, Any]:
         "reused_tokens": sum(r["cached_tokens"] for r in ok),
         "reused_fraction": sum(r["cached_tokens"] for r in ok) / prompt if prompt else None,
         "error_samples": [r["error"] for r in rows if r["error"]][:3],
+        "mean_stages_ms": mean_stages(ok),
     }
+
+
+def mean_stages(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The heads' mean milliseconds per stage to the first token (their own
+    ``kvmesh.breakdown``: lookup, connect, transfer, verify, queue, import, first_token);
+    None for a system that reports none."""
+    staged = [r["stages"] for r in rows if r.get("stages")]
+    if not staged:
+        return None
+    return {k: round(1000 * statistics.fmean(s.get(k, 0.0) for s in staged), 2) for k in staged[0]}
 
 
 # ---------------------------------------------------------------- the fleet
@@ -1198,7 +1209,8 @@ def main() -> None:
                     print(
                         f"{name}/{policy}/{trace_name}: TTFT mean {row['mean_ttft_s']}, p99 "
                         f"{row['p99_ttft_s']}, errors {row['errors']}/{row['requests']}, "
-                        f"reused {row['reused_fraction']}, link {row['link_bytes']} B",
+                        f"reused {row['reused_fraction']}, link {row['link_bytes']} B"
+                        + (f", stages ms {row['mean_stages_ms']}" if row["mean_stages_ms"] else ""),
                         flush=True,
                     )
         finally:

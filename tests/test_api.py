@@ -148,6 +148,10 @@ def test_openai_client_streaming_and_not(head):
     assert chunks[-1].usage.completion_tokens == 6
     # the second identical request was served from the head's live session
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    report = chunks[-1].model_extra["kvmesh"]  # what kvmesh did, as a whole answer says it
+    assert report["reused_tokens"] == chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert report["breakdown"].keys() == full.model_extra["kvmesh"]["breakdown"].keys()
+    assert 0 < sum(report["breakdown"].values()) <= report["ttft_s"] + 1e-6
     comp = client.completions.create(
         model="demo-tiny", prompt="The cache never decides", max_tokens=5, temperature=0
     )

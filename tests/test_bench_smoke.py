@@ -128,6 +128,14 @@ def finish(proc: subprocess.Popen[str], tag: str) -> str:
     return (stdout or "")[-3000:] + (stderr or "")[-3000:]
 
 
+def _stages_fit(row: dict[str, Any]) -> bool:
+    """A kvmesh row's mean stages to the first token, as its heads reported them: every
+    stage, and together no more than the TTFT its client saw (router and HTTP on top)."""
+    stages = row["mean_stages_ms"] or {}
+    names = {"lookup", "connect", "transfer", "verify", "queue", "import", "first_token"}
+    return stages.keys() == names and 0 < sum(stages.values()) <= 1000 * row["mean_ttft_s"]
+
+
 def _ttft(d: dict[str, Any]) -> bool:
     """Both models (demo-tiny, and its sliding-window copy) on loopback and a paced
     100mbit link, and a tbf 1gbit one where namespaces work: every path measured
@@ -314,6 +322,7 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and any(r["system"] == "kvmesh" for r in d["results"])
         and all(r["errors"] == 0 and r["requests"] > 0 for r in d["results"])
         and all(r["reused_fraction"] > 0 for r in d["results"])
+        and all(_stages_fit(r) for r in d["results"] if r["system"] == "kvmesh")
     ),
     "head_overhead.py": lambda d: d["miss_ttft_s"] > 0 and d["freeze_first_ttft_s"] > 0,
     "healthz.py": lambda d: d["full"]["cancelled"] >= d["full"]["waiting"] + d["full"]["max_batch"],

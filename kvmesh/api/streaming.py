@@ -59,7 +59,8 @@ class _Events:
     """Each choice's text as the engine detokenizes it (text that could start a
     stop string is held back until it cannot) with the logprobs of the tokens
     that text accounts for, a chunk whenever a token was decoded (its text
-    possibly empty); then the finish reasons, and usage if asked. With a tool
+    possibly empty); then the finish reasons, and usage if asked (with the
+    answer's ``kvmesh`` report, as a whole answer carries it). With a tool
     parser, content and ``tool_calls`` deltas as :class:`.tools.ToolStream`
     finds them. An echoed prompt is each choice's first chunk."""
 
@@ -99,8 +100,10 @@ class _Events:
                 yield event
         for event in self._news(final=True):
             yield event
-        if self.usage:
-            yield self._frame([], usage=self.render.usage(self.runs))
+        if self.usage:  # what kvmesh did rides with it, as on a whole answer
+            yield self._frame(
+                [], usage=self.render.usage(self.runs), kvmesh=self.render.report(self.runs)
+            )
 
     def _news(self, final: bool) -> Iterator[str]:
         """A chunk for each choice that has news since the last (every choice when
