@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import shutil
@@ -415,3 +416,20 @@ def test_completions_keep_bos_and_chat_does_not_double_it():
         assert out["usage"]["prompt_tokens"] == len(ids)
     finally:
         h.stop()
+
+
+def test_an_idle_connection_is_the_clients_to_close(head):
+    """A keep-alive connection idle past the expiry clients use (httpx's and guidellm's
+    5 s; uvicorn's default keep-alive was the same 5 s, so a request sent just then
+    met a closing socket: a ReadError) still serves: the head closes it much later."""
+    host, port = head.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().read() and conn.sock is not None
+        first = conn.sock
+        time.sleep(6.0)  # idle past 5 s
+        conn.request("GET", "/v1/models")  # on the same socket: closed, this raises
+        assert conn.getresponse().status == 200 and conn.sock is first
+    finally:
+        conn.close()

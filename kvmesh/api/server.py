@@ -8,6 +8,9 @@ A request without ``max_tokens`` generates at most ``max_tokens_default`` tokens
 (``DEFAULT_MAX_TOKENS`` unless the operator says otherwise; None: the rest of the
 context window, as OpenAI and vLLM), so one client cannot hold a batch slot for a
 whole context by leaving it out.
+
+An idle HTTP connection stays open ``HTTP_KEEP_ALIVE_S`` (longer than clients keep
+theirs), so that the client, not the head, is the side that closes it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
     from .head_options import HeadOptions
 
 log = logging.getLogger("kvmesh.head")
+
+HTTP_KEEP_ALIVE_S = 75.0
 
 
 def bind(listen: str) -> socket.socket:
@@ -177,6 +182,10 @@ def _uvicorn_config(app: Any, opts: HeadOptions) -> Any:
         ws="none",
         # X-Forwarded-For/-Proto name the client and the scheme only from a proxy the
         # operator named: from anyone else (loopback too) they would forge both
+        # an idle connection is closed by the client, not under it: a server that
+        # closes first (uvicorn's default 5 s, httpx's and guidellm's expiry too) races
+        # a request the client sends on it then (a ReadError); nginx's default
+        timeout_keep_alive=HTTP_KEEP_ALIVE_S,
         proxy_headers=bool(opts.forwarded_allow_ips),
         forwarded_allow_ips=opts.forwarded_allow_ips or "",
         ssl_certfile=opts.http_tls_cert,
