@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
 
 log = logging.getLogger("kvmesh.head")
 
-HTTP_KEEP_ALIVE_S = 75.0
+HTTP_KEEP_ALIVE_S = 75
 
 
 def bind(listen: str) -> socket.socket:
