@@ -180,12 +180,12 @@ def _uvicorn_config(app: Any, opts: HeadOptions) -> Any:
         loop="asyncio",
         http="h11",
         ws="none",
-        # X-Forwarded-For/-Proto name the client and the scheme only from a proxy the
-        # operator named: from anyone else (loopback too) they would forge both
         # an idle connection is closed by the client, not under it: a server that
         # closes first (uvicorn's default 5 s, httpx's and guidellm's expiry too) races
         # a request the client sends on it then (a ReadError); nginx's default
         timeout_keep_alive=HTTP_KEEP_ALIVE_S,
+        # X-Forwarded-For/-Proto name the client and the scheme only from a proxy the
+        # operator named: from anyone else (loopback too) they would forge both
         proxy_headers=bool(opts.forwarded_allow_ips),
         forwarded_allow_ips=opts.forwarded_allow_ips or "",
         ssl_certfile=opts.http_tls_cert,
