@@ -43,7 +43,7 @@ from kvmesh.compat import CompatCard
 from kvmesh.engine.hf import TransformersEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.procs import free_port, log_tail  # noqa: E402  (ports no connection takes first)
+from tests.procs import free_port, log_tail, lost_port_race  # noqa: E402  (ports no connection takes first)
 
 
 def demo_card(
@@ -333,7 +333,7 @@ def spawn_vllm(
             time.sleep(1)
     exited = proc.poll() is not None
     stop(proc)
-    if retry and exited and "Address already in use" in log.read_text(errors="replace"):
+    if retry and exited and lost_port_race(log):
         return spawn_vllm(python, model, args, log, start_s, retry=False)
     raise RuntimeError(f"vllm serve did not start; {log_tail(log)}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 # bind(0), released for a child to bind seconds later (vLLM imports for ~10 s first),
 # can be taken meanwhile by any outgoing connection on the machine
 PORTS_FROM = 10000
-_next_port: list[int] = []
+_cursor = itertools.count(os.getpid())  # where a process starts in its slice: its pid
 
 
 def _port_slice() -> range:
@@ -48,11 +49,8 @@ def free_port() -> int:
     kernel picks."""
     ports = _port_slice()
     if len(ports) >= 100:
-        if not _next_port:  # where a process starts in its slice: its pid decides
-            _next_port.append(os.getpid() % len(ports))
         for _ in range(len(ports)):
-            port = ports[_next_port[0] % len(ports)]
-            _next_port[0] += 1
+            port = ports[next(_cursor) % len(ports)]
             if _bindable(port):
                 return port
     with socket.socket() as s:
@@ -68,6 +66,18 @@ def log_tail(log: Path, lines: int = 40) -> str:
     except OSError as e:
         return f"log: {log} ({e})"
     return f"log: {log}, last {len(tail)} lines:\n" + "\n".join(tail)
+
+
+def lost_port_race(log: Path, since: int = 0) -> bool:
+    """What a server wrote to ``log`` after its first ``since`` bytes says a port it
+    took was taken first (vLLM takes its internal ports by ``bind(0)`` and release, a
+    race nothing outside it can close): worth one more start."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(since)
+            return b"Address already in use" in f.read()
+    except OSError:
+        return False
 
 
 class Peer:

@@ -103,12 +103,14 @@ def _log_tail(log: Path) -> str:
     return log_tail(log)
 
 
-def _lost_port_race(log: Path, seen: int) -> bool:
-    """What a start wrote to ``log`` after its first ``seen`` bytes says a port it
-    took was taken first (vLLM takes its internal ports by ``bind(0)`` and release)."""
-    with open(log, "rb") as f:
-        f.seek(seen)
-        return b"Address already in use" in f.read()
+def _lost_port_race(log: Path, since: int) -> bool:
+    from ..procs import lost_port_race  # client side only (as above)
+
+    return lost_port_race(log, since)
+
+
+def _size(log: Path) -> int:
+    return log.stat().st_size if log.exists() else 0
 
 
 class VLLMProcess:
@@ -127,16 +129,14 @@ class VLLMProcess:
         self.log = log
         arg = json.dumps({"model": model, "kvmesh": kvmesh, **opts})
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.ready = self._start(arg, env)
-        if "error" in self.ready and _lost_port_race(self.log, self._seen):
-            self.ready = self._start(arg, env)  # (see APIServer._start)
+        self.ready = self._start(arg, env, retry=True)
         if "error" in self.ready:
-            self.kill()
             raise RuntimeError(f"vLLM did not start: {self.ready['error']}; {_log_tail(log)}")
 
-    def _start(self, arg: str, env: dict[str, str]) -> dict[str, Any]:
-        """A fresh ``serve.py`` process; its first answer (ready, or the error)."""
-        self._seen = self.log.stat().st_size if self.log.exists() else 0
+    def _start(self, arg: str, env: dict[str, str], retry: bool) -> dict[str, Any]:
+        """A fresh ``serve.py`` process; its first answer (ready, or the error, the
+        process killed then). Started once more after a lost port race."""
+        since = _size(self.log)
         self.proc = subprocess.Popen(
             [sys.executable, __file__, arg],
             stdin=subprocess.PIPE,
@@ -153,6 +153,8 @@ class VLLMProcess:
             raise
         if "error" in ready:
             self.kill()
+            if retry and _lost_port_race(self.log, since):
+                return self._start(arg, env, retry=False)
         return ready
 
     def _read(self) -> dict[str, Any]:
@@ -242,7 +244,7 @@ class APIServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        seen = self.log.stat().st_size if self.log.exists() else 0
+        since = _size(self.log)
         out = open(self.log, "a")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [*cmd, "--port", str(self.port)],
@@ -255,7 +257,7 @@ class APIServer:
             self._wait_ready(timeout)
         except BaseException as e:
             self.close()
-            if not (retry and isinstance(e, RuntimeError) and _lost_port_race(self.log, seen)):
+            if not (retry and isinstance(e, RuntimeError) and _lost_port_race(self.log, since)):
                 raise
             self._start(cmd, env, timeout, retry=False)
 
