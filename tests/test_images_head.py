@@ -1,7 +1,10 @@
 """Images on the head: ``image_url`` content parts on a LLaVA (``demo-vl-tiny``), on
 Gemma 4 (the zoo's, with its image processor), causal over pictures and attending
-both ways within them (``use_bidirectional_attention: "vision"``), and on Gemma 3
-(the zoo's, both ways within pictures on every layer).
+both ways within them (``use_bidirectional_attention: "vision"``), on Gemma 3
+(the zoo's, both ways within pictures on every layer), and on Qwen2.5-VL and
+Qwen3.5 (the zoo's, 3-D rotary positions: M-RoPE; Qwen3.5 a hybrid), whose
+positions in every forward (one row or a batch's, prefill or decode) are the
+model's own count over the whole sequence.
 
 Engine: a prompt's image positions hold media token ids; its forward (whole, or
 in chunks: inside the image where attention is causal, at its edges where it goes
@@ -47,9 +50,10 @@ BEFORE = "A long stretch of text that comes before the picture, shared by all. "
 AFTER = " What is in the picture, in one word?"
 
 
-def png(seed: int, touch: tuple[int, int] | None = None) -> bytes:
-    """A seeded 40x50 RGB picture as PNG; ``touch``: that one pixel changed."""
-    pixels = (np.random.default_rng(seed).random((40, 50, 3)) * 255).astype("uint8")
+def png(seed: int, touch: tuple[int, int] | None = None, size: tuple[int, int] = (40, 50)) -> bytes:
+    """A seeded RGB picture of ``size`` (height, width) as PNG; ``touch``: that one
+    pixel changed."""
+    pixels = (np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8")
     if touch is not None:
         pixels[touch] = 255 - pixels[touch]
     out = io.BytesIO()
@@ -86,16 +90,25 @@ def model_path(name: str) -> str:
         return str(ensure_demo(MODEL))
     if name == "gemma3":
         return str(zoo.gemma3_vision_model())
+    if name == QWEN:
+        return str(zoo.qwen2_5_vl_model())
+    if name == QWEN35:
+        return str(zoo.qwen3_5_vision_model())
     return str(zoo.gemma4_vision_model(bidirectional=name == BIDIR))
 
 
 BIDIR = "gemma4-bidir"  # its sliding layers attend both ways within a picture
-MODELS = [MODEL, "gemma4", BIDIR, "gemma3"]  # Gemma 3: both ways within a picture, every layer
+QWEN = "qwen2_5_vl"  # positions in 3-D (M-RoPE)
+QWEN35 = "qwen3_5"  # M-RoPE over gated DeltaNet and attention layers (a hybrid)
+# Gemma 3: both ways within a picture, every layer
+MODELS = [MODEL, "gemma4", BIDIR, "gemma3", QWEN, QWEN35]
 MARKS = {
     MODEL: "<image>",
     "gemma4": "<|image|>",
     BIDIR: "<|image|>",
     "gemma3": "<image_soft_token>",
+    QWEN: "<|image_pad|>",
+    QWEN35: "<|image_pad|>",
 }
 
 
@@ -111,13 +124,16 @@ def prompt(engine, *images: bytes) -> list[int]:
     return engine.vision.expand(tokens, [engine.vision.picture(i) for i in images])
 
 
-def own_forward(engine, tokens: list[int], picture: bytes) -> torch.Tensor:
-    """The last logits of transformers' own forward of ``tokens`` with the picture's
-    encoder inputs (and, attended both ways, which positions are the picture's)."""
+def own_forward(engine, tokens: list[int], *pictures: bytes) -> torch.Tensor:
+    """The last logits of transformers' own forward of ``tokens`` with the pictures'
+    encoder inputs (and, attended both ways or rotated in 3-D, which positions are
+    the pictures': the model then counts their positions itself)."""
     plain = torch.tensor([_as_text(engine, tokens)])
-    own = {k: v[None] for k, v in engine.vision.picture(picture).inputs.items()}
-    if engine.vision.bidirectional:
-        own[engine.vision.family.types] = (plain == engine.vision.placeholder).long()
+    vision = engine.vision
+    each = [vision.encoder_inputs(vision.picture(p)) for p in pictures]
+    own = {k: torch.cat([e[k] for e in each]) for k in each[0]}
+    if vision.bidirectional or vision.mrope:
+        own[vision.family.types] = (plain == vision.placeholder).long()
     with torch.inference_mode():
         return engine.model(input_ids=plain, **own).logits[0, -1]
 
@@ -235,11 +251,55 @@ def odd_pictures() -> dict[str, bytes]:
     }
 
 
+@pytest.mark.parametrize("name", [QWEN, QWEN35])
+def test_qwen_positions_in_3d_are_the_models_own_in_every_forward(name):
+    """Qwen2.5-VL rotates by 3-D positions (M-RoPE) that depend on every picture
+    before a position; transformers keeps that offset on the model between calls,
+    the engine counts each row's from its own sequence. Two prompts, each with two
+    pictures of other shapes (so other offsets), prefilled in one batch in chunks that
+    cut pictures, then decoded in one batch: each row's logits are transformers' own
+    forward of its whole sequence."""
+    engine = TransformersEngine(Path(model_path(name)))
+    shown = [
+        [png(1, size=(24, 64)), png(2, size=(64, 16))],
+        [png(3, size=(48, 40)), png(4, size=(16, 56))],
+    ]
+    prompts = [prompt(engine, *pictures) for pictures in shown]
+    vision = engine.vision
+    for tokens, pictures in zip(prompts, shown, strict=True):
+        plain = torch.tensor([_as_text(engine, tokens)])
+        grids = torch.stack([vision.picture(p).inputs["image_grid_thw"] for p in pictures])
+        types = (plain == vision.placeholder).long()
+        own, _ = engine.model.model.get_rope_index(plain, types, grids)
+        assert torch.equal(vision.positions(tokens, 0, len(tokens)), own[:, 0])
+    states = [engine.begin_prefill(tokens) for tokens in prompts]
+    firsts = [prompts[0].index(first_media_id(prompts[0])) + 7, len(BEFORE) // 9]
+    engine.prefill_batch(states, firsts)  # one row stops inside a picture, one before both
+    engine.prefill_batch(states, [len(t) - n for t, n in zip(prompts, firsts, strict=True)])
+    for state, pictures in zip(states, shown, strict=True):
+        assert torch.allclose(state.logits, own_forward(engine, state.tokens, *pictures), atol=1e-4)
+    for _ in range(3):
+        for state in states:
+            state.tokens.append(int(state.logits.argmax()))
+        engine.decode_batch(states)
+    for state, pictures in zip(states, shown, strict=True):
+        assert torch.allclose(state.logits, own_forward(engine, state.tokens, *pictures), atol=1e-4)
+
+
+def first_media_id(tokens: list[int]) -> int:
+    """The first media id of ``tokens``."""
+    return next(t for t in tokens if t >= MEDIA_BASE)
+
+
 def test_odd_pictures_are_served_or_refused_before_any_forward(engine):
     """Every mode and shape is served (a finite forward) or a :class:`BadImage` at
     decoding, never an encoder failure: Gemma 4's vision tower indexes a table of
-    patch positions, so a picture too long and thin for it is refused up front."""
+    patch positions, so a picture too long and thin for it is refused up front, and
+    Qwen's processor refuses an aspect over 200."""
     from kvmesh.engine.vision import BadImage
+
+    aspect = "aspect ratio must be smaller"
+    refused = {"gemma4": "too long and thin", "qwen2_5_vl": aspect, "qwen3_5": aspect}
 
     text = BEFORE + engine.tokenizer.convert_ids_to_tokens(engine.vision.placeholder)
     tokens = engine.encode_chat([{"role": "user", "content": text}])
@@ -247,8 +307,8 @@ def test_odd_pictures_are_served_or_refused_before_any_forward(engine):
         try:
             picture = engine.vision.picture(data)
         except BadImage as e:
-            assert name == "1x4000" and engine.model.config.model_type == "gemma4", (name, e)
-            assert "too long and thin" in str(e)
+            why = refused.get(engine.model.config.model_type)
+            assert name == "1x4000" and why is not None and why in str(e), (name, e)
             continue
         logits = engine.prefill(engine.vision.expand(tokens, [picture])).logits
         assert torch.isfinite(logits).all(), name
@@ -358,7 +418,7 @@ def first_image_position(head: Head, model: str, mark: str, picture: bytes) -> i
 # Across processes: the embedded model and the most particular family (both ways within a
 # picture); every family's forward and keys are checked in-process above (the fleet's path is
 # one for all, and each head start here costs CI a model load)
-@pytest.mark.parametrize("name", [MODEL, BIDIR])
+@pytest.mark.parametrize("name", [MODEL, BIDIR, QWEN35])
 def test_an_image_prompt_is_a_remote_hit_after_a_restart_and_a_pixel_is_a_miss(tmp_path, name):
     model = model_path(name)
     peer = Peer(alias="vl-peer", log_dir=tmp_path)

@@ -1670,6 +1670,74 @@ def gemma3_vision_model() -> Path:
     return _atomic(dst, build)
 
 
+QWEN_VL_IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def qwen2_5_vl_model() -> Path:
+    """A tiny ``Qwen2_5_VLForConditionalGeneration``: ``hf_model("qwen2")``'s text
+    model (its tokenizer plus Qwen's vision tokens) rotating by M-RoPE (sections
+    4/6/6 of its 16 frequencies), a 2-layer vision tower of width 32 (patches of 4,
+    merged 2x2, one windowed layer and one full), seeded weights, and Qwen2-VL's PIL
+    image processor taking 16x16 to 64x64 pixels (4 to 64 positions a picture, its
+    grid following the picture's shape)."""
+    src = hf_model("qwen2")
+    dst = zoo_home() / f"qwen2_5_vl-float32-r{_recipe('qwen2')}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        tok = AutoTokenizer.from_pretrained(str(src))
+        tok.add_special_tokens({"additional_special_tokens": list(QWEN_VL_IMAGE_TOKENS)})
+        start, end, image, video = tok.convert_tokens_to_ids(list(QWEN_VL_IMAGE_TOKENS))
+        text = json.loads((src / "config.json").read_text())
+        text |= {"vocab_size": len(tok), "architectures": None, "model_type": "qwen2_5_vl_text"}
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [4, 6, 6]}
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+        vision |= {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+        vision |= {"window_size": 16, "fullatt_block_indexes": [1]}
+        vision["out_hidden_size"] = text["hidden_size"]
+        config = Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=image,
+            video_token_id=video,
+            vision_start_token_id=start,
+            vision_end_token_id=end,
+        )
+        torch.manual_seed(5)
+        Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        pixels = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
+        Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, size=pixels).save_pretrained(tmp)
+        if (src / "chat_template.jinja").is_file():  # the text model's template
+            shutil.copy2(src / "chat_template.jinja", tmp / "chat_template.jinja")
+
+    return _atomic(dst, build)
+
+
+def qwen3_5_vision_model() -> Path:
+    """``qwen3_5_hub`` (Qwen3.5: gated DeltaNet layers between attention layers, M-RoPE,
+    its tiny vision tower: patches of 4 merged 2x2) with Qwen2-VL's PIL image
+    processor taking 16x16 to 64x64 pixels, so the head serves it with images."""
+    src = hf_model("qwen3_5_hub")
+    dst = zoo_home() / f"qwen3_5_vl-float32-r{_recipe('qwen3_5_hub')}"
+
+    def build(tmp: Path) -> None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        pixels = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
+        Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, size=pixels).save_pretrained(tmp)
+
+    return _atomic(dst, build)
+
+
 # --- a vision-language model vLLM's CPU build runs ------------------------------------------------
 
 

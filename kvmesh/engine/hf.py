@@ -62,6 +62,7 @@ from ..compat import LayerGeometry, kv_quant_params
 from ..errors import CacheMiss, CannotRestore, ConfigError
 from . import attention, lora
 from . import deterministic as det
+from . import rows as seqs
 from .attention import continuing
 from .base import EngineBase
 from .decode import Sampling
@@ -612,20 +613,18 @@ def _prefill_rows(
     if width:
         _pad_pasts(cache, states, width)
     ids = torch.zeros((rows, q_max), dtype=torch.long, device=engine.device)
-    pos = torch.arange(q_max, device=engine.device).repeat(rows, 1)
     mask = torch.zeros((rows, width + q_max), dtype=torch.long, device=engine.device)
     for row, (s, n, q) in enumerate(zip(states, pasts, chunks, strict=True)):
         ids[row, :q] = torch.tensor(s.tokens[n : n + q], device=engine.device)
-        pos[row] += n
         mask[row, width - n : width + q] = 1
     last = sorted({q - 1 for q in chunks})  # the positions whose logits are kept
     keep = torch.tensor(last, dtype=torch.long, device=engine.device)
     kw = {engine._cache_kw: cache}
-    with batched(engine._prefill_kernels()), lora.rows([s.adapter for s in states]):
+    with batched(engine._prefill_kernels()), _rows(states):
         out = engine.model(
             **_inputs(engine, ids, width),
             attention_mask=mask,
-            position_ids=pos,
+            position_ids=_positions(engine, pasts, q_max),
             use_cache=True,
             logits_to_keep=keep,
             **kw,
@@ -759,6 +758,27 @@ def _load_model(
     return model.eval(), want
 
 
+def _rows(states: Sequence[KVState]) -> Any:
+    """Within it, the rows of a forward are ``states`` (:func:`kvmesh.engine.rows.rows`)."""
+    return seqs.rows([s.adapter for s in states], [s.tokens for s in states])
+
+
+def _positions(engine: TransformersEngine, starts: Sequence[int], width: int) -> torch.Tensor:
+    """Row ``i``'s positions ``starts[i] + [0, width)`` as a forward takes them:
+    [rows, width]; under M-RoPE [4, rows, width], those (the attention mask's) above
+    each row's 3-D positions, counted over its whole sequence (the forward's
+    :func:`kvmesh.engine.rows.sequences`)."""
+    at = torch.tensor(list(starts), dtype=torch.long)[:, None]
+    pos = (torch.arange(width, dtype=torch.long) + at).to(engine.device)
+    if engine.vision is None or not engine.vision.mrope:
+        return pos
+    whole = seqs.sequences()
+    if whole is None or len(whole) != len(starts):
+        raise RuntimeError("an M-RoPE forward outside rows() naming its sequences")
+    turned = [engine.vision.positions(s, a, width) for s, a in zip(whole, starts, strict=True)]
+    return torch.cat([pos[None], torch.stack(turned, dim=1).to(engine.device)])
+
+
 def _inputs(engine: TransformersEngine, ids: torch.Tensor, past: int) -> dict[str, Any]:
     """A forward's inputs: ``ids`` (after ``past`` cached positions), or with media
     ids among them their images'."""
@@ -853,7 +873,8 @@ class TransformersEngine(EngineBase):
     def _probe(self) -> CacheGeometry:
         """The geometry of the cache a real forward fills (:func:`_probe_layers`)."""
         self._slots: dict[int, list[tuple[str, int]]] = {}
-        cache, _ = self._forward(None, [0], 0)
+        with seqs.rows([None], [[0]]):
+            cache, _ = self._forward(None, [0], 0)
         geometry, self._slots = _probe_layers(cache, self.model.config, self.dtype)
         return geometry
 
@@ -954,6 +975,8 @@ class TransformersEngine(EngineBase):
         for piece in pieces:
             ids = torch.tensor([piece], dtype=torch.long, device=self.device)
             kw = {self._cache_kw: cache}
+            if self.vision is not None and self.vision.mrope:
+                kw["position_ids"] = _positions(self, [pos], len(piece))
             with batched(self._prefill_kernels() if kernels is None else kernels), continuing():
                 out = self.model(**_inputs(self, ids, pos), use_cache=True, logits_to_keep=1, **kw)
             _settle(cache, len(piece))  # the cache was extended in place
@@ -968,7 +991,7 @@ class TransformersEngine(EngineBase):
         pending = state.tokens[state.cached :]
         # a lone step: its row count's kernel (deterministic: as a batch's row, or F.linear)
         kernels = self.kernels if self._rowwise or not self.grid else {}
-        with lora.rows([state.adapter]):
+        with _rows([state]):
             state.cache, state.logits = self._forward(
                 state.cache, pending, state.cached, False, kernels
             )
@@ -1078,16 +1101,15 @@ class TransformersEngine(EngineBase):
                 return
             batch = _Batch.build(self, states)
         ids = torch.tensor([[s.tokens[s.cached]] for s in states], device=self.device)
-        pos = torch.tensor([[n] for n in batch.lens], device=self.device)
         mask = batch.grow_mask()
         kw = {self._cache_kw: batch.cache}
         rows = det.rowwise([n + 1 for n in batch.lens]) if self._rowwise else nullcontext()
         # a failed forward leaves the batch half written: it is not kept
-        with batched(self.kernels), rows, lora.rows([s.adapter for s in states]):
+        with batched(self.kernels), rows, _rows(states):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
-                position_ids=pos,
+                position_ids=_positions(self, batch.lens, 1),
                 use_cache=True,
                 logits_to_keep=1,
                 **kw,

@@ -1,4 +1,5 @@
-"""Images for a vision-language model on the torch engine (LLaVA, Gemma 3, Gemma 4).
+"""Images for a vision-language model on the torch engine (LLaVA, Gemma 3, Gemma 4,
+Qwen2-VL and Qwen2.5-VL).
 
 :class:`Vision` turns an image file's bytes into a :class:`Picture`: what the
 model's own image processor makes of it (a transformers PIL processor; no
@@ -28,6 +29,15 @@ positions are a picture's (Gemma 4's ``mm_token_type_ids``, Gemma 3's
 picture: what was computed there saw the whole picture, which the key's digest
 names. Attention both ways over everything (``"all"``) is not a causal model:
 served as text only.
+
+Qwen2-VL's family rotates by 3-D positions (M-RoPE: a picture's positions are its
+rows and columns from the position where it starts, and the text after it goes on
+from the largest of those), so a position depends on every picture before it.
+transformers keeps that offset on the model object between calls (``rope_deltas``),
+which concurrent sequences would share; here every forward is given its positions
+instead (:meth:`Vision.positions`), computed from the whole sequence of each row
+(:func:`kvmesh.engine.rows.sequences`) and each picture's grid, which its digest
+names.
 """
 
 from __future__ import annotations
@@ -43,9 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..blocks import MEDIA_BASE, MEDIA_IDS, MediaItem
+from ..blocks import MEDIA_BASE, MEDIA_IDS, MEDIA_MAX_LENGTH, MediaItem
 
 MAX_IMAGE_BYTES = 20 << 20  # one image file, as sent
 MAX_IMAGE_PIXELS = 40_000_000  # width x height before decoding (PIL's bomb check is 89M)
@@ -70,6 +81,7 @@ class Picture:
     digest: bytes
     inputs: dict[str, torch.Tensor]
     length: int
+    grid: tuple[int, int, int] = (1, 1, 1)  # (frames, rows, columns) of positions (M-RoPE)
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +103,9 @@ class _Family:
     both_ways: bool = False  # attention within a picture always goes both ways (Gemma 3)
     pooled_list: bool = True  # the forward takes pooler_output as a list (else one tensor)
     blank: str = ""  # text on each side of a picture in the prompt (Gemma 3's processor's)
+    # the processor gives one picture's patches as rows (no image axis) and their grid
+    # (``image_grid_thw``), whose positions rotate in 3-D (Qwen2-VL's M-RoPE)
+    patches: bool = False
 
     def check(self, inputs: dict[str, Any], cfg: Any) -> None:
         """A :class:`BadImage` where the encoder could not take ``inputs``."""
@@ -104,7 +119,24 @@ class _Family:
                 f"side, its vision tower takes at most {table}"
             )
 
+    @property
+    def flat(self) -> tuple[str, ...]:
+        """The encoder inputs given with no image axis (one picture's patch rows)."""
+        return ("pixel_values",) if self.patches else ()
+
+    def grid(self, out: Any, cfg: Any) -> tuple[int, int, int]:
+        """A picture's positions as (frames, rows, columns): merged patches (M-RoPE),
+        else one row of :meth:`length`."""
+        if not self.patches:
+            return (1, 1, self.length(out, cfg))
+        merge = int(cfg.vision_config.spatial_merge_size)
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        return (t, h // merge, w // merge)
+
     def length(self, out: Any, cfg: Any) -> int:
+        if self.patches:
+            t, h, w = self.grid(out, cfg)
+            return t * h * w
         if self.soft_tokens:
             return int(getattr(cfg, self.soft_tokens))
         if "num_soft_tokens_per_image" in out:
@@ -131,6 +163,12 @@ FAMILIES = {
         blank="\n\n",
     ),
 }
+_QWEN = _Family(
+    ("pixel_values", "image_grid_thw"),
+    ("vision_start_token_id", "vision_end_token_id"),
+    patches=True,
+)
+FAMILIES |= {"qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN, "qwen3_5": _QWEN}
 
 
 def sees_images(path: Path, cfg: dict[str, Any]) -> bool:
@@ -227,27 +265,74 @@ class Vision:
         text = cfg.get_text_config()
         both_ways = getattr(text, "use_bidirectional_attention", None) == "vision"
         self.bidirectional = self.family.both_ways or both_ways
+        self.mrope = self.family.patches  # positions in 3-D: :meth:`positions`
         config = json.dumps(self.processor.to_dict(), sort_keys=True, default=str)
         self._salt = _DIGEST_DOMAIN + hashlib.sha256(config.encode()).digest()
         self._pixels = _Bounded(pixels_bytes)
         self._features = _Bounded(features_bytes)
+        self._grids = _Bounded(MEDIA_IDS.capacity)  # digest -> Picture.grid (one unit each)
         self.encoded = 0  # images run through the encoder
         self.encoder_seconds = 0.0
 
     def picture(self, data: bytes, root: bytes | None = None) -> Picture:
         """The processed image of ``data`` (an image file's bytes) for a request under
         chain ``root`` (None: the shared cache), held for forwards."""
-        out = self.processor(images=[decode_image(data)], return_tensors="pt")
-        inputs = {k: out[k][0].contiguous() for k in self.family.encoder_inputs}
+        image = decode_image(data)
+        try:
+            out = self.processor(images=[image], return_tensors="pt")
+        except ValueError as e:  # a shape the processor refuses (Qwen's: an aspect over 200)
+            raise BadImage(f"the image cannot be processed for this model: {e}") from None
+        flat = self.family.flat
+        inputs = {
+            k: (out[k] if k in flat else out[k][0]).contiguous() for k in self.family.encoder_inputs
+        }
         self.family.check(inputs, self.config)
         length = self.family.length(out, self.config)
+        grid = self.family.grid(out, self.config)
         h = hashlib.sha256(self._salt + (root or b"") + length.to_bytes(4, "little"))
         for name, t in sorted(inputs.items()):
             h.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
             h.update(t.numpy())  # its bytes in place (contiguous): no copy
-        picture = Picture(h.digest(), inputs, length)
+        picture = Picture(h.digest(), inputs, length, grid)
         self._pixels.put(picture.digest, picture, picture.nbytes)
+        self._grids.put(picture.digest, grid, 1)
         return picture
+
+    def positions(self, tokens: Sequence[int], start: int, n: int) -> torch.Tensor:
+        """M-RoPE's positions [3, n] of positions ``[start, start + n)`` of the
+        sequence ``tokens`` (from its first position): a text position is its index
+        plus what the pictures before it add; a picture's are its (frame, row, column)
+        from the position it starts at, and the text after it goes on from the largest
+        of them plus one, as the model's own ``get_rope_index`` counts. Positions past
+        ``tokens`` (a batch row's padding) go on as text."""
+        end = start + n
+        out = np.tile(np.arange(start, end, dtype=np.int64), (3, 1))
+        seq = np.asarray(tokens[:end], dtype=np.int64)
+        at = np.flatnonzero(seq >= MEDIA_BASE)
+        shift = 0  # what the pictures so far add to a text position
+        for first in np.unique(at - (seq[at] - MEDIA_BASE) % MEDIA_MAX_LENGTH).tolist():
+            t, h, w = self._grid(seq, first)
+            length, base = t * h * w, first + shift
+            lo, hi = max(first, start), min(first + length, end)
+            if lo < hi:
+                grid = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+                own = np.stack(grid).reshape(3, -1) + base
+                out[:, lo - start : hi - start] = own[:, lo - first : hi - first]
+            after, shift_after = max(first + length, start), base + max(t, h, w) - first - length
+            out[:, after - start :] += shift_after - shift
+            shift = shift_after
+        return torch.from_numpy(out)
+
+    def _grid(self, seq: np.ndarray, first: int) -> tuple[int, int, int]:
+        """The grid of the picture starting at ``seq[first]``: an :class:`ImageGone`
+        where that is no picture this process still knows (its positions cannot be
+        counted, so nothing after it can be computed)."""
+        item, index = MEDIA_IDS.item(int(seq[first])) if first >= 0 else (None, -1)
+        grid = self._grids.get(item.digest) if item is not None and index == 0 else None
+        if grid is None or item is None or grid[0] * grid[1] * grid[2] != item.length:
+            raise ImageGone("an image of this prompt is no longer held: send it again")
+        t, h, w = grid
+        return t, h, w
 
     def ids(self, picture: Picture) -> list[int]:
         """The media token ids of ``picture``'s positions in a prompt."""
@@ -311,9 +396,14 @@ class Vision:
         self._features.put(digest, feats, feats.numel() * feats.element_size())
         return feats
 
+    def encoder_inputs(self, picture: Picture) -> dict[str, torch.Tensor]:
+        """``picture``'s encoder inputs as the model takes a batch of it alone."""
+        flat = self.family.flat
+        return {k: v if k in flat else v[None] for k, v in picture.inputs.items()}
+
     def _encode(self, picture: Picture) -> torch.Tensor:
         """The encoder's output for ``picture``: one row per position it takes."""
-        kw: dict[str, Any] = {k: v[None] for k, v in picture.inputs.items()}
+        kw = self.encoder_inputs(picture)
         kw["pixel_values"] = kw["pixel_values"].to(self.model.dtype)
         if self.config.model_type == "llava":
             kw["vision_feature_layer"] = self.config.vision_feature_layer
