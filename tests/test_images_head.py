@@ -1,7 +1,7 @@
 """Images on the head: ``image_url`` content parts on a LLaVA (``demo-vl-tiny``), on
 Gemma 4 (the zoo's, with its image processor), causal over pictures and attending
 both ways within them (``use_bidirectional_attention: "vision"``), on Gemma 3
-(the zoo's, both ways within pictures on every layer), and on Qwen2.5-VL and
+(the zoo's, both ways within pictures on every layer), and on Qwen2.5-VL, Qwen3-VL and
 Qwen3.5 (the zoo's, 3-D rotary positions: M-RoPE; Qwen3.5 a hybrid), whose
 positions in every forward (one row or a batch's, prefill or decode) are the
 model's own count over the whole sequence.
@@ -94,14 +94,17 @@ def model_path(name: str) -> str:
         return str(zoo.qwen2_5_vl_model())
     if name == QWEN35:
         return str(zoo.qwen3_5_vision_model())
+    if name == QWEN3:
+        return str(zoo.qwen3_vl_model())
     return str(zoo.gemma4_vision_model(bidirectional=name == BIDIR))
 
 
 BIDIR = "gemma4-bidir"  # its sliding layers attend both ways within a picture
 QWEN = "qwen2_5_vl"  # positions in 3-D (M-RoPE)
 QWEN35 = "qwen3_5"  # M-RoPE over gated DeltaNet and attention layers (a hybrid)
+QWEN3 = "qwen3_vl"  # M-RoPE interleaved, and the encoder feeds early layers too (deepstack)
 # Gemma 3: both ways within a picture, every layer
-MODELS = [MODEL, "gemma4", BIDIR, "gemma3", QWEN, QWEN35]
+MODELS = [MODEL, "gemma4", BIDIR, "gemma3", QWEN, QWEN35, QWEN3]
 MARKS = {
     MODEL: "<image>",
     "gemma4": "<|image|>",
@@ -109,6 +112,7 @@ MARKS = {
     "gemma3": "<image_soft_token>",
     QWEN: "<|image_pad|>",
     QWEN35: "<|image_pad|>",
+    QWEN3: "<|image_pad|>",
 }
 
 
@@ -251,7 +255,7 @@ def odd_pictures() -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("name", [QWEN, QWEN35])
+@pytest.mark.parametrize("name", [QWEN, QWEN35, QWEN3])
 def test_qwen_positions_in_3d_are_the_models_own_in_every_forward(name):
     """Qwen2.5-VL rotates by 3-D positions (M-RoPE) that depend on every picture
     before a position; transformers keeps that offset on the model between calls,
@@ -300,6 +304,7 @@ def test_odd_pictures_are_served_or_refused_before_any_forward(engine):
 
     aspect = "aspect ratio must be smaller"
     refused = {"gemma4": "too long and thin", "qwen2_5_vl": aspect, "qwen3_5": aspect}
+    refused["qwen3_vl"] = aspect
 
     text = BEFORE + engine.tokenizer.convert_ids_to_tokens(engine.vision.placeholder)
     tokens = engine.encode_chat([{"role": "user", "content": text}])

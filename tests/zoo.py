@@ -1719,6 +1719,56 @@ def qwen2_5_vl_model() -> Path:
     return _atomic(dst, build)
 
 
+def qwen3_vl_model() -> Path:
+    """A tiny ``Qwen3VLForConditionalGeneration``: a 4-layer Qwen3 text model of width
+    64 (``hf_model("qwen2")``'s tokenizer plus Qwen's vision tokens) rotating by
+    interleaved M-RoPE (sections 6/5/5 of its 16 frequencies), a 2-layer vision tower
+    of width 32 (patches of 4 merged 2x2, learned positions interpolated) whose first
+    layer also feeds the text model's first layer at the picture's positions
+    (deepstack), seeded weights, and Qwen2-VL's PIL image processor taking 16x16 to
+    64x64 pixels."""
+    src = hf_model("qwen2")
+    dst = zoo_home() / f"qwen3_vl-float32-r{_recipe('qwen2')}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        tok = AutoTokenizer.from_pretrained(str(src))
+        tok.add_special_tokens({"additional_special_tokens": list(QWEN_VL_IMAGE_TOKENS)})
+        start, end, image, video = tok.convert_tokens_to_ids(list(QWEN_VL_IMAGE_TOKENS))
+        text = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128}
+        text |= {"num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1}
+        text |= {"head_dim": 32, "tie_word_embeddings": True}
+        rope = {"rope_type": "default", "rope_theta": 1000000.0}
+        text["rope_parameters"] = rope | {"mrope_section": [6, 5, 5], "mrope_interleaved": True}
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+        vision |= {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+        vision |= {"num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
+        vision["out_hidden_size"] = text["hidden_size"]
+        config = Qwen3VLConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=image,
+            video_token_id=video,
+            vision_start_token_id=start,
+            vision_end_token_id=end,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(6)
+        Qwen3VLForConditionalGeneration(config).eval().save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        pixels = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
+        Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, size=pixels).save_pretrained(tmp)
+        if (src / "chat_template.jinja").is_file():  # the text model's template
+            shutil.copy2(src / "chat_template.jinja", tmp / "chat_template.jinja")
+
+    return _atomic(dst, build)
+
+
 def qwen3_5_vision_model() -> Path:
     """``qwen3_5_hub`` (Qwen3.5: gated DeltaNet layers between attention layers, M-RoPE,
     its tiny vision tower: patches of 4 merged 2x2) with Qwen2-VL's PIL image

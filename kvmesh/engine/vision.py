@@ -1,5 +1,5 @@
 """Images for a vision-language model on the torch engine (LLaVA, Gemma 3, Gemma 4,
-Qwen2-VL and Qwen2.5-VL).
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5).
 
 :class:`Vision` turns an image file's bytes into a :class:`Picture`: what the
 model's own image processor makes of it (a transformers PIL processor; no
@@ -168,7 +168,7 @@ _QWEN = _Family(
     ("vision_start_token_id", "vision_end_token_id"),
     patches=True,
 )
-FAMILIES |= {"qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN, "qwen3_5": _QWEN}
+FAMILIES |= {"qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN, "qwen3_5": _QWEN, "qwen3_vl": _QWEN}
 
 
 def sees_images(path: Path, cfg: dict[str, Any]) -> bool:
@@ -219,6 +219,18 @@ class _Bounded:
             while self._bytes > self.capacity and len(self._items) > 1:
                 _, (_, old) = self._items.popitem(last=False)
                 self._bytes -= old
+
+
+def _deepstack(rows: torch.Tensor) -> Any:
+    """Encoder rows [n, 1 + layers, width] as Qwen3-VL's encoder gives them: the
+    rows the prompt's embeddings take, and each deepstack layer's, added to the
+    hidden states of the text model's first layers at the picture's positions."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+        BaseModelOutputWithDeepstackFeatures,
+    )
+
+    deep = [[rows[:, k]] for k in range(1, rows.shape[1])]
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=[rows[:, 0]], deepstack_features=deep)
 
 
 def decode_image(data: bytes) -> Any:
@@ -375,8 +387,11 @@ class Vision:
             rows.append(self._encoded(item.digest)[index])
         # the model concatenates pooler_output's per-image tensors (its own encoder's form)
         stacked = torch.stack(rows)
-        pooled = [stacked] if self.family.pooled_list else stacked
-        image = BaseModelOutputWithPooling(pooler_output=pooled)  # type: ignore[arg-type]
+        if stacked.ndim == 3:  # [n, 1 + layers, width]: the deepstack layers' rows too
+            image = _deepstack(stacked)
+        else:
+            pooled = [stacked] if self.family.pooled_list else stacked
+            image = BaseModelOutputWithPooling(pooler_output=pooled)  # type: ignore[arg-type]
         out = {"input_ids": plain, "mm_encoder_outputs": {"image": image}}
         if self.bidirectional:  # the positions attended both ways (the processor's type 1)
             out[self.family.types] = _types(media, past)
@@ -413,4 +428,7 @@ class Vision:
         feats = feats.reshape(-1, feats.shape[-1])
         if feats.shape[0] != picture.length:
             raise ValueError(f"the encoder gave {feats.shape[0]} rows for {picture.length}")
+        deep = getattr(out, "deepstack_features", None)  # Qwen3-VL: rows for early layers
+        if deep:
+            feats = torch.stack([feats, *(torch.cat(list(d), dim=0) for d in deep)], dim=1)
         return feats
