@@ -229,8 +229,9 @@ def _deepstack(rows: torch.Tensor) -> Any:
         BaseModelOutputWithDeepstackFeatures,
     )
 
-    deep = [[rows[:, k]] for k in range(1, rows.shape[1])]
-    return BaseModelOutputWithDeepstackFeatures(pooler_output=[rows[:, 0]], deepstack_features=deep)
+    deep: Any = [[rows[:, k]] for k in range(1, rows.shape[1])]
+    pooled: Any = [rows[:, 0]]  # per picture, as its encoder splits them (typed as one)
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=pooled, deepstack_features=deep)
 
 
 def decode_image(data: bytes) -> Any:
