@@ -517,3 +517,143 @@ def test_bad_images_are_400s_and_the_head_goes_on():
     finally:
         head.stop()
         text.stop()
+
+
+# -- a picture's encoder rows, shared as a block (kvmesh.runtime.pictures) -----------------------
+
+
+@pytest.mark.parametrize("name", [MODEL, QWEN3])
+def test_a_pictures_encoder_rows_are_a_block_another_engine_takes_instead_of_encoding(name):
+    """The rows one engine encoded, as a block of their own card (over the wire
+    codec), are what another engine computes the prompt with, its encoder not run:
+    the same logits (Qwen3-VL's deepstack rows included)."""
+    from kvmesh.codec import Layout, decode_block
+
+    a, b = (TransformersEngine(Path(model_path(name))) for _ in range(2))
+    tokens = prompt(a, png(1))
+    want = a.prefill(tokens).logits
+    assert prompt(b, png(1)) == tokens  # the same picture: the same media ids
+    [(digest, ids)] = b.vision.needed(tokens, 0)
+    assert a.vision.needed(tokens, 0) == []  # a holds its rows
+    assert b.vision.needed(tokens, tokens.index(ids[-1]) + 1) == []  # past it: not needed
+    card = a.vision.rows_card(a.card, len(ids))
+    keyer = BlockKeyer(card.namespace, len(ids))
+    block = a.vision.rows_block(card, keyer, digest)
+    assert block.header.key == keyer.keys(ids).blocks[0]
+    b.vision.take(digest, decode_block(block.blob, Layout(card), block.digest))
+    assert b.vision.needed(tokens, 0) == []
+    got = b.prefill(tokens).logits
+    assert b.vision.encoded == 0 and b.vision.taken == 1
+    assert torch.equal(got, want)
+
+
+def test_encoder_rows_that_are_not_a_pictures_are_refused_and_nothing_is_held():
+    """Another card's block (a prompt's KV) and rows with a NaN are refused: the
+    engine holds nothing for the picture and encodes it."""
+    from kvmesh.engine.vision import _Bounded
+
+    engine = TransformersEngine(Path(model_path(MODEL)))
+    tokens = prompt(engine, png(2))
+    [(digest, ids)] = engine.vision.needed(tokens, 0)
+    kv = engine.export(engine.prefill(tokens[: engine.card.block_tokens]), engine_keyer(engine))
+    engine.vision._features = _Bounded(1 << 30)  # forget the rows the prefill encoded
+    with pytest.raises(ValueError, match="encoder rows"):
+        engine.vision.take(digest, kv[0])
+    card = engine.vision.rows_card(engine.card, len(ids))
+    keyer = BlockKeyer(card.namespace, len(ids))
+    engine.vision._features.put(digest, torch.full((len(ids), 64), float("nan")), 1)
+    poisoned = engine.vision.rows_block(card, keyer, digest)
+    engine.vision._features = _Bounded(1 << 30)
+    with pytest.raises(ValueError, match="not finite"):
+        engine.vision.take(digest, poisoned)
+    assert engine.vision.needed(tokens, 0) == [(digest, ids)]
+    encoded = engine.vision.encoded
+    assert torch.isfinite(engine.prefill(tokens).logits).all()
+    assert engine.vision.encoded == encoded + 1
+
+
+def engine_keyer(engine) -> BlockKeyer:
+    return BlockKeyer(engine.card.namespace, engine.card.block_tokens)
+
+
+def test_a_picture_encoded_on_one_head_is_not_encoded_on_another(tmp_path):
+    """Head 1 answers a prompt with a picture and publishes; head 2, a new process,
+    gets the same picture after other text (so no KV of it is anywhere): it takes
+    the picture's encoder rows from the fleet and does not encode it, and answers
+    exactly as a head alone encoding it does. A picture one pixel apart is encoded."""
+    model = model_path(MODEL)
+    peer = Peer(alias="rows-peer", log_dir=tmp_path)
+    picture = png(9)
+    other = [{"type": "text", "text": "Another question entirely, then the same picture. "}]
+    other += [{"type": "image_url", "image_url": {"url": data_url(picture)}}]
+    other_body = {"model": model, "messages": [{"role": "user", "content": other}]}
+    other_body |= {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    try:
+        h1 = Head("--seed", peer.address, model=model)
+        try:
+            h1.wait(lambda s: s["peers"] >= 1)
+            complete(h1, picture, model=model)
+            h1.wait(lambda s: s["publish_pending"] == 0)
+        finally:
+            h1.stop()
+        h2 = Head("--seed", peer.address, model=model)
+        try:
+            h2.wait(lambda s: s["compatible_peers"] >= 1)
+            shared = h2.http.post("/v1/chat/completions", json=other_body).json()
+            taken = h2.metric("kvmesh_image_rows_taken_total")
+            encoded = h2.metric("kvmesh_images_encoded_total")
+            complete(h2, png(9, touch=(3, 4)), model=model)
+            encoded_after = h2.metric("kvmesh_images_encoded_total")
+        finally:
+            h2.stop()
+    finally:
+        peer.kill()
+    alone = Head(model=model)
+    try:
+        cold = alone.http.post("/v1/chat/completions", json=other_body).json()
+        assert alone.metric("kvmesh_images_encoded_total") == 1
+    finally:
+        alone.stop()
+    assert (taken, encoded, encoded_after) == (1, 0, 1)
+    assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # no KV of it
+    assert answer(shared) == answer(cold)
+
+
+def test_wrong_picture_rows_from_a_peer_are_caught_by_an_audit_and_replaced(tmp_path):
+    """A peer serving a picture's rows scaled (well-formed, sealed, digest right:
+    no structural check can tell) is caught by ``--audit-rate``'s encode again: the
+    peer is quarantined and the engine holds its own rows from then on."""
+    from kvmesh.runtime.pictures import PictureRows
+
+    from .test_mesh import SAMPLING, close, make_head
+
+    forger_engine, engine = (TransformersEngine(Path(model_path(MODEL))) for _ in range(2))
+    peer = Peer(alias="rows-forger-peer", log_dir=tmp_path)
+    picture = png(13)
+    forger = make_head(forger_engine, [peer.address], alias="rows-forger")
+    try:
+        wait_for(lambda: len(forger.fleet.members()) >= 1, what="gossip")
+        tokens = prompt(forger_engine, picture)
+        [(digest, ids)] = forger_engine.vision.needed(tokens, 0)
+        true_rows = forger_engine.vision._encoded(digest)
+        forger_engine.vision._features.put(digest, true_rows * 1.5, 1, replace=True)
+        card, _, keyer = PictureRows(forger_engine.vision, forger_engine.card, forger.fleet)._for(
+            len(ids)
+        )
+        forger.fleet.publish(card, [forger_engine.vision.rows_block(card, keyer, digest)])
+        forger.flush()
+    finally:
+        close(forger)
+    h = make_head(engine, [peer.address], runtime={"audit_rate": 1.0})
+    try:
+        wait_for(lambda: len(h.fleet.members()) >= 1, what="gossip")
+        out = h.complete(prompt(engine, picture), SAMPLING)
+        assert out.report.source == "compute" and engine.vision.taken == 1
+        wait_for(lambda: h.telemetry.counters["audits"] >= 1, what="the audit")
+        assert h.telemetry.counters["audit_mismatch"] == 1
+        peer_id = next(c.node_id for c in h.fleet.members() if c.alias == peer.alias)
+        assert not h.planner.usable(peer_id)
+        assert torch.equal(engine.vision._features.get(digest), true_rows)
+    finally:
+        close(h)
+        peer.kill()

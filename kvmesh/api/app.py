@@ -212,6 +212,11 @@ class HeadCollector(Collector):
             "Seconds in the vision encoder",
             value=vision.encoder_seconds,
         )
+        yield CounterMetricFamily(
+            "kvmesh_image_rows_taken",
+            "Images whose encoder rows came from this node's store or a peer (not encoded)",
+            value=vision.taken,
+        )
 
     def _peers(self, c: dict[str, Any]) -> Any:
         """Per-peer health (circuit breaker and audits), peers named by alias."""

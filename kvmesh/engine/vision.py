@@ -38,16 +38,26 @@ which concurrent sequences would share; here every forward is given its position
 instead (:meth:`Vision.positions`), computed from the whole sequence of each row
 (:func:`kvmesh.engine.rows.sequences`) and each picture's grid, which its digest
 names.
+
+A picture's encoder rows can be shared like KV (:mod:`kvmesh.runtime.pictures`): as
+one block of a card of their own (:meth:`Vision.rows_card`: the model's card, one
+"layer" per kind of row, the encoder's then each deepstack layer's, K the first half
+of each row and V the second, one picture a block), keyed by its media ids, so
+they travel, are verified and are stored as any block is. :meth:`Vision.needed`
+names the pictures a prefill would encode; :meth:`Vision.take` holds rows fetched
+for one (checked: shape, finite values), :meth:`Vision.rows_block` makes the block
+of rows held, and :meth:`Vision.fresh` hands over the pictures encoded here since.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,13 +66,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..blocks import MEDIA_BASE, MEDIA_IDS, MEDIA_MAX_LENGTH, MediaItem
+from ..blocks import MEDIA_BASE, MEDIA_IDS, MEDIA_MAX_LENGTH, BlockKeyer, MediaItem
+from ..codec import Block, Layout, new_blob
+from ..compat import CompatCard
 
 MAX_IMAGE_BYTES = 20 << 20  # one image file, as sent
 MAX_IMAGE_PIXELS = 40_000_000  # width x height before decoding (PIL's bomb check is 89M)
 #: the formats decoded (what OpenAI's API takes): no other PIL parser sees a client's bytes
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _DIGEST_DOMAIN = b"kvmesh/image/v1\x00"
+ROWS_ENGINE = "+image-encoder"  # appended to the model card's engine: a rows card's
+FRESH = 256  # pictures encoded here and not yet handed over (the oldest dropped past it)
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class BadImage(ValueError):
@@ -209,16 +224,23 @@ class _Bounded:
             self._items.move_to_end(digest)
             return found[0]
 
-    def put(self, digest: bytes, value: Any, size: int) -> None:
+    def put(self, digest: bytes, value: Any, size: int, replace: bool = False) -> None:
         with self._lock:
-            if digest in self._items:
+            if digest in self._items and not replace:
                 self._items.move_to_end(digest)
                 return
+            if digest in self._items:
+                self._bytes -= self._items.pop(digest)[1]
             self._items[digest] = (value, size)
             self._bytes += size
             while self._bytes > self.capacity and len(self._items) > 1:
                 _, (_, old) = self._items.popitem(last=False)
                 self._bytes -= old
+
+
+def _tensor(view: memoryview, dtype: str) -> torch.Tensor:
+    """A copy of ``view``'s values as a tensor of ``dtype`` (a card's name)."""
+    return torch.frombuffer(bytearray(view), dtype=_TORCH[dtype])
 
 
 def _deepstack(rows: torch.Tensor) -> Any:
@@ -286,6 +308,8 @@ class Vision:
         self._grids = _Bounded(MEDIA_IDS.capacity)  # digest -> Picture.grid (one unit each)
         self.encoded = 0  # images run through the encoder
         self.encoder_seconds = 0.0
+        self.taken = 0  # pictures whose encoder rows came from elsewhere (take)
+        self._fresh: deque[tuple[bytes, int]] = deque(maxlen=FRESH)  # (digest, length)
 
     def picture(self, data: bytes, root: bytes | None = None) -> Picture:
         """The processed image of ``data`` (an image file's bytes) for a request under
@@ -410,13 +434,117 @@ class Vision:
         self.encoder_seconds += time.perf_counter() - begun
         self.encoded += 1
         self._features.put(digest, feats, feats.numel() * feats.element_size())
+        self._fresh.append((digest, int(feats.shape[0])))
         return feats
+
+    # -- the encoder's rows as blocks (kvmesh.runtime.pictures) -------------------
+
+    def rows_card(self, card: CompatCard, length: int) -> CompatCard | None:
+        """The card of a ``length``-position picture's encoder rows for the model of
+        ``card`` (see the module); None where a row cannot be halved."""
+        width, kinds = self._row_shape()
+        if width % 2:
+            return None
+        return dataclasses.replace(
+            card,
+            engine=card.engine + ROWS_ENGINE,
+            kv_quant="none",
+            num_layers=kinds,
+            num_kv_heads=1,
+            head_dim=width // 2,
+            sliding_windows=(0,) * kinds,
+            layer_geometry=(),
+            state_every=0,
+            prefill_grid=0,
+            block_tokens=length,
+        )
+
+    def _row_shape(self) -> tuple[int, int]:
+        """(width, kinds) of an encoder row: the text model's width, and the
+        encoder's row plus one per deepstack layer (Qwen3-VL's)."""
+        deep = getattr(self.config.vision_config, "deepstack_visual_indexes", None) or ()
+        return int(self.config.get_text_config().hidden_size), 1 + len(deep)
+
+    def needed(self, tokens: Sequence[int], start: int) -> list[tuple[bytes, list[int]]]:
+        """(digest, media ids) of each picture with a position at or after ``start``
+        whose encoder rows are not held here: what a prefill from ``start`` encodes."""
+        out = []
+        for span in MEDIA_IDS.split(tokens)[1]:
+            if span.offset + span.length > start and self._features.get(span.digest) is None:
+                ids = list(tokens[span.offset : span.offset + span.length])
+                if len(ids) == span.length:  # the whole picture is in the prompt
+                    out.append((span.digest, ids))
+        return out
+
+    def rows_block(self, card: CompatCard, keyer: BlockKeyer, digest: bytes) -> Block | None:
+        """The block of the encoder rows held for picture ``digest`` under ``card``
+        (:meth:`rows_card`), keyed by ``keyer``; None when they are not held."""
+        rows = self._features.get(digest)
+        if rows is None:
+            return None
+        length, width = int(rows.shape[0]), card.head_dim * 2
+        rows = rows.reshape(length, card.num_layers, width).to(_TORCH[card.kv_dtype])
+        ids = MEDIA_IDS.ids(MediaItem(digest, self.placeholder, length))
+        keys = keyer.keys(ids)
+        layout = Layout(card)
+        header = layout.header("block", keys.blocks[0], keyer.parent_of(keys, 0), 0, length)
+        blob, view = new_blob(header)
+        at = 0
+        for kind in range(card.num_layers):
+            for half in (rows[:, kind, : width // 2], rows[:, kind, width // 2 :]):
+                raw = half.contiguous().view(torch.uint8).numpy().tobytes()
+                view[at : at + len(raw)] = raw
+                at += len(raw)
+        return layout.seal(header, blob)
+
+    def take(self, digest: bytes, block: Block) -> None:
+        """Hold the encoder rows of picture ``digest`` from ``block`` (a whole block
+        under its :meth:`rows_card`, checked against it and verified by its
+        digest): ValueError, holding nothing, unless they are the rows a picture of
+        that many positions has and every value is finite."""
+        h = block.header
+        width, kinds = self._row_shape()
+        if h.tokens < 1 or len(block.header.layers) != kinds or not block.whole:
+            raise ValueError("not a picture's encoder rows for this model")
+        per_kind = []
+        for _, parts in block.kv_layers():
+            halves = [_tensor(view, spec.dtype).view(h.tokens, -1) for spec, view in parts]
+            per_kind.append(torch.cat(halves, dim=1))
+        rows = torch.stack(per_kind, dim=1) if kinds > 1 else per_kind[0]
+        if rows.shape[-1] != width or not bool(torch.isfinite(rows).all()):
+            raise ValueError("the encoder rows are not this model's, or not finite")
+        rows = rows.to(self.model.dtype)
+        self._features.put(digest, rows, rows.numel() * rows.element_size())
+        self.taken += 1
+
+    def agrees(self, digest: bytes, tolerance: float) -> bool | None:
+        """Whether the rows held for picture ``digest`` (taken from elsewhere) are
+        what this engine's encoder computes from its pixels, within ``tolerance`` of
+        the largest held value plus one (machines round differently); where not,
+        its own rows replace them. None when the rows or the pixels are gone."""
+        held, picture = self._features.get(digest), self._pixels.get(digest)
+        if held is None or picture is None:
+            return None
+        own = self._encode(picture)
+        bound = tolerance * (float(held.float().abs().max()) + 1.0)
+        if own.shape == held.shape and float((own.float() - held.float()).abs().max()) <= bound:
+            return True
+        self._features.put(digest, own, own.numel() * own.element_size(), replace=True)
+        return False
+
+    def fresh(self) -> list[tuple[bytes, int]]:
+        """(digest, length) of each picture encoded here since the last call."""
+        out = []
+        while self._fresh:
+            out.append(self._fresh.popleft())
+        return out
 
     def encoder_inputs(self, picture: Picture) -> dict[str, torch.Tensor]:
         """``picture``'s encoder inputs as the model takes a batch of it alone."""
         flat = self.family.flat
         return {k: v if k in flat else v[None] for k, v in picture.inputs.items()}
 
+    @torch.inference_mode()
     def _encode(self, picture: Picture) -> torch.Tensor:
         """The encoder's output for ``picture``: one row per position it takes."""
         kw = self.encoder_inputs(picture)

@@ -48,6 +48,17 @@ class AuditJob:
     adapter: str | None = None
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A picture's encoder rows taken from a peer: its digest, their dtype (a card's
+    name) and who served them."""
+
+    digest: bytes
+    dtype: str
+    peer_id: str
+    peer: str
+
+
 class Auditor:
     def __init__(self, rate: float, seed: int | None = None) -> None:
         if not 0.0 <= rate <= 1.0:
@@ -99,6 +110,36 @@ class Auditor:
             count(Count.AUDIT_MISMATCH)
             planner.quarantine(job.peer_id)
             log.warning("peer %s served KV that disagrees with a recompute: quarantined", job.peer)
+
+    def chance(self) -> bool:
+        """True with probability ``rate``: whether to audit one more thing taken."""
+        return self._rng.random() < self.rate
+
+    def check_rows(
+        self,
+        vision: Any,
+        lock: AbstractContextManager[Any],
+        taken: Taken,
+        planner: Planner,
+        count: Tally,
+    ) -> None:
+        """Encode the picture whose rows were ``taken`` from a peer again (``lock``
+        held) and compare (:meth:`~kvmesh.engine.vision.Vision.agrees`: ours replace
+        theirs where they disagree); the peer is quarantined as for KV, and counted
+        alike. Never raises."""
+        try:
+            with lock:
+                agrees = vision.agrees(taken.digest, TOLERANCE.get(taken.dtype, 1e-3))
+        except Exception as e:  # an audit never fails anything else
+            log.warning("audit of a picture's rows failed: %r", e)
+            return
+        if agrees is None:
+            return
+        count(Count.AUDITS)
+        if not agrees:
+            count(Count.AUDIT_MISMATCH)
+            planner.quarantine(taken.peer_id)
+            log.warning("peer %s served picture rows that disagree: quarantined", taken.peer)
 
     @staticmethod
     def agrees(engine: Engine, keyer: BlockKeyer, job: AuditJob) -> bool | None:

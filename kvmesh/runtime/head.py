@@ -47,7 +47,7 @@ from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from ..mesh.node import NodeThread
 from .acquire import Acquired, Acquirer
-from .audit import Auditor
+from .audit import Auditor, Taken
 from .batch import (
     DEFAULT_MAX_BATCH,
     QUEUED,
@@ -59,6 +59,7 @@ from .batch import (
 )
 from .calibrate import Calibrator
 from .giveback import GiveBack
+from .pictures import PictureRows
 from .planner import Planner, failure_reason
 from .ready import ready
 from .sessions import Sessions
@@ -305,6 +306,11 @@ class HeadRuntime:
             self.fleet.show_links(self.planner.links)
         # exports waiting to be given back: dropped beyond ``max_pending_publishes``
         self.give_back = GiveBack(reuse, self.card, max_pending_publishes, count)
+        self.pictures = (  # a vision model's encoder rows, shared as blocks
+            PictureRows(engine.vision, self.card, reuse, hash_key, self.planner.avoided)
+            if reuse is not None and engine.vision is not None
+            else None
+        )
         if reuse is not None:
             reuse.advertise(self.card)
         self.warm_s = self.warm_up()
@@ -354,6 +360,9 @@ class HeadRuntime:
         keyer = self.keyer_for(scope.root, caller)
         stamps = Stamps(t0)
         got = self._acquire(tokens, keyer, caller, scope.tenant, stamps, id(out))
+        taken = []  # pictures of what is computed whose encoder rows a peer served
+        if self.pictures is not None:
+            taken = self.pictures.acquire(tokens, got.found.tokens)
         stamps.acquired = time.perf_counter()
         done = _Prefilled()
 
@@ -390,6 +399,19 @@ class HeadRuntime:
         if job.cancelled:  # the state is whole: keep and publish it
             self._cancelled(out, job.stage or RUNNING)
         self._decoded(tokens, job.state, done, got, out, keyer, scope, caller)
+        self._pictures_after(taken)
+
+    def _pictures_after(self, taken: Sequence[Taken]) -> None:
+        """After a request: publish the rows of the pictures encoded here, and maybe
+        audit rows a peer served for it (as fetched KV is audited)."""
+        if self.pictures is None:
+            return
+        if self.publish_enabled:
+            self.pictures.give_back()
+        for one in taken:
+            if self.auditor is not None and self.auditor.chance():
+                args = (self.engine.vision, self._lock, one, self.planner, self.telemetry.count)
+                self.give_back.background(self.auditor.check_rows, *args)
 
     def _decoded(
         self,
