@@ -34,6 +34,9 @@ SCHEMA_VERSION = 6
 #: kept one (vLLM's ``--mamba-cache-mode align``: the end of each prefill chunk), not on
 #: a fixed grid: an import ends on a block that carries it (see ``state_optional``)
 STATE_WHERE_SAVED = -1
+# a card's engine ending so holds a vision model's picture encoder rows, not KV
+# (kvmesh.engine.vision.Vision.rows_card): never announced to routers as KV
+ROWS_ENGINE = "+image-encoder"
 BLOCK_DIGESTS = ("blake3", "sha256")  # 256-bit cryptographic; blake3 is ~3.5x faster here
 
 # Weight and tokenizer files whose bytes define a model for caching purposes.
@@ -182,6 +185,11 @@ class CompatCard:
         return tuple(
             LayerGeometry("kv", self.num_kv_heads, self.head_dim, w) for w in self.sliding_windows
         )
+
+    @property
+    def rows(self) -> bool:
+        """The card of a picture's encoder rows (:data:`ROWS_ENGINE`), not of KV."""
+        return self.engine.endswith(ROWS_ENGINE)
 
     @property
     def uniform(self) -> bool:

@@ -26,6 +26,7 @@ import base64
 import concurrent.futures
 import dataclasses
 import io
+import json
 import threading
 from pathlib import Path
 
@@ -657,3 +658,37 @@ def test_wrong_picture_rows_from_a_peer_are_caught_by_an_audit_and_replaced(tmp_
     finally:
         close(h)
         peer.kill()
+
+
+def test_picture_rows_are_kept_and_published_but_never_announced_as_kv(tmp_path):
+    """KV events (vLLM's format, for routers) name KV blocks only: a head's events
+    queue its prompt's blocks and not the picture-rows block it keeps, and a peer
+    is told of a published rows card before storing any of its blocks."""
+    from kvmesh.mesh.events import EventsConfig
+    from kvmesh.mesh.server import CacheService
+    from kvmesh.store import BlockStore
+
+    from .procs import free_port
+    from .test_mesh import SAMPLING, close, make_head
+
+    engine = TransformersEngine(Path(model_path(MODEL)))
+    events = EventsConfig(f"tcp://127.0.0.1:{free_port()}", "", "kv")
+    h = make_head(engine, [], kv_events=events)
+    try:
+        h.complete(prompt(engine, png(21)), SAMPLING)
+        h.flush()
+        store, source = h.fleet.store, h.node.node.events.source
+        [rows_ns] = [ns for ns in store.namespaces() if ns != engine.card.namespace]
+        assert rows_ns in source.quiet
+        headers = [e.header for e in store._entries.values()]  # every block stored
+        kv = [x for x in headers if x.namespace == engine.card.namespace and x.kind == "block"]
+        assert len(headers) > len(kv) and source.changes == len(kv)  # KV blocks, not the rows
+    finally:
+        close(h)
+    [(digest, ids)] = engine.vision.needed(prompt(engine, png(22)), 0)
+    card = engine.vision.rows_card(engine.card, len(ids))
+    told: list[bytes] = []
+    service = CacheService(BlockStore(1 << 20), quiet=told.append)
+    service.layout_of(json.dumps(engine.card.to_json()))
+    service.layout_of(json.dumps(card.to_json()))
+    assert told == [card.namespace]

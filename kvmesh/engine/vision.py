@@ -68,14 +68,13 @@ import torch
 
 from ..blocks import MEDIA_BASE, MEDIA_IDS, MEDIA_MAX_LENGTH, BlockKeyer, MediaItem
 from ..codec import Block, Layout, new_blob
-from ..compat import CompatCard
+from ..compat import ROWS_ENGINE, CompatCard
 
 MAX_IMAGE_BYTES = 20 << 20  # one image file, as sent
 MAX_IMAGE_PIXELS = 40_000_000  # width x height before decoding (PIL's bomb check is 89M)
 #: the formats decoded (what OpenAI's API takes): no other PIL parser sees a client's bytes
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _DIGEST_DOMAIN = b"kvmesh/image/v1\x00"
-ROWS_ENGINE = "+image-encoder"  # appended to the model card's engine: a rows card's
 FRESH = 256  # pictures encoded here and not yet handed over (the oldest dropped past it)
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -25,7 +25,9 @@ vLLM's own classes.
   entry names each picture it overlaps as vLLM does, ``(identifier, offset from
   the block's start)``, the identifier the picture's digest in hex (None for a
   block without one; no ``extra_keys`` at all when no block of the event has one).
-  Tails (partial blocks) are not announced.
+  Tails (partial blocks) are not announced, nor blocks of a namespace that holds
+  no KV (a picture's encoder rows, :attr:`~kvmesh.compat.CompatCard.rows`: the
+  node marks it :attr:`StoreEvents.quiet` before storing one).
 - :class:`EventPublisher` owns the ZMQ sockets and one thread. A slow or absent
   subscriber never slows the store: PUB drops past its high-water mark (the gap
   in ``seq`` tells the subscriber to ask for a replay) and the replay ring holds
@@ -237,6 +239,7 @@ class StoreEvents:
         self.clears = clears
         self.dropped = 0  # changes refused for a full queue
         self.changes = 0  # changes queued
+        self.quiet: set[bytes] = set()  # namespaces never announced (pictures' rows: no KV)
         self._pending: deque[tuple[str, str, BlockHeader | None]] = deque(
             [_CLEARED] if clears else []
         )
@@ -252,7 +255,7 @@ class StoreEvents:
 
     def __call__(self, change: str, tier: str, header: BlockHeader) -> None:
         """The store's listener (called under its lock: append and return)."""
-        if header.kind != "block":
+        if header.kind != "block" or header.namespace in self.quiet:
             return
         if len(self._pending) >= self.max_pending:
             self.dropped += 1

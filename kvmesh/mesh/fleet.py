@@ -52,6 +52,12 @@ class Fleet:
         self.store.expect(Layout(card))  # its blocks, every tier, held to the card
         self._mesh.advertise_head(card.namespace_hex, card.summary())
 
+    def hold_rows(self, card: CompatCard, hash_key: bytes | None = None) -> BlockKeyer:
+        """The keyer of pictures' encoder rows under ``card`` (:attr:`CompatCard.rows`),
+        whose blocks this node keeps and fetches but never announces as KV."""
+        self._mesh.quiet(card.namespace)
+        return BlockKeyer(card.namespace, card.block_tokens, hash_key)
+
     def keyer(self, card: CompatCard, hash_key: bytes | None = None) -> BlockKeyer:
         """The keyer of ``card``'s chains; it records each block's tokens when this
         node publishes KV events with token ids."""

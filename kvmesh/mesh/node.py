@@ -102,7 +102,9 @@ class MeshNode:
             disk=config.disk(),
             listener=self.events.source if self.events else None,
         )
-        self.cache = CacheService(self.store, config.max_block_bytes, config.max_inflight_bytes)
+        self.cache = CacheService(
+            self.store, config.max_block_bytes, config.max_inflight_bytes, quiet=self.quiet
+        )
         self.auth = config.security.auth(self.node_id)
         self.membership = Membership(
             self.node_id, self._card, self.auth, ttl=config.ttl, max_members=config.max_members
@@ -134,6 +136,12 @@ class MeshNode:
         (its card's ``summary``), whether or not its store holds any of it yet."""
         self.extra_namespaces[namespace_hex] = summary
         self.config.roles = tuple(sorted({"head", *self.config.roles}))
+
+    def quiet(self, namespace: bytes) -> None:
+        """Never announce ``namespace``'s blocks in this node's KV events (they are
+        not KV: pictures' encoder rows)."""
+        if self.events is not None:
+            self.events.source.quiet.add(namespace)
 
     def recording(self, keyer: BlockKeyer) -> BlockKeyer:
         """``keyer``, recording each block's tokens when this node's KV events carry

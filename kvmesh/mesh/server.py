@@ -86,8 +86,12 @@ class CacheService:
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
         max_inflight_bytes: int | None = None,
         publish_progress_s: float = PUBLISH_PROGRESS_S,
+        quiet: Callable[[bytes], None] | None = None,
     ) -> None:
+        """``quiet(namespace)``: told of each published namespace whose blocks are
+        not KV (pictures' encoder rows), before one of its blocks is stored."""
         self.store = store
+        self._quiet = quiet
         self.max_block_bytes = max_block_bytes
         self.max_inflight_bytes = max_inflight_bytes or 2 * max_block_bytes
         self.publish_progress_s = publish_progress_s
@@ -299,6 +303,8 @@ class CacheService:
                 raise KVMeshError("too many namespaces")
             self.layouts[ns] = Layout(card)
             self.summaries[ns] = card.summary()[:MAX_SUMMARY_CHARS]
+            if card.rows and self._quiet is not None:
+                self._quiet(ns)
         return self.layouts[ns]
 
 

@@ -59,7 +59,7 @@ class PictureRows:
             card = self.vision.rows_card(self.card, length)
             self._cards[length] = None
             if card is not None:
-                keyer = self.fleet.keyer(card, self._hash_key)
+                keyer = self.fleet.hold_rows(card, self._hash_key)
                 self._cards[length] = (card, Layout(card), keyer)
         return self._cards[length]
 
