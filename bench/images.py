@@ -1,5 +1,6 @@
 """A prompt with two pictures: time to first token cold, as a remote hit after a
-restart, and with one pixel of one picture changed; the vision encoder's time in each.
+restart, with one pixel of one picture changed, and the same pictures after other
+text; the vision encoder's time in each.
 
     python bench/images.py --json bench/results/images.json [--model demo-vl] [--rounds 3]
     python bench/images.py --smoke --json /tmp/images.json   # CI: demo-vl-tiny, one round
@@ -9,10 +10,13 @@ the prompt (``--prompt-tokens`` of text, then two 224x224 pictures) is sent to a
 head, which publishes it; a new head process with an empty store gets it again
 (``hit``) and then the same text with one pixel of the second picture changed
 (``pixel``: the text before the pictures and the first picture are reused, the
-second is encoded and computed). Every round starts fresh processes. The
+second is encoded and computed), then other text with the same two pictures
+(``rows``: no KV of the pictures anywhere, their encoder rows taken from the fleet
+instead of encoded). Every round starts fresh processes. The
 encoder's seconds are the heads' own (``kvmesh_image_encoder_seconds_total``),
 part of the time to first token. Exits non-zero unless every hit reused the whole
-prompt with no encoder run and the same answer as the cold one.
+prompt with no encoder run and the same answer as the cold one, and the other text
+took both pictures' rows and ran no encoder.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def metric(http: httpx.Client, name: str) -> float:
 def ask(http: httpx.Client, model: str, msgs: list[dict[str, Any]]) -> dict[str, Any]:
     """One request: its TTFT, reuse, the encoder's seconds for it, and its answer."""
     before = metric(http, "kvmesh_image_encoder_seconds_total")
+    taken = metric(http, "kvmesh_image_rows_taken_total")
     body = {"model": model, "messages": msgs, "max_tokens": 4, "temperature": 0}
     r = http.post("/v1/chat/completions", json={**body, "logprobs": True})
     r.raise_for_status()
@@ -77,11 +82,12 @@ def ask(http: httpx.Client, model: str, msgs: list[dict[str, Any]]) -> dict[str,
         "prompt_tokens": out["usage"]["prompt_tokens"],
         "reused_tokens": out["usage"]["prompt_tokens_details"]["cached_tokens"],
         "encoder_s": metric(http, "kvmesh_image_encoder_seconds_total") - before,
+        "rows_taken": metric(http, "kvmesh_image_rows_taken_total") - taken,
         "answer": [c["logprob"] for c in out["choices"][0]["logprobs"]["content"]],
     }
 
 
-def one_round(model: str, msgs: list[dict[str, Any]], moved: list[dict[str, Any]]) -> dict:
+def one_round(model: str, msgs: list[dict], moved: list[dict], other: list[dict]) -> dict:
     peer, address = spawn_peer()
     heads = []
     try:
@@ -96,10 +102,11 @@ def one_round(model: str, msgs: list[dict[str, Any]], moved: list[dict[str, Any]
         wait_for(lambda: http.get("/healthz").json()["compatible_peers"] >= 1, 60, "head 2")
         hit = ask(http, model, msgs)
         pixel = ask(http, model, moved)
+        rows = ask(http, model, other)
     finally:
         for p in (*heads, peer):
             stop(p)
-    return {"cold": cold, "hit": hit, "pixel": pixel}
+    return {"cold": cold, "hit": hit, "pixel": pixel, "rows": rows}
 
 
 def summary(rounds: list[dict]) -> dict[str, Any]:
@@ -108,10 +115,10 @@ def summary(rounds: list[dict]) -> dict[str, Any]:
 
     out = {
         case: {k: median(case, k) for k in ("ttft_s", "encoder_s", "reused_tokens")}
-        for case in ("cold", "hit", "pixel")
+        for case in ("cold", "hit", "pixel", "rows")
     }
-    out["hit_vs_cold"] = out["hit"]["ttft_s"] / out["cold"]["ttft_s"]
-    out["pixel_vs_cold"] = out["pixel"]["ttft_s"] / out["cold"]["ttft_s"]
+    for case in ("hit", "pixel", "rows"):
+        out[f"{case}_vs_cold"] = out[case]["ttft_s"] / out["cold"]["ttft_s"]
     return out
 
 
@@ -131,6 +138,8 @@ def failures(rounds: list[dict]) -> list[str]:
             bad.append(f"round {i}: the hit's answer is not the cold one's")
         if not 0 < r["pixel"]["reused_tokens"] < hit["prompt_tokens"]:
             bad.append(f"round {i}: one pixel changed reused {r['pixel']['reused_tokens']}")
+        if r["rows"]["rows_taken"] != 2 or r["rows"]["encoder_s"] != 0:
+            bad.append(f"round {i}: the other text encoded its pictures again")
     return bad
 
 
@@ -147,9 +156,15 @@ def main() -> None:
     pictures = demo_pictures(2)
     msgs = with_pictures(demo_messages(a.prompt_tokens), pictures)
     moved = with_pictures(demo_messages(a.prompt_tokens), [pictures[0], touched(pictures[1])])
-    rounds = [one_round(a.model, msgs, moved) for _ in range(a.rounds)]
+    *system, user = demo_messages(a.prompt_tokens)
+    elsewhere = [
+        *system,
+        {**user, "content": "Another question, the same pictures.\n" + user["content"]},
+    ]
+    other = with_pictures(elsewhere, pictures)
+    rounds = [one_round(a.model, msgs, moved, other) for _ in range(a.rounds)]
     result = {
-        "benchmark": "a two-picture prompt: cold, remote hit, one pixel changed",
+        "benchmark": "a two-picture prompt: cold, remote hit, one pixel changed, other text",
         "model": a.model,
         "images": 2,
         "machine": machine(),

@@ -290,10 +290,12 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "agent_probes.py": lambda d: all(d["verdict"].values()) and len(d["verdict"]) == 7,
     "bounded_work.py": _bounded_work,
     "churn.py": lambda d: d["stored_within_budget"] and d["max_stored_bytes"] > 0,
-    # issue #51: the two-picture prompt whole from the peer, no encoder run on the hit
+    # issue #51: the two-picture prompt whole from the peer, no encoder run on the hit; the
+    # same pictures after other text take their encoder rows from the fleet
     "images.py": lambda d: (
         d["median"]["hit"]["encoder_s"] == 0 < d["median"]["cold"]["encoder_s"]
         and all(r["hit"]["reused_tokens"] == r["hit"]["prompt_tokens"] for r in d["rounds"])
+        and all(r["rows"]["rows_taken"] == 2 == 2 + r["rows"]["encoder_s"] for r in d["rounds"])
     ),
     "conversations.py": _conversations,
     "codec.py": lambda d: (
