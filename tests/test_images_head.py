@@ -534,14 +534,18 @@ def test_a_pictures_encoder_rows_are_a_block_another_engine_takes_instead_of_enc
     tokens = prompt(a, png(1))
     want = a.prefill(tokens).logits
     assert prompt(b, png(1)) == tokens  # the same picture: the same media ids
-    [(digest, ids)] = b.vision.needed(tokens, 0)
+    [(digest, length)] = b.vision.needed(tokens, 0)
     assert a.vision.needed(tokens, 0) == []  # a holds its rows
-    assert b.vision.needed(tokens, tokens.index(ids[-1]) + 1) == []  # past it: not needed
-    card = a.vision.rows_card(a.card, len(ids))
-    keyer = BlockKeyer(card.namespace, len(ids))
-    block = a.vision.rows_block(card, keyer, digest)
-    assert block.header.key == keyer.keys(ids).blocks[0]
-    b.vision.take(digest, decode_block(block.blob, Layout(card), block.digest))
+    end = tokens.index(first_media_id(tokens)) + length
+    assert b.vision.needed(tokens, end) == []  # past the picture: not needed
+    card = a.vision.rows_card(a.card)
+    keyer = BlockKeyer(card.namespace, card.block_tokens)
+    blocks = a.vision.rows_blocks(card, keyer, digest)
+    assert len(blocks) == -(-length // card.block_tokens)  # the last padded to a block
+    wire = [decode_block(blk.blob, Layout(card), blk.digest) for blk in blocks]
+    with pytest.raises(ValueError):  # a picture's rows are its whole chain
+        b.vision.take(digest, length, wire[:-1])
+    b.vision.take(digest, length, wire)
     assert b.vision.needed(tokens, 0) == []
     got = b.prefill(tokens).logits
     assert b.vision.encoded == 0 and b.vision.taken == 1
@@ -555,19 +559,19 @@ def test_encoder_rows_that_are_not_a_pictures_are_refused_and_nothing_is_held():
 
     engine = TransformersEngine(Path(model_path(MODEL)))
     tokens = prompt(engine, png(2))
-    [(digest, ids)] = engine.vision.needed(tokens, 0)
-    kv = engine.export(engine.prefill(tokens[: engine.card.block_tokens]), engine_keyer(engine))
+    [(digest, length)] = engine.vision.needed(tokens, 0)
+    kv = engine.export(engine.prefill(tokens), engine_keyer(engine))
     engine.vision._features = _Bounded(1 << 30)  # forget the rows the prefill encoded
     with pytest.raises(ValueError, match="encoder rows"):
-        engine.vision.take(digest, kv[0])
-    card = engine.vision.rows_card(engine.card, len(ids))
-    keyer = BlockKeyer(card.namespace, len(ids))
-    engine.vision._features.put(digest, torch.full((len(ids), 64), float("nan")), 1)
-    poisoned = engine.vision.rows_block(card, keyer, digest)
+        engine.vision.take(digest, length, kv[:-1])
+    card = engine.vision.rows_card(engine.card)
+    keyer = BlockKeyer(card.namespace, card.block_tokens)
+    engine.vision._features.put(digest, torch.full((length, 64), float("nan")), 1)
+    poisoned = engine.vision.rows_blocks(card, keyer, digest)
     engine.vision._features = _Bounded(1 << 30)
     with pytest.raises(ValueError, match="not finite"):
-        engine.vision.take(digest, poisoned)
-    assert engine.vision.needed(tokens, 0) == [(digest, ids)]
+        engine.vision.take(digest, length, poisoned)
+    assert engine.vision.needed(tokens, 0) == [(digest, length)]
     encoded = engine.vision.encoded
     assert torch.isfinite(engine.prefill(tokens).logits).all()
     assert engine.vision.encoded == encoded + 1
@@ -635,13 +639,12 @@ def test_wrong_picture_rows_from_a_peer_are_caught_by_an_audit_and_replaced(tmp_
     try:
         wait_for(lambda: len(forger.fleet.members()) >= 1, what="gossip")
         tokens = prompt(forger_engine, picture)
-        [(digest, ids)] = forger_engine.vision.needed(tokens, 0)
+        [(digest, _)] = forger_engine.vision.needed(tokens, 0)
         true_rows = forger_engine.vision._encoded(digest)
         forger_engine.vision._features.put(digest, true_rows * 1.5, 1, replace=True)
-        card, _, keyer = PictureRows(forger_engine.vision, forger_engine.card, forger.fleet)._for(
-            len(ids)
-        )
-        forger.fleet.publish(card, [forger_engine.vision.rows_block(card, keyer, digest)])
+        rows = PictureRows(forger_engine.vision, forger_engine.card, forger.fleet)
+        blocks = forger_engine.vision.rows_blocks(rows.rows_card, rows.keyer, digest)
+        forger.fleet.publish(rows.rows_card, blocks)
         forger.flush()
     finally:
         close(forger)
@@ -685,8 +688,7 @@ def test_picture_rows_are_kept_and_published_but_never_announced_as_kv(tmp_path)
         assert len(headers) > len(kv) and source.changes == len(kv)  # KV blocks, not the rows
     finally:
         close(h)
-    [(digest, ids)] = engine.vision.needed(prompt(engine, png(22)), 0)
-    card = engine.vision.rows_card(engine.card, len(ids))
+    card = engine.vision.rows_card(engine.card)
     told: list[bytes] = []
     service = CacheService(BlockStore(1 << 20), quiet=told.append)
     service.layout_of(json.dumps(engine.card.to_json()))

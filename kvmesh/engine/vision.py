@@ -42,10 +42,10 @@ names.
 A picture's encoder rows can be shared like KV (:mod:`kvmesh.runtime.pictures`): as
 one block of a card of their own (:meth:`Vision.rows_card`: the model's card, one
 "layer" per kind of row, the encoder's then each deepstack layer's, K the first half
-of each row and V the second, one picture a block), keyed by its media ids, so
+of each row and V the second), keyed by its media ids, so
 they travel, are verified and are stored as any block is. :meth:`Vision.needed`
 names the pictures a prefill would encode; :meth:`Vision.take` holds rows fetched
-for one (checked: shape, finite values), :meth:`Vision.rows_block` makes the block
+for one (checked: shape, finite values), :meth:`Vision.rows_blocks` makes the blocks
 of rows held, and :meth:`Vision.fresh` hands over the pictures encoded here since.
 """
 
@@ -438,9 +438,10 @@ class Vision:
 
     # -- the encoder's rows as blocks (kvmesh.runtime.pictures) -------------------
 
-    def rows_card(self, card: CompatCard, length: int) -> CompatCard | None:
-        """The card of a ``length``-position picture's encoder rows for the model of
-        ``card`` (see the module); None where a row cannot be halved."""
+    def rows_card(self, card: CompatCard) -> CompatCard | None:
+        """The card of pictures' encoder rows for the model of ``card`` (see the
+        module): its block size, so one namespace holds every picture; None where
+        a row cannot be halved."""
         width, kinds = self._row_shape()
         if width % 2:
             return None
@@ -455,7 +456,6 @@ class Vision:
             layer_geometry=(),
             state_every=0,
             prefill_grid=0,
-            block_tokens=length,
         )
 
     def _row_shape(self) -> tuple[int, int]:
@@ -464,52 +464,68 @@ class Vision:
         deep = getattr(self.config.vision_config, "deepstack_visual_indexes", None) or ()
         return int(self.config.get_text_config().hidden_size), 1 + len(deep)
 
-    def needed(self, tokens: Sequence[int], start: int) -> list[tuple[bytes, list[int]]]:
-        """(digest, media ids) of each picture with a position at or after ``start``
-        whose encoder rows are not held here: what a prefill from ``start`` encodes."""
+    def needed(self, tokens: Sequence[int], start: int) -> list[tuple[bytes, int]]:
+        """(digest, positions) of each picture with a position at or after
+        ``start`` whose encoder rows are not held here: what a prefill from
+        ``start`` encodes."""
         out = []
         for span in MEDIA_IDS.split(tokens)[1]:
-            if span.offset + span.length > start and self._features.get(span.digest) is None:
-                ids = list(tokens[span.offset : span.offset + span.length])
-                if len(ids) == span.length:  # the whole picture is in the prompt
-                    out.append((span.digest, ids))
+            ends = span.offset + span.length
+            if ends > start and ends <= len(tokens) and self._features.get(span.digest) is None:
+                out.append((span.digest, span.length))
         return out
 
-    def rows_block(self, card: CompatCard, keyer: BlockKeyer, digest: bytes) -> Block | None:
-        """The block of the encoder rows held for picture ``digest`` under ``card``
-        (:meth:`rows_card`), keyed by ``keyer``; None when they are not held."""
+    def rows_tokens(self, digest: bytes, length: int, block_tokens: int) -> list[int]:
+        """What the rows blocks of picture ``digest`` (``length`` positions) are keyed
+        by: its media ids, then the placeholder id up to a whole block."""
+        ids = MEDIA_IDS.ids(MediaItem(digest, self.placeholder, length))
+        return ids + [self.placeholder] * (-length % block_tokens)
+
+    def rows_blocks(self, card: CompatCard, keyer: BlockKeyer, digest: bytes) -> list[Block]:
+        """The chain of blocks of the encoder rows held for picture ``digest`` under
+        ``card`` (:meth:`rows_card`; the last block's positions past the picture
+        zeros), keyed by ``keyer``; none when they are not held."""
         rows = self._features.get(digest)
         if rows is None:
-            return None
-        length, width = int(rows.shape[0]), card.head_dim * 2
+            return []
+        length, width, b = int(rows.shape[0]), card.head_dim * 2, card.block_tokens
+        keys = keyer.keys(self.rows_tokens(digest, length, b))
         rows = rows.reshape(length, card.num_layers, width).to(_TORCH[card.kv_dtype])
-        ids = MEDIA_IDS.ids(MediaItem(digest, self.placeholder, length))
-        keys = keyer.keys(ids)
-        layout = Layout(card)
-        header = layout.header("block", keys.blocks[0], keyer.parent_of(keys, 0), 0, length)
-        blob, view = new_blob(header)
-        at = 0
-        for kind in range(card.num_layers):
-            for half in (rows[:, kind, : width // 2], rows[:, kind, width // 2 :]):
-                raw = half.contiguous().view(torch.uint8).numpy().tobytes()
-                view[at : at + len(raw)] = raw
-                at += len(raw)
-        return layout.seal(header, blob)
+        rows = torch.cat([rows, rows.new_zeros((-length % b, card.num_layers, width))])
+        layout, out = Layout(card), []
+        for i, key in enumerate(keys.blocks):
+            header = layout.header("block", key, keyer.parent_of(keys, i), i * b, b)
+            blob, view = new_blob(header)
+            at = 0
+            for kind in range(card.num_layers):
+                part = rows[i * b : (i + 1) * b, kind]
+                for half in (part[:, : width // 2], part[:, width // 2 :]):
+                    raw = half.contiguous().view(torch.uint8).numpy().tobytes()
+                    view[at : at + len(raw)] = raw
+                    at += len(raw)
+            out.append(layout.seal(header, blob))
+        return out
 
-    def take(self, digest: bytes, block: Block) -> None:
-        """Hold the encoder rows of picture ``digest`` from ``block`` (a whole block
-        under its :meth:`rows_card`, checked against it and verified by its
-        digest): ValueError, holding nothing, unless they are the rows a picture of
-        that many positions has and every value is finite."""
-        h = block.header
+    def take(self, digest: bytes, length: int, blocks: Sequence[Block]) -> None:
+        """Hold the encoder rows of picture ``digest`` (``length`` positions) from
+        ``blocks`` (its chain under its :meth:`rows_card`, each checked against it
+        and verified by its digest): ValueError, holding nothing, unless they are
+        whole, hold that many rows of this model's shape, and every value is finite."""
         width, kinds = self._row_shape()
-        if h.tokens < 1 or len(block.header.layers) != kinds or not block.whole:
+        per_block = []
+        for block in blocks:
+            h = block.header
+            if not block.whole or len(h.layers) != kinds:
+                raise ValueError("not a picture's encoder rows for this model")
+            per_kind = []
+            for _, parts in block.kv_layers():
+                halves = [_tensor(view, spec.dtype).view(h.tokens, -1) for spec, view in parts]
+                per_kind.append(torch.cat(halves, dim=1))
+            per_block.append(torch.stack(per_kind, dim=1))
+        if not per_block or sum(len(r) for r in per_block) < length:
             raise ValueError("not a picture's encoder rows for this model")
-        per_kind = []
-        for _, parts in block.kv_layers():
-            halves = [_tensor(view, spec.dtype).view(h.tokens, -1) for spec, view in parts]
-            per_kind.append(torch.cat(halves, dim=1))
-        rows = torch.stack(per_kind, dim=1) if kinds > 1 else per_kind[0]
+        rows = torch.cat(per_block)[:length]
+        rows = rows[:, 0] if kinds == 1 else rows
         if rows.shape[-1] != width or not bool(torch.isfinite(rows).all()):
             raise ValueError("the encoder rows are not this model's, or not finite")
         rows = rows.to(self.model.dtype)

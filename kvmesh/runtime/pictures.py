@@ -12,10 +12,10 @@ found nowhere, or any failure, is encoded as before (invariant 1). After a reque
 (:meth:`PictureRows.give_back`), the rows of every picture encoded here since are
 kept in this node's store and published, never blocking.
 
-A picture's rows are one block of the rows card for its length
-(:meth:`~kvmesh.engine.vision.Vision.rows_card`), keyed by its media ids under the
-fleet key: the picture's digest, which hashes the request's chain root, so a
-tenant's pictures are its own here too.
+A picture's rows are a chain of blocks of the model's rows card
+(:meth:`~kvmesh.engine.vision.Vision.rows_card`: one namespace for every picture),
+keyed by its media ids under the fleet key: the picture's digest, which hashes the
+request's chain root, so a tenant's pictures are its own here too.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..blocks import BlockKeyer
 from ..codec import Block, Layout
 from ..compat import CompatCard
 from ..mesh.fleet import Fleet
@@ -48,33 +47,26 @@ class PictureRows:
         """``vision``: the engine's :class:`~kvmesh.engine.vision.Vision`; ``card``:
         the model's; ``avoided(peer)``: a peer not to wait for (backed off)."""
         self.vision, self.card, self.fleet = vision, card, fleet
-        self._hash_key, self._avoided = hash_key, avoided
-        self._cards: dict[int, tuple[CompatCard, Layout, BlockKeyer] | None] = {}
+        self._avoided = avoided
+        self.rows_card = vision.rows_card(card)  # None: this model's rows are not shared
+        if self.rows_card is not None:
+            self.layout = Layout(self.rows_card)
+            self.keyer = fleet.hold_rows(self.rows_card, hash_key)
         self.fetched = 0  # pictures whose rows came from a peer
         self.published = 0
-
-    def _for(self, length: int) -> tuple[CompatCard, Layout, BlockKeyer] | None:
-        """The rows card of a ``length``-position picture, its layout and keyer."""
-        if length not in self._cards:
-            card = self.vision.rows_card(self.card, length)
-            self._cards[length] = None
-            if card is not None:
-                keyer = self.fleet.hold_rows(card, self._hash_key)
-                self._cards[length] = (card, Layout(card), keyer)
-        return self._cards[length]
 
     def acquire(self, tokens: Sequence[int], start: int) -> list[Taken]:
         """Take the rows of each picture a prefill of ``tokens`` from ``start`` would
         encode, where this node or a peer holds them. Returns those a peer served
         (what an audit may check). Never raises."""
         from_peers = []
-        for digest, ids in self.vision.needed(tokens, start):
+        for digest, length in self.vision.needed(tokens, start) if self.rows_card else ():
             try:
-                found = self._find(ids)
+                found = self._find(digest, length)
                 if found is None:
                     continue
-                block, hit = found
-                self.vision.take(digest, block)
+                blocks, hit = found
+                self.vision.take(digest, length, blocks)
                 if hit is not None:
                     self.fetched += 1
                     from_peers.append(Taken(digest, self.card.kv_dtype, hit.node_id, hit.alias))
@@ -82,43 +74,44 @@ class PictureRows:
                 log.debug("a picture's encoder rows were not taken: %r", e)
         return from_peers
 
-    def _find(self, ids: list[int]) -> tuple[Block, PeerHit | None] | None:
-        """The block of a picture's rows (media ids ``ids``) and the peer that served
-        it: from this node's store (no peer), else from the first peer holding it."""
-        found = self._for(len(ids))
-        if found is None:
-            return None
-        card, layout, keyer = found
-        keys = keyer.keys(ids)
+    def _find(self, digest: bytes, length: int) -> tuple[list[Block], PeerHit | None] | None:
+        """The chain of picture ``digest``'s rows blocks and the peer that served it:
+        from this node's store (no peer), else from the first peer holding it all."""
+        assert self.rows_card is not None
+        keys = self.keyer.keys(self.vision.rows_tokens(digest, length, self.keyer.block_tokens))
+        whole = len(keys.blocks) * keys.block_tokens
         here = self.fleet.local_prefix(keys)
-        if here.blocks:
-            return here.blocks[0], None
-        hits, _ = self.fleet.lookup(card, keys, skip=self._avoided)
+        if len(here.blocks) == len(keys.blocks):
+            return list(here.blocks), None
+        hits, _ = self.fleet.lookup(self.rows_card, keys, skip=self._avoided)
         for hit in hits:
-            if hit.tokens < len(ids) or not hit.blocks:
+            if hit.tokens < whole or len(hit.blocks) < len(keys.blocks):
                 continue
-            got = self.fleet.fetch(layout, hit, 0, lambda _: None, self.fleet.fetch_deadline)
-            if got and got[0].header.key == keys.blocks[0]:
-                return got[0], hit
+            got = self.fleet.fetch(self.layout, hit, 0, _ignore, self.fleet.fetch_deadline)
+            got = got[: len(keys.blocks)]
+            if [b.header.key for b in got] == list(keys.blocks):
+                return got, hit
         return None
 
     def give_back(self) -> int:
         """Keep here and publish the rows of every picture encoded here since the
         last call. Returns how many were published. Never raises."""
         sent = 0
-        for digest, length in self.vision.fresh():
+        for digest, _ in self.vision.fresh():
+            if self.rows_card is None:
+                continue
             try:
-                found = self._for(length)
-                if found is None:
+                blocks = self.vision.rows_blocks(self.rows_card, self.keyer, digest)
+                if not blocks:  # dropped from the engine's rows since
                     continue
-                card, _, keyer = found
-                block = self.vision.rows_block(card, keyer, digest)
-                if block is None:  # dropped from the engine's rows since
-                    continue
-                self.fleet.keep([block])
-                self.fleet.publish(card, [block])
+                self.fleet.keep(blocks)
+                self.fleet.publish(self.rows_card, blocks)
                 sent += 1
             except Exception as e:  # sharing is optional
                 log.debug("a picture's encoder rows were not published: %r", e)
         self.published += sent
         return sent
+
+
+def _ignore(_: Block) -> None:
+    """A fetch's per-block hook: the blocks are taken whole, once all arrived."""
