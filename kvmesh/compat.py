@@ -189,7 +189,7 @@ class CompatCard:
     @property
     def rows(self) -> bool:
         """The card of a picture's encoder rows (:data:`ROWS_ENGINE`), not of KV."""
-        return self.engine.endswith(ROWS_ENGINE)
+        return isinstance(self.engine, str) and self.engine.endswith(ROWS_ENGINE)
 
     @property
     def uniform(self) -> bool:

@@ -664,28 +664,32 @@ def test_wrong_picture_rows_from_a_peer_are_caught_by_an_audit_and_replaced(tmp_
 
 
 def test_picture_rows_are_kept_and_published_but_never_announced_as_kv(tmp_path):
-    """KV events (vLLM's format, for routers) name KV blocks only: a head's events
-    queue its prompt's blocks and not the picture-rows block it keeps, and a peer
-    is told of a published rows card before storing any of its blocks."""
+    """KV events (vLLM's format, for routers) name KV blocks only: a head keeping
+    (and publishing) a picture's rows blocks queues no event for them, while a KV
+    block it keeps is announced; a peer is told of a published rows card before
+    storing any of its blocks."""
     from kvmesh.mesh.events import EventsConfig
     from kvmesh.mesh.server import CacheService
     from kvmesh.store import BlockStore
 
     from .procs import free_port
-    from .test_mesh import SAMPLING, close, make_head
+    from .test_mesh import close, make_head
 
     engine = TransformersEngine(Path(model_path(MODEL)))
     events = EventsConfig(f"tcp://127.0.0.1:{free_port()}", "", "kv")
     h = make_head(engine, [], kv_events=events)
     try:
-        h.complete(prompt(engine, png(21)), SAMPLING)
-        h.flush()
-        store, source = h.fleet.store, h.node.node.events.source
-        [rows_ns] = [ns for ns in store.namespaces() if ns != engine.card.namespace]
-        assert rows_ns in source.quiet
-        headers = [e.header for e in store._entries.values()]  # every block stored
-        kv = [x for x in headers if x.namespace == engine.card.namespace and x.kind == "block"]
-        assert len(headers) > len(kv) and source.changes == len(kv)  # KV blocks, not the rows
+        tokens = prompt(engine, png(21))
+        [(digest, length)] = engine.vision.needed(tokens, 0)
+        state = engine.prefill(tokens)  # encodes the picture here: its rows are fresh
+        before = h.fleet.announced()
+        assert h.pictures.give_back() == 1  # as after a request
+        keyer = h.pictures.keyer
+        rows = keyer.keys(engine.vision.rows_tokens(digest, length, keyer.block_tokens))
+        assert len(h.fleet.local_prefix(rows).blocks) == len(rows.blocks) > 0  # kept here
+        assert h.fleet.announced() == before  # and never announced
+        kv = engine.export(state, h.keyer)
+        assert h.fleet.keep(kv[:1]) == 1 and h.fleet.announced() == before + 1
     finally:
         close(h)
     card = engine.vision.rows_card(engine.card)

@@ -34,7 +34,7 @@ from ..errors import ConfigError, MalformedPayload, NoChatTemplate
 from .decode import Decoded, Decoder, Sampling, StopScanner, TokenLogprob
 from .geometry import MAX_STATE_EVERY, CacheGeometry, card_from_hf_dir, model_name
 from .protocol import PREFILL_CHUNK, Engine, Scorer
-from .rows import rows
+from .rows import forward_rows
 from .state import Importer, KVState, check_chain
 
 # names callers import from here
@@ -280,7 +280,7 @@ class EngineBase(abc.ABC):
             at = state.cached
             if n < 1 or at + n > len(state.tokens):
                 raise ValueError(f"chunk of {n} tokens at {at} of {len(state.tokens)}")
-            with rows([state.adapter], [state.tokens]):
+            with forward_rows([state.adapter], [state.tokens]):
                 state.cache, state.logits = self._forward(
                     state.cache, state.tokens[at : at + n], at
                 )
@@ -295,7 +295,7 @@ class EngineBase(abc.ABC):
         if state.cached < len(state.tokens):  # last token not in the cache yet
             tokens = state.tokens[state.cached :] + list(tokens)
         all_tokens = state.tokens + list(tokens[len(state.tokens) - state.cached :])
-        with rows([state.adapter], [all_tokens]):
+        with forward_rows([state.adapter], [all_tokens]):
             cache, logits = self._forward(state.cache, tokens, state.cached)
         return KVState(all_tokens, cache, logits, len(all_tokens), adapter=state.adapter)
 
@@ -343,7 +343,7 @@ class EngineBase(abc.ABC):
 
     def _advance(self, state: KVState) -> None:
         pending = state.tokens[state.cached :]
-        with rows([state.adapter], [state.tokens]):
+        with forward_rows([state.adapter], [state.tokens]):
             state.cache, state.logits = self._forward(state.cache, pending, state.cached)
         state.cached = len(state.tokens)
 

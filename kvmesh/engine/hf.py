@@ -759,8 +759,8 @@ def _load_model(
 
 
 def _rows(states: Sequence[KVState]) -> Any:
-    """Within it, the rows of a forward are ``states`` (:func:`kvmesh.engine.rows.rows`)."""
-    return seqs.rows([s.adapter for s in states], [s.tokens for s in states])
+    """Within it, the rows of a forward are ``states`` (:func:`kvmesh.engine.rows.forward_rows`)."""
+    return seqs.forward_rows([s.adapter for s in states], [s.tokens for s in states])
 
 
 def _positions(engine: TransformersEngine, starts: Sequence[int], width: int) -> torch.Tensor:
@@ -774,7 +774,7 @@ def _positions(engine: TransformersEngine, starts: Sequence[int], width: int) ->
         return pos
     whole = seqs.sequences()
     if whole is None or len(whole) != len(starts):
-        raise RuntimeError("an M-RoPE forward outside rows() naming its sequences")
+        raise RuntimeError("an M-RoPE forward outside forward_rows() naming its sequences")
     turned = [engine.vision.positions(s, a, width) for s, a in zip(whole, starts, strict=True)]
     return torch.cat([pos[None], torch.stack(turned, dim=1).to(engine.device)])
 
@@ -873,7 +873,7 @@ class TransformersEngine(EngineBase):
     def _probe(self) -> CacheGeometry:
         """The geometry of the cache a real forward fills (:func:`_probe_layers`)."""
         self._slots: dict[int, list[tuple[str, int]]] = {}
-        with seqs.rows([None], [[0]]):
+        with seqs.forward_rows([None], [[0]]):
             cache, _ = self._forward(None, [0], 0)
         geometry, self._slots = _probe_layers(cache, self.model.config, self.dtype)
         return geometry

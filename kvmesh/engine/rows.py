@@ -1,5 +1,5 @@
 """Which sequence each row of a forward is, for what a forward's own tokens cannot
-tell: inside :func:`rows`, row ``i`` of every forward continues ``sequences[i]``
+tell: inside :func:`forward_rows`, row ``i`` of every forward continues ``sequences[i]``
 (its tokens from position 0, through at least the forward's last real position)
 and takes LoRA adapter ``adapters[i]`` (:func:`kvmesh.engine.lora.rows`).
 
@@ -17,11 +17,13 @@ from collections.abc import Iterator, Sequence
 
 from . import lora
 
-_local = threading.local()  # .sequences: each row's tokens in the forwards within rows()
+_local = threading.local()  # .sequences: each row's tokens in forwards within forward_rows()
 
 
 @contextlib.contextmanager
-def rows(adapters: Sequence[str | None], sequences: Sequence[Sequence[int]]) -> Iterator[None]:
+def forward_rows(
+    adapters: Sequence[str | None], sequences: Sequence[Sequence[int]]
+) -> Iterator[None]:
     """Within it, row ``i`` of every forward is ``sequences[i]`` with adapter
     ``adapters[i]`` (None: none)."""
     if len(adapters) != len(sequences):
@@ -36,5 +38,5 @@ def rows(adapters: Sequence[str | None], sequences: Sequence[Sequence[int]]) -> 
 
 
 def sequences() -> tuple[Sequence[int], ...] | None:
-    """Each row's sequence in the :func:`rows` this thread is within (None: none)."""
+    """Each row's sequence in the :func:`forward_rows` this thread is within (None: none)."""
     return getattr(_local, "sequences", None)

@@ -58,6 +58,11 @@ class Fleet:
         self._mesh.quiet(card.namespace)
         return BlockKeyer(card.namespace, card.block_tokens, hash_key)
 
+    def announced(self) -> int:
+        """Block changes this node's KV events have queued for routers (0: no events)."""
+        events = self._mesh.events
+        return events.source.changes if events is not None else 0
+
     def keyer(self, card: CompatCard, hash_key: bytes | None = None) -> BlockKeyer:
         """The keyer of ``card``'s chains; it records each block's tokens when this
         node publishes KV events with token ids."""
