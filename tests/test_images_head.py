@@ -463,13 +463,18 @@ def logprobs(out: dict) -> np.ndarray:
     return np.array([[t["logprob"]] + [x["logprob"] for x in t["top_logprobs"]] for t in rows])
 
 
-def test_many_images_at_once_each_get_their_own_answer():
-    head = Head(model=MODEL)
+@pytest.mark.parametrize("name", [MODEL, QWEN])
+def test_many_images_at_once_each_get_their_own_answer(name):
+    """Sixteen requests at once, eight pictures (of eight shapes: on Qwen eight grids,
+    so eight offsets of the 3-D positions after them), batched by the head: each
+    answer is the one its request gets alone."""
+    model = model_path(name)
+    head = Head(model=model)
     try:
-        pictures = [png(100 + i) for i in range(8)]
-        alone = [complete(head, p) for p in pictures]
+        pictures = [png(100 + i, size=(24 + 8 * i, 72 - 6 * i)) for i in range(8)]
+        alone = [complete(head, p, model=model) for p in pictures]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            both = list(pool.map(lambda p: complete(head, p), pictures * 2))
+            both = list(pool.map(lambda p: complete(head, p, model=model), pictures * 2))
     finally:
         head.stop()
     # batched rows compute in another order than a lone one: equal to rounding, while
