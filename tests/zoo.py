@@ -1671,102 +1671,90 @@ def gemma3_vision_model() -> Path:
 
 
 QWEN_VL_IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's PIL image processor as the zoo's Qwen VLMs take it: patches of 4 merged 2x2,
+# 16x16 to 64x64 pixels (4 to 64 positions a picture, its grid following its shape)
+_QWEN_PIXELS = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
+_QWEN_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+_QWEN_VISION |= {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
 
 
-def qwen2_5_vl_model() -> Path:
-    """A tiny ``Qwen2_5_VLForConditionalGeneration``: ``hf_model("qwen2")``'s text
-    model (its tokenizer plus Qwen's vision tokens) rotating by M-RoPE (sections
-    4/6/6 of its 16 frequencies), a 2-layer vision tower of width 32 (patches of 4,
-    merged 2x2, one windowed layer and one full), seeded weights, and Qwen2-VL's PIL
-    image processor taking 16x16 to 64x64 pixels (4 to 64 positions a picture, its
-    grid following the picture's shape)."""
+def _qwen_processor(tmp: Path) -> None:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, size=_QWEN_PIXELS).save_pretrained(tmp)
+
+
+def _qwen_vl(name: str, seed: int, make: Callable[[Any, dict[str, int]], Any]) -> Path:
+    """A tiny Qwen VLM ``name`` on ``hf_model("qwen2")``'s tokenizer plus Qwen's vision
+    tokens: ``make(tokenizer, ids)`` (``ids``: the four tokens' ids by config field)
+    gives the model, built with ``seed``; Qwen2-VL's image processor beside it."""
     src = hf_model("qwen2")
-    dst = zoo_home() / f"qwen2_5_vl-float32-r{_recipe('qwen2')}"
+    dst = zoo_home() / f"{name}-float32-r{_recipe('qwen2')}"
 
     def build(tmp: Path) -> None:
         import torch
-        from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
+        from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(src))
         tok.add_special_tokens({"additional_special_tokens": list(QWEN_VL_IMAGE_TOKENS)})
-        start, end, image, video = tok.convert_tokens_to_ids(list(QWEN_VL_IMAGE_TOKENS))
-        text = json.loads((src / "config.json").read_text())
-        text |= {"vocab_size": len(tok), "architectures": None, "model_type": "qwen2_5_vl_text"}
-        text["rope_scaling"] = {"type": "mrope", "mrope_section": [4, 6, 6]}
-        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
-        vision |= {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
-        vision |= {"window_size": 16, "fullatt_block_indexes": [1]}
-        vision["out_hidden_size"] = text["hidden_size"]
-        config = Qwen2_5_VLConfig(
-            text_config=text,
-            vision_config=vision,
-            image_token_id=image,
-            video_token_id=video,
-            vision_start_token_id=start,
-            vision_end_token_id=end,
-        )
-        torch.manual_seed(5)
-        Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(tmp)
+        fields = ("vision_start_token_id", "vision_end_token_id", "image_token_id")
+        fields += ("video_token_id",)
+        ids = dict(zip(fields, tok.convert_tokens_to_ids(list(QWEN_VL_IMAGE_TOKENS)), strict=True))
+        torch.manual_seed(seed)
+        make(tok, ids).eval().save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        pixels = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
-        Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, size=pixels).save_pretrained(tmp)
+        _qwen_processor(tmp)
         if (src / "chat_template.jinja").is_file():  # the text model's template
             shutil.copy2(src / "chat_template.jinja", tmp / "chat_template.jinja")
 
     return _atomic(dst, build)
 
 
+def qwen2_5_vl_model() -> Path:
+    """A tiny ``Qwen2_5_VLForConditionalGeneration``: ``hf_model("qwen2")``'s text
+    model rotating by M-RoPE (sections 4/6/6 of its 16 frequencies), a 2-layer vision
+    tower of width 32 (patches of 4, merged 2x2, one windowed layer and one full),
+    seeded weights (:func:`_qwen_vl`)."""
+
+    def make(tok: Any, ids: dict[str, int]) -> Any:
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        text = json.loads((hf_model("qwen2") / "config.json").read_text())
+        text |= {"vocab_size": len(tok), "architectures": None, "model_type": "qwen2_5_vl_text"}
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [4, 6, 6]}
+        vision = _QWEN_VISION | {"window_size": 16, "fullatt_block_indexes": [1]}
+        vision["out_hidden_size"] = text["hidden_size"]
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        return Qwen2_5_VLForConditionalGeneration(config)
+
+    return _qwen_vl("qwen2_5_vl", 5, make)
+
+
 def qwen3_vl_model() -> Path:
     """A tiny ``Qwen3VLForConditionalGeneration``: a 4-layer Qwen3 text model of width
-    64 (``hf_model("qwen2")``'s tokenizer plus Qwen's vision tokens) rotating by
-    interleaved M-RoPE (sections 6/5/5 of its 16 frequencies), a 2-layer vision tower
-    of width 32 (patches of 4 merged 2x2, learned positions interpolated) whose first
-    layer also feeds the text model's first layer at the picture's positions
-    (deepstack), seeded weights, and Qwen2-VL's PIL image processor taking 16x16 to
-    64x64 pixels."""
-    src = hf_model("qwen2")
-    dst = zoo_home() / f"qwen3_vl-float32-r{_recipe('qwen2')}"
+    64 rotating by interleaved M-RoPE (sections 6/5/5 of its 16 frequencies), a
+    2-layer vision tower of width 32 (patches of 4 merged 2x2, learned positions
+    interpolated) whose first layer also feeds the text model's first layer at the
+    picture's positions (deepstack), seeded weights (:func:`_qwen_vl`)."""
 
-    def build(tmp: Path) -> None:
-        import torch
-        from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
+    def make(tok: Any, ids: dict[str, int]) -> Any:
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-        tok = AutoTokenizer.from_pretrained(str(src))
-        tok.add_special_tokens({"additional_special_tokens": list(QWEN_VL_IMAGE_TOKENS)})
-        start, end, image, video = tok.convert_tokens_to_ids(list(QWEN_VL_IMAGE_TOKENS))
         text = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128}
         text |= {"num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1}
         text |= {"head_dim": 32, "tie_word_embeddings": True}
         rope = {"rope_type": "default", "rope_theta": 1000000.0}
         text["rope_parameters"] = rope | {"mrope_section": [6, 5, 5], "mrope_interleaved": True}
-        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
-        vision |= {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
-        vision |= {"num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
+        vision = _QWEN_VISION | {"num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
         vision["out_hidden_size"] = text["hidden_size"]
         config = Qwen3VLConfig(
-            text_config=text,
-            vision_config=vision,
-            image_token_id=image,
-            video_token_id=video,
-            vision_start_token_id=start,
-            vision_end_token_id=end,
-            tie_word_embeddings=True,
+            text_config=text, vision_config=vision, tie_word_embeddings=True, **ids
         )
-        torch.manual_seed(6)
-        Qwen3VLForConditionalGeneration(config).eval().save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        pixels = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
-        Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, size=pixels).save_pretrained(tmp)
-        if (src / "chat_template.jinja").is_file():  # the text model's template
-            shutil.copy2(src / "chat_template.jinja", tmp / "chat_template.jinja")
+        return Qwen3VLForConditionalGeneration(config)
 
-    return _atomic(dst, build)
+    return _qwen_vl("qwen3_vl", 6, make)
 
 
 def qwen3_5_vision_model() -> Path:
@@ -1777,13 +1765,8 @@ def qwen3_5_vision_model() -> Path:
     dst = zoo_home() / f"qwen3_5_vl-float32-r{_recipe('qwen3_5_hub')}"
 
     def build(tmp: Path) -> None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-
         shutil.copytree(src, tmp, dirs_exist_ok=True)
-        pixels = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
-        Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, size=pixels).save_pretrained(tmp)
+        _qwen_processor(tmp)
 
     return _atomic(dst, build)
 

@@ -103,13 +103,7 @@ class Auditor:
         except Exception as e:  # an audit never fails anything else
             log.warning("audit failed: %r", e)
             return
-        if agrees is None:
-            return
-        count(Count.AUDITS)
-        if not agrees:
-            count(Count.AUDIT_MISMATCH)
-            planner.quarantine(job.peer_id)
-            log.warning("peer %s served KV that disagrees with a recompute: quarantined", job.peer)
+        _verdict(agrees, job.peer_id, job.peer, "KV", planner, count)
 
     def chance(self) -> bool:
         """True with probability ``rate``: whether to audit one more thing taken."""
@@ -133,13 +127,7 @@ class Auditor:
         except Exception as e:  # an audit never fails anything else
             log.warning("audit of a picture's rows failed: %r", e)
             return
-        if agrees is None:
-            return
-        count(Count.AUDITS)
-        if not agrees:
-            count(Count.AUDIT_MISMATCH)
-            planner.quarantine(taken.peer_id)
-            log.warning("peer %s served picture rows that disagree: quarantined", taken.peer)
+        _verdict(agrees, taken.peer_id, taken.peer, "picture rows", planner, count)
 
     @staticmethod
     def agrees(engine: Engine, keyer: BlockKeyer, job: AuditJob) -> bool | None:
@@ -154,6 +142,20 @@ class Auditor:
         theirs = job.block  # a trimmed block (a window's import) is compared on its parts
         ours = mine[0] if theirs.whole else trim(mine[0], theirs.present)
         return _close(_present(ours), _present(theirs))
+
+
+def _verdict(
+    agrees: bool | None, peer_id: str, peer: str, what: str, planner: Planner, count: Tally
+) -> None:
+    """Count an audit that could compare (``agrees`` not None); quarantine ``peer``
+    in ``planner`` when what it served disagreed."""
+    if agrees is None:
+        return
+    count(Count.AUDITS)
+    if not agrees:
+        count(Count.AUDIT_MISMATCH)
+        planner.quarantine(peer_id)
+        log.warning("peer %s served %s that disagrees with a recompute: quarantined", peer, what)
 
 
 def _present(block: Block) -> list[tuple[TensorSpec, memoryview]]:
