@@ -52,8 +52,6 @@ class PictureRows:
         if self.rows_card is not None:
             self.layout = Layout(self.rows_card)
             self.keyer = fleet.hold_rows(self.rows_card, hash_key)
-        self.fetched = 0  # pictures whose rows came from a peer
-        self.published = 0
 
     def acquire(self, tokens: Sequence[int], start: int) -> list[Taken]:
         """Take the rows of each picture a prefill of ``tokens`` from ``start`` would
@@ -68,7 +66,6 @@ class PictureRows:
                 blocks, hit = found
                 self.vision.take(digest, length, blocks)
                 if hit is not None:
-                    self.fetched += 1
                     from_peers.append(Taken(digest, self.card.kv_dtype, hit.node_id, hit.alias))
             except Exception as e:  # the cache never decides correctness: encode it
                 log.debug("a picture's encoder rows were not taken: %r", e)
@@ -109,7 +106,6 @@ class PictureRows:
                 sent += 1
             except Exception as e:  # sharing is optional
                 log.debug("a picture's encoder rows were not published: %r", e)
-        self.published += sent
         return sent
 
 
