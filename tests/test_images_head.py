@@ -525,7 +525,7 @@ def test_bad_images_are_400s_and_the_head_goes_on():
         text.stop()
 
 
-# -- a picture's encoder rows, shared as a block (kvmesh.runtime.pictures) -----------------------
+# -- a picture's encoder rows, shared as blocks (kvmesh.runtime.pictures) ----------------------
 
 
 @pytest.mark.parametrize("name", [MODEL, QWEN3])

@@ -40,10 +40,10 @@ instead (:meth:`Vision.positions`), computed from the whole sequence of each row
 names.
 
 A picture's encoder rows can be shared like KV (:mod:`kvmesh.runtime.pictures`): as
-one block of a card of their own (:meth:`Vision.rows_card`: the model's card, one
-"layer" per kind of row, the encoder's then each deepstack layer's, K the first half
-of each row and V the second), keyed by its media ids, so
-they travel, are verified and are stored as any block is. :meth:`Vision.needed`
+a chain of blocks of a card of their own (:meth:`Vision.rows_card`: the model's card,
+one "layer" per kind of row, the encoder's then each deepstack layer's, K the first
+half of each row and V the second; the last block zero-padded), keyed by the
+picture's media ids, so they travel, are verified and are stored as any block is. :meth:`Vision.needed`
 names the pictures a prefill would encode; :meth:`Vision.take` holds rows fetched
 for one (checked: shape, finite values), :meth:`Vision.rows_blocks` makes the blocks
 of rows held, and :meth:`Vision.fresh` hands over the pictures encoded here since.
