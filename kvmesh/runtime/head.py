@@ -307,7 +307,7 @@ class HeadRuntime:
         # exports waiting to be given back: dropped beyond ``max_pending_publishes``
         self.give_back = GiveBack(reuse, self.card, max_pending_publishes, count)
         self.pictures = (  # a vision model's encoder rows, shared as blocks
-            PictureRows(engine.vision, self.card, reuse, hash_key, self.planner.avoided)
+            PictureRows(engine.vision, self.card, reuse, hash_key, self.planner.lookup_hooks(count))
             if reuse is not None and engine.vision is not None
             else None
         )

@@ -21,7 +21,7 @@ request's chain root, so a tenant's pictures are its own here too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..codec import Block, Layout
@@ -29,6 +29,7 @@ from ..compat import CompatCard
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from .audit import Taken
+from .planner import LookupHooks
 
 log = logging.getLogger("kvmesh.head")
 
@@ -42,12 +43,14 @@ class PictureRows:
         card: CompatCard,
         fleet: Fleet,
         hash_key: bytes | None = None,
-        avoided: Callable[[str], bool] | None = None,
+        hooks: LookupHooks | None = None,
     ) -> None:
         """``vision``: the engine's :class:`~kvmesh.engine.vision.Vision`; ``card``:
-        the model's; ``avoided(peer)``: a peer not to wait for (backed off)."""
+        the model's; ``hooks``: how a lookup reports to the head's planner (a peer
+        backed off is not waited for; one failing a lookup is backed off, so a frozen
+        peer costs one picture its lookup deadline, not every picture)."""
         self.vision, self.card, self.fleet = vision, card, fleet
-        self._avoided = avoided
+        self._hooks: LookupHooks | dict[str, Any] = hooks or {}
         self.rows_card = vision.rows_card(card)  # None: this model's rows are not shared
         if self.rows_card is not None:
             self.layout = Layout(self.rows_card)
@@ -80,7 +83,7 @@ class PictureRows:
         here = self.fleet.local_prefix(keys)
         if len(here.blocks) == len(keys.blocks):
             return list(here.blocks), None
-        hits, _ = self.fleet.lookup(self.rows_card, keys, skip=self._avoided)
+        hits, _ = self.fleet.lookup(self.rows_card, keys, **self._hooks)
         for hit in hits:
             if hit.tokens < whole or len(hit.blocks) < len(keys.blocks):
                 continue
