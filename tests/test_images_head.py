@@ -688,9 +688,11 @@ def test_picture_rows_are_kept_and_published_but_never_announced_as_kv(tmp_path)
         [(digest, length)] = engine.vision.needed(tokens, 0)
         state = engine.prefill(tokens)  # encodes the picture here: its rows are fresh
         before = h.fleet.announced()
-        assert h.pictures.give_back() == 1  # as after a request
+        h.pictures.publish(h.give_back)  # as after a request
+        h.flush()
         keyer = h.pictures.keyer
         rows = keyer.keys(engine.vision.rows_tokens(digest, length, keyer.block_tokens))
+        assert h.telemetry.counters["picture_rows_blocks"] == len(rows.blocks)  # one picture
         assert len(h.fleet.local_prefix(rows).blocks) == len(rows.blocks) > 0  # kept here
         assert h.fleet.announced() == before  # and never announced
         kv = engine.export(state, h.keyer)

@@ -57,6 +57,7 @@ import io
 import json
 import threading
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -238,8 +239,11 @@ class _Bounded:
 
 
 def _tensor(view: memoryview, dtype: str) -> torch.Tensor:
-    """A copy of ``view``'s values as a tensor of ``dtype`` (a card's name)."""
-    return torch.frombuffer(bytearray(view), dtype=_TORCH[dtype])
+    """``view``'s values as a tensor of ``dtype`` (a card's name), read in place (the
+    block's bytes are read-only; the caller copies them out)."""
+    with warnings.catch_warnings():  # a read-only buffer: never written through
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=_TORCH[dtype])
 
 
 def _deepstack(rows: torch.Tensor) -> Any:
@@ -500,9 +504,9 @@ class Vision:
             for kind in range(card.num_layers):
                 part = rows[i * b : (i + 1) * b, kind]
                 for half in (part[:, : width // 2], part[:, width // 2 :]):
-                    raw = half.contiguous().view(torch.uint8).numpy().tobytes()
-                    view[at : at + len(raw)] = raw
-                    at += len(raw)
+                    raw = half.contiguous().view(torch.uint8).numpy().reshape(-1)
+                    view[at : at + raw.size] = raw.data  # the one copy, into the blob
+                    at += raw.size
             out.append(layout.seal(header, blob))
         return out
 
@@ -512,23 +516,25 @@ class Vision:
         and verified by its digest): ValueError, holding nothing, unless they are
         whole, hold that many rows of this model's shape, and every value is finite."""
         width, kinds = self._row_shape()
-        per_block = []
-        for block in blocks:
-            h = block.header
-            if not block.whole or len(h.layers) != kinds:
-                raise ValueError("not a picture's encoder rows for this model")
-            per_kind = []
-            for _, parts in block.kv_layers():
-                halves = [_tensor(view, spec.dtype).view(h.tokens, -1) for spec, view in parts]
-                per_kind.append(torch.cat(halves, dim=1))
-            per_block.append(torch.stack(per_kind, dim=1))
-        if not per_block or sum(len(r) for r in per_block) < length:
+        held = sum(blk.header.tokens for blk in blocks)
+        if (
+            not blocks
+            or held < length
+            or any(not blk.whole or len(blk.header.layers) != kinds for blk in blocks)
+        ):
             raise ValueError("not a picture's encoder rows for this model")
-        rows = torch.cat(per_block)[:length]
-        rows = rows[:, 0] if kinds == 1 else rows
-        if rows.shape[-1] != width or not bool(torch.isfinite(rows).all()):
+        rows = torch.empty((held, kinds, width), dtype=self.model.dtype)
+        for blk in blocks:  # each part copied once, into its place
+            a, n = blk.header.start, blk.header.tokens
+            for kind, parts in blk.kv_layers():
+                for half, (spec, view) in enumerate(parts):
+                    if spec.shape != (1, n, width // 2):
+                        raise ValueError("the encoder rows are not this model's")
+                    got = _tensor(view, spec.dtype).view(n, width // 2)
+                    rows[a : a + n, kind, half * width // 2 : (half + 1) * width // 2] = got
+        rows = rows[:length, 0] if kinds == 1 else rows[:length]
+        if not bool(torch.isfinite(rows).all()):
             raise ValueError("the encoder rows are not this model's, or not finite")
-        rows = rows.to(self.model.dtype)
         self._features.put(digest, rows, rows.numel() * rows.element_size())
         self.taken += 1
 

@@ -54,14 +54,18 @@ class GiveBack:
         self._slots.give()
 
     def submit(
-        self, make: Callable[[], list[list[Block]]], counter: str, owner: str | None = None
+        self,
+        make: Callable[[], list[list[Block]]],
+        counter: str,
+        owner: str | None = None,
+        card: CompatCard | None = None,
     ) -> None:
         """In a reserved slot: ``make()`` the chains (on the background thread),
-        keep each here (against ``owner``'s tenant budget) and publish it; count
-        their distinct blocks under ``counter``."""
+        keep each here (against ``owner``'s tenant budget) and publish it under
+        ``card`` (None: this queue's); count their distinct blocks under ``counter``."""
         self._work(+1)
         try:
-            self._pool.submit(self._run, make, counter, owner)
+            self._pool.submit(self._run, make, counter, owner, card or self.card)
         except RuntimeError:  # shut down: the work will never run, nor say it is done
             self._work(-1)
             raise
@@ -78,7 +82,13 @@ class GiveBack:
         """Other off-path work that should queue behind publishes (audits)."""
         self._pool.submit(fn, *args)
 
-    def _run(self, make: Callable[[], list[list[Block]]], counter: str, owner: str | None) -> None:
+    def _run(
+        self,
+        make: Callable[[], list[list[Block]]],
+        counter: str,
+        owner: str | None,
+        card: CompatCard,
+    ) -> None:
         try:
             chains = make()
             if self.fleet is None:
@@ -86,7 +96,7 @@ class GiveBack:
             for chain in chains:
                 self.fleet.keep(chain, owner)
                 if self.publish:
-                    self.fleet.publish(self.card, chain)
+                    self.fleet.publish(card, chain)
             self.count(counter, len({b.key for c in chains for b in c}))  # distinct blocks
         except Exception as e:  # a publish never fails a request
             log.warning("publish failed: %r", e)

@@ -407,7 +407,7 @@ class HeadRuntime:
         if self.pictures is None:
             return
         if self.publish_enabled:
-            self.pictures.give_back()
+            self.pictures.publish(self.give_back)
         for one in taken:
             if self.auditor is not None and self.auditor.chance():
                 args = (self.engine.vision, self._lock, one, self.planner, self.telemetry.count)

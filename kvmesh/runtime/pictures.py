@@ -9,8 +9,9 @@ fleet under the lookup's deadline, fetching the first hit within the fetch deadl
 the rows are verified as any block is (the card, the digest) and checked by the
 engine before it holds them (:meth:`~kvmesh.engine.vision.Vision.take`). A picture
 found nowhere, or any failure, is encoded as before (invariant 1). After a request
-(:meth:`PictureRows.give_back`), the rows of every picture encoded here since are
-kept in this node's store and published, never blocking.
+(:meth:`PictureRows.publish`), the rows of every picture encoded here since are
+kept in this node's store and published on the give-back thread, as a prompt's
+blocks are.
 
 A picture's rows are a chain of blocks of the model's rows card
 (:meth:`~kvmesh.engine.vision.Vision.rows_card`: one namespace for every picture),
@@ -29,7 +30,9 @@ from ..compat import CompatCard
 from ..mesh.fleet import Fleet
 from ..mesh.hits import PeerHit
 from .audit import Taken
+from .giveback import GiveBack
 from .planner import LookupHooks
+from .telemetry import Count
 
 log = logging.getLogger("kvmesh.head")
 
@@ -93,23 +96,21 @@ class PictureRows:
                 return got, hit
         return None
 
-    def give_back(self) -> int:
-        """Keep here and publish the rows of every picture encoded here since the
-        last call. Returns how many were published. Never raises."""
-        sent = 0
-        for digest, _ in self.vision.fresh():
-            if self.rows_card is None:
-                continue
-            try:
-                blocks = self.vision.rows_blocks(self.rows_card, self.keyer, digest)
-                if not blocks:  # dropped from the engine's rows since
-                    continue
-                self.fleet.keep(blocks)
-                self.fleet.publish(self.rows_card, blocks)
-                sent += 1
-            except Exception as e:  # sharing is optional
-                log.debug("a picture's encoder rows were not published: %r", e)
-        return sent
+    def publish(self, give_back: GiveBack) -> None:
+        """Hand the rows of the pictures encoded here since the last call to
+        ``give_back`` (kept here and published off the request path, in a reserved
+        slot; none free: dropped, as a prompt's blocks are)."""
+        fresh = self.vision.fresh()
+        if not fresh or self.rows_card is None or not give_back.reserve():
+            return
+        card = self.rows_card
+        make = lambda: self._chains(card, fresh)  # noqa: E731  (run on the give-back thread)
+        give_back.submit(make, Count.PICTURE_ROWS_BLOCKS, card=card)
+
+    def _chains(self, card: CompatCard, fresh: Sequence[tuple[bytes, int]]) -> list[list[Block]]:
+        """The rows chain of each picture in ``fresh`` still held."""
+        chains = (self.vision.rows_blocks(card, self.keyer, d) for d, _ in fresh)
+        return [c for c in chains if c]
 
 
 def _ignore(_: Block) -> None:

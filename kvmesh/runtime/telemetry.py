@@ -49,6 +49,7 @@ class Count(StrEnum):
     AUDITS = "audits"
     AUDIT_MISMATCH = "audit_mismatch"
     PUBLISHED_BLOCKS = "published_blocks"
+    PICTURE_ROWS_BLOCKS = "picture_rows_blocks"  # pictures' encoder rows kept and published
     PUBLISH_DROPPED = "publish_dropped"
     PUBLISH_FAILED = "publish_failed"
     # blocks (chains from the root) kept and published from prompts given up while
