@@ -212,8 +212,10 @@ def test_a_failing_batched_prefill_fails_only_the_prompt_whose_own_forward_fails
             t.join(120)
         # the shared forward raised; each alone: the good one answers as alone (every
         # chunk of it computed alone), the bad one starts over from nothing (its
-        # fallback), fails again, and ends
-        assert h.batch.prefill_retries == 1 and h.batch.peak_prefill_batch == 1
+        # fallback), fails again (beside the good one's steps riding it: that forward
+        # too is retried each alone), and ends
+        retried = 2 if eng.rides else 1
+        assert h.batch.prefill_retries == retried and h.batch.peak_prefill_batch == 1
         assert outs[0].tokens == want and isinstance(errors[0], IndexError)
         assert h.engine_failure is None
         assert h.batch.prefilling == h.batch.running == 0 and h.batch.held_bytes == 0

@@ -142,7 +142,14 @@ class HeadCollector(Collector):
         )
         yield GaugeMetricFamily("kvmesh_batch_max", "--max-batch", value=batch.max_batch)
         yield CounterMetricFamily(
-            "kvmesh_batch_steps", "Decode steps (one forward each)", value=batch.steps
+            "kvmesh_batch_steps",
+            "Decode steps (of every sequence decoding together)",
+            value=batch.steps,
+        )
+        yield CounterMetricFamily(
+            "kvmesh_batch_ridden_steps",
+            "Sequence steps computed in a prompt's prefill forward (no forward of their own)",
+            value=batch.ridden_steps,
         )
         yield CounterMetricFamily(
             "kvmesh_queue_rejected", "Requests refused with 503 (queue full)", value=s.rejected

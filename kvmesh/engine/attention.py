@@ -15,6 +15,10 @@ transformers' plain causal one and the queries are the last positions (else, and
 for every other call, transformers' SDPA with its own mask, unchanged). Installed
 as the attention implementation :data:`NAME` (:func:`install`), which the card's
 engine names, so blocks computed this way are a namespace of their own.
+
+Within :func:`packed` every call of the implementation is handed to the packed
+rows' own ``attend`` (:mod:`kvmesh.engine.packed`: several sequences' rows end to
+end in one forward, each attending over its own cache).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ NAME = "kvmesh_sdpa"
 _CONTINUING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "kvmesh_continuing", default=False
 )
+_PACKED: contextvars.ContextVar[Any] = contextvars.ContextVar("kvmesh_packed", default=None)
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -46,6 +51,16 @@ def continuing() -> Iterator[None]:
         yield
     finally:
         _CONTINUING.reset(token)
+
+
+@contextlib.contextmanager
+def packed(rows: Any) -> Iterator[None]:
+    """Within it, attention is ``rows.attend(module, query, scaling, kwargs)``."""
+    token = _PACKED.set(rows)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
 
 
 def mask(
@@ -98,13 +113,14 @@ def attention(
     """transformers' attention-function contract: ``[batch, q, heads, dim]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if (rows := _PACKED.get()) is not None:
+        return rows.attend(module, query, scaling, kwargs), None
     q, kv = query.shape[2], key.shape[2]
-    plain = not any(kwargs.get(k) is not None for k in ("s_aux", "softcap", "position_bias"))
     if (
         attention_mask is None
         and 1 < q < kv
         and _CONTINUING.get()
-        and plain
+        and plain(kwargs)
         and dropout == 0.0
         and is_causal is not False
         and getattr(module, "is_causal", True)
@@ -114,6 +130,12 @@ def attention(
     return sdpa_attention_forward(  # type: ignore[no-any-return]
         module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
     )
+
+
+def plain(kwargs: dict[str, Any]) -> bool:
+    """Whether an attention call's extra arguments leave it plain softmax attention
+    (no sinks, no soft cap, no position bias)."""
+    return not any(kwargs.get(k) is not None for k in ("s_aux", "softcap", "position_bias"))
 
 
 def split(

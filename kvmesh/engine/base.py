@@ -352,6 +352,21 @@ class EngineBase(abc.ABC):
         """Whether :meth:`decode_batch` runs several sequences in one forward."""
         return False
 
+    @property
+    def rides(self) -> bool:
+        """Whether :meth:`prefill_riding` computes the riders' steps in the prompt's
+        forward (else one after the other)."""
+        return False
+
+    def prefill_riding(self, state: KVState, n: int, riders: Sequence[KVState]) -> None:
+        """The next ``n`` prompt tokens of ``state`` (:meth:`prefill_batch`) and a
+        decode step of each of ``riders`` (:meth:`decode_batch`); an engine that
+        :attr:`rides` runs them in one forward and, if it raises, leaves every
+        state as it was."""
+        self.prefill_batch([state], [n])
+        if riders:
+            self.decode_batch(riders)
+
     def forward_tokens(self, tokens: Sequence[int], start: int, n: int) -> int:
         """How many of ``tokens`` a prefill forward from ``start`` computes when ``n``
         are asked: ``n``, unless the model attends both ways within a picture

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import threading
 import types
 import warnings
@@ -60,7 +61,7 @@ from ..blocks import (
 from ..codec import Block, Layout
 from ..compat import LayerGeometry, kv_quant_params
 from ..errors import CacheMiss, CannotRestore, ConfigError
-from . import attention, lora
+from . import attention, lora, packed
 from . import deterministic as det
 from . import rows as seqs
 from .attention import continuing
@@ -87,6 +88,8 @@ from .protocol import Scorer
 from .sampling import distribution, greedy, safe_temperature
 from .state import Importer, KVState
 from .vision import Vision, sees_images
+
+log = logging.getLogger("kvmesh.engine")
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
@@ -758,6 +761,113 @@ def _load_model(
     return model.eval(), want
 
 
+def _go_deterministic(engine: TransformersEngine, grid: int) -> None:
+    """Deterministic mode: the grid, the decode kernels, and a card that says so."""
+    det.check("torch", grid, engine.block_tokens)
+    c = engine.card
+    if c.state_every or engine.reuse_off is not None or engine.device.type != "cpu":
+        raise ConfigError(
+            "--deterministic runs on the CPU, for models whose cache kvmesh restores "
+            "exactly without recurrent state (this one: "
+            f"{'recurrent state' if c.state_every else engine.reuse_off or engine.device})"
+        )
+    if engine.whole_pictures:  # its grid would stop forwards inside pictures
+        raise ConfigError(
+            "--deterministic cannot serve a model that attends both ways within a "
+            "picture (use_bidirectional_attention: vision)"
+        )
+    # row-invariant batched decode: the compiled kernel (float32) at every row
+    # count, SDPA row by row; otherwise each sequence decodes alone
+    rows = (
+        engine.dtype == torch.float32
+        and engine.attn_implementation == "sdpa"
+        and engine.batches
+        and _agrees(
+            "streamed", [m for m in engine.model.modules() if type(m) is torch.nn.Linear][:1], 1
+        )
+    )
+    if rows:
+        det.install_rowwise_sdpa()
+        engine.kernels = {det.ANY_ROWS: "streamed"}
+    engine.grid, engine._rowwise = grid, rows
+    decode = "rows" if rows else "alone"
+    engine.card = dataclasses.replace(
+        c,
+        engine=f"{c.engine}/deterministic:{det.kernel_family()}:decode={decode}",
+        prefill_grid=grid,
+    )
+
+
+def _packable(engine: TransformersEngine) -> bool:
+    """Plain full attention through the split implementation, nothing whose rows
+    need more than their positions (pictures, a prefill grid, recurrent states)."""
+    return (
+        engine.attn_implementation == attention.NAME
+        and engine.batches
+        and not engine.grid
+        and engine.vision is None
+        and not engine.card.state_every
+        and engine.reuse_off is None
+    )
+
+
+def _rides_checked(engine: TransformersEngine) -> bool:
+    """:func:`_packable`, and a packed forward of a short prompt beside a decode
+    step gives the logits their own forwards give (an architecture whose forward
+    does anything else with its rows is left unpacked)."""
+    if not _packable(engine):
+        return False
+    engine._rides = True
+    try:
+        with torch.inference_mode():
+            rider = engine.prefill([1, 2, 3, 4, 5])
+            rider.tokens.append(6)
+            alone = engine.fork(rider)
+            engine.decode_batch([alone])
+            prompt = engine.begin_prefill([7, 8, 9])
+            engine.prefill_riding(prompt, 3, [rider])
+            lone = engine.prefill([7, 8, 9])
+        return all(
+            torch.allclose(a.logits, b.logits, rtol=1e-3, atol=1e-3 * float(b.logits.abs().max()))
+            for a, b in ((rider, alone), (prompt, lone))
+        )
+    except Exception as e:
+        log.info("decode steps do not ride prefill forwards on this model: %r", e)
+        return False
+
+
+@torch.inference_mode()
+def _ride(engine: TransformersEngine, state: KVState, n: int, riders: Sequence[KVState]) -> None:
+    """:meth:`TransformersEngine.prefill_riding`'s packed forward; on failure every
+    cache is rolled back."""
+    engine._drop(riders)  # a live batch holding a rider is stale from now on
+    cache = state.cache if state.cache is not None else engine._new_cache()
+    rows = packed.PackedRows(
+        [cache, *(s.cache for s in riders)],
+        [state.cached, *(s.cached for s in riders)],
+        [n, *(1 for _ in riders)],
+    )
+    ids = state.tokens[state.cached : state.cached + n] + [s.tokens[s.cached] for s in riders]
+    device = engine.device
+    try:
+        with batched(engine._prefill_kernels()), attention.packed(rows):
+            out = engine.model(
+                input_ids=torch.tensor([ids], device=device),
+                position_ids=rows.positions().to(device),
+                attention_mask=rows.mask().to(device),
+                use_cache=True,
+                logits_to_keep=rows.last_rows().to(device),
+                **{engine._cache_kw: rows},
+            )
+    except BaseException:
+        rows.rollback()
+        raise
+    logits = out.logits[0].float()
+    state.cache, state.cached, state.logits = cache, state.cached + n, logits[0]
+    for i, s in enumerate(riders, 1):
+        s.cached, s.logits = s.cached + 1, logits[i]
+
+
 def _rows(states: Sequence[KVState]) -> Any:
     """Within it, the rows of a forward are ``states`` (:func:`kvmesh.engine.rows.forward_rows`)."""
     return seqs.forward_rows([s.adapter for s in states], [s.tokens for s in states])
@@ -818,7 +928,7 @@ class TransformersEngine(EngineBase):
         self.whole_pictures = self.vision is not None and self.vision.bidirectional
         self.kernels: dict[int, str] = {}  # batch size -> the kernel its linear layers take
         self._batches: dict[tuple[int, ...], _Batch] = {}  # live batch caches, oldest first
-        self.grid, self._rowwise = 0, False  # deterministic mode (_go_deterministic)
+        self.grid, self._rowwise = 0, False  # deterministic mode (:func:`_go_deterministic`)
         self.adapters: dict[str, lora.Adapter] = {}  # LoRA adapters by name (load_adapter)
         if self.device.type == "cpu":
             _rows_first_linear(self.model)
@@ -850,10 +960,11 @@ class TransformersEngine(EngineBase):
         )
         self._state_every = self.card.state_every
         if deterministic_grid:
-            self._go_deterministic(deterministic_grid)
+            _go_deterministic(self, deterministic_grid)
         elif pack and packs(self.kernels):  # deterministic prefills on F.linear: plain
             pack_weights(self.model)
         self.layout = Layout(self.card)
+        self._rides = _rides_checked(self)
         eos = self.model.generation_config.eos_token_id
         eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if self.tokenizer.eos_token_id is not None:
@@ -888,42 +999,6 @@ class TransformersEngine(EngineBase):
             layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
             none = tuple(LayerGeometry("none") for _ in range(int(layers)))
             return CacheGeometry(_DTYPES.get(self.dtype, "float32"), none)
-
-    def _go_deterministic(self, grid: int) -> None:
-        """Deterministic mode: the grid, the decode kernels, and a card that says so."""
-        det.check("torch", grid, self.block_tokens)
-        c = self.card
-        if c.state_every or self.reuse_off is not None or self.device.type != "cpu":
-            raise ConfigError(
-                "--deterministic runs on the CPU, for models whose cache kvmesh restores "
-                "exactly without recurrent state (this one: "
-                f"{'recurrent state' if c.state_every else self.reuse_off or self.device})"
-            )
-        if self.whole_pictures:  # its grid would stop forwards inside pictures
-            raise ConfigError(
-                "--deterministic cannot serve a model that attends both ways within a "
-                "picture (use_bidirectional_attention: vision)"
-            )
-        # row-invariant batched decode: the compiled kernel (float32) at every row
-        # count, SDPA row by row; otherwise each sequence decodes alone
-        rows = (
-            self.dtype == torch.float32
-            and self.attn_implementation == "sdpa"
-            and self.batches
-            and _agrees(
-                "streamed", [m for m in self.model.modules() if type(m) is torch.nn.Linear][:1], 1
-            )
-        )
-        if rows:
-            det.install_rowwise_sdpa()
-            self.kernels = {det.ANY_ROWS: "streamed"}
-        self.grid, self._rowwise = grid, rows
-        decode = "rows" if rows else "alone"
-        self.card = dataclasses.replace(
-            c,
-            engine=f"{c.engine}/deterministic:{det.kernel_family()}:decode={decode}",
-            prefill_grid=grid,
-        )
 
     # -- KV -------------------------------------------------------------------
 
@@ -1082,6 +1157,20 @@ class TransformersEngine(EngineBase):
         c = self.card
         plain = c.uniform and not any(c.sliding_windows)
         return plain and (not self.grid or self._rowwise)
+
+    @property
+    def rides(self) -> bool:
+        return self._rides
+
+    @torch.inference_mode()
+    def prefill_riding(self, state: KVState, n: int, riders: Sequence[KVState]) -> None:
+        """One forward: ``state``'s next ``n`` prompt tokens and each rider's pending
+        token, packed end to end (:mod:`.packed`), each against its own cache; the
+        linear layers take the kernel of the forward's row count."""
+        if not (self._rides and riders) or any(s.adapter for s in (state, *riders)):
+            super().prefill_riding(state, n, riders)
+        else:
+            _ride(self, state, n, riders)
 
     @torch.inference_mode()
     def decode_batch(self, states: Sequence[KVState]) -> None:

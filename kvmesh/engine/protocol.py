@@ -108,6 +108,15 @@ class Engine(Protocol):
         """Forward each state's one pending token (the one its decoder just sampled)."""
         ...
 
+    @property
+    def rides(self) -> bool:
+        """Whether :meth:`prefill_riding` runs the prompt and the steps in one forward."""
+        ...
+
+    def prefill_riding(self, state: KVState, n: int, riders: Sequence[KVState]) -> None:
+        """The next ``n`` prompt tokens of ``state`` and a decode step of each rider."""
+        ...
+
     def generate(
         self, state: KVState, sampling: Sampling, out: Decoded | None = None
     ) -> Iterator[int]:

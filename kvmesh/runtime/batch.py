@@ -127,6 +127,7 @@ class BatchRunner:
         self.prefill_forwards = 0
         self.peak_prefill_batch = 0  # most prompts in one prefill forward
         self.prefill_retries = 0  # batched prefill forwards that raised: retried one by one
+        self.ridden_steps = 0  # decode steps computed in a prompt's prefill forward
         self.prefill_tokens = 0  # prompt tokens computed by prefill forwards
         self.peak_prefill_chunk = 0  # most tokens one prompt computed in one forward
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
@@ -259,10 +260,9 @@ class BatchRunner:
             while self._starting:  # each stays listed while it starts: a death ends it too
                 self._begin(self._starting[0])
                 self._starting.pop(0)
-            if self._prefilling:
-                self._prefill_turn()
-            if self._running:
-                self._step()
+            stepped = self._prefill_turn() if self._prefilling else False
+            if self._running and not stepped:  # each chosen samples, those going on step
+                self._decode(self._sample())
 
     def _admissible(self) -> list[Job]:
         """Jobs to start now, fairest first (see the module docstring). Cancelled
@@ -316,22 +316,27 @@ class BatchRunner:
         self._prefilling.append(pre)
         self._sharing.find(pre, self._prefilling, self._running_roots())
 
-    def _prefill_turn(self) -> None:
-        """End cancelled prefills, settle shared prefixes, then one prefill forward."""
+    def _prefill_turn(self) -> bool:
+        """End cancelled prefills, settle shared prefixes, then one prefill forward.
+        True when the running sequences stepped in it (:meth:`_riders`)."""
         for pre in [p for p in self._prefilling if p.job._gone()]:
             self._drop_prefill(pre, cancelled=True)
         self._sharing.settle(self._prefilling, self._running_roots())
         ready = [p for p in self._prefilling if p.producer is None]
         if not ready:
-            return
+            return False
         order = PrefillOrder(
             self.prefill_chunk, self.max_batch, self.prefill_batch_tokens, self.engine.batches
         )
         group, chunks = order.group(ready, self.prefill_forwards)
-        widened = self._widen_alone(group, chunks)
+        alone = not (self._running or self._waiting or len(self._prefilling) > 1)
+        widened = self.lone.widen(group[0], chunks, self._budget) if alone else 0
+        riders = self._riders(group)
+        if riders:  # the forward's rows stay within prefill_chunk
+            chunks[0] = max(1, min(chunks[0], self.prefill_chunk - len(riders)))
         chunks = [_whole(self.engine, p, n) for p, n in zip(group, chunks, strict=True)]
         try:
-            self._prefill_forward(group, chunks)
+            self._prefill_forward(group, chunks, tuple(riders or ()))
         finally:
             if widened:
                 self._budget.unreserve(widened)
@@ -339,18 +344,19 @@ class BatchRunner:
             if pre in self._prefilling and pre.left <= 0:
                 self._prefilling.remove(pre)
                 self._prefilled(pre)
+        return riders is not None
 
-    def _widen_alone(self, group: list[Prefilling], chunks: list[int]) -> int:
-        """A prompt alone on the engine computes up to ``lone.width()`` tokens in
-        this forward when the budget holds its working memory (see
-        :mod:`kvmesh.runtime.prefill`). Returns the bytes reserved for it."""
-        pre, q = group[0], min(group[0].left, self.lone.width())
-        beside = self._running or self._waiting or len(self._prefilling) > 1
-        if beside or q <= chunks[0]:
-            return 0
-        extra = self._budget.widen(pre.job, q)  # None: the budget lacks it
-        chunks[0] = q if extra is not None else chunks[0]
-        return extra or 0
+    def _riders(self, group: list[Prefilling]) -> list[_Seq] | None:
+        """The running sequences sampled, those going on to ride ``group``'s forward
+        (:meth:`Engine.prefill_riding`: one prompt, no LoRA row; a LoRA step goes
+        alone first). None: no riding; the turn's step comes after the forward."""
+        if not (self._running and self.engine.rides and len(group) == 1):
+            return None
+        if group[0].plan.state.adapter is not None:
+            return None
+        going = self._sample()
+        self._decode([s for s in going if s.state.adapter is not None])
+        return [s for s in going if s.state.adapter is None and s in self._running]
 
     def _drop_prefill(
         self, pre: Prefilling, cancelled: bool = False, error: BaseException | None = None
@@ -361,16 +367,27 @@ class BatchRunner:
         self._budget.release(pre.job)
         pre.job.end(cancelled=cancelled, error=error, stage=PREFILLING)
 
-    def _prefill_forward(self, group: list[Prefilling], chunks: list[int]) -> None:
-        """One forward of ``chunks[i]`` tokens of each prompt ``group[i]``; if it
-        raises, each alone, and a prompt whose own forward fails starts over once
-        (its fallback), else its job fails."""
+    def _prefill_forward(
+        self, group: list[Prefilling], chunks: list[int], riders: tuple[_Seq, ...] = ()
+    ) -> None:
+        """One forward of ``chunks[i]`` tokens of each prompt ``group[i]`` (and the
+        steps of ``riders``: one prompt); if it raises, each alone, and a prompt
+        whose own forward fails starts over once (its fallback), else its job fails."""
         states = [p.plan.state for p in group]
         t0 = time.perf_counter()
         try:
             with self.lock:
-                self.engine.prefill_batch(states, chunks)
+                if riders:
+                    self.engine.prefill_riding(states[0], chunks[0], [s.state for s in riders])
+                else:
+                    self.engine.prefill_batch(states, chunks)
         except Exception as e:
+            if riders:  # the engine left every state as it was
+                log.warning("a prefill forward with steps riding failed (%r): each alone", e)
+                self.prefill_retries += 1
+                self._prefill_forward(group, chunks)
+                self._decode(list(riders))
+                return
             if len(group) == 1:
                 self._prefill_failed(group[0], e)
                 return
@@ -381,6 +398,9 @@ class BatchRunner:
                     self._prefill_forward([pre], [min(n, pre.left)])
             return
         dt = time.perf_counter() - t0
+        if riders:
+            self._stepped(list(riders))
+            self.ridden_steps += len(riders)
         self.lone.observe(sum(chunks), dt)
         self.prefill_forwards += 1
         self.prefill_tokens += sum(chunks)
@@ -416,7 +436,7 @@ class BatchRunner:
                 self._budget.release(job)
                 job.end(cancelled=True, stage=PREFILLING)
                 return
-            seqs = self._fork(job, state)
+            seqs = _fork(self.engine, job, state)
         except Exception as e:  # this job's report, forks or decoders: it alone fails
             self._budget.release(job)
             job.end(error=e)
@@ -425,41 +445,13 @@ class BatchRunner:
         job._running = len(seqs)
         self.peak_resident = max(self.peak_resident, len(self._running))
 
-    def _fork(self, job: Job, state: KVState) -> list[_Seq]:
-        """``job``'s ``n`` sequences from its computed prompt, each its own decoder."""
-        n = job.sampling.n
-        states = [state] + [self.engine.fork(state) for _ in range(n - 1)]
-        job.choices.extend(Decoded() for _ in range(n - len(job.choices)))
-        seqs = []
-        for i, (st, out) in enumerate(zip(states, job.choices[:n], strict=True)):
-            seed = None if job.sampling.seed is None else job.sampling.seed + i
-            one = replace(job.sampling, seed=seed, n=1)  # each its own grammar matcher
-            seqs.append(_Seq(job, st, Decoder(self.engine, st, one, out)))
-        return seqs
-
     # -- decode ----------------------------------------------------------------------
 
-    def _chosen(self) -> list[_Seq]:
-        """At most ``max_batch`` sequences for this step: slots dealt to clients in
-        turn, within a client to the sequences that decoded least."""
-        if len(self._running) <= self.max_batch:
-            return list(self._running)
-        by_client: dict[str, list[_Seq]] = {}
-        for seq in sorted(self._running, key=lambda s: s.decoder.i):
-            by_client.setdefault(seq.job.client, []).append(seq)
-        queues = list(by_client.values())
-        chosen: list[_Seq] = []
-        while len(chosen) < self.max_batch:
-            for q in queues:
-                if q and len(chosen) < self.max_batch:
-                    chosen.append(q.pop(0))
-        return chosen
-
-    def _step(self) -> None:
-        """Sample each chosen sequence, then one forward for those that go on."""
+    def _sample(self) -> list[_Seq]:
+        """Each chosen sequence's next token, handed to its job: those that go on."""
         going: list[_Seq] = []
         with self.lock:
-            for seq in self._chosen():
+            for seq in _chosen(self._running, self.max_batch):
                 if seq not in self._running:  # a sibling's failure ended its job
                     continue
                 if seq.job._gone():
@@ -478,7 +470,11 @@ class BatchRunner:
                     self._finish(seq)
                 else:
                     going.append(seq)
-            going = [s for s in going if s in self._running]  # a sibling may have failed it
+        return [s for s in going if s in self._running]  # a sibling may have failed it
+
+    def _decode(self, going: list[_Seq]) -> None:
+        """One forward per group of similar lengths for ``going``."""
+        with self.lock:
             for group in _similar_lengths(going):
                 self._forward(group)
 
@@ -501,6 +497,9 @@ class BatchRunner:
                 if seq in self._running and seq.state.cached < len(seq.state.tokens):
                     self._forward([seq])
             return
+        self._stepped(going)
+
+    def _stepped(self, going: list[_Seq]) -> None:
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(going))
         if len(going) > 1:
@@ -538,6 +537,36 @@ class BatchRunner:
         for job in waiting:
             self._budget.release(job)
             job.end(error=error)
+
+
+def _fork(engine: Engine, job: Job, state: KVState) -> list[_Seq]:
+    """``job``'s ``n`` sequences from its computed prompt, each its own decoder."""
+    n = job.sampling.n
+    states = [state] + [engine.fork(state) for _ in range(n - 1)]
+    job.choices.extend(Decoded() for _ in range(n - len(job.choices)))
+    seqs = []
+    for i, (st, out) in enumerate(zip(states, job.choices[:n], strict=True)):
+        seed = None if job.sampling.seed is None else job.sampling.seed + i
+        one = replace(job.sampling, seed=seed, n=1)  # each its own grammar matcher
+        seqs.append(_Seq(job, st, Decoder(engine, st, one, out)))
+    return seqs
+
+
+def _chosen(running: list[_Seq], max_batch: int) -> list[_Seq]:
+    """At most ``max_batch`` of ``running`` for this step: slots dealt to clients in
+    turn, within a client to the sequences that decoded least."""
+    if len(running) <= max_batch:
+        return list(running)
+    by_client: dict[str, list[_Seq]] = {}
+    for seq in sorted(running, key=lambda s: s.decoder.i):
+        by_client.setdefault(seq.job.client, []).append(seq)
+    queues = list(by_client.values())
+    chosen: list[_Seq] = []
+    while len(chosen) < max_batch:
+        for q in queues:
+            if q and len(chosen) < max_batch:
+                chosen.append(q.pop(0))
+    return chosen
 
 
 def _whole(engine: Engine, pre: Prefilling, n: int) -> int:

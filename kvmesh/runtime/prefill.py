@@ -33,7 +33,7 @@ import numpy as np
 
 from ..engine.base import Engine, KVState
 from .jobs import Job, PrefillPlan
-from .kvbudget import PAD_SLACK, pads_within
+from .kvbudget import PAD_SLACK, KVBudget, pads_within
 
 log = logging.getLogger("kvmesh.batch")
 
@@ -69,6 +69,17 @@ class LoneForward:
         if not self._per_token:
             return 0
         return min(self.most, int(self.seconds / self._per_token))
+
+    def widen(self, pre: Prefilling, chunks: list[int], budget: KVBudget) -> int:
+        """``pre``, alone on the engine, computes up to :meth:`width` tokens in its
+        next forward (``chunks[0]``) when ``budget`` holds that forward's working
+        memory. Returns the bytes reserved for it (to give back after)."""
+        q = min(pre.left, self.width())
+        if q <= chunks[0]:
+            return 0
+        extra = budget.widen(pre.job, q)  # None: the budget lacks it
+        chunks[0] = q if extra is not None else chunks[0]
+        return extra or 0
 
 
 Running = Sequence[tuple[KVState, bytes | None]]  # resident sequences: (state, chain root)
