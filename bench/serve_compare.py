@@ -66,6 +66,8 @@ HEAD_COUNTERS = (
     "kvmesh_completion_tokens_total",
     "kvmesh_prefill_seconds_total",
     "kvmesh_batch_steps_total",
+    "kvmesh_batch_ridden_steps_total",
+    "kvmesh_prefill_forwards_total",
 )
 
 

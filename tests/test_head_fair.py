@@ -24,6 +24,7 @@ import pytest
 
 from kvmesh.engine import Sampling, load_engine
 from kvmesh.engine.sampling import distribution, greedy
+from kvmesh.runtime import batch as batch_module
 from kvmesh.runtime.batch import PAD_SLACK, PAD_TOKENS, EngineFailed, OverBudget
 from kvmesh.runtime.head import Generation, HeadRuntime
 
@@ -163,10 +164,10 @@ def test_if_the_engine_thread_dies_every_request_fails_and_nothing_hangs(monkeyp
         while h.batch.waiting == 0 or not running.tokens:
             t2.join(0.01)
 
-        def broken(self):
+        def broken(running, max_batch):
             raise RuntimeError("a bug in the scheduler")
 
-        monkeypatch.setattr(type(h.batch), "_chosen", broken)
+        monkeypatch.setattr(batch_module, "_chosen", broken)
         for t in (t1, t2):
             t.join(60)
             assert not t.is_alive()

@@ -216,6 +216,7 @@ def test_metrics_count_prefill_work_and_cancellations_by_stage(fleet):
     assert 0 < head.metric("kvmesh_prefill_peak_chunk_tokens") <= 512
     for name in ("shared_tokens", "share_waits", "share_rescued_tokens", "partial_blocks"):
         assert f"kvmesh_{name}_total " in text, name
+    assert head.metric("kvmesh_batch_ridden_steps_total") == 0  # nothing decoded beside it
     for stage in ("queued", "prefilling", "running"):
         assert f'kvmesh_requests_cancelled_total{{stage="{stage}"}}' in text
 
