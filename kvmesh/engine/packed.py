@@ -9,8 +9,8 @@ would (:meth:`PackedRows.attend`: the split pass of :mod:`.attention` over a
 history, else transformers' SDPA, which a lone forward takes there too).
 
 The caller passes each row's position (:meth:`PackedRows.positions`), the mask
-:meth:`PackedRows.mask` (a placeholder: the segments are the mask) and keeps the logits
-at :meth:`PackedRows.last_rows`, inside :func:`kvmesh.engine.attention.packed`.
+:meth:`PackedRows.mask` (a placeholder: the segments are the mask) and keeps the
+logits at :meth:`PackedRows.last_rows`, inside :func:`kvmesh.engine.attention.packed`.
 Plain softmax attention of full-attention layers only: a call with a sliding
 window, sinks, a soft cap or a bias raises :class:`NotPackable`. A forward that
 raises leaves each cache as it was once :meth:`PackedRows.rollback` ran (a cache
@@ -33,6 +33,9 @@ class NotPackable(RuntimeError):
 
 
 class PackedRows:
+    """One packed forward's segments: the caches they continue, where each starts
+    (its cached positions) and how many rows it has."""
+
     def __init__(self, caches: Sequence[Any], pasts: Sequence[int], lengths: Sequence[int]) -> None:
         if not len(caches) == len(pasts) == len(lengths) or min(lengths, default=0) < 1:
             raise ValueError("one cache, past and length (at least 1) per segment")

@@ -19,7 +19,10 @@ tagged with its ``client`` (whatever the caller names it). Contract:
   prefix imported, its session resumed: a state holding some positions) and the
   runner computes the rest. A loop turn runs one prefill forward, then one decode
   step, so a running stream waits at most one forward of at most
-  ``prefill_chunk`` tokens a prompt. Which prompts share a forward, and how a
+  ``prefill_chunk`` tokens a prompt. Where the engine
+  :attr:`~kvmesh.engine.base.EngineBase.rides` and the forward is one prompt's,
+  the running sequences sample first and their steps ride that forward (its
+  chunk shortened by their count): no step of their own that turn. Which prompts share a forward, and how a
   prompt takes whole blocks another job of its chain root computed (never with
   ``max_batch`` 1, never across roots): :mod:`kvmesh.runtime.prefill`. A job
   alone in its forward computes exactly as unbatched.
