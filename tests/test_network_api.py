@@ -60,9 +60,8 @@ WRONG = [{"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}]
 @pytest.mark.parametrize("headers,private", AUTH_CASES)
 def test_reads_are_public_and_keys_add_detail(fleet, headers, private):
     head, p1, p2 = fleet
-    head.http.post(
-        "/v1/completions", json={"model": "demo-tiny", "prompt": "hello " * 40, "max_tokens": 3}
-    )
+    body = {"model": "demo-tiny", "prompt": "hello " * 40, "max_tokens": 3, "ignore_eos": True}
+    head.http.post("/v1/completions", json=body)  # 3 tokens: sampled, an early EOS would end it
     for path in ("summary", "nodes", "groups", "tokens", "prefill"):
         r = head.http.get(f"/v1/network/{path}", headers=headers)
         assert r.status_code == 200
