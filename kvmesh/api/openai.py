@@ -70,6 +70,7 @@ from ..engine.vision import Picture
 from ..errors import NoChatTemplate
 from ..runtime.batch import OverBudget
 from ..runtime.head import CacheScope, Generation, HeadRuntime
+from ..runtime.ready import on_passing_thread
 from .credentials import DEFAULT_TENANT, Tenants
 from .errors import APIError, error_response
 from .grammar_worker import GrammarWorker
@@ -525,7 +526,10 @@ class OpenAIService:
                     score = functools.partial(
                         self.runtime.prompt_logprobs, run.tokens, top, job.cancel, adapter
                     )
-                    run.prompt_lp = await loop.run_in_executor(self._scoring, score)
+                    # its forwards' OpenMP team ends with its thread (runtime/ready.py)
+                    run.prompt_lp = await loop.run_in_executor(
+                        self._scoring, on_passing_thread, score
+                    )
         for run, sampling, job in zip(runs, samplings, jobs, strict=True):
             if sampling.max_tokens == 0:
                 for c in run.out.choices:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the mesh loads when the head runs, not when the CLI starts
     from ..engine import Engine
     from ..mesh.node import NodeConfig, NodeThread
+    from ..runtime.head import HeadRuntime
     from .head_options import HeadOptions
 
 log = logging.getLogger("kvmesh.head")
@@ -54,21 +55,27 @@ def run_head(opts: HeadOptions, node_config: NodeConfig) -> None:
     from ..engine import load_engine
     from ..engine.embedded import resolve_model
     from ..mesh.node import NodeThread
-    from ..runtime.ready import prepare_process, ready
+    from ..runtime.ready import on_passing_thread, prepare_process, ready
 
     prepare_process()  # before torch's threads allocate: the fetch's threads share the warm heap
-    engine = load_engine(
-        opts.model,
-        opts.engine,
-        progress=lambda m: log.info(m),
-        device=opts.device,
-        dtype=opts.dtype,
-        block_digest=opts.block_digest,
-        deterministic_grid=opts.deterministic_grid,
-    )
-    # what a head does once at start (warm prefill, gc frozen, switch interval, warm
-    # heap), after the model's allocations; the HeadRuntime warms the fetch path
-    ready(engine, None, engine.layout)
+
+    def load() -> Engine:
+        engine = load_engine(
+            opts.model,
+            opts.engine,
+            progress=lambda m: log.info(m),
+            device=opts.device,
+            dtype=opts.dtype,
+            block_digest=opts.block_digest,
+            deterministic_grid=opts.deterministic_grid,
+        )
+        # what a head does once at start (warm prefill, gc frozen, switch interval, warm
+        # heap), after the model's allocations; the HeadRuntime warms the fetch path
+        ready(engine, None, engine.layout)
+        return engine
+
+    # the engine thread's OpenMP team must be the process's only one: see ready.py
+    engine = on_passing_thread(load)
     path = resolve_model(opts.model)
     cfg = json.loads((Path(path) / "config.json").read_text())
     max_context = int(cfg.get("text_config", cfg).get("max_position_embeddings", 4096))
@@ -103,26 +110,11 @@ def _serve(
     # uses); other tools bring it (sanic, via guidellm), and with it loaded an idle
     # head kept ~40 MiB more free heap after a burst (tests/test_memory_head.py)
     sys.modules.setdefault("ujson", None)  # type: ignore[arg-type]
-    from ..engine.embedded import kvmesh_home
-    from ..runtime.head import HeadRuntime
-    from ..runtime.planner import Planner
+    from ..runtime.ready import on_passing_thread
     from ..units import is_loopback
     from .app import Access, Limits, TenantOptions, create_app
 
-    runtime = HeadRuntime(
-        engine,
-        node,
-        hash_key=node_config.security.block_hash_key,
-        publish=opts.publish,
-        max_sessions=opts.max_sessions,
-        audit_rate=opts.audit_rate,
-        max_batch=opts.max_batch,
-        kv_budget_bytes=opts.kv_budget_bytes,
-        prefill_chunk=opts.prefill_chunk,
-        adapters=opts.lora_modules(),
-        # what it learns of links and of its own prefill outlives a restart
-        planner=Planner(home=kvmesh_home(), model=engine.card.namespace_hex),
-    )
+    runtime = on_passing_thread(lambda: _runtime(opts, engine, node, node_config))
     closers.append(runtime.close)
     name, aliases = opts.model_names()
     app = create_app(
@@ -165,6 +157,31 @@ def _serve(
         flush=True,
     )
     uvicorn.Server(_uvicorn_config(app, opts)).run(sockets=[sock])
+
+
+def _runtime(
+    opts: HeadOptions, engine: Engine, node: NodeThread, node_config: NodeConfig
+) -> HeadRuntime:
+    """The head's runtime on ``node``. Its start runs forwards (warm-up, probes): the
+    caller builds it on a passing thread (see :func:`run_head`)."""
+    from ..engine.embedded import kvmesh_home
+    from ..runtime.head import HeadRuntime
+    from ..runtime.planner import Planner
+
+    return HeadRuntime(
+        engine,
+        node,
+        hash_key=node_config.security.block_hash_key,
+        publish=opts.publish,
+        max_sessions=opts.max_sessions,
+        audit_rate=opts.audit_rate,
+        max_batch=opts.max_batch,
+        kv_budget_bytes=opts.kv_budget_bytes,
+        prefill_chunk=opts.prefill_chunk,
+        adapters=opts.lora_modules(),
+        # what it learns of links and of its own prefill outlives a restart
+        planner=Planner(home=kvmesh_home(), model=engine.card.namespace_hex),
+    )
 
 
 def _uvicorn_config(app: Any, opts: HeadOptions) -> Any:

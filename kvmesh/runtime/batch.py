@@ -401,6 +401,7 @@ class BatchRunner:
                     self._prefill_forward([pre], [min(n, pre.left)])
             return
         dt = time.perf_counter() - t0
+        log.debug("prefill forward: %s tokens, %d riding, %.3f s", chunks, len(riders), dt)
         if riders:
             self._stepped(list(riders))
             self.ridden_steps += len(riders)

@@ -18,6 +18,16 @@ by calling, in this order:
   stream thread, hashers, name lookup, :data:`WARM_TOKENS` of KV pre-faulted on
   the threads that allocate) and the engine's import and first-token paths.
 
+A head builds and warms its engine :func:`on_passing_thread`, a thread that has
+ended before it serves. Every thread that runs a parallel torch op keeps an
+OpenMP team for life, and once libgomp manages more threads than there are CPUs
+it stops spinning between parallel regions (its throttled spin count): each of
+the engine thread's small ops then waits for its workers' futex wake-up. A team
+built on the main thread at load did that to every forward after (measured on 2
+cores: ~6,000 context switches a second where the lone team has ~40; a 68-token
+forward over 512 cached 15-20% slower). A passing thread's team ends with it, and
+the engine thread's is the process's only one.
+
 The process-wide part changes the whole process (the collector, the switch
 interval, glibc's thresholds), so it runs only where the process asked for it:
 after :func:`prepare_process`, or with ``process=True``. A library user that
@@ -33,7 +43,8 @@ import logging
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from .. import memory
 from ..codec import Block, Layout, new_blob
@@ -49,6 +60,30 @@ log = logging.getLogger("kvmesh.ready")
 SWITCH_INTERVAL_S = 0.0005  # a request thread waits at most this for the GIL (default 5 ms)
 WARM_TOKENS = 2048  # a fetch of this many tokens' KV finds its heap pre-faulted
 MAX_WARM_BYTES = 128 << 20  # ... at most this much, in each of two threads
+
+
+T = TypeVar("T")
+
+
+def on_passing_thread(fn: Callable[[], T], name: str = "kvmesh-setup") -> T:
+    """``fn()`` run on a thread of its own that has ended when this returns: its
+    result, or its exception raised here. Its OpenMP team (if it ran a parallel
+    torch op) ends with it (see the module docstring)."""
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # raised again on the caller's thread
+            err.append(e)
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
 
 
 class _Process:
