@@ -18,6 +18,10 @@ which is exactly the codec's state of that layer; such a card leaves the state
 to the producer (``STATE_WHERE_SAVED``): a page carries it when vLLM kept a
 checkpoint at the page's end, and an import ends on a page that carries it
 (:class:`StateCut`, the one place that rule is kept).
+Pages on the CPU are copied through NumPy, never torch: the connector loads pages
+on threads of its own, and a torch copy that large builds an OpenMP team on its
+thread for the thread's life, which slows every forward of vLLM's own team (see
+:mod:`kvmesh.runtime.ready`).
 No vLLM import here.
 """
 
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..blocks import BlockKeyer, Media, PrefixKeys, media_bytes
@@ -178,6 +183,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1) if t.ndim else t.reshape(1).view(torch.uint8)
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Byte view ``src`` into byte view ``dst``: on the CPU through NumPy (no OpenMP
+    team on the calling thread; the GIL released), elsewhere ``copy_``."""
+    if dst.is_cpu and src.is_cpu:
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
 #: One page's vLLM block ids: an int for a cache of one group, else one per KV cache
 #: group (vLLM's hybrid manager), None where the group holds no page there (a
 #: sliding window's blocks behind it).
@@ -267,7 +281,7 @@ class Pages:
                 if part is None:
                     raise MalformedPayload(f"page {index} is not held by every cache group")
                 n = part.numel()
-                torch.frombuffer(view[off : off + n], dtype=torch.uint8).copy_(part)
+                _copy(torch.frombuffer(view[off : off + n], dtype=torch.uint8), part)
                 off += n
         if off != len(view):
             raise MalformedPayload("page bytes do not fill the block")
@@ -290,13 +304,13 @@ class Pages:
             warnings.simplefilter("ignore")  # read-only source: copied from, never written
             for part, n in zip(self._parts(ids), self._sizes, strict=True):
                 if part is not None:
-                    part.copy_(torch.frombuffer(view[off : off + n], dtype=torch.uint8))
+                    _copy(part, torch.frombuffer(view[off : off + n], dtype=torch.uint8))
                 off += n
             if not block.header.states:
                 return
             for part, (_, n) in zip(self._state_parts(ids), self._state, strict=True):
                 if part is not None:
-                    part.copy_(torch.frombuffer(view[off : off + n], dtype=torch.uint8))
+                    _copy(part, torch.frombuffer(view[off : off + n], dtype=torch.uint8))
                 off += n
 
 

@@ -129,6 +129,57 @@ def test_split_kv_layout_moves_k_and_v_pages():
     assert all(torch.equal(s[:, 5], d[:, 2]) for s, d in zip(src, dst, strict=True))
 
 
+# Run in a process of its own (nothing else starts threads there): a page's copies
+# on a thread of the connector's own, then a torch copy as large, each followed by
+# the count of the process's threads while that thread lives (a team adds workers).
+_TEAM_PROBE = """
+import os, threading, torch
+from kvmesh.blocks import BlockKeyer
+from kvmesh.vllm.pages import Pages
+from tests.helpers import small_card
+
+card = small_card(num_kv_heads=2, head_dim=64, block_tokens=128)  # 64 KiB a part
+src = [torch.randn(3, 2, 128, 128) for _ in range(2)]
+dst = [torch.zeros_like(t) for t in src]
+out, into = Pages(card, src), Pages(card, dst)
+keyer = BlockKeyer(card.namespace, 128)
+keys = keyer.keys(list(range(128)))
+block = out.seal(*out.copy_out(keyer, keys, 0, 1))
+tasks = lambda: len(os.listdir("/proc/self/task"))
+
+def load():
+    before = tasks()
+    into.copy_in(block, 2)
+    out.copy_out(keyer, keys, 0, 0)
+    pages = tasks() - before
+    torch.empty(1 << 20, dtype=torch.uint8).copy_(torch.ones(1 << 20, dtype=torch.uint8))
+    print(pages, tasks() - before - pages, all(torch.equal(s[1], d[2]) for s, d in zip(src, dst)))
+
+t = threading.Thread(target=load)
+t.start()
+t.join()
+"""
+
+
+def test_page_copies_on_a_connector_thread_build_no_openmp_team():
+    """A torch copy of a 64 KiB page part on a thread builds an OpenMP team there for
+    the thread's life (the probe's control adds its worker); the connector's copies
+    go through NumPy and add none."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(root)}
+    run = subprocess.run(
+        [sys.executable, "-c", _TEAM_PROBE], capture_output=True, text=True, env=env, cwd=root
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    pages, control, equal = run.stdout.split()
+    assert (pages, control, equal) == ("0", "1", "True")
+
+
 @pytest.mark.parametrize(
     "tensors, match",
     [
