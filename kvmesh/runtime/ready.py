@@ -78,7 +78,8 @@ def on_passing_thread(fn: Callable[[], T], name: str = "kvmesh-setup") -> T:
         except BaseException as e:  # raised again on the caller's thread
             err.append(e)
 
-    t = threading.Thread(target=run, name=name)
+    # a daemon: a Ctrl-C that ends the caller's wait ends the process, load or not
+    t = threading.Thread(target=run, name=name, daemon=True)
     t.start()
     t.join()
     if err:
