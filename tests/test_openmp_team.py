@@ -4,9 +4,9 @@ libgomp keeps a team for every thread that ran a parallel region, for as long as
 that thread lives, and once it manages more threads than there are CPUs it stops
 spinning between regions: each small op of the engine thread's forwards then waits
 for its workers' futex wake-up (measured on 2 cores: a 68-token forward over 512
-cached 15-20% slower, ~6,000 context switches a second). A head loads, probes and
-warms its engine, and scores echoed prompts, on passing threads
-(:func:`kvmesh.runtime.ready.on_passing_thread`). Here a real head process serves
+cached 15-20% slower, thousands of context switches where a lone team has tens). A
+head loads, probes and warms its engine, and scores echoed prompts, on passing
+threads (:func:`kvmesh.runtime.ready.on_passing_thread`). Here a real head serves
 cold and cached prompts, two at once (a decode step riding a prefill), a stream
 and an echoed prompt's log-probabilities; then its native stacks (gdb) hold the
 workers of one team only: threads started by ``gomp_thread_start``, one per team

@@ -18,15 +18,15 @@ by calling, in this order:
   stream thread, hashers, name lookup, :data:`WARM_TOKENS` of KV pre-faulted on
   the threads that allocate) and the engine's import and first-token paths.
 
-A head builds and warms its engine :func:`on_passing_thread`, a thread that has
-ended before it serves. Every thread that runs a parallel torch op keeps an
+A head builds and warms its engine on a passing thread (:func:`on_passing_thread`),
+one that has ended before the head serves. Every thread that runs a parallel torch op keeps an
 OpenMP team for life, and once libgomp manages more threads than there are CPUs
 it stops spinning between parallel regions (its throttled spin count): each of
 the engine thread's small ops then waits for its workers' futex wake-up. A team
 built on the main thread at load did that to every forward after (measured on 2
-cores: ~6,000 context switches a second where the lone team has ~40; a 68-token
-forward over 512 cached 15-20% slower). A passing thread's team ends with it, and
-the engine thread's is the process's only one.
+cores: 5,900 context switches over eight 68-token forwards over 512 cached, where
+the lone team has 50, and each forward 15-20% slower). A passing thread's team ends
+with it, and the engine thread's is the process's only one.
 
 The process-wide part changes the whole process (the collector, the switch
 interval, glibc's thresholds), so it runs only where the process asked for it:
