@@ -16,9 +16,9 @@ through the image needs none) and its output is kept, by digest, for the next
 prompt with the same image under the same chain root. The digest hashes the
 request's chain root (a tenant's cache is its own: another tenant's picture is
 neither reused nor timed), the processor's config and the processed pixels, so the
-same picture through another preprocessing is another image. Decoding is bounded (file bytes, pixel count) before any pixel is
-allocated, and only PNG, JPEG, WebP and GIF are decoded; anything else is a
-:class:`BadImage`. Models whose attention
+same picture through another preprocessing is another image. Decoding is bounded
+(file bytes, pixel count) before any pixel is allocated, and only PNG, JPEG, WebP
+and GIF are decoded; anything else is a :class:`BadImage`. Models whose attention
 over an image goes both ways (Gemma 3's; Gemma 4's with
 ``use_bidirectional_attention: "vision"``: within a picture each position sees all
 of it) are :attr:`Vision.bidirectional`:

@@ -22,10 +22,11 @@ tagged with its ``client`` (whatever the caller names it). Contract:
   ``prefill_chunk`` tokens a prompt. Where the engine
   :attr:`~kvmesh.engine.base.EngineBase.rides` and the forward is one prompt's,
   the running sequences sample first and their steps ride that forward (its
-  chunk shortened by their count): no step of their own that turn. Which prompts share a forward, and how a
-  prompt takes whole blocks another job of its chain root computed (never with
-  ``max_batch`` 1, never across roots): :mod:`kvmesh.runtime.prefill`. A job
-  alone in its forward computes exactly as unbatched.
+  chunk shortened by their count): no step of their own that turn. Which
+  prompts share a forward, and how a prompt takes whole blocks another job of
+  its chain root computed (never with ``max_batch`` 1, never across roots):
+  :mod:`kvmesh.runtime.prefill`. A job alone in its forward computes exactly as
+  unbatched.
 - **Steps.** A computed prompt forks its job's ``n`` sequences. A step decodes at
   most ``max_batch`` sequences, slots dealt to clients in turn and within a client
   to the sequences that decoded least; each samples its next token (handed to its
