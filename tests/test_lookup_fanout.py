@@ -6,6 +6,7 @@ each owner skipped or failing, and still finds what an owner holds. Real nodes
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from kvmesh.blocks import BlockKeyer
 from kvmesh.mesh.client import ASK_ALL_BELOW
@@ -17,14 +18,34 @@ CARD = small_card()
 TOKENS = list(range(30))
 
 
+# which peers a lookup asks is the point here, not how fast they answer: under load the
+# default 0.25 s deadline can fail a live owner (12 nodes on one event loop)
+DEADLINE = 10.0
+
+
 async def _fleet(n: int) -> tuple[list[MeshNode], MeshNode]:
-    nodes = [MeshNode(NodeConfig(alias=f"c{i}", ttl=60, gossip_interval=60)) for i in range(n)]
-    head = MeshNode(NodeConfig(alias="head", roles=("head",), ttl=60, gossip_interval=60))
+    nodes = [
+        MeshNode(NodeConfig(alias=f"c{i}", ttl=60, gossip_interval=60, lookup_deadline=DEADLINE))
+        for i in range(n)
+    ]
+    head = MeshNode(
+        NodeConfig(
+            alias="head", roles=("head",), ttl=60, gossip_interval=60, lookup_deadline=DEADLINE
+        )
+    )
     for node in [*nodes, head]:
         await node.start()
     for node in nodes:
         await head.client.exchange(node.address, node.node_id)
     return nodes, head
+
+
+async def _landed(done: Callable[[], bool]) -> None:
+    """Wait until ``done()`` (a background call reached its peer), at most DEADLINE."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + DEADLINE
+    while not done() and loop.time() < end:
+        await asyncio.sleep(0.02)
 
 
 def _asked(nodes: list[MeshNode]) -> int:
@@ -54,7 +75,7 @@ def test_a_large_fleet_asks_the_owners_and_the_next_one_when_one_is_out():
             hits, errors = await head.client.lookup(
                 CARD, keys, skip=lambda n: n == owners[1].node_id
             )
-            await asyncio.sleep(0.2)  # the background probe lands
+            await _landed(lambda: _asked(nodes) - before >= 3)  # the background probe
             assert _asked(nodes) - before == 3 and not hits and not errors
 
             # owner 0 crashes (no goodbye): its failure costs one more peer, and owner
