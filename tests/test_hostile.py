@@ -10,8 +10,11 @@ import asyncio
 import json
 import random
 import signal
+import subprocess
+import sys
 from collections import Counter
 
+import grpc
 import pytest
 
 from kvmesh.blocks import BlockKeyer
@@ -347,6 +350,57 @@ def test_hostile_publishers_leave_a_small_peer_serving_and_bounded(tmp_path):
         for reason, n in given.items():
             assert seen[f"kvmesh_rejections_total{{reason={reason},surface=publish}}"] == n, reason
         assert peak <= baseline + BUDGET + INFLIGHT, (baseline, peak)
+    finally:
+        peer.kill()
+
+
+LOOKUP = "/kvmesh.v1.PrefillCache/Lookup"
+MAX_KEYS = 65_536  # a lookup names at most this many keys (the server's MAX_LOOKUP_KEYS)
+
+
+async def _lookups_of(address: str, keys: int, n: int) -> list[str]:
+    """``n`` lookups of ``keys`` keys each, one at a time on fresh channels (a client's
+    calls); the status of each."""
+    raw = pb.LookupRequest(block_keys=[i.to_bytes(32, "big") for i in range(keys)])
+    codes = []
+    for _ in range(n):
+        async with grpc.aio.insecure_channel(address) as ch:
+            try:
+                await ch.unary_unary(LOOKUP, response_deserializer=None)(
+                    raw.SerializeToString(), timeout=60
+                )
+                codes.append("OK")
+            except grpc.aio.AioRpcError as e:
+                codes.append(e.code().name)
+    return codes
+
+
+def test_floods_of_large_lookups_leave_a_loaded_peer_bounded(tmp_path):
+    """Lookups of the most keys a lookup may name (2 MiB each) and of more (refused),
+    one after another, at a small peer on a machine with a busy CPU beside it. gRPC
+    leaves each finished call's request in a reference cycle; the peer collects them
+    after every in-flight cap's worth of request bytes (counted ``gc_collections``),
+    so its RSS stays under the RSS it had before plus its budget plus its in-flight
+    cap (without the collections it grew past that: 72 MiB after 30 lookups)."""
+    peer, metrics = small_peer(tmp_path)
+    pid = peer.proc.pid
+    baseline = rss(pid)
+    reset_peak_rss(pid)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        allowed = asyncio.run(_lookups_of(peer.address, MAX_KEYS, 15))
+        refused = asyncio.run(_lookups_of(peer.address, MAX_KEYS + 4_464, 15))
+    finally:
+        busy.kill()
+        busy.wait()
+    try:
+        assert allowed == ["OK"] * 15 and refused == ["INVALID_ARGUMENT"] * 15
+        seen = scrape(metrics)
+        sent = 30 * MAX_KEYS * 34  # ~34 bytes a key on the wire: >= 60 MiB
+        assert seen["kvmesh_events_total{kind=gc_collections,side=server}"] >= sent // INFLIGHT - 1
+        assert seen["kvmesh_events_total{kind=lookup_rejected:too_many_keys,side=server}"] == 15
+        assert peak_rss(pid) <= baseline + BUDGET + INFLIGHT
+        assert peer.proc.poll() is None
     finally:
         peer.kill()
 

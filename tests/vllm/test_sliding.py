@@ -64,6 +64,16 @@ def page_bytes(model: Path) -> int:
     return n * 2 * heads * BLOCK * dim * 4
 
 
+def lp_gap(got: list, ref: list) -> float:
+    """The largest difference between two completions' top log-probabilities (the
+    same token ids at every step)."""
+    gaps = [0.0]
+    for a, b in zip(got, ref, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        gaps += [abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)]
+    return max(gaps)
+
+
 def windows_of(model: Path) -> tuple[int, ...]:
     """Per layer, the window the config asks for (Gemma-3's pattern, gpt-oss's types)."""
     cfg = json.loads((model / "config.json").read_text())
@@ -114,10 +124,16 @@ def test_a_fresh_vllm_serve_gets_a_sliding_window_prompt_from_the_mesh(arch, tmp
         proxy.close()
     if corrupt is not None:
         # a window's request fails whole (vLLM cannot recompute from a block behind
-        # the window) and is computed from nothing: the cold answer, bit for bit
+        # the window) and is computed from nothing: vLLM counts no prompt token as
+        # cached (had it kept the loaded pages, its first attempt's 1,536 would stand)
+        # and the tokens are the cold answer's. Their log-probabilities were the cold
+        # run's bit for bit on the Xeon and up to 3e-3 apart on a CI machine (whose
+        # cached count was not printed), so they are compared within 1e-2
         got = corrupt[3]
         assert got["source"] == "remote" and got.get("fallback") and got["loaded"] < 12, got
-        assert corrupt[:2] == cold[:2]
+        assert corrupt[2] == 0, corrupt[2:]
+        assert corrupt[0] == cold[0]
+        assert lp_gap(corrupt[1], cold[1]) < 1e-2, (lp_gap(corrupt[1], cold[1]), corrupt[1:])
     assert cold[2] == 0 and cold[3]["loaded"] == 0
     # vLLM's CPU attention computes a sliding layer's last bits differently for a
     # prompt continued from cached pages than for a cold one; the reference is
@@ -126,9 +142,7 @@ def test_a_fresh_vllm_serve_gets_a_sliding_window_prompt_from_the_mesh(arch, tmp
     assert warm[0] == again[0] == cold[0]
     exact = EXACT[arch]  # steps that are bit for bit; the rest within float32 noise
     assert warm[1][:exact] == again[1][:exact]
-    for got, ref in zip(warm[1][exact:], again[1][exact:], strict=True):
-        assert [t for t, _ in got] == [t for t, _ in ref]
-        assert max(abs(x - y) for (_, x), (_, y) in zip(got, ref, strict=True)) < 1e-4
+    assert lp_gap(warm[1][exact:], again[1][exact:]) < 1e-4
     assert warm[2] >= 0.8 * PROMPT
     assert warm[3]["source"] == "remote" and warm[3]["loaded"] == (PROMPT - 1) // BLOCK
 
