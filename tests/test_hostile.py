@@ -361,14 +361,13 @@ MAX_KEYS = 65_536  # a lookup names at most this many keys (the server's MAX_LOO
 async def _lookups_of(address: str, keys: int, n: int) -> list[str]:
     """``n`` lookups of ``keys`` keys each, one at a time on fresh channels (a client's
     calls); the status of each."""
-    raw = pb.LookupRequest(block_keys=[i.to_bytes(32, "big") for i in range(keys)])
+    req = pb.LookupRequest(block_keys=[i.to_bytes(32, "big") for i in range(keys)])
+    raw = req.SerializeToString()
     codes = []
     for _ in range(n):
         async with grpc.aio.insecure_channel(address) as ch:
             try:
-                await ch.unary_unary(LOOKUP, response_deserializer=None)(
-                    raw.SerializeToString(), timeout=60
-                )
+                await ch.unary_unary(LOOKUP, response_deserializer=None)(raw, timeout=60)
                 codes.append("OK")
             except grpc.aio.AioRpcError as e:
                 codes.append(e.code().name)
