@@ -98,6 +98,7 @@ class HeadCollector(Collector):
             (Count.COMPUTED_PROMPT_TOKENS, "Prompt tokens computed locally"),
             (Count.REQUESTS, "Requests completed"),
             (Count.BYTES_FETCHED, "KV bytes fetched from peers"),
+            (Count.LOOKUP_SKIPPED, "Session continuations computed without a fleet lookup"),
         ):
             yield CounterMetricFamily(f"kvmesh_{key}", doc, value=c.get(key, 0))
         src = CounterMetricFamily("kvmesh_prefill", "Prefills by source tier", labels=["source"])

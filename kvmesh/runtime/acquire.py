@@ -45,6 +45,7 @@ from ..mesh.hits import PeerHit
 from ..mesh.transport import StreamTimes, Want
 from ..store import Match, Peek
 from .calibrate import Calibrator
+from .lookup_gate import LookupGate
 from .planner import Attempt, Choice, Planner, failure_reason
 from .telemetry import Count, Family, Source, Tally, labelled
 
@@ -234,6 +235,7 @@ class Acquirer:
         self.planner = planner
         self.count = count
         self.calibrator = calibrator or Calibrator()  # which codec a fetch asks for
+        self.gate = LookupGate()  # whether a session's continuation is worth a lookup
 
     def acquire(
         self,
@@ -298,7 +300,12 @@ class Acquirer:
         out.local = held.match
         if not self._seeks(out.tokens, keys, pages):
             return out
+        continues = out.source == Source.SESSION
+        if continues and not self._worth_asking(keys, out.tokens, act=attempt is not None):
+            return out
         found = self._candidates(layout.card, keys, out.tokens, pages, teach=attempt is not None)
+        if continues and attempt is not None:
+            self.gate.learn(bool(found.hits), found.lookup_s)
         if on_looked_up is not None:
             on_looked_up()
         out.sought, out.lookup_s, out.offered = True, found.lookup_s, found.offered
@@ -313,6 +320,14 @@ class Acquirer:
         out.source, out.tokens, out.hit = Source.REMOTE, walk.hit.tokens, walk.hit
         out.whole = walk.hit.tail is not None
         return out
+
+    def _worth_asking(self, keys: PrefixKeys, have: int, act: bool) -> bool:
+        """Whether the fleet is asked about a session's continuation holding ``have``
+        tokens (:class:`.lookup_gate.LookupGate`); a skip is counted when ``act``."""
+        ask = self.gate.ask(self.planner.cold_s(keys.n_tokens - have), act)
+        if not ask and act:
+            self.count(Count.LOOKUP_SKIPPED)
+        return ask
 
     def local(self, keys: PrefixKeys) -> Match:
         return self.fleet.local_prefix(keys) if self.fleet is not None else Match((), None)

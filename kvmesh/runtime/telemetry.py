@@ -46,6 +46,8 @@ class Count(StrEnum):
     BYTES_FETCHED = "bytes_fetched"  # by requests that used a fetched prefix
     FETCHED_BYTES = "fetched_bytes"  # by every fetch that worked
     PLANNED_COMPUTE = "planned_compute"
+    # a session's continuation computed without asking the fleet (runtime.lookup_gate)
+    LOOKUP_SKIPPED = "lookups_skipped"
     AUDITS = "audits"
     AUDIT_MISMATCH = "audit_mismatch"
     PUBLISHED_BLOCKS = "published_blocks"
