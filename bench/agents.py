@@ -262,6 +262,9 @@ def ask(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
         "answer": "".join(text),
         # a head's seconds per stage to the first token (vLLM: none)
         "stages": (report or {}).get("breakdown") or None,
+        # a head's: where the prefix came from, and the prompt tokens it computed
+        "source": (report or {}).get("source"),
+        "computed_tokens": (report or {}).get("computed_tokens"),
     }
 
 

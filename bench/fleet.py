@@ -47,7 +47,10 @@ kv_aware):
           mode needs CUDA or NPU) and, without ``--shm-name``, pickles pages over its
           ZMQ socket, so they cross the veths (``lmcache_transfer`` in the row).
   With a vLLM system each row has ``engine_counters``: vLLM's prefix-cache hits and
-  its connector's (external) queries and hits over the run, in tokens.
+  its connector's (external) queries and hits over the run, in tokens; with kvmesh
+  heads ``head_counters``: the session continuations computed without a fleet
+  lookup (``kvmesh_lookups_skipped_total``) and the chats whose ids the router's
+  render had just computed (``kvmesh_renders_reused_total``).
 
 Not run (the JSON's ``not_run`` says why): systems not asked for, and kv_aware for
 vllm+kvmesh and vllm+lmcache (not wired). kv_aware (off by default) reads each
@@ -864,11 +867,15 @@ ENGINE_COUNTERS = (  # vLLM's, in tokens: its own prefix cache, and the KV conne
     "vllm:external_prefix_cache_queries_total",
     "vllm:external_prefix_cache_hits_total",
 )
+# a head's: session continuations computed without a fleet lookup, and chats whose ids
+# the router's render of them had just computed
+HEAD_COUNTERS = ("kvmesh_lookups_skipped_total", "kvmesh_renders_reused_total")
 
 
-def engine_counters(urls: list[str]) -> dict[str, float]:
-    """vLLM's prefix-cache counters summed over its servers (``/metrics``)."""
-    out = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+def engine_counters(urls: list[str], names: Sequence[str] = ENGINE_COUNTERS) -> dict[str, float]:
+    """Counters ``names`` summed over the servers' ``/metrics`` (vLLM's prefix-cache
+    counters unless told)."""
+    out = dict.fromkeys(names, 0.0)
     for u in urls:
         for line in httpx.get(u + "/metrics", timeout=30).text.splitlines():
             name = line.split("{", 1)[0]
@@ -1012,17 +1019,17 @@ def run_one(
     router = Router(str(a.router), system.urls, policy, events, block)
     try:
         before = fleet.link_bytes()
-        engine = not isinstance(system, KvmeshSystem)
-        counted = engine_counters(system.urls) if engine else {}
+        names = HEAD_COUNTERS if isinstance(system, KvmeshSystem) else ENGINE_COUNTERS
+        counted = engine_counters(system.urls, names)
         log: list[dict[str, Any]] = []
         th = chaos_actions(system, fleet, 2.0, log) if chaos else None  # type: ignore[arg-type]
         rows, wall = replay(router.url, trace, starts, max_tokens, a.request_timeout)
         if th is not None:
             th.join(60)
         after = fleet.link_bytes()
-        if engine:  # tokens from vLLM's own prefix cache and from its KV connector
-            now = engine_counters(system.urls)
-            counted = {k.split(":")[1]: now[k] - counted[k] for k in ENGINE_COUNTERS}
+        # vLLM: tokens from its own prefix cache and from its KV connector
+        now = engine_counters(system.urls, names)
+        counted = {k.split(":")[-1]: now[k] - counted[k] for k in names}
         router_metrics = router.metrics()
     finally:
         router.close()
@@ -1030,8 +1037,7 @@ def run_one(
     out["link_bytes"] = sum(after) - sum(before) if fleet.netns else None
     out["link_bytes_per_node"] = [x - y for x, y in zip(after, before, strict=True)]
     out["router_metrics"] = router_metrics
-    if counted:
-        out["engine_counters"] = counted
+    out["head_counters" if names is HEAD_COUNTERS else "engine_counters"] = counted
     out["rows"] = rows
     if chaos:
         out["chaos_events"] = log

@@ -325,6 +325,12 @@ CLAIMS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and all(r["errors"] == 0 and r["requests"] > 0 for r in d["results"])
         and all(r["reused_fraction"] > 0 for r in d["results"])
         and all(_stages_fit(r) for r in d["results"] if r["system"] == "kvmesh")
+        and all(
+            set(r["head_counters"])
+            == {"kvmesh_lookups_skipped_total", "kvmesh_renders_reused_total"}
+            for r in d["results"]
+            if r["system"] == "kvmesh"
+        )
     ),
     "head_overhead.py": lambda d: d["miss_ttft_s"] > 0 and d["freeze_first_ttft_s"] > 0,
     "healthz.py": lambda d: d["full"]["cancelled"] >= d["full"]["waiting"] + d["full"]["max_batch"],

@@ -219,3 +219,21 @@ def test_fuzzed_bodies_are_answered_never_a_500(head, path, body):
     assert r.status_code in (200, 400, 404), (r.status_code, r.text, body)
     if r.status_code != 200:
         refused(r, r.status_code)
+
+
+def test_a_chat_after_its_render_is_not_templated_again(head):
+    """vLLM's router renders a chat on the worker it then sends it to: the chat
+    takes the render's ids (counted), and they are the ones its answer reports."""
+    messages = [*MESSAGES, {"role": "user", "content": "And the other file? (memo test)"}]
+    chat: dict[str, Any] = {"model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 1}
+    before = head.metric("kvmesh_renders_reused_total")
+    rendered = post(head, "/v1/chat/completions/render", chat)
+    assert rendered.status_code == 200, rendered.text
+    done = post(head, "/v1/chat/completions", {**chat, "temperature": 0})
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["prompt_tokens"] == len(rendered.json()["token_ids"])
+    assert head.metric("kvmesh_renders_reused_total") == before + 1
+    more = [*messages, {"role": "user", "content": "One more."}]
+    again = post(head, "/v1/chat/completions", {**chat, "messages": more})
+    assert again.status_code == 200, again.text
+    assert head.metric("kvmesh_renders_reused_total") == before + 1

@@ -99,6 +99,7 @@ class HeadCollector(Collector):
             (Count.REQUESTS, "Requests completed"),
             (Count.BYTES_FETCHED, "KV bytes fetched from peers"),
             (Count.LOOKUP_SKIPPED, "Session continuations computed without a fleet lookup"),
+            (Count.RENDERS_REUSED, "Chat prompts whose ids a render of the same messages kept"),
         ):
             yield CounterMetricFamily(f"kvmesh_{key}", doc, value=c.get(key, 0))
         src = CounterMetricFamily("kvmesh_prefill", "Prefills by source tier", labels=["source"])

@@ -22,6 +22,8 @@ Contracts:
   callers only whole blocks (see :mod:`kvmesh.runtime.head`); an anonymous
   caller is nobody's own, so it gets whole blocks only.
 - Bodies parse off the event loop (:class:`~kvmesh.api.guard.BodyOffLoop`).
+- A chat's ids are kept briefly by what was templated (:mod:`.prompt_memo`): a
+  router's render of a chat and the chat that follows are templated once.
 - Tools (chat): ``tools`` are rendered by the model's own chat template; with
   ``tool_choice`` ``auto`` the answer's calls are parsed (:mod:`.tools`) into
   ``message.tool_calls`` and stream deltas, with ``finish_reason: "tool_calls"``
@@ -71,11 +73,13 @@ from ..errors import NoChatTemplate
 from ..runtime.batch import OverBudget
 from ..runtime.head import CacheScope, Generation, HeadRuntime
 from ..runtime.ready import on_passing_thread
+from ..runtime.telemetry import Count
 from .credentials import DEFAULT_TENANT, Tenants
 from .errors import APIError, error_response
 from .grammar_worker import GrammarWorker
 from .guard import BodyOffLoop, identity_of
 from .images import expand_pictures, image_reader
+from .prompt_memo import PromptMemo
 from .render import Renderer, Run
 from .requests import (
     GUIDED,
@@ -151,6 +155,10 @@ class OpenAIService:
         # the scheduler's threads; each holds the engine lock a chunk at a time
         self._scoring = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-score")
         self.grammars = GrammarWorker()  # grammars check and compile off the event loop
+        # a router's render of a chat, then the chat itself: templated and tokenized once
+        self.prompt_memo = PromptMemo(
+            functools.partial(runtime.telemetry.count, Count.RENDERS_REUSED)
+        )
 
     def names(self) -> set[str]:
         """Every ``model`` a request may name: the base model's names and the LoRA
@@ -404,7 +412,11 @@ class OpenAIService:
         return expand_pictures(vision, self._render(msgs, tools), pictures)
 
     def _render(self, msgs: list[dict[str, Any]], tools: Any) -> list[int]:
-        """``msgs`` through the chat template (with ``tools``: None for none) as ids."""
+        """``msgs`` through the chat template (with ``tools``: None for none) as ids,
+        the same input's recent ids kept (:mod:`.prompt_memo`)."""
+        return self.prompt_memo.ids(msgs, tools, functools.partial(self._template, msgs, tools))
+
+    def _template(self, msgs: list[dict[str, Any]], tools: Any) -> list[int]:
         engine = self.runtime.engine
         try:
             if tools is None:

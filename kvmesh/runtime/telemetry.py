@@ -48,6 +48,8 @@ class Count(StrEnum):
     PLANNED_COMPUTE = "planned_compute"
     # a session's continuation computed without asking the fleet (runtime.lookup_gate)
     LOOKUP_SKIPPED = "lookups_skipped"
+    # a chat prompt's ids kept from a render of the same messages (api.prompt_memo)
+    RENDERS_REUSED = "renders_reused"
     AUDITS = "audits"
     AUDIT_MISMATCH = "audit_mismatch"
     PUBLISHED_BLOCKS = "published_blocks"
