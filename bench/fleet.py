@@ -878,7 +878,7 @@ def engine_counters(urls: list[str], names: Sequence[str] = ENGINE_COUNTERS) -> 
     out = dict.fromkeys(names, 0.0)
     for u in urls:
         for line in httpx.get(u + "/metrics", timeout=30).text.splitlines():
-            name = line.split("{", 1)[0]
+            name = line.split("{", 1)[0].split(" ", 1)[0]  # labelled or not
             if name in out:
                 out[name] += float(line.rsplit(" ", 1)[1])
     return out
