@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
 from kvmesh.blocks import BlockKeyer
 from kvmesh.codec import Layout
 from kvmesh.mesh.fleet import Fleet
@@ -83,33 +81,28 @@ class Counts(dict[str, int]):
         self[name] = self.get(name, 0) + n
 
 
-@pytest.fixture
-def nodes():
-    made: list[NodeThread] = []
-    yield made
-    for n in made:
-        with contextlib.suppress(Exception):
-            n.close()
-
-
 def node(alias: str, seeds=()) -> NodeThread:
     return NodeThread(NodeConfig(alias=alias, seeds=list(seeds), gossip_interval=0.2, ttl=30))
 
 
-def test_continuations_skip_the_fleet_until_a_peer_holds_more(nodes):
+def test_continuations_skip_the_fleet_until_a_peer_holds_more():
     """A head's session holds 6 of the prompt's 10 blocks; the peer holds the same 6
     (what the head published). Lookups find nothing more, so after the first
     ``MIN_SEEN`` they are skipped and the peer answers none of them; a plan
     (``/v1/cache/query``) still asks. Then another node serves the conversation and
     the peer holds all 10: the next exploring ask finds them."""
     chain = synthetic_chain(CARD, TOKENS, tail=False)
-    peer = node("peer")
-    pf = Fleet(peer)
-    pf.advertise(CARD)
-    assert pf.keep(chain[:6]) == 6
-    me = node("me", [peer.node.address])
-    nodes += [peer, me]
-    wait_for(lambda: len(me.node.membership.live()) == 1, what="gossip")
+    with contextlib.ExitStack() as stack:
+        peer = stack.enter_context(contextlib.closing(node("peer")))
+        pf = Fleet(peer)
+        pf.advertise(CARD)
+        assert pf.keep(chain[:6]) == 6
+        me = stack.enter_context(contextlib.closing(node("me", [peer.node.address])))
+        wait_for(lambda: len(me.node.membership.live()) == 1, what="gossip")
+        continue_then_explore(me, peer, pf, chain)
+
+
+def continue_then_explore(me: NodeThread, peer: NodeThread, pf: Fleet, chain: list) -> None:
     count = Counts()
     acq = Acquirer(Fleet(me), Planner(prefill_tps=1e9), count)  # computing costs nothing
     keys = BlockKeyer(CARD.namespace, CARD.block_tokens).keys(TOKENS)
