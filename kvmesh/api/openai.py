@@ -409,12 +409,14 @@ class OpenAIService:
             ]
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
-        return expand_pictures(vision, self._render(msgs, tools), pictures)
+        return expand_pictures(vision, self._render(msgs, tools, root), pictures)
 
-    def _render(self, msgs: list[dict[str, Any]], tools: Any) -> list[int]:
+    def _render(self, msgs: list[dict[str, Any]], tools: Any, root: bytes | None) -> list[int]:
         """``msgs`` through the chat template (with ``tools``: None for none) as ids,
-        the same input's recent ids kept (:mod:`.prompt_memo`)."""
-        return self.prompt_memo.ids(msgs, tools, functools.partial(self._template, msgs, tools))
+        the same input's recent ids kept for callers of the same chain ``root``
+        (:mod:`.prompt_memo`)."""
+        render = functools.partial(self._template, msgs, tools)
+        return self.prompt_memo.ids(root, msgs, tools, render)
 
     def _template(self, msgs: list[dict[str, Any]], tools: Any) -> list[int]:
         engine = self.runtime.engine

@@ -5,8 +5,10 @@ vLLM's router (``cache_aware``, ``kv_aware``) renders a chat request on every wo
 messages again: templating and tokenizing a long agent prompt twice, the second time
 on the request's path to its first token. :class:`PromptMemo` keeps the ids of the
 last :data:`ENTRIES` renders for :data:`TTL_S` seconds, keyed by a digest of the
-template's input (the messages as templated and the tools), so the second render
-is a lookup. The ids are a pure function of that input and the model's tokenizer,
+template's input (the messages as templated and the tools) and the caller's chain
+root (a tenant's and ``cache_salt``'s: whether another tenant sent the same
+messages is never told by a render's speed), so the second render is a lookup.
+The ids are a pure function of that input and the model's tokenizer,
 so a hit is the same answer; the time bound keeps a template that reads the clock
 (a date line) from serving an old day's prompt. Memory is bounded: at most
 :data:`ENTRIES` prompts, each at most a context's ids. Thread-safe.
@@ -40,12 +42,17 @@ class PromptMemo:
         self._lock = threading.Lock()
 
     def ids(
-        self, msgs: list[dict[str, Any]], tools: Any, render: Callable[[], list[int]]
+        self,
+        root: bytes | None,
+        msgs: list[dict[str, Any]],
+        tools: Any,
+        render: Callable[[], list[int]],
     ) -> list[int]:
         """``render()``'s ids for ``msgs`` and ``tools``: kept ones when the same were
-        rendered within :data:`TTL_S`, else computed now and kept (an error is
-        raised, never kept). Input that is not JSON is rendered, never kept."""
-        key = _key(msgs, tools)
+        rendered for the same chain ``root`` within :data:`TTL_S`, else computed now
+        and kept (an error is raised, never kept). Input that is not JSON is
+        rendered, never kept."""
+        key = _key(root, msgs, tools)
         if key is None:
             return render()
         now = self._clock()
@@ -67,9 +74,11 @@ class PromptMemo:
         return ids
 
 
-def _key(msgs: list[dict[str, Any]], tools: Any) -> bytes | None:
+def _key(root: bytes | None, msgs: list[dict[str, Any]], tools: Any) -> bytes | None:
     try:
         text = json.dumps([msgs, tools], sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError):
         return None
-    return hashlib.blake2b(text.encode(), digest_size=32).digest()
+    h = hashlib.blake2b(b"-" if root is None else b"+" + root, digest_size=32)
+    h.update(text.encode())
+    return h.digest()

@@ -104,8 +104,9 @@ def router(service: OpenAIService) -> APIRouter:
     @r.post(RENDER)
     async def render(request: Request, req: ChatRequest) -> dict[str, Any]:
         check_model(service, req.model)
-        service.scope(request, req)  # a bad cache_salt: the chat route's 400
-        tokens = await run_in_threadpool(service.chat_tokens, req)
+        scope = service.scope(request, req)  # a bad cache_salt: the chat route's 400
+        # under the chat's own root: the chat that follows takes these ids (prompt_memo)
+        tokens = await run_in_threadpool(service.chat_tokens, req, None, scope.root)
         sampling = service.sampling_for(req, len(tokens))  # the chat route's own checks
         return {
             "request_id": "chatcmpl-" + secrets.token_hex(16),
