@@ -125,3 +125,7 @@ def continue_then_explore(me: NodeThread, peer: NodeThread, pf: Fleet, chain: li
     found = continuation()  # the exploring ask
     assert found.sought and served() == MIN_SEEN + 2
     assert [h.tokens for h in found.offered] == [len(TOKENS)]
+    forced = Acquirer(Fleet(me), Planner(prefill_tps=1e9, force="fetch"), Counts())
+    forced.gate = acq.gate  # the same history: a forced fetch asks whatever it says
+    got = forced.acquire(Layout(CARD), keys, lambda *a: Sink(), session=held)
+    assert got.sought and got.source == Source.REMOTE and got.tokens == len(TOKENS)

@@ -323,7 +323,10 @@ class Acquirer:
 
     def _worth_asking(self, keys: PrefixKeys, have: int, act: bool) -> bool:
         """Whether the fleet is asked about a session's continuation holding ``have``
-        tokens (:class:`.lookup_gate.LookupGate`); a skip is counted when ``act``."""
+        tokens (:class:`.lookup_gate.LookupGate`; always under a planner's ``force``,
+        which overrides every cost comparison); a skip is counted when ``act``."""
+        if self.planner.force is not None:
+            return True
         ask = self.gate.ask(self.planner.cold_s(keys.n_tokens - have), act)
         if not ask and act:
             self.count(Count.LOOKUP_SKIPPED)
