@@ -122,7 +122,7 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a loading request is not in the batch
+        return  # a synchronous load is copied in before the forward; others are not in it
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

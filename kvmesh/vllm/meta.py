@@ -1,6 +1,7 @@
 """What vLLM carries between the connector's two roles, every step: the scheduler's
 metadata for the workers (asks, loads, saves, drops) and the workers' answers
-(pages promised, load reports, cards, KV events), merged over the ranks. Plain
+(pages promised, pages ready to load in a step, load reports, cards, KV
+events), merged over the ranks. Plain
 dataclasses: vLLM pickles them across its processes.
 
 A request's block ids are kept per KV cache group (:data:`GroupIds`): page ``i`` of
@@ -42,6 +43,9 @@ class LoadSpec:
     block_ids: GroupIds  # the request's vLLM blocks
     first_page: int  # pages before this are vLLM's own prefix cache
     pages: int  # load pages [first_page, pages)
+    # in this step, before its forward (every page was verified in memory when offered:
+    # the request is in this step's batch); else on a load thread, reported finished
+    sync: bool = False
 
 
 @dataclass
@@ -74,6 +78,9 @@ class KVMeshMetadata(KVConnectorMetadata):
 @dataclass
 class KVMeshWorkerMeta(KVConnectorWorkerMetadata):
     answers: dict[str, dict[int, int]] = field(default_factory=dict)  # req -> rank -> pages
+    # req -> rank -> pages verified in memory, from the first, once its acquisition
+    # ended (only where vLLM can take a failed page back by its block id)
+    ready: dict[str, dict[int, int]] = field(default_factory=dict)
     reports: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # load results
     cards: dict[int, list[str]] = field(default_factory=dict)  # rank -> [engine, namespace]
     # KV events (rank 0 only: the other ranks hold the same prefixes): msgpack lists
@@ -83,7 +90,12 @@ class KVMeshWorkerMeta(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVMeshWorkerMeta:
         assert isinstance(other, KVMeshWorkerMeta)
-        for mine, theirs in ((self.answers, other.answers), (self.reports, other.reports)):
+        pairs = (
+            (self.answers, other.answers),
+            (self.ready, other.ready),
+            (self.reports, other.reports),
+        )
+        for mine, theirs in pairs:
             for req_id, by_rank in theirs.items():
                 mine.setdefault(req_id, {}).update(by_rank)  # type: ignore[arg-type]
         self.cards.update(other.cards)

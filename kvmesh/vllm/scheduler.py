@@ -4,8 +4,12 @@ mesh state, decides from what the workers answer.
 - ``get_num_new_matched_tokens``: a prompt's full pages (never its last token)
   are *asked* of the workers in the next step's metadata; vLLM is told "ask
   again" (``None``) until every rank has answered how many pages it can load.
-  The load offered is the least any rank holds, always asynchronous; no answer
-  in time (lookup deadline + grace) means computing.
+  The load offered is the least any rank holds; no answer in time (lookup
+  deadline + grace) means computing. Where every rank says those pages are
+  already verified in its memory the load is *synchronous*: the request joins
+  this step's batch and the workers copy its pages in before the forward (an
+  asynchronous load waits for a step to be loaded and another to be scheduled,
+  each a whole forward of the others' work).
 - ``update_state_after_alloc`` / ``build_connector_meta``: which vLLM pages to
   fill for which request, which pages each step completes (to save), which
   requests ended (to drop).
@@ -107,8 +111,11 @@ class _Asked:
 
     t0: float
     answers: dict[int, int] = field(default_factory=dict)  # rank -> pages
+    ready: dict[int, int] = field(default_factory=dict)  # rank -> pages verified in memory
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
     loading: bool = False  # a load was scheduled: never a second one
+    sync: bool = False  # the load offered is synchronous (every rank ready)
+    load: str = ""  # how the load scheduled ran: "sync" or "async"
 
 
 @dataclass
@@ -175,10 +182,13 @@ class KVMeshScheduler:
                 asked.loading = True  # no answer in time: computed, never waited for
                 return 0, False
             have = min(asked.answers.values()) * self.block_size  # every rank's pages
+            asked.sync = len(asked.ready) == self.tp and (
+                min(asked.ready.values()) * self.block_size >= have
+            )
             r.first_local = num_computed_tokens
         if have <= num_computed_tokens:
             return 0, False
-        return have - num_computed_tokens, True
+        return have - num_computed_tokens, not asked.sync
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -192,6 +202,10 @@ class KVMeshScheduler:
                 asked = self._asked(req_id)
                 if asked is not None:
                     asked.answers.update(by_rank)
+            for req_id, by_rank in meta.ready.items():
+                asked = self._asked(req_id)
+                if asked is not None:
+                    asked.ready.update(by_rank)
             for req_id, reports in meta.reports.items():
                 asked = self._asked(req_id)
                 if asked is not None:
@@ -218,14 +232,17 @@ class KVMeshScheduler:
             end = first + num_external_tokens
             if first % self.block_size or end % self.block_size:
                 raise RuntimeError(f"kvmesh: unaligned load [{first}, {end})")
-            if r is not None and r.asked is not None:
-                r.asked.loading = True
+            asked = r.asked if r is not None else None
+            sync = asked is not None and asked.sync
+            if asked is not None:
+                asked.loading, asked.load = True, "sync" if sync else "async"
             self._loads.append(
                 LoadSpec(
                     req_id,
                     group_ids(blocks.get_block_ids()),
                     first // self.block_size,
                     end // self.block_size,
+                    sync,
                 )
             )
 
@@ -299,6 +316,8 @@ def _summary(asked: _Asked, tp: int) -> dict[str, Any]:
     }
     if len(asked.reports) < tp:
         out["loaded"] = 0
+    if asked.load:
+        out["load"] = asked.load
     for r in asked.reports.values():
         for k in ("source", "peer", "fallback"):
             if r.get(k) and k not in out:

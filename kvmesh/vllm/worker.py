@@ -10,6 +10,10 @@ size are in the card, so shards of different layouts never mix).
   thread; pages that could not be had are reported so vLLM recomputes them (the
   answer never depends on the cache). With several KV cache groups or a window
   the whole request is failed instead (vLLM cannot map a block back there).
+  Where vLLM can take failed pages back by block id, an acquisition that ended
+  says how many pages it holds verified in memory (*ready*): the scheduler then
+  loads them synchronously, copied here before the step's forward, never waited
+  for (failed pages are reported by block id after the step, and recomputed).
 - ``wait_for_save``: the prompt pages a step completed and the store lacks are
   copied out in that step (one copy, on the model's path: a sliding window's
   pages are freed at the next step); once the prefill is complete the chain is
@@ -110,6 +114,7 @@ class Acquisition:
     keys: PrefixKeys
     local: tuple[Block, ...] = ()
     pages: int = 0  # pages promised to the scheduler
+    answered: bool = False  # the promise went out (a stream's start, or the end)
     fetched: dict[int, Block] = field(default_factory=dict)
     source: str = Source.COMPUTE  # a Source
     peer: str = ""
@@ -122,6 +127,13 @@ class Acquisition:
 
     def block(self, i: int) -> Block | None:
         return self.local[i] if i < len(self.local) else self.fetched.get(i)
+
+    def held(self) -> int:
+        """Pages held verified in memory, from the first, without a gap."""
+        i = 0
+        while self.block(i) is not None:
+            i += 1
+        return i
 
     def add(self, blk: Block) -> None:
         """The fetch's sink: a verified block, placed by its key."""
@@ -176,6 +188,7 @@ class KVMeshWorker:
         self.pages: Pages | None = None
         self._acqs: dict[str, Acquisition] = {}
         self._answers: dict[str, int] = {}  # to report: req -> pages promised
+        self._ready: dict[str, int] = {}  # to report: req -> pages held, acquisition ended
         self._reports: dict[str, dict[str, Any]] = {}  # to report: req -> load result
         self._done: dict[str, list[int]] = {}  # finished loads -> block ids that failed
         self._pending: dict[str, _Pending] = {}  # prompts being saved, page by page
@@ -256,10 +269,17 @@ class KVMeshWorker:
                 acq.done = svc.acquires.submit(self._acquire, ask.req_id, acq)
 
     def start_load(self, meta: KVMeshMetadata) -> None:
+        """Before the forward: synchronous loads copied in now (their pages are in
+        memory, the request is in this step's batch), the others on load threads."""
         for spec in meta.loads:
+            if spec.sync:
+                failed = self._load(spec, wait_s=0.0)
+                with self._lock:
+                    self._errors.update(failed)
+                continue
             with self._lock:
                 self._inflight += 1
-            self._require_svc().loads.submit(self._load, spec)
+            self._require_svc().loads.submit(self._load_async, spec)
 
     def wait_for_save(self, meta: KVMeshMetadata) -> None:
         """After the forward: the prefill rate observed, this step's pages saved."""
@@ -303,17 +323,19 @@ class KVMeshWorker:
     def build_worker_meta(self) -> KVMeshWorkerMeta | None:
         with self._lock:
             answers, self._answers = self._answers, {}
+            ready, self._ready = self._ready, {}
             reports, self._reports = self._reports, {}
         svc = self._require_svc()
         events, dropped = svc.take_events()
-        if not answers and not reports and not events and not dropped:
+        if not answers and not ready and not reports and not events and not dropped:
             return None
         return KVMeshWorkerMeta(
-            {r: {self.rank: n} for r, n in answers.items()},
-            {r: {self.rank: rep} for r, rep in reports.items()},
-            {self.rank: [svc.card.engine, svc.card.namespace_hex]},
-            [events] if events else [],
-            dropped,
+            answers={r: {self.rank: n} for r, n in answers.items()},
+            ready={r: {self.rank: n} for r, n in ready.items()},
+            reports={r: {self.rank: rep} for r, rep in reports.items()},
+            cards={self.rank: [svc.card.engine, svc.card.namespace_hex]},
+            events=[events] if events else [],
+            events_dropped=dropped,
         )
 
     def shutdown(self) -> None:
@@ -338,14 +360,22 @@ class KVMeshWorker:
             log.info("acquisition for %s failed: %r", req_id, e)
             svc.count(labelled(Family.LOOKUP_FAILED, failure_reason(e)))
         finally:
-            with self._lock:
-                if req_id not in self._answers and acq.pages == 0:
-                    self._answers[req_id] = 0
+            with self._lock:  # the promise and what is ready go out in the same step
+                if not acq.answered:
+                    acq.answered = True
+                    self._answers[req_id] = acq.pages  # 0 if the acquisition failed
+                if self._sync_loads(svc):
+                    self._ready[req_id] = acq.held()
                 self._inflight -= 1
+
+    def _sync_loads(self, svc: services.MeshService) -> bool:
+        """Whether a load may run in the step that schedules it: a failed page must
+        be reportable by block id (one full-attention group, no state cut)."""
+        return not self._request_level_failures() and not svc.cut.applies
 
     def _answer(self, req_id: str, acq: Acquisition, pages: int) -> None:
         with self._lock:
-            acq.pages = pages
+            acq.pages, acq.answered = pages, True
             self._answers[req_id] = pages
 
     def _find(self, svc: services.MeshService, req_id: str, acq: Acquisition) -> None:
@@ -374,12 +404,20 @@ class KVMeshWorker:
             svc.count(labelled(Family.FALLBACK, got.fallback))
         elif got.tokens < want * self.block_size:
             svc.count(Count.PLANNED_COMPUTE if got.offered else WorkerCount.LOOKUP_MISSES)
-        self._answer(req_id, acq, len(acq.local))
+        acq.pages = len(acq.local)  # promised as the acquisition ends (_acquire)
 
     # -- loads -----------------------------------------------------------------
 
-    def _load(self, spec: LoadSpec) -> None:
-        """Fill the request's pages from its acquisition; report the pages that failed."""
+    def _load_async(self, spec: LoadSpec) -> None:
+        """A load thread's: the pages that failed go back as a finished transfer."""
+        failed = self._load(spec, wait_s=self._require_svc().fleet.fetch_deadline + 5)
+        with self._lock:
+            self._done[spec.req_id] = failed
+            self._inflight -= 1
+
+    def _load(self, spec: LoadSpec, wait_s: float) -> list[int]:
+        """Fill the request's pages from its acquisition (its fetch waited for up to
+        ``wait_s``); the block ids that failed, its report kept for the scheduler."""
         svc = self._require_svc()
         failed = ids_of(spec.block_ids, spec.first_page, spec.pages)
         report: dict[str, Any] = {"loaded": 0}
@@ -393,7 +431,7 @@ class KVMeshWorker:
             if acq.done is not None:
                 # a failed fetch recorded its reason; its verified prefix is still used
                 with contextlib.suppress(Exception):
-                    acq.done.result(timeout=svc.fleet.fetch_deadline + 5)
+                    acq.done.result(timeout=wait_s)
             t1 = time.perf_counter()
             svc.count(WorkerCount.LOAD_WAIT_MS, round((t1 - t0) * 1000))
             blocks = self._contiguous(svc, acq, spec)
@@ -426,9 +464,8 @@ class KVMeshWorker:
             report["fallback"] = failure_reason(e)
             svc.count(labelled(Family.LOAD_FAILED, report["fallback"]))
         with self._lock:
-            self._done[spec.req_id] = failed
             self._reports[spec.req_id] = report
-            self._inflight -= 1
+        return failed
 
     def _contiguous(
         self, svc: services.MeshService, acq: Acquisition, spec: LoadSpec

@@ -66,6 +66,7 @@ def test_a_fresh_vllm_serve_gets_a_hybrid_prompt_and_its_state_from_the_mesh(tmp
     assert checkpoint >= 0.8 * PROMPT and again[3] is None
     assert warm[2] == checkpoint
     assert warm[3]["source"] == "remote" and warm[3]["loaded"] >= 1, warm[3]
+    assert warm[3]["load"] == "async"  # a state cut: a failed page fails the whole request
     assert warm[:2] == again[:2]  # tokens and top-5 log-probabilities, bit for bit
     assert warm[0] == cold[0]
 

@@ -119,6 +119,7 @@ def test_a_fresh_process_gets_a_remote_hit_with_identical_logprobs(mesh, b):
     got = out["kvmesh"]
     assert got["source"] == "remote" and got["peer"] == "cache"
     assert got["pages"] == got["loaded"] == FULL_PAGES and "fallback" not in got
+    assert got["load"] in ("sync", "async")  # in-step if the stream ended within its step
     assert b.proc.pid not in vllm_node_pids(mesh["peer"].address)
     assert mesh["cold"]["hit:cached"]["num_cached_tokens"] == FULL_PAGES * BLOCK
     same(out, mesh["cold"]["hit:cached"])  # kvmesh's promise: as if continuing A's cache
@@ -153,6 +154,7 @@ def test_corrupted_bytes_load_the_verified_pages_and_recompute_the_rest(mesh, fr
     # the first page arrived verified and was loaded; the failed one and those after it
     # were reported as load errors and recomputed by vLLM
     assert 1 <= got["loaded"] < FULL_PAGES and got.get("fallback"), got
+    assert got["load"] == "async"  # fewer pages verified than promised: never in-step
     same(out, mesh["cold"]["corrupt"])
 
 
@@ -175,6 +177,8 @@ def test_an_incompatible_card_is_a_miss_and_computes(mesh):
     first, hit, other = (o["kvmesh"] for o in salted)
     assert first["pages"] == 0 and other["pages"] == 0  # nothing shared across salts
     assert hit["source"] == "local" and hit["loaded"] == pages
+    # pages in the worker's memory when offered: loaded in the step that scheduled it
+    assert hit["load"] == "sync", hit
     assert salted[1]["num_cached_tokens"] >= pages * 64
     for o in salted:
         same(o, mesh["cold"]["card"])
@@ -183,6 +187,7 @@ def test_an_incompatible_card_is_a_miss_and_computes(mesh):
     same(out, mesh["cold"]["card"])
     assert again["num_cached_tokens"] >= pages * 64
     assert again["kvmesh"]["source"] == "local" and again["kvmesh"]["loaded"] == pages
+    assert again["kvmesh"]["load"] == "sync"
     same(again, mesh["cold"]["card"])
 
 
@@ -238,6 +243,7 @@ def test_tensor_parallel_ranks_save_and_load_their_own_shards(mesh):
     assert out["kvmesh"]["pages"] == 0
     got = again["kvmesh"]
     assert got["source"] == "local" and got["pages"] == got["loaded"] == FULL_PAGES
+    assert got["load"] == "sync"  # both ranks held every page when they answered
     assert again["num_cached_tokens"] >= FULL_PAGES * BLOCK
     same(again, out)
 

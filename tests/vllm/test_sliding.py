@@ -146,6 +146,7 @@ def test_a_fresh_vllm_serve_gets_a_sliding_window_prompt_from_the_mesh(arch, tmp
     assert gap < 1e-2, (gap, warm[1], again[1])
     assert warm[2] >= 0.8 * PROMPT
     assert warm[3]["source"] == "remote" and warm[3]["loaded"] == (PROMPT - 1) // BLOCK
+    assert warm[3]["load"] == "async"  # a window: a failed page fails the whole request
 
     engine, namespace = warm[3]["cards"]["0"]
     windows = windows_of(model)
