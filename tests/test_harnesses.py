@@ -405,6 +405,11 @@ def test_guidellm_runs_without_skipping_checks(head, model_dir, tmp_path):
     (bench,) = guidellm(
         head, model_dir, out, "kind=synchronous", "kind=max_requests,count=4", 8, 120
     )
-    totals = bench["metrics"]["request_totals"]
+    totals, state = bench["metrics"]["request_totals"], bench["scheduler_state"]
     print(f"\nguidellm synchronous: {totals}")
-    assert totals["successful"] == 4 and totals["errored"] == 0, totals
+    assert totals["errored"] == 0 and state["created_requests"] == 4, (totals, state)
+    # guidellm 0.8 may close a benchmark before its worker's last update arrives: its
+    # last request then stays "processing" in its own state (seen once in CI under
+    # load: 3 successful, 1 processing, the head's log clean), never errored
+    assert totals["successful"] + state["processing_requests"] == 4, (totals, state)
+    assert totals["successful"] >= 3, (totals, state)
