@@ -89,6 +89,8 @@ class WorkerCount(StrEnum):
     REMOTE_HITS = "remote_hits"
     ACQUIRE_DROPPED = "acquire_dropped"  # past MAX_ACQUISITIONS: computed
     LOAD_WAIT_MS = "load_wait_ms"
+    LOADS_SYNC = "loads_sync"  # copied in before the step's forward that computes the rest
+    LOADS_ASYNC = "loads_async"  # on a load thread, the request scheduled after
     PAGES_LOADED = "pages_loaded"
     COPY_IN_MS = "copy_in_ms"
     COPY_OUT_US = "copy_out_us"
@@ -271,7 +273,9 @@ class KVMeshWorker:
     def start_load(self, meta: KVMeshMetadata) -> None:
         """Before the forward: synchronous loads copied in now (their pages are in
         memory, the request is in this step's batch), the others on load threads."""
+        svc = self._require_svc()
         for spec in meta.loads:
+            svc.count(WorkerCount.LOADS_SYNC if spec.sync else WorkerCount.LOADS_ASYNC)
             if spec.sync:
                 failed = self._load(spec, wait_s=0.0)
                 with self._lock:
@@ -279,7 +283,7 @@ class KVMeshWorker:
                 continue
             with self._lock:
                 self._inflight += 1
-            self._require_svc().loads.submit(self._load_async, spec)
+            svc.loads.submit(self._load_async, spec)
 
     def wait_for_save(self, meta: KVMeshMetadata) -> None:
         """After the forward: the prefill rate observed, this step's pages saved."""
