@@ -1,8 +1,7 @@
 """What vLLM carries between the connector's two roles, every step: the scheduler's
 metadata for the workers (asks, loads, saves, drops) and the workers' answers
-(pages promised, pages ready to load in a step, load reports, cards, KV
-events), merged over the ranks. Plain
-dataclasses: vLLM pickles them across its processes.
+(pages promised, pages ready to load in a step, load reports, cards, KV events),
+merged over the ranks. Plain dataclasses: vLLM pickles them across its processes.
 
 A request's block ids are kept per KV cache group (:data:`GroupIds`): page ``i`` of
 group ``g`` is ``ids[g][i]``, 0 (vLLM's null block) where the group holds none.
